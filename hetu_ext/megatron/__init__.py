@@ -1,0 +1,1 @@
+"""The Megatron-core adapter: the only package that imports megatron."""

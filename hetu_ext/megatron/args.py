@@ -1,0 +1,111 @@
+"""Command-line flags: Megatron-LM's names for the common options, plus ``--hetu-*``.
+
+Unknown flags are an argparse error (exit code 2). Values are checked by :func:`validate_args`, which raises
+ValueError naming the rule, the values and the fix; the launcher turns that into one error line and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from .data import TOKENIZER_TYPES
+
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
+
+
+def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description="Train Megatron-core's GPTModel under a hetu_ext plan.",
+                                allow_abbrev=False)
+    g = p.add_argument_group("model")
+    g.add_argument("--num-layers", type=int, required=True)
+    g.add_argument("--hidden-size", type=int, required=True)
+    g.add_argument("--ffn-hidden-size", type=int, default=None, help="default: 4 x hidden size")
+    g.add_argument("--num-attention-heads", type=int, required=True)
+    g.add_argument("--seq-length", type=int, required=True)
+    g.add_argument("--max-position-embeddings", type=int, default=None, help="default: --seq-length")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--hidden-dropout", type=float, default=0.1)
+    g.add_argument("--attention-dropout", type=float, default=0.1)
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--position-embedding-type", choices=["learned_absolute"], default="learned_absolute")
+
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--distributed-backend", choices=["gloo", "nccl"], default=None,
+                   help="default: nccl with CUDA, gloo without")
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
+
+    g = p.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, required=True)
+    g.add_argument("--global-batch-size", type=int, default=None,
+                   help="default: micro batch size x data-parallel size")
+    g.add_argument("--train-iters", type=int, required=True)
+    g.add_argument("--optimizer", choices=["adam", "sgd"], default="adam")
+    g.add_argument("--lr", type=float, required=True)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES, default="linear")
+    g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--bf16", action="store_true")
+
+    g = p.add_argument_group("checkpointing")
+    g.add_argument("--save", default=None)
+    g.add_argument("--load", default=None)
+    g.add_argument("--save-interval", type=int, default=None)
+
+    g = p.add_argument_group("logging")
+    g.add_argument("--log-interval", type=int, default=1)
+
+    g = p.add_argument_group("data")
+    g.add_argument("--mock-data", action="store_true")
+    g.add_argument("--data-path", nargs="+", default=None)
+    g.add_argument("--split", default="969,30,1")
+    g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default="ByteLevelTokenizer")
+    g.add_argument("--vocab-size", type=int, default=None, help="for NullTokenizer")
+    g.add_argument("--data-cache-path", default=None)
+
+    g = p.add_argument_group("hetu_ext")
+    g.add_argument("--hetu-config", default=None, help="YAML file of hetu_ext settings (see configs/)")
+    g.add_argument("--hetu-plan", default=None, help="plan YAML; default: the uniform plan of the TP/PP flags")
+    g.add_argument("--hetu-cpu-patches", choices=["auto", "on", "off"], default="auto",
+                   help="Megatron-core CPU patches: auto applies them only when no CUDA device is present")
+    return p
+
+
+def _positive(args: argparse.Namespace, *names: str) -> None:
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+
+
+def validate_args(args: argparse.Namespace) -> None:
+    """Checks that need no process group; plan-dependent checks happen when the plan is built."""
+    _positive(args, "num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
+              "global_batch_size", "train_iters", "tensor_model_parallel_size", "pipeline_model_parallel_size",
+              "log_interval", "save_interval", "lr_decay_iters")
+    if args.lr_warmup_iters < 0:
+        raise ValueError(f"--lr-warmup-iters must be >= 0, got {args.lr_warmup_iters}")
+    if args.lr < 0 or args.min_lr < 0 or args.min_lr > args.lr:
+        raise ValueError(f"learning rates must satisfy 0 <= --min-lr <= --lr, got --lr {args.lr} --min-lr "
+                         f"{args.min_lr}")
+    if args.clip_grad < 0:
+        raise ValueError(f"--clip-grad must be >= 0 (0 disables clipping), got {args.clip_grad}")
+    if not (0 <= args.hidden_dropout < 1 and 0 <= args.attention_dropout < 1):
+        raise ValueError(f"dropout must be in [0, 1), got --hidden-dropout {args.hidden_dropout} "
+                         f"--attention-dropout {args.attention_dropout}")
+    if bool(args.mock_data) == bool(args.data_path):
+        raise ValueError("give exactly one data source: --mock-data or --data-path PREFIX "
+                         f"(got --mock-data={args.mock_data}, --data-path={args.data_path})")
+    if args.save_interval is not None and args.save is None:
+        raise ValueError(f"--save-interval {args.save_interval} needs --save DIR to save into")

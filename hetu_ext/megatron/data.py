@@ -1,0 +1,121 @@
+"""Megatron-core datasets: tokenizers it accepts, GPTDataset / MockGPTDataset building, microbatch iterators."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from hetu_ext.data.assign import microbatch_samples
+from hetu_ext.data.tokenizer import ByteLevelTokenizer
+from hetu_ext.plan import Plan
+
+logger = logging.getLogger(__name__)
+
+TOKENIZER_TYPES = ("ByteLevelTokenizer", "NullTokenizer")
+
+
+def make_tokenizer(tokenizer_type: str, vocab_size: int | None = None):
+    """A Megatron tokenizer object (``MegatronLegacyTokenizer``) that works offline.
+
+    ``ByteLevelTokenizer``: UTF-8 bytes + EOD (hetu_ext.data.tokenizer). ``NullTokenizer``: Megatron-LM's, text is
+    space-separated token ids, needs ``--vocab-size`` (EOD is vocab_size).
+    """
+    from megatron.core.datasets.megatron_tokenizer import MegatronLegacyTokenizer
+
+    if tokenizer_type == "ByteLevelTokenizer":
+        inner = ByteLevelTokenizer()
+        size, eod = inner.vocab_size, inner.eod
+        encode, decode = inner.tokenize, inner.detokenize
+    elif tokenizer_type == "NullTokenizer":
+        if vocab_size is None or vocab_size < 1:
+            raise ValueError(f"--tokenizer-type NullTokenizer needs --vocab-size >= 1, got {vocab_size!r}")
+        size, eod = vocab_size + 1, vocab_size
+        encode = lambda text: [int(t) for t in text.split()]  # noqa: E731
+        decode = lambda ids: " ".join(str(int(i)) for i in ids)  # noqa: E731
+    else:
+        raise ValueError(f"--tokenizer-type must be one of {list(TOKENIZER_TYPES)}, got {tokenizer_type!r}")
+
+    class _Tokenizer(MegatronLegacyTokenizer):
+        def __init__(self) -> None:
+            super().__init__(tokenizer_type=tokenizer_type)
+
+        def tokenize(self, text: str) -> np.ndarray:
+            return np.asarray(encode(text), dtype=np.int64)
+
+        def detokenize(self, ids) -> str:
+            return decode(ids)
+
+        @property
+        def vocab(self):
+            return {i: i for i in range(size)}
+
+        @property
+        def inv_vocab(self):
+            return self.vocab
+
+        @property
+        def vocab_size(self) -> int:
+            return size
+
+        @property
+        def eod(self) -> int:
+            return eod
+
+        @property
+        def pad(self) -> int:
+            return eod
+
+    _Tokenizer.__name__ = tokenizer_type
+    return _Tokenizer()
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataSpec:
+    """Where samples come from (Megatron-LM flag names)."""
+
+    mock: bool
+    """``--mock-data``: Megatron's MockGPTDataset."""
+    data_path: tuple[str, ...] = ()
+    """``--data-path``: prefixes of .bin/.idx files, optionally weighted (``0.3 A 0.7 B``)."""
+    split: str = "969,30,1"
+    """``--split``: train/valid/test proportions of the documents."""
+    seq_length: int = 128
+    seed: int = 1234
+    cache_path: str | None = None
+    """``--data-cache-path``: where index caches go (next to the data if unset)."""
+
+
+def build_train_dataset(spec: DataSpec, tokenizer, num_samples: int, is_builder_rank: bool):
+    """Megatron-core's GPTDataset (or MockGPTDataset) with at least ``num_samples`` training samples.
+
+    Call on every rank: ``is_builder_rank`` ranks build the index caches first; the caller must barrier before
+    the others build (they then read the caches).
+    """
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+    from megatron.core.datasets.utils import get_blend_from_list
+
+    config = GPTDatasetConfig(
+        random_seed=spec.seed, sequence_length=spec.seq_length,
+        blend=None if spec.mock else get_blend_from_list(list(spec.data_path)),
+        split=spec.split, tokenizer=tokenizer, reset_position_ids=False, reset_attention_mask=False,
+        eod_mask_loss=False, create_attention_mask=False, path_to_cache=spec.cache_path,
+        mid_level_dataset_surplus=0.005)
+    cls = MockGPTDataset if spec.mock else GPTDataset
+    train, _, _ = BlendedMegatronDatasetBuilder(
+        cls, [num_samples, 0, 0], lambda: is_builder_rank, config).build()
+    return train
+
+
+def microbatch_iterator(dataset, plan: Plan, pipeline: int, micro_batch_size: int, *, start_iteration: int,
+                        num_iterations: int, device: torch.device) -> Iterator[dict[str, torch.Tensor]]:
+    """Yield this pipeline's microbatches, iteration after iteration, each a dict of [b, s] tensors."""
+    for iteration in range(start_iteration, start_iteration + num_iterations):
+        for ids in microbatch_samples(plan, pipeline, iteration, micro_batch_size):
+            samples = [dataset[i] for i in ids]
+            yield {key: torch.stack([s[key] for s in samples]).to(device)
+                   for key in ("tokens", "labels", "loss_mask", "position_ids")}

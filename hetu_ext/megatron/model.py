@@ -1,0 +1,61 @@
+"""Megatron-core's own GPTModel for one stage of a plan, built through its public seams."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hetu_ext.plan import ModelSpec
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainingNumerics:
+    """Numerical settings shared by every stage (Megatron-LM flag names in the docstrings)."""
+
+    bf16: bool = False
+    """``--bf16``: bf16 parameters and activations with fp32 master weights in the optimizer."""
+    hidden_dropout: float = 0.1
+    """``--hidden-dropout``."""
+    attention_dropout: float = 0.1
+    """``--attention-dropout``."""
+    init_method_std: float = 0.02
+    """``--init-method-std``."""
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.bf16 else torch.float32
+
+
+def transformer_config(spec: ModelSpec, numerics: TrainingNumerics, *, tp: int, pp: int, on_cpu: bool):
+    """The TransformerConfig of a stage: Megatron's fused CUDA kernels off on CPU, per-token loss always."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    no_fusion = dict(gradient_accumulation_fusion=False, bias_activation_fusion=False, masked_softmax_fusion=False,
+                     persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False,
+                     cross_entropy_loss_fusion=False) if on_cpu else {}
+    return TransformerConfig(
+        num_layers=spec.num_layers, hidden_size=spec.hidden_size, ffn_hidden_size=spec.ffn_hidden_size,
+        num_attention_heads=spec.num_attention_heads, tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp, pipeline_dtype=numerics.dtype, params_dtype=numerics.dtype,
+        bf16=numerics.bf16, hidden_dropout=numerics.hidden_dropout, attention_dropout=numerics.attention_dropout,
+        init_method_std=numerics.init_method_std, use_cpu_initialization=on_cpu,
+        # hetu_ext initialises weights itself, the same for every layout (see weights.py)
+        perform_initialization=False,
+        # the loss is a sum over tokens, normalised once by the global batch's token count
+        calculate_per_token_loss=True,
+        **no_fusion,
+    )
+
+
+def build_gpt_stage(spec: ModelSpec, config, *, pre_process: bool, post_process: bool, pg_collection=None):
+    """Megatron-core's GPTModel holding this rank's layers (the layer range comes from Megatron's layout)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    kwargs = {} if pg_collection is None else {"pg_collection": pg_collection}
+    return GPTModel(
+        config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=spec.padded_vocab_size,
+        max_sequence_length=spec.max_position_embeddings, pre_process=pre_process, post_process=post_process,
+        share_embeddings_and_output_weights=not spec.untie_embeddings_and_output_weights,
+        position_embedding_type="learned_absolute", **kwargs)

@@ -1,0 +1,226 @@
+"""The training loop of ``launch/pretrain_gpt.py`` on Megatron-core's own parts.
+
+Megatron-core's GPTModel, its DistributedDataParallel, its optimizer and LR scheduler, and its pipeline schedule
+(``get_forward_backward_func``) do the work; this module wires them together the way Megatron-LM's
+``training.py`` does, for the uniform TP x PP x DP plan that Megatron's ``parallel_state`` can express.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from hetu_ext.data.assign import global_batch_size
+from hetu_ext.plan import ModelSpec, Plan, PlanError, load_plan, uniform_plan, uniform_shape
+
+from . import checkpointing, host
+from .data import DataSpec, build_train_dataset, make_tokenizer, microbatch_iterator
+from .model import TrainingNumerics, build_gpt_stage, transformer_config
+from .weights import init_weights
+
+logger = logging.getLogger(__name__)
+
+
+def model_spec_from_args(args: argparse.Namespace, vocab_size: int) -> ModelSpec:
+    return ModelSpec(num_layers=args.num_layers, hidden_size=args.hidden_size,
+                     num_attention_heads=args.num_attention_heads, ffn_hidden_size=args.ffn_hidden_size,
+                     vocab_size=vocab_size, seq_length=args.seq_length,
+                     max_position_embeddings=args.max_position_embeddings,
+                     untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
+                     make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
+
+
+def plan_from_args(args: argparse.Namespace, spec: ModelSpec, world_size: int) -> Plan:
+    """The plan to run: ``--hetu-plan`` if given, else Megatron's uniform grid of the TP/PP/batch flags."""
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    if args.hetu_plan:
+        plan = load_plan(args.hetu_plan)
+    else:
+        if world_size % (tp * pp):
+            raise PlanError(f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
+                            f"--pipeline-model-parallel-size {pp}; launch a multiple of {tp * pp} ranks")
+        dp = world_size // (tp * pp)
+        gbs = args.global_batch_size or args.micro_batch_size * dp
+        if gbs % (args.micro_batch_size * dp):
+            raise PlanError(f"--global-batch-size {gbs} must be a multiple of --micro-batch-size "
+                            f"{args.micro_batch_size} x data-parallel size {dp} = {args.micro_batch_size * dp}")
+        plan = uniform_plan(world_size=world_size, tp=tp, pp=pp, num_layers=spec.num_layers,
+                            num_microbatches=gbs // (args.micro_batch_size * dp))
+    plan.validate(spec, world_size)
+    if args.global_batch_size and global_batch_size(plan, args.micro_batch_size) != args.global_batch_size:
+        raise PlanError(f"the plan runs {plan.num_microbatches} microbatches of {args.micro_batch_size} = "
+                        f"{global_batch_size(plan, args.micro_batch_size)} samples per step but --global-batch-size "
+                        f"is {args.global_batch_size}; make them agree")
+    if uniform_shape(plan) is None:
+        raise PlanError("this plan is heterogeneous (pipelines differ in shape, TP degree or microbatches, or it "
+                        "has unused ranks); the heterogeneous-plan runtime is not in this release, so run a uniform "
+                        "TP x PP x DP plan")
+    return plan
+
+
+@dataclass
+class Trainer:
+    """The state of one rank's training: its plan position, model, optimizer and data."""
+
+    args: argparse.Namespace
+    spec: ModelSpec
+    plan: Plan
+    host: host.Host
+    model: torch.nn.Module
+    optimizer: object
+    scheduler: object
+    dataset: object
+    pipeline_index: int
+    iteration: int = 0
+    losses: list[float] = field(default_factory=list)
+
+    @property
+    def is_last_stage(self) -> bool:
+        from megatron.core import parallel_state
+
+        return parallel_state.is_pipeline_last_stage()
+
+    def train(self, log=print) -> list[float]:
+        """Run until ``--train-iters``; return this run's per-iteration global losses (same on every rank)."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        args = self.args
+        remaining = args.train_iters - self.iteration
+        data = microbatch_iterator(self.dataset, self.plan, self.pipeline_index, args.micro_batch_size,
+                                   start_iteration=self.iteration, num_iterations=max(remaining, 0),
+                                   device=self.host.device)
+        forward_backward = get_forward_backward_func()
+        num_microbatches = self.plan.pipelines[self.pipeline_index].num_microbatches
+        gbs = global_batch_size(self.plan, args.micro_batch_size)
+        window_start, window_iters = time.perf_counter(), 0
+        while self.iteration < args.train_iters:
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            reports = forward_backward(forward_step_func=_forward_step, data_iterator=data, model=[self.model],
+                                       num_microbatches=num_microbatches, seq_length=args.seq_length,
+                                       micro_batch_size=args.micro_batch_size, forward_only=False)
+            _, grad_norm, _ = self.optimizer.step()
+            self.scheduler.step(increment=gbs)
+            self.iteration += 1
+            window_iters += 1
+            loss = self._global_loss(reports)
+            self.losses.append(loss)
+            if self.iteration % args.log_interval == 0 or self.iteration == args.train_iters:
+                elapsed = (time.perf_counter() - window_start) / window_iters
+                if self.host.rank == 0:
+                    log(format_log_line(iteration=self.iteration, train_iters=args.train_iters,
+                                        consumed=self.iteration * gbs, step_ms=elapsed * 1e3,
+                                        lr=self.optimizer.param_groups[0]["lr"], gbs=gbs, loss=loss,
+                                        grad_norm=grad_norm, tokens_per_s=gbs * args.seq_length / elapsed))
+                window_start, window_iters = time.perf_counter(), 0
+            if args.save and args.save_interval and self.iteration % args.save_interval == 0:
+                checkpointing.save(self, args.save)
+        if args.save and (not args.save_interval or self.iteration % args.save_interval):
+            checkpointing.save(self, args.save)
+        return self.losses
+
+    def _global_loss(self, reports: list[dict]) -> float:
+        """Mean per-token loss of the whole global batch: sums from every pipeline's last stage, over the world."""
+        from megatron.core import parallel_state
+
+        total = torch.zeros(2, dtype=torch.float64)
+        if self.is_last_stage and parallel_state.get_tensor_model_parallel_rank() == 0:
+            for report in reports:
+                total += report["lm loss"].double().cpu()
+        dist.all_reduce(total)
+        return float(total[0] / total[1])
+
+
+def _forward_step(data_iterator, model):
+    """One microbatch through a stage; the loss is a token sum (normalised once per global batch)."""
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return output, partial(_loss_func, batch["loss_mask"])
+
+
+def _loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(per_token_loss.view(-1).float() * mask)  # (b*s,) -> scalar sum
+    num_tokens = mask.sum().to(torch.int)
+    report = torch.stack([loss.detach().clone(), num_tokens.detach().float()])
+    return loss, num_tokens, {"lm loss": report}
+
+
+def format_log_line(*, iteration: int, train_iters: int, consumed: int, step_ms: float, lr: float, gbs: int,
+                    loss: float, grad_norm: float | None, tokens_per_s: float) -> str:
+    """A log line in Megatron-LM's format."""
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+    norm = f" grad norm: {grad_norm:.3f} |" if grad_norm is not None else ""
+    return (f" [{stamp}] iteration {iteration:8d}/{train_iters:8d} | consumed samples: {consumed:12d} | "
+            f"elapsed time per iteration (ms): {step_ms:.1f} | learning rate: {lr:.6E} | global batch size: "
+            f"{gbs:5d} | lm loss: {loss:.6E} |{norm} tokens/s: {tokens_per_s:.0f} |")
+
+
+def build_trainer(args: argparse.Namespace) -> Trainer:
+    """Start the process group, build the plan, model, DDP, optimizer, scheduler and dataset for this rank."""
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, \
+        finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    force = {"auto": None, "on": True, "off": False}[args.hetu_cpu_patches]
+    h = host.init_distributed(force_cpu=force, timeout_minutes=args.distributed_timeout_minutes)
+    tokenizer = make_tokenizer(args.tokenizer_type, args.vocab_size)
+    spec = model_spec_from_args(args, tokenizer.vocab_size)
+    plan = plan_from_args(args, spec, h.world_size)
+    tp, pp, dp = uniform_shape(plan)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                             create_gloo_process_groups=False)
+    tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
+    pipeline_index, stage_index = plan.stage_of(h.rank)
+    stage = plan.pipelines[pipeline_index].stages[stage_index]
+
+    numerics = TrainingNumerics(bf16=args.bf16, hidden_dropout=args.hidden_dropout,
+                                attention_dropout=args.attention_dropout, init_method_std=args.init_method_std)
+    config = transformer_config(spec, numerics, tp=tp, pp=pp, on_cpu=h.device.type == "cpu")
+    model = build_gpt_stage(spec, config, pre_process=stage.has_embedding, post_process=stage.has_output)
+    model.to(h.device)
+    init_weights(model, seed=args.seed, std=args.init_method_std, num_layers=spec.num_layers)
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                               use_distributed_optimizer=args.use_distributed_optimizer)
+    model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    model.broadcast_params()
+
+    opt_config = OptimizerConfig(optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr,
+                                 weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
+                                 adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad,
+                                 bf16=args.bf16, params_dtype=numerics.dtype,
+                                 use_distributed_optimizer=args.use_distributed_optimizer)
+    optimizer = get_megatron_optimizer(opt_config, [model], use_gloo_process_groups=False)
+    gbs = global_batch_size(plan, args.micro_batch_size)
+    decay_iters = args.lr_decay_iters or args.train_iters
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr, lr_warmup_steps=args.lr_warmup_iters * gbs,
+        lr_decay_steps=decay_iters * gbs, lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay,
+        end_wd=args.weight_decay, wd_incr_steps=decay_iters * gbs, wd_incr_style="constant")
+    config.no_sync_func = model.no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = optimizer.scale_loss
+
+    data_spec = DataSpec(mock=args.mock_data, data_path=tuple(args.data_path or ()), split=args.split,
+                         seq_length=args.seq_length, seed=args.seed, cache_path=args.data_cache_path)
+    num_samples = args.train_iters * gbs
+    dataset = None
+    if h.rank == 0:
+        dataset = build_train_dataset(data_spec, tokenizer, num_samples, is_builder_rank=True)
+    dist.barrier()
+    if h.rank != 0:
+        dataset = build_train_dataset(data_spec, tokenizer, num_samples, is_builder_rank=True)
+
+    trainer = Trainer(args=args, spec=spec, plan=plan, host=h, model=model, optimizer=optimizer,
+                      scheduler=scheduler, dataset=dataset, pipeline_index=pipeline_index)
+    if args.load:
+        checkpointing.load(trainer, args.load)
+    return trainer

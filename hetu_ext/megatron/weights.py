@@ -1,0 +1,127 @@
+"""Layout-agnostic weights: initialise and gather a stage model's tensors by their global identity.
+
+Megatron-core describes every parameter of a stage by a ``ShardedTensor`` (``model.sharded_state_dict()``): a
+global key, the global shape, this rank's offset in it, and a replica id (0 for the one copy that owns it). Layers
+are stacked along a prepended axis indexed by the *global* layer number, so the same key and index name the same
+tensor under any TP / PP / DP layout.
+
+* :func:`init_weights` fills each local shard from a generator seeded by (seed, key, layer index): the same seed
+  gives the same model under every layout, which Megatron's own initialisation does not (its RNG stream depends
+  on the stage and TP rank).
+* :func:`gather_weights` assembles the full tensors (on every rank) from the owning copies: how tests compare
+  weights across layouts.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class LocalShard:
+    """One local piece of a global tensor: ``global[index][slices] == data`` (index: the prepended axes)."""
+
+    key: str
+    index: tuple[int, ...]
+    """Positions along the prepended axes (the global layer number for stacked layer tensors)."""
+    slices: tuple[slice, ...]
+    shape: tuple[int, ...]
+    """Global shape of one tensor, without the prepended axes."""
+    owner: bool
+    """True for the one replica that owns this piece (replica_id all zero)."""
+    data: torch.Tensor
+
+
+def _replica_is_zero(replica_id) -> bool:
+    return all(r == 0 for r in replica_id) if isinstance(replica_id, tuple) else replica_id == 0
+
+
+def local_shards(model: torch.nn.Module) -> Iterator[LocalShard]:
+    """Every ShardedTensor of ``model`` (a GPTModel, or DDP around one) as a :class:`LocalShard`."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    module = getattr(model, "module", model)
+    for sh in nested_values(module.sharded_state_dict()):
+        if not isinstance(sh, ShardedTensor):
+            continue  # _extra_state objects carry no weights
+        if sh.flattened_range is not None:
+            raise NotImplementedError(f"{sh.key}: flattened shards are not supported")
+        n = sh.prepend_axis_num
+        slices = tuple(slice(o, o + s) for o, s in zip(sh.global_offset[n:], sh.local_shape))
+        yield LocalShard(key=sh.key, index=tuple(sh.global_offset[:n]), slices=slices,
+                         shape=tuple(sh.global_shape[n:]), owner=_replica_is_zero(sh.replica_id), data=sh.data)
+
+
+def initial_value(key: str, index: tuple[int, ...], shape: tuple[int, ...], *, seed: int, std: float,
+                  num_layers: int) -> torch.Tensor:
+    """The fp32 initial value of one global tensor: norms 1, biases 0, weights N(0, std).
+
+    Output projections of each layer (``linear_proj``, ``linear_fc2``) use std / sqrt(2 num_layers), as Megatron's
+    ``output_layer_init_method`` does.
+    """
+    name = key.rsplit(".", 1)[-1]
+    if "norm" in key and name in ("weight", "layer_norm_weight"):
+        return torch.ones(shape)
+    if name.endswith("bias"):
+        return torch.zeros(shape)
+    if key.endswith(("linear_proj.weight", "linear_fc2.weight")):
+        std = std / math.sqrt(2.0 * num_layers)
+    generator = torch.Generator().manual_seed(
+        (seed * 1_000_003 + zlib.crc32(key.encode()) * 10_007 + sum(i * 31 ** k for k, i in enumerate(index)))
+        % (2**63))
+    return torch.randn(shape, generator=generator) * std
+
+
+@torch.no_grad()
+def init_weights(model: torch.nn.Module, *, seed: int, std: float, num_layers: int) -> int:
+    """Set every parameter of a stage model to its layout-independent initial value. Returns elements set."""
+    count = 0
+    for shard in local_shards(model):
+        full = initial_value(shard.key, shard.index, shard.shape, seed=seed, std=std, num_layers=num_layers)
+        shard.data.copy_(full[shard.slices])
+        count += shard.data.numel()
+    return count
+
+
+def gather_weights(model: torch.nn.Module, group=None) -> dict[str, torch.Tensor]:
+    """Full fp32 tensors by key (layer tensors stacked along their prepended axis), on every rank of ``group``.
+
+    Uses the owning replica of each piece; ranks that hold nothing (e.g. unused ranks) contribute nothing.
+    """
+    mine = [(s.key, s.index, s.slices, s.shape, s.data.detach().float().cpu().clone())
+            for s in local_shards(model) if s.owner] if model is not None else []
+    everyone: list = [None] * (dist.get_world_size(group) if dist.is_initialized() else 1)
+    if dist.is_initialized():
+        dist.all_gather_object(everyone, mine, group=group)
+    else:
+        everyone = [mine]
+    return assemble(p for part in everyone for p in part)
+
+
+def assemble(pieces) -> dict[str, torch.Tensor]:
+    """Build full tensors from ``(key, index, slices, shape, data)`` pieces; each element must be covered once."""
+    pieces = list(pieces)
+    lead: dict[str, list[int]] = {}
+    for key, index, _, _, _ in pieces:
+        cur = lead.setdefault(key, [0] * len(index))
+        for k, i in enumerate(index):
+            cur[k] = max(cur[k], i + 1)
+    out: dict[str, torch.Tensor] = {}
+    covered: dict[str, torch.Tensor] = {}
+    for key, index, slices, shape, data in pieces:
+        if key not in out:
+            out[key] = torch.zeros(tuple(lead[key]) + tuple(shape))
+            covered[key] = torch.zeros(out[key].shape, dtype=torch.int32)
+        out[key][index][slices] = data
+        covered[key][index][slices] += 1
+    for key, cov in covered.items():
+        if not bool((cov == 1).all()):
+            raise AssertionError(f"{key}: pieces cover elements {int(cov.min())}..{int(cov.max())} times, not once")
+    return out

@@ -1,0 +1,24 @@
+"""hetu_ext: heterogeneous-parallel training (Malleus, Hydraulis, HotSPa, LobRA, Elastor) and FISEdit as a plugin
+for Megatron-core and DeepSpeed. The top-level ``patches/`` folder is installed as ``hetu_ext.patches``."""
+
+from setuptools import find_packages, setup
+
+TORCH = "torch==2.13.0"  # the CPU wheel CI has on disk; a looser pin may pull a multi-GB CUDA build
+
+setup(
+    name="hetu_ext",
+    version="0.1.0",
+    description="Heterogeneous-parallel training systems for Megatron-core and DeepSpeed",
+    python_requires=">=3.10",
+    packages=find_packages(include=["hetu_ext", "hetu_ext.*"]) + ["hetu_ext.patches"],
+    package_dir={"hetu_ext.patches": "patches"},
+    package_data={"hetu_ext": ["data/samples/*"]},
+    install_requires=["numpy", "pyyaml>=6"],
+    extras_require={
+        "cpu": [TORCH],
+        "megatron": [TORCH, "megatron-core==0.16.1"],
+        "deepspeed": [TORCH, "deepspeed==0.19.8"],
+        "dev": ["pytest>=8", "pytest-timeout"],
+    },
+    entry_points={"console_scripts": ["hetu-plan=hetu_ext.plan.__main__:main"]},
+)
