@@ -39,9 +39,12 @@ def transformer_config(spec: ModelSpec, numerics: TrainingNumerics, *, tp: int, 
         num_attention_heads=spec.num_attention_heads, tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp, pipeline_dtype=numerics.dtype, params_dtype=numerics.dtype,
         bf16=numerics.bf16, hidden_dropout=numerics.hidden_dropout, attention_dropout=numerics.attention_dropout,
-        init_method_std=numerics.init_method_std, use_cpu_initialization=on_cpu,
-        # hetu_ext initialises weights itself, the same for every layout (see weights.py)
-        perform_initialization=False,
+        init_method_std=numerics.init_method_std,
+        # hetu_ext overwrites the weights with its layout-independent values (weights.py), but Megatron's own
+        # initialisation must run: with perform_initialization=False 0.16.1 never marks TP-split weights as
+        # tensor_model_parallel, and the global grad norm then counts one TP shard only. The "GPU" path
+        # initialises only the local shard (the CPU path builds every full weight on every rank).
+        use_cpu_initialization=False, perform_initialization=True,
         # the loss is a sum over tokens, normalised once by the global batch's token count
         calculate_per_token_loss=True,
         **no_fusion,

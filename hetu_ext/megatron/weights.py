@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from hetu_ext.errors import HetuExtError
+
 
 @dataclass(frozen=True)
 class LocalShard:
@@ -81,9 +83,17 @@ def initial_value(key: str, index: tuple[int, ...], shape: tuple[int, ...], *, s
 
 @torch.no_grad()
 def init_weights(model: torch.nn.Module, *, seed: int, std: float, num_layers: int) -> int:
-    """Set every parameter of a stage model to its layout-independent initial value. Returns elements set."""
+    """Set every parameter of a stage model to its layout-independent initial value. Returns elements set.
+
+    Also checks that every TP-split parameter carries Megatron's ``tensor_model_parallel`` mark, which the
+    global grad norm relies on to count each shard once (0.16.1 omits it when perform_initialization=False).
+    """
     count = 0
     for shard in local_shards(model):
+        split = tuple(s.stop - s.start for s in shard.slices) != shard.shape
+        if split and not getattr(shard.data, "tensor_model_parallel", False) and shard.data.requires_grad:
+            raise HetuExtError(f"{shard.key}: a TP-split parameter lacks tensor_model_parallel=True, so Megatron "
+                               "would count one shard in the grad norm; build with perform_initialization=True")
         full = initial_value(shard.key, shard.index, shard.shape, seed=seed, std=std, num_layers=num_layers)
         shard.data.copy_(full[shard.slices])
         count += shard.data.numel()

@@ -1,0 +1,1 @@
+"""Helpers for tests and benchmarks: multi-process gloo runs (multiproc) and training runs (runs)."""

@@ -1,0 +1,25 @@
+"""Rank bodies for :func:`hetu_ext.testing.multiproc.run_ranks` that train through pretrain_gpt.py's code path."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+
+def train(rank: int, world_size: int, argv: list[str], gather: bool = True) -> dict[str, Any] | None:
+    """Parse ``argv`` as pretrain_gpt.py does, train, and return losses, step times and (rank 0) full weights."""
+    from hetu_ext.megatron.args import build_parser, validate_args
+    from hetu_ext.megatron.trainer import build_trainer
+    from hetu_ext.megatron.weights import gather_weights
+
+    args = build_parser().parse_args(argv)
+    validate_args(args)
+    trainer = build_trainer(args)
+    lines: list[str] = []
+    start = time.perf_counter()
+    losses = trainer.train(log=lines.append)
+    elapsed = time.perf_counter() - start
+    weights = gather_weights(trainer.model) if gather else None
+    if rank != 0:
+        return None
+    return {"losses": losses, "weights": weights, "elapsed_s": elapsed, "log_lines": lines}
