@@ -222,6 +222,8 @@ _TORCH_SCOPED_MODULES = {
     f"{_MC}.transformer.utils": "attention masks made with device='cuda'",
     f"{_MC}.transformer.module": "buffers on torch.cuda.current_device()",
     f"{_MC}.utils": "the global memory buffer and local l2 norm use the CUDA device",
+    f"{_MC}.dist_checkpointing.strategies.filesystem_async": "torch.cuda.synchronize() before writing shards",
+    f"{_MC}.dist_checkpointing.strategies.state_dict_saver": "save verification flags made on the CUDA device",
 }
 
 

@@ -79,17 +79,21 @@ class Host:
     cpu_patched: bool
 
 
-def init_distributed(*, force_cpu: bool | None = None, timeout_minutes: float = 10.0) -> Host:
+def init_distributed(*, force_cpu: bool | None = None, timeout_minutes: float = 10.0,
+                     backend: str | None = None) -> Host:
     """Start torch.distributed from torchrun's environment (or reuse a started one).
 
-    gloo on CPU, NCCL on GPU. Megatron's CPU patches are applied when no CUDA device is present.
+    ``force_cpu``: None runs on CUDA when present, else on CPU; True runs on CPU (patching Megatron); False
+    requires CUDA. Backend: NCCL with CUDA, gloo on CPU, unless ``backend`` says otherwise.
     """
+    if force_cpu is False and not torch.cuda.is_available():
+        raise ValueError("--hetu-cpu-patches off needs a CUDA device and none is available; use auto or on")
     use_cuda = torch.cuda.is_available() and not force_cpu
     patched = enable_cpu_support(True if not use_cuda else None)
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if use_cuda else "gloo",
+        dist.init_process_group(backend=backend or ("nccl" if use_cuda else "gloo"),
                                 timeout=timedelta(minutes=timeout_minutes))
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
     return Host(device=device, backend=dist.get_backend(), rank=dist.get_rank(), world_size=dist.get_world_size(),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -170,11 +171,14 @@ def build_trainer(args: argparse.Namespace) -> Trainer:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    force = {"auto": None, "on": True, "off": False}[args.hetu_cpu_patches]
-    h = host.init_distributed(force_cpu=force, timeout_minutes=args.distributed_timeout_minutes)
+    # the plan is checked against the model before any process group exists
     tokenizer = make_tokenizer(args.tokenizer_type, args.vocab_size)
     spec = model_spec_from_args(args, tokenizer.vocab_size)
-    plan = plan_from_args(args, spec, h.world_size)
+    world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    plan = plan_from_args(args, spec, world_size)
+    force = {"auto": None, "on": True, "off": False}[args.hetu_cpu_patches]
+    h = host.init_distributed(force_cpu=force, timeout_minutes=args.distributed_timeout_minutes,
+                              backend=args.distributed_backend)
     tp, pp, dp = uniform_shape(plan)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                              create_gloo_process_groups=False)

@@ -6,6 +6,7 @@
 * One thread per rank (``OMP_NUM_THREADS=1``): oversubscribed threads make 2-core runs 7-15x slower.
 * A rank that hangs dumps every thread's stack (``faulthandler``) shortly before the deadline; at the deadline
   all ranks are killed at once and the error names the ranks that did not finish.
+* Ranks are not daemons (Megatron's checkpoint writer starts child processes); the parent kills them.
 * A rank that raises sends its traceback to the parent, which raises :class:`RankError` naming that rank.
 
 The function must be a module-level (picklable) callable ``fn(rank, world_size, *args)``; its return value on
@@ -62,6 +63,7 @@ def _rank_main(fn: Callable, rank: int, world_size: int, store_path: str, args: 
     import torch
     import torch.distributed as dist
 
+    os.setpgrp()  # its own process group, so the parent can reap helpers it starts (checkpoint writers)
     os.environ.update(ENV)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
                        "LOCAL_WORLD_SIZE": str(world_size)})
@@ -86,6 +88,17 @@ def _rank_main(fn: Callable, rank: int, world_size: int, store_path: str, args: 
                 dist.destroy_process_group()
 
 
+def _kill_group(proc) -> None:
+    """Kill a rank and anything it started (its process group); reap it."""
+    import signal
+
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.join()
+
+
 def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0,
               preload: Sequence[str] = DEFAULT_PRELOAD) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the per-rank results."""
@@ -93,7 +106,7 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0,
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="hetu_store_") as tmp:
         store_path = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_rank_main, name=f"rank{r}", daemon=True,
+        procs = [ctx.Process(target=_rank_main, name=f"rank{r}", daemon=False,
                              args=(fn, r, world_size, store_path, args, results, max(timeout - 5.0, 1.0)))
                  for r in range(world_size)]
         for p in procs:
@@ -116,10 +129,8 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0,
                     break  # the other ranks are likely blocked on the failed one
         finally:
             for p in procs:
-                p.join(timeout=5.0 if not failures and len(out) == world_size else 0.0)
-                if p.is_alive():
-                    p.kill()
-                    p.join()
+                p.join(timeout=10.0 if not failures and len(out) == world_size else 0.0)
+                _kill_group(p)
     if failures:
         raise RankError(failures[0])
     return [out[r] for r in range(world_size)]
