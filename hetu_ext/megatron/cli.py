@@ -24,6 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format="[%(asctime)s] [rank %(rank)s] %(name)s: %(message)s".replace("%(rank)s", str(rank)))
+    logging.getLogger("megatron").setLevel(logging.WARNING)  # its INFO lists every parameter and config field
     # Megatron-core warns at import about optional CUDA packages (Apex, Transformer Engine) and deprecations
     for category in (UserWarning, DeprecationWarning, FutureWarning):
         warnings.filterwarnings("ignore", category=category, module=r"megatron\..*")

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from hetu_ext.data.assign import global_batch_size
-from hetu_ext.plan import ModelSpec, Plan, PlanError, load_plan, uniform_plan, uniform_shape
+from hetu_ext.plan import ModelSpec, Plan, PlanError, format_plan, load_plan, uniform_plan, uniform_shape
 
 from . import checkpointing, host
 from .data import DataSpec, build_train_dataset, make_tokenizer, microbatch_iterator
@@ -223,6 +223,9 @@ def build_trainer(args: argparse.Namespace) -> Trainer:
     if h.rank != 0:
         dataset = build_train_dataset(data_spec, tokenizer, num_samples, is_builder_rank=True)
 
+    if h.rank == 0:
+        logger.info("plan (%s on %s, Megatron-core CPU patches: %s):\n%s", h.backend, h.device.type,
+                    "on" if h.cpu_patched else "off", format_plan(plan))
     trainer = Trainer(args=args, spec=spec, plan=plan, host=h, model=model, optimizer=optimizer,
                       scheduler=scheduler, dataset=dataset, pipeline_index=pipeline_index)
     if args.load:
