@@ -160,13 +160,24 @@ def _cuda_type_names():
         torch.Tensor.type = original
 
 
-def _with_cuda_type_names(fn: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        with _cuda_type_names():
-            return fn(*args, **kwargs)
+def _within(context: Callable[[], contextlib.AbstractContextManager]) -> Callable[[Any], Any]:
+    """Patch maker: run the original function (plain, static or class method) inside ``context()``."""
 
-    return wrapper
+    def make(original: Any) -> Any:
+        kind = type(original) if isinstance(original, (staticmethod, classmethod)) else None
+        fn = original.__func__ if kind else original
+
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            with context():
+                return fn(*args, **kwargs)
+
+        return kind(wrapper) if kind else wrapper
+
+    return make
+
+
+_with_cuda_type_names = _within(_cuda_type_names)
 
 
 @contextlib.contextmanager
@@ -184,13 +195,7 @@ def _tensor_cuda_is_identity():
         torch.Tensor.cuda = original
 
 
-def _with_tensor_cuda_identity(fn: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        with _tensor_cuda_is_identity():
-            return fn(*args, **kwargs)
-
-    return wrapper
+_with_tensor_cuda_identity = _within(_tensor_cuda_is_identity)
 
 
 def _cpu_rng_get(original: Callable[..., Any]) -> Callable[..., Any]:

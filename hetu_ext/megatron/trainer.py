@@ -192,6 +192,10 @@ def build_trainer(args: argparse.Namespace) -> Trainer:
     model = build_gpt_stage(spec, config, pre_process=stage.has_embedding, post_process=stage.has_output)
     model.to(h.device)
     init_weights(model, seed=args.seed, std=args.init_method_std, num_layers=spec.num_layers)
+    if args.bf16:
+        from megatron.core.transformer.module import Float16Module
+
+        model = Float16Module(config, model)  # bf16 weights and activations; fp32 master weights in the optimizer
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                use_distributed_optimizer=args.use_distributed_optimizer)
     model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
