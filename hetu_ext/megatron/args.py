@@ -76,6 +76,9 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     g = p.add_argument_group("hetu_ext")
     g.add_argument("--hetu-config", default=None, help="YAML file of hetu_ext settings (see configs/)")
     g.add_argument("--hetu-plan", default=None, help="plan YAML; default: the uniform plan of the TP/PP flags")
+    g.add_argument("--hetu-runtime", choices=["auto", "megatron", "plan"], default="auto",
+                   help="megatron: parallel_state's uniform grid; plan: any plan (stage models with their own groups)"
+                        "; auto: megatron for uniform plans, plan otherwise")
     g.add_argument("--hetu-cpu-patches", choices=["auto", "on", "off"], default="auto",
                    help="Megatron-core CPU patches: auto applies them only when no CUDA device is present")
     return p

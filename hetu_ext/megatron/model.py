@@ -32,8 +32,7 @@ def transformer_config(spec: ModelSpec, numerics: TrainingNumerics, *, tp: int, 
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     no_fusion = dict(gradient_accumulation_fusion=False, bias_activation_fusion=False, masked_softmax_fusion=False,
-                     persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False,
-                     cross_entropy_loss_fusion=False) if on_cpu else {}
+                     persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False) if on_cpu else {}
     return TransformerConfig(
         num_layers=spec.num_layers, hidden_size=spec.hidden_size, ffn_hidden_size=spec.ffn_hidden_size,
         num_attention_heads=spec.num_attention_heads, tensor_model_parallel_size=tp,
@@ -47,6 +46,9 @@ def transformer_config(spec: ModelSpec, numerics: TrainingNumerics, *, tp: int, 
         use_cpu_initialization=False, perform_initialization=True,
         # the loss is a sum over tokens, normalised once by the global batch's token count
         calculate_per_token_loss=True,
+        # the fused vocab-parallel cross entropy takes its TP group from pg_collection (the unfused one reads
+        # parallel_state's); "native" is its pure-torch implementation, which runs on CPU too
+        cross_entropy_loss_fusion=True, cross_entropy_fusion_impl="native",
         **no_fusion,
     )
 

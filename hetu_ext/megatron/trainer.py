@@ -23,6 +23,7 @@ from hetu_ext.plan import ModelSpec, Plan, PlanError, format_plan, load_plan, un
 from . import checkpointing, host
 from .data import DataSpec, build_train_dataset, make_tokenizer, microbatch_iterator
 from .model import TrainingNumerics, build_gpt_stage, transformer_config
+from .plan_runtime import Placement, build_plan_placement, check_runnable
 from .weights import init_weights
 
 logger = logging.getLogger(__name__)
@@ -58,54 +59,58 @@ def plan_from_args(args: argparse.Namespace, spec: ModelSpec, world_size: int) -
         raise PlanError(f"the plan runs {plan.num_microbatches} microbatches of {args.micro_batch_size} = "
                         f"{global_batch_size(plan, args.micro_batch_size)} samples per step but --global-batch-size "
                         f"is {args.global_batch_size}; make them agree")
-    if uniform_shape(plan) is None:
-        raise PlanError("this plan is heterogeneous (pipelines differ in shape, TP degree or microbatches, or it "
-                        "has unused ranks); the heterogeneous-plan runtime is not in this release, so run a uniform "
-                        "TP x PP x DP plan")
     return plan
 
 
 @dataclass
 class Trainer:
-    """The state of one rank's training: its plan position, model, optimizer and data."""
+    """The state of one rank's training: its placement under the plan, LR scheduler and data."""
 
     args: argparse.Namespace
     spec: ModelSpec
     plan: Plan
     host: host.Host
-    model: torch.nn.Module
-    optimizer: object
+    placement: Placement
     scheduler: object
     dataset: object
-    pipeline_index: int
     iteration: int = 0
     losses: list[float] = field(default_factory=list)
 
     @property
-    def is_last_stage(self) -> bool:
-        from megatron.core import parallel_state
+    def model(self):
+        return self.placement.model
 
-        return parallel_state.is_pipeline_last_stage()
+    @property
+    def optimizer(self):
+        return self.placement.optimizer
+
+    @property
+    def log_rank(self) -> int:
+        """The rank that prints log lines: the plan's lowest used rank."""
+        return min(self.plan.used_ranks)
 
     def train(self, log=print) -> list[float]:
-        """Run until ``--train-iters``; return this run's per-iteration global losses (same on every rank)."""
-        from megatron.core.pipeline_parallel import get_forward_backward_func
+        """Run until ``--train-iters``; return this run's per-iteration global losses (same on every used rank).
 
-        args = self.args
+        Unused ranks hold nothing and wait at the final barrier."""
+        if not self.placement.active:
+            dist.barrier()
+            return self.losses
+        args, placement = self.args, self.placement
         remaining = args.train_iters - self.iteration
-        data = microbatch_iterator(self.dataset, self.plan, self.pipeline_index, args.micro_batch_size,
+        data = microbatch_iterator(self.dataset, self.plan, placement.pipeline_index, args.micro_batch_size,
                                    start_iteration=self.iteration, num_iterations=max(remaining, 0),
                                    device=self.host.device)
-        forward_backward = get_forward_backward_func()
-        num_microbatches = self.plan.pipelines[self.pipeline_index].num_microbatches
+        num_microbatches = self.plan.pipelines[placement.pipeline_index].num_microbatches
         gbs = global_batch_size(self.plan, args.micro_batch_size)
         window_start, window_iters = time.perf_counter(), 0
         while self.iteration < args.train_iters:
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
-            reports = forward_backward(forward_step_func=_forward_step, data_iterator=data, model=[self.model],
-                                       num_microbatches=num_microbatches, seq_length=args.seq_length,
-                                       micro_batch_size=args.micro_batch_size, forward_only=False)
+            reports = placement.forward_backward(
+                forward_step_func=_forward_step, data_iterator=data, model=[self.model],
+                num_microbatches=num_microbatches, seq_length=args.seq_length,
+                micro_batch_size=args.micro_batch_size, forward_only=False, **placement.schedule_kwargs)
             _, grad_norm, _ = self.optimizer.step()
             self.scheduler.step(increment=gbs)
             self.iteration += 1
@@ -114,7 +119,7 @@ class Trainer:
             self.losses.append(loss)
             if self.iteration % args.log_interval == 0 or self.iteration == args.train_iters:
                 elapsed = (time.perf_counter() - window_start) / window_iters
-                if self.host.rank == 0:
+                if self.host.rank == self.log_rank:
                     log(format_log_line(iteration=self.iteration, train_iters=args.train_iters,
                                         consumed=self.iteration * gbs, step_ms=elapsed * 1e3,
                                         lr=self.optimizer.param_groups[0]["lr"], gbs=gbs, loss=loss,
@@ -124,17 +129,17 @@ class Trainer:
                 checkpointing.save(self, args.save)
         if args.save and (not args.save_interval or self.iteration % args.save_interval):
             checkpointing.save(self, args.save)
+        if self.plan.unused_ranks:
+            dist.barrier()  # release the idle ranks
         return self.losses
 
     def _global_loss(self, reports: list[dict]) -> float:
-        """Mean per-token loss of the whole global batch: sums from every pipeline's last stage, over the world."""
-        from megatron.core import parallel_state
-
+        """Mean per-token loss of the whole global batch: sums from every pipeline's last stage."""
         total = torch.zeros(2, dtype=torch.float64)
-        if self.is_last_stage and parallel_state.get_tensor_model_parallel_rank() == 0:
+        if self.placement.is_last_stage and self.placement.tp_rank == 0:
             for report in reports:
                 total += report["lm loss"].double().cpu()
-        dist.all_reduce(total)
+        dist.all_reduce(total, group=self.placement.report_group)
         return float(total[0] / total[1])
 
 
@@ -163,31 +168,38 @@ def format_log_line(*, iteration: int, train_iters: int, consumed: int, step_ms:
             f"{gbs:5d} | lm loss: {loss:.6E} |{norm} tokens/s: {tokens_per_s:.0f} |")
 
 
-def build_trainer(args: argparse.Namespace) -> Trainer:
-    """Start the process group, build the plan, model, DDP, optimizer, scheduler and dataset for this rank."""
+def select_runtime(args: argparse.Namespace, plan: Plan) -> str:
+    """``megatron`` (its parallel_state grid) for uniform plans unless asked otherwise; ``plan`` for the rest."""
+    if args.hetu_runtime == "megatron" and uniform_shape(plan) is None:
+        raise PlanError("--hetu-runtime megatron can only run a uniform TP x PP x DP plan (same shape, TP degree "
+                        "and microbatches in every pipeline, Megatron's rank order, no unused ranks); use "
+                        "--hetu-runtime plan or auto")
+    if args.hetu_runtime == "plan" or uniform_shape(plan) is None:
+        if args.save or args.load:
+            raise PlanError("--save/--load run on Megatron's uniform runtime only in this release; drop them or "
+                            "run a uniform plan")
+        if args.use_distributed_optimizer:
+            raise PlanError("--use-distributed-optimizer (ZeRO-1) is not yet supported on the plan runtime; drop "
+                            "it or run a uniform plan")
+        return "plan"
+    return "megatron"
+
+
+def build_megatron_placement(args, spec: ModelSpec, plan: Plan, h: host.Host, numerics: TrainingNumerics
+                             ) -> Placement:
+    """Megatron's own uniform path: parallel_state's TP x PP x DP grid, its DDP, optimizer and schedule."""
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, \
         finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    # the plan is checked against the model before any process group exists
-    tokenizer = make_tokenizer(args.tokenizer_type, args.vocab_size)
-    spec = model_spec_from_args(args, tokenizer.vocab_size)
-    world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-    plan = plan_from_args(args, spec, world_size)
-    force = {"auto": None, "on": True, "off": False}[args.hetu_cpu_patches]
-    h = host.init_distributed(force_cpu=force, timeout_minutes=args.distributed_timeout_minutes,
-                              backend=args.distributed_backend)
-    tp, pp, dp = uniform_shape(plan)
+    tp, pp, _ = uniform_shape(plan)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                              create_gloo_process_groups=False)
     tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
     pipeline_index, stage_index = plan.stage_of(h.rank)
     stage = plan.pipelines[pipeline_index].stages[stage_index]
-
-    numerics = TrainingNumerics(bf16=args.bf16, hidden_dropout=args.hidden_dropout,
-                                attention_dropout=args.attention_dropout, init_method_std=args.init_method_std)
     config = transformer_config(spec, numerics, tp=tp, pp=pp, on_cpu=h.device.type == "cpu")
     model = build_gpt_stage(spec, config, pre_process=stage.has_embedding, post_process=stage.has_output)
     model.to(h.device)
@@ -200,38 +212,63 @@ def build_trainer(args: argparse.Namespace) -> Trainer:
                                                use_distributed_optimizer=args.use_distributed_optimizer)
     model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
     model.broadcast_params()
-
     opt_config = OptimizerConfig(optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr,
                                  weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
                                  adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad,
                                  bf16=args.bf16, params_dtype=numerics.dtype,
                                  use_distributed_optimizer=args.use_distributed_optimizer)
     optimizer = get_megatron_optimizer(opt_config, [model], use_gloo_process_groups=False)
-    gbs = global_batch_size(plan, args.micro_batch_size)
-    decay_iters = args.lr_decay_iters or args.train_iters
-    scheduler = OptimizerParamScheduler(
-        optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr, lr_warmup_steps=args.lr_warmup_iters * gbs,
-        lr_decay_steps=decay_iters * gbs, lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay,
-        end_wd=args.weight_decay, wd_incr_steps=decay_iters * gbs, wd_incr_style="constant")
     config.no_sync_func = model.no_sync
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
+    return Placement(active=True, pipeline_index=pipeline_index, model=model, optimizer=optimizer, config=config,
+                     is_last_stage=stage.has_output, tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+                     report_group=None, forward_backward=get_forward_backward_func())
 
+
+def build_trainer(args: argparse.Namespace) -> Trainer:
+    """Check the plan, start the process group, then place this rank and build its scheduler and dataset."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    # the plan is checked against the model before any process group exists
+    tokenizer = make_tokenizer(args.tokenizer_type, args.vocab_size)
+    spec = model_spec_from_args(args, tokenizer.vocab_size)
+    world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    plan = plan_from_args(args, spec, world_size)
+    runtime = select_runtime(args, plan)
+    if runtime == "plan":
+        check_runnable(plan)
+    force = {"auto": None, "on": True, "off": False}[args.hetu_cpu_patches]
+    h = host.init_distributed(force_cpu=force, timeout_minutes=args.distributed_timeout_minutes,
+                              backend=args.distributed_backend)
+    numerics = TrainingNumerics(bf16=args.bf16, hidden_dropout=args.hidden_dropout,
+                                attention_dropout=args.attention_dropout, init_method_std=args.init_method_std)
+    build = build_megatron_placement if runtime == "megatron" else build_plan_placement
+    placement = build(args, spec, plan, h, numerics)
+
+    scheduler = dataset = None
+    gbs = global_batch_size(plan, args.micro_batch_size)
+    if placement.active:
+        decay_iters = args.lr_decay_iters or args.train_iters
+        scheduler = OptimizerParamScheduler(
+            placement.optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr,
+            lr_warmup_steps=args.lr_warmup_iters * gbs, lr_decay_steps=decay_iters * gbs,
+            lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay, end_wd=args.weight_decay,
+            wd_incr_steps=decay_iters * gbs, wd_incr_style="constant")
     data_spec = DataSpec(mock=args.mock_data, data_path=tuple(args.data_path or ()), split=args.split,
                          seq_length=args.seq_length, seed=args.seed, cache_path=args.data_cache_path)
     num_samples = args.train_iters * gbs
-    dataset = None
     if h.rank == 0:
         dataset = build_train_dataset(data_spec, tokenizer, num_samples, is_builder_rank=True)
     dist.barrier()
-    if h.rank != 0:
+    if h.rank != 0 and placement.active:
         dataset = build_train_dataset(data_spec, tokenizer, num_samples, is_builder_rank=True)
 
     if h.rank == 0:
-        logger.info("plan (%s on %s, Megatron-core CPU patches: %s):\n%s", h.backend, h.device.type,
-                    "on" if h.cpu_patched else "off", format_plan(plan))
-    trainer = Trainer(args=args, spec=spec, plan=plan, host=h, model=model, optimizer=optimizer,
-                      scheduler=scheduler, dataset=dataset, pipeline_index=pipeline_index)
+        logger.info("plan (%s runtime, %s on %s, Megatron-core CPU patches: %s):\n%s", runtime, h.backend,
+                    h.device.type, "on" if h.cpu_patched else "off", format_plan(plan))
+    trainer = Trainer(args=args, spec=spec, plan=plan, host=h, placement=placement, scheduler=scheduler,
+                      dataset=dataset)
     if args.load:
         checkpointing.load(trainer, args.load)
     return trainer

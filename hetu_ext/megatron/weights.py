@@ -14,6 +14,7 @@ tensor under any TP / PP / DP layout.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import zlib
 from collections.abc import Iterator
@@ -44,21 +45,44 @@ def _replica_is_zero(replica_id) -> bool:
     return all(r == 0 for r in replica_id) if isinstance(replica_id, tuple) else replica_id == 0
 
 
-def local_shards(model: torch.nn.Module) -> Iterator[LocalShard]:
-    """Every ShardedTensor of ``model`` (a GPTModel, or DDP around one) as a :class:`LocalShard`."""
+def local_shards(model: torch.nn.Module, *, layer_offset: int = 0, metadata: dict | None = None
+                 ) -> Iterator[LocalShard]:
+    """Every ShardedTensor of ``model`` (a GPTModel, or wrappers around one) as a :class:`LocalShard`.
+
+    ``layer_offset``: global number of the stage's first layer when the stage model was built with local layer
+    numbering (the plan runtime); Megatron's own pipeline layout numbers layers globally (offset 0).
+    ``metadata``: passed to ``sharded_state_dict`` (the plan runtime supplies its ``dp_cp_group`` there).
+    """
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
     from megatron.core.dist_checkpointing.dict_utils import nested_values
 
-    module = getattr(model, "module", model)
-    for sh in nested_values(module.sharded_state_dict()):
+    module = model
+    while hasattr(module, "module"):
+        module = module.module
+    # A last stage holding a tied output layer names it after the first stage's embedding; Megatron 0.16.1 does
+    # that renaming through parallel_state's data-parallel group (ignoring pg_collection), so ask for the untied
+    # form and rename here.
+    tied_copy = bool(getattr(module, "share_embeddings_and_output_weights", False) and module.post_process
+                     and not module.pre_process)
+    if tied_copy:
+        module.share_embeddings_and_output_weights = False
+    try:
+        state = module.sharded_state_dict(metadata=metadata)
+    finally:
+        if tied_copy:
+            module.share_embeddings_and_output_weights = True
+    for sh in nested_values(state):
         if not isinstance(sh, ShardedTensor):
             continue  # _extra_state objects carry no weights
+        if tied_copy and sh.key == "output_layer.weight":
+            sh = dataclasses.replace(sh, key="embedding.word_embeddings.weight")
         if sh.flattened_range is not None:
             raise NotImplementedError(f"{sh.key}: flattened shards are not supported")
         n = sh.prepend_axis_num
+        index = tuple(o + layer_offset if k == 0 else o for k, o in enumerate(sh.global_offset[:n]))
         slices = tuple(slice(o, o + s) for o, s in zip(sh.global_offset[n:], sh.local_shape))
-        yield LocalShard(key=sh.key, index=tuple(sh.global_offset[:n]), slices=slices,
-                         shape=tuple(sh.global_shape[n:]), owner=_replica_is_zero(sh.replica_id), data=sh.data)
+        yield LocalShard(key=sh.key, index=index, slices=slices, shape=tuple(sh.global_shape[n:]),
+                         owner=_replica_is_zero(sh.replica_id), data=sh.data)
 
 
 def initial_value(key: str, index: tuple[int, ...], shape: tuple[int, ...], *, seed: int, std: float,
@@ -82,14 +106,14 @@ def initial_value(key: str, index: tuple[int, ...], shape: tuple[int, ...], *, s
 
 
 @torch.no_grad()
-def init_weights(model: torch.nn.Module, *, seed: int, std: float, num_layers: int) -> int:
+def init_weights(model: torch.nn.Module, *, seed: int, std: float, num_layers: int, **shard_kwargs) -> int:
     """Set every parameter of a stage model to its layout-independent initial value. Returns elements set.
 
     Also checks that every TP-split parameter carries Megatron's ``tensor_model_parallel`` mark, which the
     global grad norm relies on to count each shard once (0.16.1 omits it when perform_initialization=False).
     """
     count = 0
-    for shard in local_shards(model):
+    for shard in local_shards(model, **shard_kwargs):
         split = tuple(s.stop - s.start for s in shard.slices) != shard.shape
         if split and not getattr(shard.data, "tensor_model_parallel", False) and shard.data.requires_grad:
             raise HetuExtError(f"{shard.key}: a TP-split parameter lacks tensor_model_parallel=True, so Megatron "
@@ -100,13 +124,14 @@ def init_weights(model: torch.nn.Module, *, seed: int, std: float, num_layers: i
     return count
 
 
-def gather_weights(model: torch.nn.Module, group=None) -> dict[str, torch.Tensor]:
+def gather_weights(model: torch.nn.Module | None, group=None, **shard_kwargs) -> dict[str, torch.Tensor]:
     """Full fp32 tensors by key (layer tensors stacked along their prepended axis), on every rank of ``group``.
 
-    Uses the owning replica of each piece; ranks that hold nothing (e.g. unused ranks) contribute nothing.
+    Every copy of every piece is gathered (ranks holding nothing, e.g. unused ones, pass ``model=None``), and
+    copies of one element must agree bit for bit: replicas that drifted apart are an error, not an average.
     """
     mine = [(s.key, s.index, s.slices, s.shape, s.data.detach().float().cpu().clone())
-            for s in local_shards(model) if s.owner] if model is not None else []
+            for s in local_shards(model, **shard_kwargs)] if model is not None else []
     everyone: list = [None] * (dist.get_world_size(group) if dist.is_initialized() else 1)
     if dist.is_initialized():
         dist.all_gather_object(everyone, mine, group=group)
@@ -116,7 +141,11 @@ def gather_weights(model: torch.nn.Module, group=None) -> dict[str, torch.Tensor
 
 
 def assemble(pieces) -> dict[str, torch.Tensor]:
-    """Build full tensors from ``(key, index, slices, shape, data)`` pieces; each element must be covered once."""
+    """Build full tensors from ``(key, index, slices, shape, data)`` pieces.
+
+    Every element must be covered at least once; where pieces overlap (replicas, TP copies of replicated
+    tensors, the tied output layer) their values must be identical.
+    """
     pieces = list(pieces)
     lead: dict[str, list[int]] = {}
     for key, index, _, _, _ in pieces:
@@ -128,10 +157,14 @@ def assemble(pieces) -> dict[str, torch.Tensor]:
     for key, index, slices, shape, data in pieces:
         if key not in out:
             out[key] = torch.zeros(tuple(lead[key]) + tuple(shape))
-            covered[key] = torch.zeros(out[key].shape, dtype=torch.int32)
-        out[key][index][slices] = data
-        covered[key][index][slices] += 1
+            covered[key] = torch.zeros(out[key].shape, dtype=torch.bool)
+        region, seen = out[key][index][slices], covered[key][index][slices]
+        if bool(seen.any()) and not torch.equal(region[seen], data[seen]):
+            worst = float((region[seen] - data[seen]).abs().max())
+            raise AssertionError(f"{key}{list(index)}: copies of the same elements differ (max {worst:.3e})")
+        region.copy_(data)
+        seen.fill_(True)
     for key, cov in covered.items():
-        if not bool((cov == 1).all()):
-            raise AssertionError(f"{key}: pieces cover elements {int(cov.min())}..{int(cov.max())} times, not once")
+        if not bool(cov.all()):
+            raise AssertionError(f"{key}: {int((~cov).sum())} elements are held by no rank")
     return out

@@ -246,3 +246,45 @@ def uniform_shape(plan: Plan) -> tuple[int, int, int] | None:
 
 def lcm_tp(plan: Plan) -> int:
     return math.lcm(*(s.tp for p in plan.pipelines for s in p.stages))
+
+
+@dataclass(frozen=True)
+class Neighbours:
+    """Point-to-point peers of one rank inside its pipeline (activations are replicated across a TP group)."""
+
+    stage: int
+    num_stages: int
+    recv_forward_from: int | None
+    send_forward_to: tuple[int, ...]
+    recv_backward_from: int | None
+    send_backward_to: tuple[int, ...]
+
+
+def neighbours(plan: Plan, rank: int) -> Neighbours:
+    """Who sends to and receives from ``rank`` when adjacent stages differ in TP degree.
+
+    A receiver with TP index t takes the tensor from the adjacent stage's rank ``t mod tp_sender``; every TP
+    rank of a stage holds the same stage input and output (no sequence parallelism), so any copy serves. A
+    sender therefore sends to each adjacent rank whose index maps to it (one, or several when the adjacent
+    stage has the larger TP degree).
+    """
+    where = plan.stage_of(rank)
+    if where is None:
+        raise PlanError(f"rank {rank} is unused in this plan; it has no pipeline neighbours")
+    stages = plan.pipelines[where[0]].stages
+    j = where[1]
+    t = stages[j].ranks.index(rank)
+
+    def source(adjacent: Stage) -> int:
+        return adjacent.ranks[t % adjacent.tp]
+
+    def targets(adjacent: Stage) -> tuple[int, ...]:
+        return tuple(r for u, r in enumerate(adjacent.ranks) if u % stages[j].tp == t)
+
+    prev = stages[j - 1] if j > 0 else None
+    nxt = stages[j + 1] if j + 1 < len(stages) else None
+    return Neighbours(stage=j, num_stages=len(stages),
+                      recv_forward_from=source(prev) if prev else None,
+                      send_forward_to=targets(nxt) if nxt else (),
+                      recv_backward_from=source(nxt) if nxt else None,
+                      send_backward_to=targets(prev) if prev else ())

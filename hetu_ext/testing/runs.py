@@ -19,7 +19,7 @@ def train(rank: int, world_size: int, argv: list[str], gather: bool = True) -> d
     start = time.perf_counter()
     losses = trainer.train(log=lines.append)
     elapsed = time.perf_counter() - start
-    weights = gather_weights(trainer.model) if gather else None
+    weights = gather_weights(trainer.model, **trainer.placement.shard_kwargs) if gather else None
     if rank != 0:
         return None
     return {"losses": losses, "weights": weights, "elapsed_s": elapsed, "log_lines": lines}

@@ -1,0 +1,59 @@
+"""Pipeline point-to-point for a plan's stages, as a Megatron ``P2PCommunicator`` (the schedules' seam).
+
+Megatron's communicator pairs stage i's TP rank t with stage i+1's TP rank t, which needs equal TP degrees. Here
+each rank's peers come from the plan (``hetu_ext.plan.neighbours``), so adjacent stages may differ in TP degree;
+everything else (the schedule, its 1F1B order, the tensors' shapes) is Megatron's.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+from hetu_ext.plan.plan import Neighbours
+
+
+class StagePosition:
+    """What the schedules read from ``p2p_communicator.pp_group``: this stage's index and the stage count."""
+
+    def __init__(self, stage: int, num_stages: int) -> None:
+        self._stage, self._num = stage, num_stages
+
+    def rank(self) -> int:
+        return self._stage
+
+    def size(self) -> int:
+        return self._num
+
+
+class StageP2P(P2PCommunicator):
+    """Sends and receives a stage's activations and gradients to and from the plan's neighbours."""
+
+    def __init__(self, peers: Neighbours, config, dtype: torch.dtype, device: torch.device) -> None:
+        # Megatron's __init__ derives next/prev ranks from a real pp group; ours come from the plan
+        self.pp_group = StagePosition(peers.stage, peers.num_stages)
+        self.config = config
+        self.virtual_pipeline_model_parallel_size = None
+        self.peers = peers
+        self.dtype, self.device = dtype, device
+
+    def _communicate(self, *, tensor_send_next, tensor_send_prev, recv_prev, recv_next, tensor_shape,
+                     wait_on_reqs: bool = True):
+        ops, recv_prev_t, recv_next_t = [], None, None
+        if recv_prev:
+            recv_prev_t = torch.empty(tuple(tensor_shape), dtype=self.dtype, device=self.device,
+                                      requires_grad=True)
+            ops.append(dist.P2POp(dist.irecv, recv_prev_t, self.peers.recv_forward_from))
+        if recv_next:
+            recv_next_t = torch.empty(tuple(tensor_shape), dtype=self.dtype, device=self.device,
+                                      requires_grad=True)
+            ops.append(dist.P2POp(dist.irecv, recv_next_t, self.peers.recv_backward_from))
+        if tensor_send_next is not None:
+            ops += [dist.P2POp(dist.isend, tensor_send_next, r) for r in self.peers.send_forward_to]
+        if tensor_send_prev is not None:
+            ops += [dist.P2POp(dist.isend, tensor_send_prev, r) for r in self.peers.send_backward_to]
+        if ops:
+            for req in dist.batch_isend_irecv(ops):
+                req.wait()
+        return recv_prev_t, recv_next_t, None

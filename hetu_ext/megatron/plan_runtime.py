@@ -1,0 +1,159 @@
+"""Run any valid Plan on Megatron-core: each rank builds its stage, each pipeline runs Megatron's schedule.
+
+Megatron's ``parallel_state`` knows one uniform TP x PP x DP grid. Here nothing global is set: every stage is a
+Megatron-core GPTModel built for its own layers and TP group and fed its groups through ``pg_collection``; its
+DistributedDataParallel and optimizer get the same collection; each pipeline runs Megatron's 1F1B schedule with
+its own microbatch count and a ``p2p_communicator`` that routes between stages of different TP degrees. What
+Megatron cannot know, the plan's replicas being shaped differently, is handled in the one hook it offers after
+backward, ``finalize_model_grads_func``: every gradient element is summed over the stages that hold it
+(runtime/grad_sync.py), then divided by the global batch's token count.
+
+The stage model is built with ``num_layers`` = the stage's layer count and pre/post-processing flags set from the
+plan, so Megatron sees a one-stage model and numbers its layers locally; the global layer number is restored
+where tensors get their global identity (weights.local_shards(layer_offset=...)).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from hetu_ext.plan import ModelSpec, Plan, PlanError
+from hetu_ext.plan.layout import ShardInfo, reduction_layout
+from hetu_ext.plan.plan import neighbours
+from hetu_ext.runtime.grad_sync import GradSync, LocalTensor
+from hetu_ext.runtime.groups import PlanGroups, add_lane_groups, build_groups
+
+from .model import TrainingNumerics, build_gpt_stage, transformer_config
+from .weights import init_weights, local_shards
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Placement:
+    """What the training loop needs from the runtime that placed this rank."""
+
+    active: bool
+    """False on ranks the plan leaves unused: they hold nothing and wait."""
+    pipeline_index: int | None = None
+    model: torch.nn.Module | None = None
+    optimizer: object = None
+    config: object = None
+    is_last_stage: bool = False
+    tp_rank: int = 0
+    report_group: object = None
+    """Group over which per-pipeline loss sums are added (None: the default world group)."""
+    schedule_kwargs: dict = dataclasses.field(default_factory=dict)
+    forward_backward: object = None
+    grad_sync: GradSync | None = None
+    shard_kwargs: dict = dataclasses.field(default_factory=dict)
+    """How to read this stage's tensors' global identity (weights.local_shards)."""
+
+
+def check_runnable(plan: Plan) -> None:
+    for i, pipeline in enumerate(plan.pipelines):
+        for j, stage in enumerate(pipeline.stages):
+            if stage.num_layers == 0:
+                raise PlanError(f"pipeline {i} stage {j}: holds no transformer layer; the plan runtime needs at "
+                                "least one layer per stage, so merge it into an adjacent stage")
+
+
+def _pg_collection(groups: PlanGroups):
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    one, tp = groups.single, groups.tp
+    return ProcessGroupCollection(
+        tp=tp, pp=one, mp=tp, cp=one, tp_cp=tp, tp_dp_cp=tp, dp=one, dp_cp=one, intra_dp_cp=one, ep=one,
+        expt_tp=tp, tp_ep=tp, tp_ep_pp=tp, expt_dp=one, intra_expt_dp=one, embd=None, pos_embd=None,
+        inter_dist_opt=None, intra_dist_opt=None, hcp=None)
+
+
+def build_plan_placement(args, spec: ModelSpec, plan: Plan, host, numerics: TrainingNumerics) -> Placement:
+    """Groups, stage model, DDP, optimizer, schedule and gradient sync for this rank under ``plan``."""
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    check_runnable(plan)
+    parallel_state._set_global_memory_buffer()  # Megatron's layers draw scratch space from it
+    groups = build_groups(plan)
+    where = plan.stage_of(host.rank)
+    model = None
+    shards: list[ShardInfo] = []
+    if where is not None:
+        stage = plan.pipelines[where[0]].stages[where[1]]
+        tensor_parallel.model_parallel_cuda_manual_seed(args.seed, tp_rank=stage.ranks.index(host.rank),
+                                                         ep_rank=0, etp_rank=0, force_reset_rng=True)
+        pgc = _pg_collection(groups)
+        stage_spec = dataclasses.replace(spec, num_layers=stage.num_layers)
+        config = transformer_config(stage_spec, numerics, tp=stage.tp, pp=1, on_cpu=host.device.type == "cpu")
+        model = build_gpt_stage(stage_spec, config, pre_process=stage.has_embedding,
+                                post_process=stage.has_output, pg_collection=pgc)
+        model.to(host.device)
+        shard_kwargs = {"layer_offset": stage.layer_start, "metadata": {"dp_cp_group": groups.single}}
+        init_weights(model, seed=args.seed, std=args.init_method_std, num_layers=spec.num_layers, **shard_kwargs)
+        if args.bf16:
+            from megatron.core.transformer.module import Float16Module
+
+            model = Float16Module(config, model)
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False)
+        model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model, pg_collection=pgc)
+        tp_index = stage.ranks.index(host.rank)
+        local = {}
+        for s in local_shards(model, **shard_kwargs):
+            box = tuple((sl.start, sl.stop) for sl in s.slices)
+            shards.append(ShardInfo(rank=host.rank, stage=where, tp_index=tp_index, key=s.key, index=s.index,
+                                    box=box))
+            if (s.key, s.index) in local:
+                raise PlanError(f"{s.key}{list(s.index)} appears twice on rank {host.rank}")
+            local[(s.key, s.index)] = LocalTensor(param=s.data, box=box)
+    everyone: list = [None] * groups.world_size
+    dist.all_gather_object(everyone, shards)
+    layout = reduction_layout([s for part in everyone for s in part])
+    add_lane_groups(groups, list(layout.lanes))
+    if where is None:
+        return Placement(active=False)
+
+    sync = GradSync(layout=layout, groups=groups, local=local)
+    opt_config = OptimizerConfig(optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr,
+                                 weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
+                                 adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad,
+                                 bf16=args.bf16, params_dtype=numerics.dtype)
+    optimizer = get_megatron_optimizer(opt_config, [model], use_gloo_process_groups=False, pg_collection=pgc)
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        # the global norm counts every element once over the whole plan
+        inner.get_main_grads_for_grad_norm = sync.owned_grads
+        inner.grad_stats_parallel_group = groups.used
+
+    is_last = stage.has_output
+    tp_rank = stage.ranks.index(host.rank)
+
+    def finalize(model_chunks, num_tokens=None, pg_collection=None, force_all_reduce=False):
+        for chunk in model_chunks:
+            chunk.finish_grad_sync()
+        sync.reduce()
+        tokens = torch.zeros(1, dtype=torch.float64)
+        if is_last and tp_rank == 0 and num_tokens is not None:
+            tokens += float(num_tokens)
+        dist.all_reduce(tokens, group=groups.used)
+        for chunk in model_chunks:
+            chunk.scale_gradients(1.0 / float(tokens))
+
+    config.no_sync_func = model.no_sync
+    config.finalize_model_grads_func = finalize
+    config.grad_scale_func = optimizer.scale_loss
+    pipeline = plan.pipelines[where[0]]
+    from .p2p import StageP2P
+
+    p2p = StageP2P(neighbours(plan, host.rank), config, dtype=numerics.dtype, device=host.device)
+    return Placement(active=True, pipeline_index=where[0], model=model, optimizer=optimizer, config=config,
+                     is_last_stage=is_last, tp_rank=tp_rank, report_group=groups.used,
+                     schedule_kwargs={"p2p_communicator": p2p, "pg_collection": pgc},
+                     forward_backward=get_forward_backward_func(pp_size=pipeline.pp, vp_size=None),
+                     grad_sync=sync, shard_kwargs=shard_kwargs)

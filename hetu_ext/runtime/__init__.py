@@ -1,0 +1,1 @@
+"""Runtime: torch.distributed pieces of a plan (groups, gradient sync), free of any host framework."""
