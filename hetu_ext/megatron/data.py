@@ -89,11 +89,11 @@ class DataSpec:
     """``--data-cache-path``: where index caches go (next to the data if unset)."""
 
 
-def build_train_dataset(spec: DataSpec, tokenizer, num_samples: int, is_builder_rank: bool):
+def build_train_dataset(spec: DataSpec, tokenizer, num_samples: int):
     """Megatron-core's GPTDataset (or MockGPTDataset) with at least ``num_samples`` training samples.
 
-    Call on every rank: ``is_builder_rank`` ranks build the index caches first; the caller must barrier before
-    the others build (they then read the caches).
+    Collective: call on every rank. Megatron's builder builds the index caches on rank 0, barriers, then the
+    other ranks read them.
     """
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
@@ -107,7 +107,7 @@ def build_train_dataset(spec: DataSpec, tokenizer, num_samples: int, is_builder_
         mid_level_dataset_surplus=0.005)
     cls = MockGPTDataset if spec.mock else GPTDataset
     train, _, _ = BlendedMegatronDatasetBuilder(
-        cls, [num_samples, 0, 0], lambda: is_builder_rank, config).build()
+        cls, [num_samples, 0, 0], lambda: True, config).build()
     return train
 
 

@@ -73,6 +73,26 @@ def _pg_collection(groups: PlanGroups):
         inter_dist_opt=None, intra_dist_opt=None, hcp=None)
 
 
+def _join_optimizer_setup(args, spec: ModelSpec, numerics: TrainingNumerics, groups: PlanGroups, host) -> None:
+    """An idle rank's share of the optimizer set-up: get_megatron_optimizer aligns parameter groups across ranks
+    with all_gather_object over the whole world (0.16.1, optimizer/__init__.py:_get_param_groups), so an idle
+    rank runs it too, on a module with no trainable parameter, and drops the result."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.module import MegatronModule
+
+    config = transformer_config(dataclasses.replace(spec, num_layers=1), numerics, tp=1, pp=1,
+                                on_cpu=host.device.type == "cpu")
+    idle = MegatronModule(config)
+    idle.placeholder = torch.nn.Parameter(torch.zeros(1), requires_grad=False)
+    opt_config = OptimizerConfig(optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, bf16=args.bf16,
+                                 params_dtype=numerics.dtype)
+    pgc = _pg_collection(groups)
+    idle = DistributedDataParallel(config=config, ddp_config=DistributedDataParallelConfig(), module=idle,
+                                   pg_collection=pgc)
+    get_megatron_optimizer(opt_config, [idle], use_gloo_process_groups=False, pg_collection=pgc)
+
+
 def build_plan_placement(args, spec: ModelSpec, plan: Plan, host, numerics: TrainingNumerics) -> Placement:
     """Groups, stage model, DDP, optimizer, schedule and gradient sync for this rank under ``plan``."""
     from megatron.core import parallel_state, tensor_parallel
@@ -118,6 +138,7 @@ def build_plan_placement(args, spec: ModelSpec, plan: Plan, host, numerics: Trai
     layout = reduction_layout([s for part in everyone for s in part])
     add_lane_groups(groups, list(layout.lanes))
     if where is None:
+        _join_optimizer_setup(args, spec, numerics, groups, host)
         return Placement(active=False)
 
     sync = GradSync(layout=layout, groups=groups, local=local)

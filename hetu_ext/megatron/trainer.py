@@ -246,7 +246,7 @@ def build_trainer(args: argparse.Namespace) -> Trainer:
     build = build_megatron_placement if runtime == "megatron" else build_plan_placement
     placement = build(args, spec, plan, h, numerics)
 
-    scheduler = dataset = None
+    scheduler = None
     gbs = global_batch_size(plan, args.micro_batch_size)
     if placement.active:
         decay_iters = args.lr_decay_iters or args.train_iters
@@ -258,12 +258,8 @@ def build_trainer(args: argparse.Namespace) -> Trainer:
     data_spec = DataSpec(mock=args.mock_data, data_path=tuple(args.data_path or ()), split=args.split,
                          seq_length=args.seq_length, seed=args.seed, cache_path=args.data_cache_path)
     num_samples = args.train_iters * gbs
-    if h.rank == 0:
-        dataset = build_train_dataset(data_spec, tokenizer, num_samples, is_builder_rank=True)
-    dist.barrier()
-    if h.rank != 0 and placement.active:
-        dataset = build_train_dataset(data_spec, tokenizer, num_samples, is_builder_rank=True)
-
+    # every rank, idle ones included: Megatron's builder builds the index caches on rank 0, then barriers
+    dataset = build_train_dataset(data_spec, tokenizer, num_samples)
     if h.rank == 0:
         logger.info("plan (%s runtime, %s on %s, Megatron-core CPU patches: %s):\n%s", runtime, h.backend,
                     h.device.type, "on" if h.cpu_patched else "off", format_plan(plan))

@@ -11,7 +11,6 @@ pipelines, each pipeline's microbatch count, and the unused ranks.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from .model_spec import ModelSpec
@@ -238,14 +237,12 @@ def uniform_shape(plan: Plan) -> tuple[int, int, int] | None:
     tp, pp, dp = tps.pop(), first.pp, len(plan.pipelines)
     if plan.num_microbatches % dp:
         return None
-    expected = uniform_plan(world_size=tp * pp * dp, tp=tp, pp=pp, num_layers=first.stages[-1].layer_stop,
+    num_layers = first.stages[-1].layer_stop
+    if num_layers % pp:
+        return None
+    expected = uniform_plan(world_size=tp * pp * dp, tp=tp, pp=pp, num_layers=num_layers,
                             num_microbatches=first.num_microbatches)
-    splits_even = all(s.num_layers == first.stages[0].num_layers for s in first.stages)
-    return (tp, pp, dp) if splits_even and expected == plan else None
-
-
-def lcm_tp(plan: Plan) -> int:
-    return math.lcm(*(s.tp for p in plan.pipelines for s in p.stages))
+    return (tp, pp, dp) if expected == plan else None
 
 
 @dataclass(frozen=True)

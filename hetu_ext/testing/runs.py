@@ -7,7 +7,8 @@ from typing import Any
 
 
 def train(rank: int, world_size: int, argv: list[str], gather: bool = True) -> dict[str, Any] | None:
-    """Parse ``argv`` as pretrain_gpt.py does, train, and return losses, step times and (rank 0) full weights."""
+    """Parse ``argv`` as pretrain_gpt.py does, train; the plan's lowest used rank returns losses, log lines and
+    the full gathered weights, every other rank None."""
     from hetu_ext.megatron.args import build_parser, validate_args
     from hetu_ext.megatron.trainer import build_trainer
     from hetu_ext.megatron.weights import gather_weights
@@ -20,6 +21,6 @@ def train(rank: int, world_size: int, argv: list[str], gather: bool = True) -> d
     losses = trainer.train(log=lines.append)
     elapsed = time.perf_counter() - start
     weights = gather_weights(trainer.model, **trainer.placement.shard_kwargs) if gather else None
-    if rank != 0:
+    if rank != trainer.log_rank:  # the plan's lowest used rank reports
         return None
     return {"losses": losses, "weights": weights, "elapsed_s": elapsed, "log_lines": lines}

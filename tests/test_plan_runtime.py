@@ -1,0 +1,96 @@
+"""The gold test of the plan runtime: heterogeneous plans train exactly like one process.
+
+Each plan below runs K=3 Adam steps of Megatron-core's GPTModel on 4-6 gloo ranks (pretrain_gpt.py's code path,
+``--hetu-plan``) on the same global batches as the 1x1x1 reference (8 samples: 4 microbatches of 2, split over
+the pipelines as the plan says). Losses and the final gathered weights must match the reference with the
+tolerances of test_uniform_equivalence (1e-6 relative on losses, 2e-6 absolute on weights): the plans change
+only the order of floating-point sums, and gather_weights additionally requires every copy of an element on
+every rank to be bit-identical. A gradient summed over the wrong ranks (an element reduced twice, a TP copy
+counted as a replica, a tied output layer not added to its embedding) or a loss normalised per pipeline moves
+step-2 losses by >1e-3.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from hetu_ext.testing.multiproc import run_ranks
+from hetu_ext.testing.runs import train
+from test_uniform_equivalence import LOSS_RTOL, WEIGHT_ATOL, _argv, compare
+
+# (id, world size, what it covers, plan YAML)
+PLANS = [
+    ("stages_2_and_1", 3, "pipelines with different stage counts and layer splits (3+1 vs 4)",
+     "pipelines: [{num_microbatches: 2, stages: [{ranks: [0], layers: [0, 3]}, {ranks: [1], layers: [3, 4]}]},"
+     " {num_microbatches: 2, stages: [{ranks: [2], layers: [0, 4]}]}]"),
+    ("microbatches_3_1", 4, "different microbatch counts (3 vs 1) and TP 2 -> 1 inside a pipeline, tied "
+     "embedding on stages of different TP degree",
+     "pipelines: [{num_microbatches: 3, stages: [{ranks: [0, 1], layers: [0, 3]}, {ranks: [2], layers: [3, 4]}]},"
+     " {num_microbatches: 1, stages: [{ranks: [3], layers: [0, 4]}]}]"),
+    ("tp_differs_between_pipelines", 3, "the same layers at TP 2 in one replica and TP 1 in the other",
+     "pipelines: [{num_microbatches: 2, stages: [{ranks: [0, 1], layers: [0, 4]}]},"
+     " {num_microbatches: 2, stages: [{ranks: [2], layers: [0, 4]}]}]"),
+    ("tp_1_to_2_in_pipeline", 4, "TP 1 -> 2 inside a pipeline (one sender, two receivers; two senders back)",
+     "pipelines: [{num_microbatches: 1, stages: [{ranks: [0], layers: [0, 1]}, {ranks: [1, 2], layers: [1, 4]}]},"
+     " {num_microbatches: 3, stages: [{ranks: [3], layers: [0, 4]}]}]"),
+    ("unused_ranks", 5, "unused ranks (one in the middle, one at the end) stay idle and alive",
+     "pipelines: [{num_microbatches: 2, stages: [{ranks: [0], layers: [0, 2]}, {ranks: [1], layers: [2, 4]}]},"
+     " {num_microbatches: 2, stages: [{ranks: [3], layers: [0, 4]}]}]\nunused_ranks: [2, 4]"),
+    ("rank0_unused_and_rank_order", 5, "rank 0 unused; stages on ranks in decreasing order",
+     "pipelines: [{num_microbatches: 1, stages: [{ranks: [4], layers: [0, 1]}, {ranks: [2, 1], layers: [1, 4]}]},"
+     " {num_microbatches: 3, stages: [{ranks: [3], layers: [0, 4]}]}]\nunused_ranks: [0]"),
+    ("three_pipelines", 6, "three pipelines of 3, 1 and 1 stages, splits 1/2/1, TP 1, 2 and 1, microbatches 1/2/1",
+     "pipelines: [{num_microbatches: 1, stages: [{ranks: [0], layers: [0, 1]}, {ranks: [1], layers: [1, 3]},"
+     " {ranks: [2], layers: [3, 4]}]}, {num_microbatches: 2, stages: [{ranks: [3, 4], layers: [0, 4]}]},"
+     " {num_microbatches: 1, stages: [{ranks: [5], layers: [0, 4]}]}]"),
+    ("tp_2_1_2_chain", 6, "TP 2 -> 1 -> 2 along one pipeline of three stages, beside a TP-1 replica",
+     "pipelines: [{num_microbatches: 2, stages: [{ranks: [0, 1], layers: [0, 1]}, {ranks: [2], layers: [1, 3]},"
+     " {ranks: [3, 4], layers: [3, 4]}]}, {num_microbatches: 2, stages: [{ranks: [5], layers: [0, 4]}]}]"),
+    ("one_pipeline_uneven", 3, "a single pipeline with an uneven 1/2/1 split (no replicas: nothing to reduce)",
+     "pipelines: [{num_microbatches: 4, stages: [{ranks: [0], layers: [0, 1]}, {ranks: [1], layers: [1, 3]},"
+     " {ranks: [2], layers: [3, 4]}]}]"),
+]
+
+
+@pytest.fixture(scope="module")
+def reference(sample_prefix):
+    return run_ranks(train, 1, _argv(1, 1, sample_prefix), timeout=120)[0]
+
+
+@pytest.fixture(scope="module")
+def reference_untied(sample_prefix):
+    return run_ranks(train, 1, _argv(1, 1, sample_prefix, ("--untie-embeddings-and-output-weights",)),
+                     timeout=120)[0]
+
+
+def _run(tmp_path, sample_prefix, name, world, text, extra=()):
+    plan = tmp_path / f"{name}.yaml"
+    plan.write_text(text)
+    results = run_ranks(train, world, _argv(1, 1, sample_prefix, ("--hetu-plan", str(plan), *extra)), timeout=240)
+    return next(r for r in results if r is not None)
+
+
+@pytest.mark.parametrize("name,world,covers,text", PLANS, ids=[p[0] for p in PLANS])
+def test_heterogeneous_plan_matches_single_process(name, world, covers, text, reference, sample_prefix, tmp_path):
+    result = _run(tmp_path, sample_prefix, name, world, text)
+    loss_diff, weight_diff = compare(result, reference)
+    print(f"{name} ({covers}): loss rel diff {loss_diff:.2e}, weight abs diff {weight_diff:.2e}")
+    assert loss_diff <= LOSS_RTOL, (result["losses"], reference["losses"])
+    assert weight_diff <= WEIGHT_ATOL
+
+
+@pytest.mark.parametrize("name", ["microbatches_3_1", "tp_1_to_2_in_pipeline"])
+def test_untied_output_layer_on_heterogeneous_plans(name, reference_untied, sample_prefix, tmp_path):
+    """The output layer as its own tensor (--untie-embeddings-and-output-weights), held at other TP degrees."""
+    _, world, _, text = next(p for p in PLANS if p[0] == name)
+    result = _run(tmp_path, sample_prefix, name, world, text, ("--untie-embeddings-and-output-weights",))
+    loss_diff, weight_diff = compare(result, reference_untied)
+    assert loss_diff <= LOSS_RTOL and weight_diff <= WEIGHT_ATOL
+
+
+def test_uniform_plan_on_the_plan_runtime_matches_megatrons_uniform_path(sample_prefix, tmp_path):
+    """TP2 x DP2 as a Plan through the plan runtime against Megatron's parallel_state path, same flags."""
+    megatron = run_ranks(train, 4, _argv(2, 1, sample_prefix), timeout=180)[0]
+    plan_rt = run_ranks(train, 4, _argv(2, 1, sample_prefix, ("--hetu-runtime", "plan")), timeout=180)[0]
+    loss_diff, weight_diff = compare(plan_rt, megatron)
+    assert loss_diff <= LOSS_RTOL and weight_diff <= WEIGHT_ATOL
