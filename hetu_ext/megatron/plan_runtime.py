@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from hetu_ext.plan import ModelSpec, Plan, PlanError
-from hetu_ext.plan.layout import ShardInfo, reduction_layout
+from hetu_ext.plan.layout import ShardInfo, in_place_lanes, reduction_layout
 from hetu_ext.plan.plan import neighbours
 from hetu_ext.runtime.grad_sync import GradSync, LocalTensor
 from hetu_ext.runtime.groups import PlanGroups, add_lane_groups, build_groups
@@ -71,6 +71,17 @@ def _pg_collection(groups: PlanGroups):
         tp=tp, pp=one, mp=tp, cp=one, tp_cp=tp, tp_dp_cp=tp, dp=one, dp_cp=one, intra_dp_cp=one, ep=one,
         expt_tp=tp, tp_ep=tp, tp_ep_pp=tp, expt_dp=one, intra_expt_dp=one, embd=None, pos_embd=None,
         inter_dist_opt=None, intra_dist_opt=None, hcp=None)
+
+
+def _buffer_offset(param: torch.Tensor, buffers: list[torch.Tensor]) -> int:
+    """Element offset of a parameter's gradient in the concatenation of DDP's grad buffers (-1 if absent)."""
+    grad = getattr(param, "main_grad", None)
+    base = 0
+    for buffer in buffers:
+        if grad is not None and buffer.data_ptr() <= grad.data_ptr() < buffer.data_ptr() + buffer.numel() * buffer.element_size():
+            return base + (grad.data_ptr() - buffer.data_ptr()) // grad.element_size()
+        base += buffer.numel()
+    return -1
 
 
 def _join_optimizer_setup(args, spec: ModelSpec, numerics: TrainingNumerics, groups: PlanGroups, host) -> None:
@@ -126,22 +137,25 @@ def build_plan_placement(args, spec: ModelSpec, plan: Plan, host, numerics: Trai
         model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model, pg_collection=pgc)
         tp_index = stage.ranks.index(host.rank)
         local = {}
+        flat = [b.grad_data for b in model.buffers + model.expert_parallel_buffers]
         for s in local_shards(model, **shard_kwargs):
             box = tuple((sl.start, sl.stop) for sl in s.slices)
             shards.append(ShardInfo(rank=host.rank, stage=where, tp_index=tp_index, key=s.key, index=s.index,
-                                    box=box))
+                                    box=box, offset=_buffer_offset(s.data, flat)))
             if (s.key, s.index) in local:
                 raise PlanError(f"{s.key}{list(s.index)} appears twice on rank {host.rank}")
             local[(s.key, s.index)] = LocalTensor(param=s.data, box=box)
     everyone: list = [None] * groups.world_size
     dist.all_gather_object(everyone, shards)
-    layout = reduction_layout([s for part in everyone for s in part])
+    all_shards = [s for part in everyone for s in part]
+    layout = reduction_layout(all_shards)
     add_lane_groups(groups, list(layout.lanes))
     if where is None:
         _join_optimizer_setup(args, spec, numerics, groups, host)
         return Placement(active=False)
 
-    sync = GradSync(layout=layout, groups=groups, local=local)
+    sync = GradSync(layout=layout, groups=groups, local=local, flat_buffers=flat,
+                    in_place=in_place_lanes(layout, all_shards))
     opt_config = OptimizerConfig(optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr,
                                  weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
                                  adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad,

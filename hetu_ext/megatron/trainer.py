@@ -22,6 +22,7 @@ from hetu_ext.plan import ModelSpec, Plan, PlanError, format_plan, load_plan, un
 
 from . import checkpointing, host
 from .data import DataSpec, build_train_dataset, make_tokenizer, microbatch_iterator
+from .memory import memory_table
 from .model import TrainingNumerics, build_gpt_stage, transformer_config
 from .plan_runtime import Placement, build_plan_placement, check_runnable
 from .weights import init_weights
@@ -260,6 +261,11 @@ def build_trainer(args: argparse.Namespace) -> Trainer:
     num_samples = args.train_iters * gbs
     # every rank, idle ones included: Megatron's builder builds the index caches on rank 0, then barriers
     dataset = build_train_dataset(data_spec, tokenizer, num_samples)
+    where = plan.stage_of(h.rank)
+    table = memory_table(placement.model, args.optimizer, args.bf16,
+                         f"pipeline {where[0]} stage {where[1]}" if where else "unused")
+    if table:
+        logger.info("%s", table)
     if h.rank == 0:
         logger.info("plan (%s runtime, %s on %s, Megatron-core CPU patches: %s):\n%s", runtime, h.backend,
                     h.device.type, "on" if h.cpu_patched else "off", format_plan(plan))

@@ -36,6 +36,36 @@ class ShardInfo:
     index: tuple[int, ...]
     """Global layer index (prepended axes), () for tensors outside the layer stack."""
     box: Box
+    offset: int = -1
+    """Where the rank keeps this gradient in its flat gradient buffer (element offset), -1 if unknown."""
+
+
+def in_place_lanes(layout: "ReductionLayout", shards: list[ShardInfo]) -> set[tuple[int, ...]]:
+    """Lanes whose members can all-reduce their flat gradient buffers as they are, without packing.
+
+    True of a lane when each member sits in no other lane, the lane reduces every element the member holds,
+    and all members keep the same tensors at the same offsets (any uniform data-parallel group).
+    """
+    by_rank: dict[int, list[ShardInfo]] = defaultdict(list)
+    for s in shards:
+        by_rank[s.rank].append(s)
+    lanes_per_rank: dict[int, list[tuple[int, ...]]] = defaultdict(list)
+    for lane in layout.lanes:
+        for r in lane:
+            lanes_per_rank[r].append(lane)
+    result = set()
+    for lane, cells in layout.lanes.items():
+        signatures = set()
+        for r in lane:
+            mine = by_rank[r]
+            held = sum(Cell(s.key, s.index, s.box).numel for s in mine)
+            if lanes_per_rank[r] != [lane] or held != sum(c.numel for c in cells) or min(s.offset for s in mine) < 0:
+                break
+            signatures.add(tuple(sorted((s.offset, s.key, s.index, s.box) for s in mine)))
+        else:
+            if len(signatures) == 1:
+                result.add(lane)
+    return result
 
 
 @dataclass(frozen=True)

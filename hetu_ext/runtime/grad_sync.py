@@ -37,6 +37,10 @@ class GradSync:
     layout: ReductionLayout
     groups: PlanGroups
     local: dict[tuple[str, tuple[int, ...]], LocalTensor]
+    flat_buffers: list[torch.Tensor] = field(default_factory=list)
+    """The contiguous buffers holding every local gradient (DDP's grad_data)."""
+    in_place: set[tuple[int, ...]] = field(default_factory=set)
+    """Lanes whose members reduce ``flat_buffers`` as they are (plan.layout.in_place_lanes): no packing."""
     bytes_sent: int = 0
     """Bytes this rank handed to all-reduces in the last step, counted as a ring moves them: 2 (n-1)/n each."""
     _lanes: list = field(default_factory=list, init=False)
@@ -47,6 +51,7 @@ class GradSync:
         for ranks, cells in self.layout.lanes_of(rank):
             views = [(self.local[(c.key, c.index)], _local_slices(c, self.local[(c.key, c.index)])) for c in cells]
             self._lanes.append((ranks, self.groups.lanes[ranks], views))
+        self._in_place = bool(self._lanes) and self._lanes[0][0] in self.in_place and bool(self.flat_buffers)
         for cell, owner in self.layout.owners.items():
             if owner == rank:
                 local = self.local[(cell.key, cell.index)]
@@ -58,6 +63,13 @@ class GradSync:
 
     def reduce(self) -> None:
         """Sum every cell's gradient over the stages holding it; every holder ends with the sum."""
+        if self._in_place:
+            ranks, group, _ = self._lanes[0]
+            for buffer in self.flat_buffers:
+                dist.all_reduce(buffer, group=group)
+            n = len(ranks)
+            self.bytes_sent = round(sum(2 * (n - 1) / n * b.numel() * b.element_size() for b in self.flat_buffers))
+            return
         packed = [torch.cat([self._grad(t)[s].reshape(-1) for t, s in views]) for _, _, views in self._lanes]
         sent = 0.0
         for (ranks, group, _), buffer in zip(self._lanes, packed):
