@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -28,31 +27,11 @@ from hetu_ext.plan.plan import neighbours
 from hetu_ext.runtime.grad_sync import GradSync, LocalTensor
 from hetu_ext.runtime.groups import PlanGroups, add_lane_groups, build_groups
 
+from .placement import Placement
 from .model import TrainingNumerics, build_gpt_stage, transformer_config
 from .weights import init_weights, local_shards
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class Placement:
-    """What the training loop needs from the runtime that placed this rank."""
-
-    active: bool
-    """False on ranks the plan leaves unused: they hold nothing and wait."""
-    pipeline_index: int | None = None
-    model: torch.nn.Module | None = None
-    optimizer: object = None
-    config: object = None
-    is_last_stage: bool = False
-    tp_rank: int = 0
-    report_group: object = None
-    """Group over which per-pipeline loss sums are added (None: the default world group)."""
-    schedule_kwargs: dict = dataclasses.field(default_factory=dict)
-    forward_backward: object = None
-    grad_sync: GradSync | None = None
-    shard_kwargs: dict = dataclasses.field(default_factory=dict)
-    """How to read this stage's tensors' global identity (weights.local_shards)."""
 
 
 def check_runnable(plan: Plan) -> None:
@@ -78,7 +57,8 @@ def _buffer_offset(param: torch.Tensor, buffers: list[torch.Tensor]) -> int:
     grad = getattr(param, "main_grad", None)
     base = 0
     for buffer in buffers:
-        if grad is not None and buffer.data_ptr() <= grad.data_ptr() < buffer.data_ptr() + buffer.numel() * buffer.element_size():
+        end = buffer.data_ptr() + buffer.numel() * buffer.element_size()
+        if grad is not None and buffer.data_ptr() <= grad.data_ptr() < end:
             return base + (grad.data_ptr() - buffer.data_ptr()) // grad.element_size()
         base += buffer.numel()
     return -1

@@ -1,8 +1,9 @@
 """The training loop of ``launch/pretrain_gpt.py`` on Megatron-core's own parts.
 
 Megatron-core's GPTModel, its DistributedDataParallel, its optimizer and LR scheduler, and its pipeline schedule
-(``get_forward_backward_func``) do the work; this module wires them together the way Megatron-LM's
-``training.py`` does, for the uniform TP x PP x DP plan that Megatron's ``parallel_state`` can express.
+do the work; this module wires them together the way Megatron-LM's ``training.py`` does. Where a rank sits and
+what it holds comes from a runtime: Megatron's own ``parallel_state`` grid for uniform plans
+(uniform_runtime.py) or the plan runtime for any plan (plan_runtime.py).
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ from hetu_ext.plan import ModelSpec, Plan, PlanError, format_plan, load_plan, un
 from . import checkpointing, host
 from .data import DataSpec, build_train_dataset, make_tokenizer, microbatch_iterator
 from .memory import memory_table
-from .model import TrainingNumerics, build_gpt_stage, transformer_config
-from .plan_runtime import Placement, build_plan_placement, check_runnable
-from .weights import init_weights
+from .model import TrainingNumerics
+from .placement import Placement
+from .plan_runtime import build_plan_placement, check_runnable
+from .uniform_runtime import build_megatron_placement
 
 logger = logging.getLogger(__name__)
 
@@ -184,47 +186,6 @@ def select_runtime(args: argparse.Namespace, plan: Plan) -> str:
                             "it or run a uniform plan")
         return "plan"
     return "megatron"
-
-
-def build_megatron_placement(args, spec: ModelSpec, plan: Plan, h: host.Host, numerics: TrainingNumerics
-                             ) -> Placement:
-    """Megatron's own uniform path: parallel_state's TP x PP x DP grid, its DDP, optimizer and schedule."""
-    from megatron.core import parallel_state, tensor_parallel
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, \
-        finalize_model_grads
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    tp, pp, _ = uniform_shape(plan)
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                             create_gloo_process_groups=False)
-    tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
-    pipeline_index, stage_index = plan.stage_of(h.rank)
-    stage = plan.pipelines[pipeline_index].stages[stage_index]
-    config = transformer_config(spec, numerics, tp=tp, pp=pp, on_cpu=h.device.type == "cpu")
-    model = build_gpt_stage(spec, config, pre_process=stage.has_embedding, post_process=stage.has_output)
-    model.to(h.device)
-    init_weights(model, seed=args.seed, std=args.init_method_std, num_layers=spec.num_layers)
-    if args.bf16:
-        from megatron.core.transformer.module import Float16Module
-
-        model = Float16Module(config, model)  # bf16 weights and activations; fp32 master weights in the optimizer
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                               use_distributed_optimizer=args.use_distributed_optimizer)
-    model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
-    model.broadcast_params()
-    opt_config = OptimizerConfig(optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr,
-                                 weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
-                                 adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad,
-                                 bf16=args.bf16, params_dtype=numerics.dtype,
-                                 use_distributed_optimizer=args.use_distributed_optimizer)
-    optimizer = get_megatron_optimizer(opt_config, [model], use_gloo_process_groups=False)
-    config.no_sync_func = model.no_sync
-    config.finalize_model_grads_func = finalize_model_grads
-    config.grad_scale_func = optimizer.scale_loss
-    return Placement(active=True, pipeline_index=pipeline_index, model=model, optimizer=optimizer, config=config,
-                     is_last_stage=stage.has_output, tp_rank=parallel_state.get_tensor_model_parallel_rank(),
-                     report_group=None, forward_backward=get_forward_backward_func())
 
 
 def build_trainer(args: argparse.Namespace) -> Trainer:

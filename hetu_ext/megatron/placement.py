@@ -1,0 +1,31 @@
+"""What the training loop needs from the runtime that placed a rank (Megatron's uniform path or the plan's)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from hetu_ext.runtime.grad_sync import GradSync
+
+
+@dataclass
+class Placement:
+    """What the training loop needs from the runtime that placed this rank."""
+
+    active: bool
+    """False on ranks the plan leaves unused: they hold nothing and wait."""
+    pipeline_index: int | None = None
+    model: torch.nn.Module | None = None
+    optimizer: object = None
+    config: object = None
+    is_last_stage: bool = False
+    tp_rank: int = 0
+    report_group: object = None
+    """Group over which per-pipeline loss sums are added (None: the default world group)."""
+    schedule_kwargs: dict = dataclasses.field(default_factory=dict)
+    forward_backward: object = None
+    grad_sync: GradSync | None = None
+    shard_kwargs: dict = dataclasses.field(default_factory=dict)
+    """How to read this stage's tensors' global identity (weights.local_shards)."""
