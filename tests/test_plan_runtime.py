@@ -1,6 +1,6 @@
 """The gold test of the plan runtime: heterogeneous plans train exactly like one process.
 
-Each plan below runs K=3 Adam steps of Megatron-core's GPTModel on 4-6 gloo ranks (pretrain_gpt.py's code path,
+Each of the 9 plans below runs K=3 Adam steps of Megatron-core's GPTModel on 4-6 gloo ranks (pretrain_gpt.py's code path,
 ``--hetu-plan``) on the same global batches as the 1x1x1 reference (8 samples: 4 microbatches of 2, split over
 the pipelines as the plan says). Losses and the final gathered weights must match the reference with the
 tolerances of test_uniform_equivalence (1e-6 relative on losses, 2e-6 absolute on weights): the plans change
@@ -20,16 +20,19 @@ from test_uniform_equivalence import LOSS_RTOL, WEIGHT_ATOL, _argv, compare
 
 # (id, world size, what it covers, plan YAML)
 PLANS = [
-    ("stages_2_and_1", 3, "pipelines with different stage counts and layer splits (3+1 vs 4)",
+    ("stages_2_and_1", 4, "pipelines with different stage counts and layer splits (3+1 vs 4 vs 4), 2/1/1 "
+     "microbatches",
      "pipelines: [{num_microbatches: 2, stages: [{ranks: [0], layers: [0, 3]}, {ranks: [1], layers: [3, 4]}]},"
-     " {num_microbatches: 2, stages: [{ranks: [2], layers: [0, 4]}]}]"),
+     " {num_microbatches: 1, stages: [{ranks: [2], layers: [0, 4]}]},"
+     " {num_microbatches: 1, stages: [{ranks: [3], layers: [0, 4]}]}]"),
     ("microbatches_3_1", 4, "different microbatch counts (3 vs 1) and TP 2 -> 1 inside a pipeline, tied "
      "embedding on stages of different TP degree",
      "pipelines: [{num_microbatches: 3, stages: [{ranks: [0, 1], layers: [0, 3]}, {ranks: [2], layers: [3, 4]}]},"
      " {num_microbatches: 1, stages: [{ranks: [3], layers: [0, 4]}]}]"),
-    ("tp_differs_between_pipelines", 3, "the same layers at TP 2 in one replica and TP 1 in the other",
+    ("tp_differs_between_pipelines", 4, "the same layers at TP 2 in one replica and TP 1 in two others",
      "pipelines: [{num_microbatches: 2, stages: [{ranks: [0, 1], layers: [0, 4]}]},"
-     " {num_microbatches: 2, stages: [{ranks: [2], layers: [0, 4]}]}]"),
+     " {num_microbatches: 1, stages: [{ranks: [2], layers: [0, 4]}]},"
+     " {num_microbatches: 1, stages: [{ranks: [3], layers: [0, 4]}]}]"),
     ("tp_1_to_2_in_pipeline", 4, "TP 1 -> 2 inside a pipeline (one sender, two receivers; two senders back)",
      "pipelines: [{num_microbatches: 1, stages: [{ranks: [0], layers: [0, 1]}, {ranks: [1, 2], layers: [1, 4]}]},"
      " {num_microbatches: 3, stages: [{ranks: [3], layers: [0, 4]}]}]"),
@@ -46,9 +49,10 @@ PLANS = [
     ("tp_2_1_2_chain", 6, "TP 2 -> 1 -> 2 along one pipeline of three stages, beside a TP-1 replica",
      "pipelines: [{num_microbatches: 2, stages: [{ranks: [0, 1], layers: [0, 1]}, {ranks: [2], layers: [1, 3]},"
      " {ranks: [3, 4], layers: [3, 4]}]}, {num_microbatches: 2, stages: [{ranks: [5], layers: [0, 4]}]}]"),
-    ("one_pipeline_uneven", 3, "a single pipeline with an uneven 1/2/1 split (no replicas: nothing to reduce)",
-     "pipelines: [{num_microbatches: 4, stages: [{ranks: [0], layers: [0, 1]}, {ranks: [1], layers: [1, 3]},"
-     " {ranks: [2], layers: [3, 4]}]}]"),
+    ("one_pipeline_uneven", 4, "a single pipeline, uneven 1/2/1 split, TP 1 -> 2 -> 1 (no replicas: only the "
+     "tied embedding of the first and last stage is reduced)",
+     "pipelines: [{num_microbatches: 4, stages: [{ranks: [0], layers: [0, 1]}, {ranks: [1, 2], layers: [1, 3]},"
+     " {ranks: [3], layers: [3, 4]}]}]"),
 ]
 
 
