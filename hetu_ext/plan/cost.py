@@ -1,0 +1,77 @@
+"""Per-layer time and memory of a GPT stage (pure), the numbers the planner and the simulator share.
+
+Time: the forward FLOPs of one transformer layer for ``b`` samples of ``s`` tokens are
+``2 b s (4 h^2 + 2 h f) + 4 b s^2 h`` (QKV/projection and MLP matmuls, then scores and values); backward costs
+twice the forward. A TP group of degree t divides the work by t at ``tp_efficiency[t]`` and adds its all-reduces
+(4 per layer per microbatch, forward and backward, of ``b s h`` values, ring cost 2 (t-1)/t) over the node's
+link. The slowest member sets a TP group's pace. Embedding and output layer add ``2 b s h V`` FLOPs to the first
+and last stages.
+
+Memory per rank (bytes): weights (dtype), fp32 gradient buffer, optimizer state (Adam: two fp32 moments, plus
+fp32 master weights under bf16), all divided by TP; activations of one layer for one microbatch
+``b s h (34 + 5 a s / h)`` x dtype / 2 (Korthikanti et al.'s count for fp16), divided by TP, times the
+microbatches a stage holds in flight under 1F1B: ``min(pp - stage, m)``, more on early stages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .model_spec import ModelSpec
+
+
+@dataclass(frozen=True, kw_only=True)
+class CostModel:
+    """Device constants (defaults: an A100-class GPU in a node of NVLink, InfiniBand between nodes)."""
+
+    flops_per_s: float = 150e12
+    """Sustained matmul throughput of a healthy GPU."""
+    intra_node_bytes_per_s: float = 150e9
+    inter_node_bytes_per_s: float = 12.5e9
+    dtype_bytes: int = 2
+    optimizer_state_bytes: int = 12
+    """Per parameter element: Adam's two fp32 moments and the fp32 master weight (bf16 training)."""
+    grad_bytes: int = 4
+    tp_efficiency: dict[int, float] = field(default_factory=lambda: {1: 1.0, 2: 0.95, 4: 0.9, 8: 0.85})
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """Forward and backward seconds of one microbatch through a stage; its peak memory."""
+
+    forward_s: float
+    backward_s: float
+    memory_bytes: float
+
+
+def layer_params(spec: ModelSpec) -> int:
+    h, f = spec.hidden_size, spec.ffn_hidden_size
+    return 4 * h * h + 2 * h * f + 9 * h + f  # QKV + proj + fc1 + fc2 weights, their biases, two layernorms
+
+
+def layer_forward_flops(spec: ModelSpec, micro_batch: int) -> float:
+    h, f, s = spec.hidden_size, spec.ffn_hidden_size, spec.seq_length
+    return 2.0 * micro_batch * s * (4 * h * h + 2 * h * f) + 4.0 * micro_batch * s * s * h
+
+
+def stage_cost(spec: ModelSpec, cost: CostModel, *, num_layers: int, tp: int, slowdown: float, micro_batch: int,
+               first: bool, last: bool, in_flight: int) -> StageCost:
+    """Time and memory of one stage of ``num_layers`` layers at TP ``tp`` whose slowest rank is ``slowdown``."""
+    h, s, v = spec.hidden_size, spec.seq_length, spec.padded_vocab_size
+    flops = num_layers * layer_forward_flops(spec, micro_batch)
+    extra_params = 0
+    if first:
+        extra_params += v * h + spec.max_position_embeddings * h
+    if last:
+        flops += 2.0 * micro_batch * s * h * v
+        extra_params += v * h if spec.untie_embeddings_and_output_weights or not first else 0
+    efficiency = cost.tp_efficiency.get(tp, 0.8)
+    compute = flops / (cost.flops_per_s * tp * efficiency) * slowdown
+    comm = 0.0
+    if tp > 1:
+        comm = num_layers * 2 * micro_batch * s * h * cost.dtype_bytes * 2 * (tp - 1) / tp / cost.intra_node_bytes_per_s
+    params = (num_layers * layer_params(spec) + extra_params) / tp
+    static = params * (cost.dtype_bytes + cost.grad_bytes + cost.optimizer_state_bytes)
+    per_layer_act = micro_batch * s * h * (34 + 5 * spec.num_attention_heads * s / h) * cost.dtype_bytes / 2 / tp
+    activations = per_layer_act * num_layers * in_flight
+    return StageCost(forward_s=compute + comm, backward_s=2 * compute + comm, memory_bytes=static + activations)

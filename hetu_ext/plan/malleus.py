@@ -1,0 +1,239 @@
+"""Malleus: straggler-aware non-uniform planning (pure; no torch, no clocks).
+
+Given the cluster (ranks, nodes, GPU memory, slowdowns), the model shape and the global batch, choose TP groups
+(inside a node; stragglers grouped together, or left unused), pipelines of possibly different stage counts, a
+layer split per pipeline and a microbatch count per pipeline that minimise the predicted step time, fill and
+drain included, under each GPU's memory.
+
+Two inner problems are solved exactly without an ILP solver, by water-filling (the optimum of a min-max
+allocation with monotone per-item costs is the smallest level T at which the items' capacities at T cover the
+demand; the level is searched by bisection and then snapped to the allocation it yields):
+
+* layer split: ``min max_j (n_j t_j + c_j)`` over contiguous stages, ``sum n_j = L``, ``1 <= n_j <= cap_j``
+  (t_j: a layer's forward+backward seconds on stage j, c_j: its embedding/output work, cap_j: layers that fit
+  in its memory with the microbatches 1F1B keeps in flight there);
+* microbatch split: ``min max_i ((m_i - 1) t_i + S_i)`` over pipelines, ``sum m_i = M``, ``m_i >= 0`` (a
+  pipeline too slow to take even one microbatch is dropped and its ranks left unused).
+
+The outer search enumerates a few templates (TP degree, a straggler cut-off, stages per pipeline): O(N) work
+each, so thousands of GPUs plan in well under a second, where Malleus's released planner solves two ILPs per
+template (~20 s at 64 GPUs).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .cluster import Cluster
+from .cost import CostModel, stage_cost
+from .model_spec import ModelSpec
+from .plan import Pipeline, Plan, Stage, uniform_plan
+from .simulate import one_f_one_b, pipeline_time_closed_form
+
+_BISECT_STEPS = 64  # halvings: enough to reach float resolution of any level below 1e19 x the lowest
+
+
+def _snap_min_level(count_at, lo: float, hi: float, demand: int) -> float:
+    """Smallest level in (lo, hi] whose count reaches ``demand`` (count_at monotone, step-wise)."""
+    for _ in range(_BISECT_STEPS):
+        mid = (lo + hi) / 2
+        if mid in (lo, hi):
+            break
+        if count_at(mid) >= demand:
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def split_layers(num_layers: int, per_layer: list[float], fixed: list[float], caps: list[int]) -> list[int] | None:
+    """Layers per stage minimising the slowest stage; None if the caps cannot hold ``num_layers``."""
+    p = len(per_layer)
+    if p > num_layers or sum(min(c, num_layers) for c in caps) < num_layers or min(caps) < 1:
+        return None
+
+    def counts(level: float) -> list[int]:
+        return [min(cap, max(0, math.floor((level - c) / t + 1e-12))) for t, c, cap in zip(per_layer, fixed, caps)]
+
+    def count_at(level: float) -> int:
+        n = counts(level)
+        return sum(n) if min(n) >= 1 else -1
+
+    hi = max(c + t * num_layers for t, c in zip(per_layer, fixed))
+    level = _snap_min_level(count_at, 0.0, hi, num_layers)
+    alloc = counts(level)
+    excess = sum(alloc) - num_layers
+    while excess > 0:  # any trim keeps the level; trim the currently slowest stages first
+        j = max((k for k in range(p) if alloc[k] > 1), key=lambda k: alloc[k] * per_layer[k] + fixed[k])
+        alloc[j] -= 1
+        excess -= 1
+    return alloc
+
+
+def split_microbatches(total: int, bottleneck: list[float], fill: list[float]) -> list[int]:
+    """Microbatches per pipeline minimising the slowest pipeline's ``(m - 1) t + S`` (0 drops a pipeline)."""
+
+    def counts(level: float) -> list[int]:
+        return [max(0, math.floor((level - s) / t + 1e-12) + 1) if level >= s else 0
+                for t, s in zip(bottleneck, fill)]
+
+    hi = max(s + t * (total - 1) for t, s in zip(bottleneck, fill))
+    level = _snap_min_level(lambda x: sum(counts(x)), 0.0, hi, total)
+    alloc = counts(level)
+    excess = sum(alloc) - total
+    while excess > 0:
+        i = max((k for k in range(len(alloc)) if alloc[k] > 0),
+                key=lambda k: (alloc[k] - 1) * bottleneck[k] + fill[k])
+        alloc[i] -= 1
+        excess -= 1
+    return alloc
+
+
+@dataclass(frozen=True)
+class PlannedStep:
+    """A plan and the step time the cost model predicts for it."""
+
+    plan: Plan
+    predicted_step_s: float
+    template: str
+    """Which template won (TP degree, straggler cut-off, stages per pipeline)."""
+
+
+def _groups(cluster: Cluster, tp: int, cutoff: float) -> tuple[list[tuple[tuple[int, ...], float]], list[int]]:
+    """TP groups per node, stragglers grouped together (ranks sorted by slowdown); groups slower than cutoff
+    and leftover ranks are unused."""
+    groups, unused = [], []
+    for node in cluster.nodes:
+        ranked = sorted(node, key=lambda r: (cluster.slowdown(r), r))
+        for k in range(0, len(ranked) - len(ranked) % tp, tp):
+            members = tuple(sorted(ranked[k:k + tp]))
+            x = max(cluster.slowdown(r) for r in members)
+            (groups.append((members, x)) if x <= cutoff else unused.extend(members))
+        unused.extend(ranked[len(ranked) - len(ranked) % tp:])
+    return groups, unused
+
+
+def _evaluate(spec: ModelSpec, cost: CostModel, cluster: Cluster, pipelines_groups, tp: int, micro_batch: int,
+              num_microbatches: int):
+    """Split layers and microbatches for pipelines given as lists of (ranks, slowdown); None if infeasible."""
+    stages_all, bottleneck, fill = [], [], []
+    memo: dict = {}
+
+    def terms(x: float, j: int, p: int) -> tuple[float, float, int]:
+        """(seconds per layer, fixed seconds, layer capacity) of stage j of p at slowdown x (memoised)."""
+        key = (x, j == 0, j == p - 1, p - j)
+        if key not in memo:
+            unit = stage_cost(spec, cost, num_layers=1, tp=tp, slowdown=x, micro_batch=micro_batch, first=False,
+                              last=False, in_flight=p - j)
+            ends = stage_cost(spec, cost, num_layers=0, tp=tp, slowdown=x, micro_batch=micro_batch, first=j == 0,
+                              last=j == p - 1, in_flight=p - j)
+            memo[key] = (unit.forward_s + unit.backward_s, ends.forward_s + ends.backward_s,
+                         int((cluster.gpu_memory_bytes - ends.memory_bytes) // unit.memory_bytes))
+        return memo[key]
+
+    splits: dict = {}  # pipelines with the same stage speeds (most of them, in a large cluster) split alike
+    for groups in pipelines_groups:
+        speeds = tuple(x for _, x in groups)
+        if speeds not in splits:
+            p = len(groups)
+            per_layer, fixed, caps = zip(*(terms(x, j, p) for j, x in enumerate(speeds)))
+            split = split_layers(spec.num_layers, list(per_layer), list(fixed), list(caps))
+            times = None if split is None else [n * t + c for n, t, c in zip(split, per_layer, fixed)]
+            splits[speeds] = (split, times)
+        split, times = splits[speeds]
+        if split is None:
+            return None
+        stages_all.append(split)
+        bottleneck.append(max(times))
+        fill.append(sum(times))
+    mbs = split_microbatches(num_microbatches, bottleneck, fill)
+    step = max((m - 1) * b + s for m, b, s in zip(mbs, bottleneck, fill) if m > 0)
+    return step, stages_all, mbs
+
+
+def plan_malleus(cluster: Cluster, spec: ModelSpec, *, micro_batch: int, num_microbatches: int,
+                 cost: CostModel = CostModel(), tp_degrees: tuple[int, ...] = (1, 2, 4, 8),
+                 stages_per_pipeline: tuple[int, ...] = (1, 2, 4, 8, 16)) -> PlannedStep:
+    """The best plan over the templates; ValueError naming what would fit if no template fits in memory."""
+    best = None
+    cutoffs = sorted({cluster.slowdown(r) for r in range(cluster.world_size)}, reverse=True)[:4]
+    for tp in tp_degrees:
+        if tp > cluster.gpus_per_node or any(n % tp for n in (spec.num_attention_heads, spec.ffn_hidden_size,
+                                                                spec.padded_vocab_size)):
+            continue
+        for cutoff in cutoffs:
+            groups, unused = _groups(cluster, tp, cutoff)
+            if not groups:
+                continue
+            for pp in stages_per_pipeline:
+                if pp > min(len(groups), spec.num_layers):
+                    continue
+                d = len(groups) // pp
+                spare = groups[d * pp:]
+                order = sorted(groups[:d * pp], key=lambda g: g[1])
+                # deal groups out in snake order so each pipeline gets a similar mix of speeds
+                pipes = [[] for _ in range(d)]
+                for k, g in enumerate(order):
+                    lap, i = divmod(k, d)
+                    pipes[i if lap % 2 == 0 else d - 1 - i].append(g)
+                result = _evaluate(spec, cost, cluster, pipes, tp, micro_batch, num_microbatches)
+                if result is None:
+                    continue
+                step, splits, mbs = result
+                if best is None or step < best[0]:
+                    best = (step, tp, cutoff, pp, pipes, splits, mbs, unused + [r for g, _ in spare for r in g])
+    if best is None:
+        raise ValueError(_no_fit_message(cluster, spec, cost, micro_batch))
+    step, tp, cutoff, pp, pipes, splits, mbs, unused = best
+    pipelines = []
+    for groups, split, m in zip(pipes, splits, mbs):
+        if m == 0:
+            unused += [r for g, _ in groups for r in g]
+            continue
+        stages, start = [], 0
+        for j, ((ranks, _), n) in enumerate(zip(groups, split)):
+            stages.append(Stage(ranks=ranks, layer_start=start, layer_stop=start + n, has_embedding=j == 0,
+                                has_output=j == len(groups) - 1))
+            start += n
+        pipelines.append(Pipeline(stages=tuple(stages), num_microbatches=m))
+    plan = Plan(pipelines=tuple(pipelines), unused_ranks=tuple(sorted(unused)))
+    plan.validate(spec, cluster.world_size)
+    return PlannedStep(plan=plan, predicted_step_s=step,
+                       template=f"tp={tp} cutoff={cutoff:g} stages/pipeline={pp}")
+
+
+def _no_fit_message(cluster: Cluster, spec: ModelSpec, cost: CostModel, micro_batch: int) -> str:
+    one_layer = stage_cost(spec, cost, num_layers=1, tp=min(8, cluster.gpus_per_node), slowdown=1.0,
+                           micro_batch=micro_batch, first=False, last=False, in_flight=1).memory_bytes
+    per_gpu = max(1, int(cluster.gpu_memory_bytes // one_layer))
+    need = math.ceil(spec.num_layers / per_gpu)
+    return (f"planner: no plan fits in {cluster.gpu_memory_bytes / 2**30:.1f} GiB per GPU: one layer needs "
+            f"{one_layer / 2**30:.2f} GiB at the largest TP degree, so at most {per_gpu} layers fit per GPU and "
+            f"{spec.num_layers} layers need at least {need} pipeline stages of TP {min(8, cluster.gpus_per_node)}; "
+            f"use more GPUs, fewer layers per GPU, or a smaller micro batch than {micro_batch}")
+
+
+def predict_uniform(cluster: Cluster, spec: ModelSpec, *, tp: int, pp: int, micro_batch: int,
+                    num_microbatches: int, cost: CostModel = CostModel()) -> float:
+    """Predicted step time of Megatron's uniform plan on the same (straggling) cluster."""
+    plan = uniform_plan(world_size=cluster.world_size, tp=tp, pp=pp, num_layers=spec.num_layers,
+                        num_microbatches=max(1, num_microbatches // (cluster.world_size // (tp * pp))))
+    return predict(plan, cluster, spec, micro_batch=micro_batch, cost=cost)
+
+
+def predict(plan: Plan, cluster: Cluster, spec: ModelSpec, *, micro_batch: int, cost: CostModel = CostModel(),
+            exact: bool = False) -> float:
+    """Step time of any plan under the cost model (closed form, or the exact 1F1B timeline)."""
+    worst = 0.0
+    for pipeline in plan.pipelines:
+        fwd, bwd = [], []
+        for j, stage in enumerate(pipeline.stages):
+            c = stage_cost(spec, cost, num_layers=stage.num_layers, tp=stage.tp,
+                           slowdown=max(cluster.slowdown(r) for r in stage.ranks), micro_batch=micro_batch,
+                           first=stage.has_embedding, last=stage.has_output, in_flight=pipeline.pp - j)
+            fwd.append(c.forward_s)
+            bwd.append(c.backward_s)
+        run = one_f_one_b if exact else pipeline_time_closed_form
+        worst = max(worst, run(fwd, bwd, pipeline.num_microbatches))
+    return worst
