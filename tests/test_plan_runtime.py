@@ -98,3 +98,21 @@ def test_uniform_plan_on_the_plan_runtime_matches_megatrons_uniform_path(sample_
     plan_rt = run_ranks(train, 4, _argv(2, 1, sample_prefix, ("--hetu-runtime", "plan")), timeout=180)[0]
     loss_diff, weight_diff = compare(plan_rt, megatron)
     assert loss_diff <= LOSS_RTOL and weight_diff <= WEIGHT_ATOL
+
+
+def test_a_malleus_plan_trains_like_single_process(reference, sample_prefix, tmp_path):
+    """Planner to runtime: the plan Malleus makes around two stragglers (ranks 1 and 2 at 1.5x and 3x) on 4
+    ranks, written by ``python -m hetu_ext.plan malleus``, trains exactly like one process."""
+    from hetu_ext.plan import load_plan, uniform_shape
+    from hetu_ext.plan.__main__ import main as plan_main
+
+    path = tmp_path / "malleus.yaml"
+    assert plan_main(["malleus", "--world-size", "4", "--gpus-per-node", "4", "--slowdown", "1=1.5",
+                      "--slowdown", "2=3", "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
+                      "--ffn-hidden-size", "64", "--seq-length", "32", "--micro-batch-size", "2",
+                      "--global-batch-size", "8", "--vocab-size", "257", "--output", str(path)]) == 0
+    plan = load_plan(path)
+    assert uniform_shape(plan) is None and plan.stage_of(2) is None  # the 3x straggler is left out
+    results = run_ranks(train, 4, _argv(1, 1, sample_prefix, ("--hetu-plan", str(path))), timeout=240)
+    loss_diff, weight_diff = compare(next(r for r in results if r is not None), reference)
+    assert loss_diff <= LOSS_RTOL and weight_diff <= WEIGHT_ATOL
