@@ -69,7 +69,7 @@ def test_bad_plan_files_exit_2_before_any_process_group(tmp_path):
 def test_bad_hetu_config_exits_2(tmp_path):
     config = write(tmp_path, "hetu.yaml", "plan: x.yaml\npacking: greedy\n")
     assert_one_error_line(run(MODEL + ["--train-iters", "2", "--mock-data", "--hetu-config", config]),
-                          "unknown key(s) ['packing']; allowed keys are ['cpu_patches', 'plan']")
+                          "unknown key(s) ['packing']; allowed keys are ['cpu_patches', 'plan', 'runtime']")
 
 
 def _losses(stdout: str) -> list[float]:
@@ -96,3 +96,17 @@ def test_torchrun_tp2_pp2_trains(data, sample_prefix):
     assert re.search(r"iteration +12/ +12 \| consumed samples: +96 \| elapsed time per iteration \(ms\): [0-9.]+ \| "
                      r"learning rate: [0-9.E+-]+ \| global batch size: +8 \| lm loss: [0-9.E+-]+ \| grad norm: "
                      r"[0-9.]+ \| tokens/s: [0-9]+ \|", proc.stdout)
+
+
+def test_torchrun_heterogeneous_plan_from_hetu_config():
+    """The launcher runs the example heterogeneous plan (TP 2 -> 1 pipeline beside a one-rank pipeline, one
+    idle rank) from configs/hetero_5ranks.yaml under torchrun, and the loss goes down."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "5", "--rdzv-backend", "c10d",
+           "--rdzv-endpoint", "localhost:0", str(LAUNCH), "--hetu-config", "configs/hetero_5ranks.yaml", *MODEL,
+           "--global-batch-size", "8", "--train-iters", "8", "--log-interval", "1", "--mock-data"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    losses = _losses(proc.stdout)
+    assert len(losses) == 8 and losses[-1] < losses[0] - 0.05, losses
+    assert "plan runtime" in proc.stderr and "memory per rank" in proc.stderr

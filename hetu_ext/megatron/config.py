@@ -2,8 +2,9 @@
 
 Recognised keys (each also a ``--hetu-*`` flag; a flag given on the command line wins over the file):
 
-    plan: configs/plans/uniform_tp2_pp2.yaml   # path (relative to the YAML file) of a plan
-    cpu_patches: auto                          # auto | on | off
+    plan: plans/hetero_2pipes.yaml   # path (relative to the YAML file) of a plan
+    runtime: auto                    # auto | megatron | plan
+    cpu_patches: auto                # auto | on | off
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ from pathlib import Path
 
 import yaml
 
-_KEYS = {"plan": "hetu_plan", "cpu_patches": "hetu_cpu_patches"}
-_DEFAULTS = {"hetu_plan": None, "hetu_cpu_patches": "auto"}
+_KEYS = {"plan": "hetu_plan", "runtime": "hetu_runtime", "cpu_patches": "hetu_cpu_patches"}
+_DEFAULTS = {"hetu_plan": None, "hetu_runtime": "auto", "hetu_cpu_patches": "auto"}
+_CHOICES = {"runtime": ("auto", "megatron", "plan"), "cpu_patches": ("auto", "on", "off")}
 
 
 def load_hetu_config(path: str) -> dict:
@@ -30,6 +32,9 @@ def load_hetu_config(path: str) -> dict:
     unknown = sorted(set(data) - set(_KEYS))
     if unknown:
         raise ValueError(f"--hetu-config {path!r}: unknown key(s) {unknown}; allowed keys are {sorted(_KEYS)}")
+    for key, choices in _CHOICES.items():
+        if key in data and data[key] not in choices:
+            raise ValueError(f"--hetu-config {path!r}: {key} must be one of {list(choices)}, got {data[key]!r}")
     if "plan" in data and data["plan"] is not None:
         plan = Path(str(data["plan"]))
         data["plan"] = str(plan if plan.is_absolute() else file.parent / plan)

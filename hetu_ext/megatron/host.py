@@ -56,18 +56,6 @@ def disable_cpu_support() -> None:
     logging.getLogger(_RNG_LOGGER).removeFilter(_RNG_FILTER)
 
 
-class _SameGeneratorWarningFilter(logging.Filter):
-    """On CPU the tracker's "CUDA" RNG is the CPU generator, so its check that forking left the CPU RNG alone
-    always fires; drop that one message (only while the CPU patches are in effect)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "CPU RNG state changed within GPU RNG context" not in record.getMessage()
-
-
-_RNG_FILTER = _SameGeneratorWarningFilter()
-_RNG_LOGGER = "megatron.core.tensor_parallel.random"
-
-
 @dataclass(frozen=True)
 class Host:
     """Where this process runs: its device, backend, rank and world size."""

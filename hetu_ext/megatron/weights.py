@@ -1,15 +1,15 @@
 """Layout-agnostic weights: initialise and gather a stage model's tensors by their global identity.
 
 Megatron-core describes every parameter of a stage by a ``ShardedTensor`` (``model.sharded_state_dict()``): a
-global key, the global shape, this rank's offset in it, and a replica id (0 for the one copy that owns it). Layers
+global key, the global shape and this rank's offset in it. Layers
 are stacked along a prepended axis indexed by the *global* layer number, so the same key and index name the same
 tensor under any TP / PP / DP layout.
 
 * :func:`init_weights` fills each local shard from a generator seeded by (seed, key, layer index): the same seed
   gives the same model under every layout, which Megatron's own initialisation does not (its RNG stream depends
   on the stage and TP rank).
-* :func:`gather_weights` assembles the full tensors (on every rank) from the owning copies: how tests compare
-  weights across layouts.
+* :func:`gather_weights` assembles the full tensors (on every rank) from every copy, requiring copies of one
+  element to agree bit for bit: how tests compare weights across layouts.
 """
 
 from __future__ import annotations
@@ -36,13 +36,7 @@ class LocalShard:
     slices: tuple[slice, ...]
     shape: tuple[int, ...]
     """Global shape of one tensor, without the prepended axes."""
-    owner: bool
-    """True for the one replica that owns this piece (replica_id all zero)."""
     data: torch.Tensor
-
-
-def _replica_is_zero(replica_id) -> bool:
-    return all(r == 0 for r in replica_id) if isinstance(replica_id, tuple) else replica_id == 0
 
 
 def local_shards(model: torch.nn.Module, *, layer_offset: int = 0, metadata: dict | None = None
@@ -82,7 +76,7 @@ def local_shards(model: torch.nn.Module, *, layer_offset: int = 0, metadata: dic
         index = tuple(o + layer_offset if k == 0 else o for k, o in enumerate(sh.global_offset[:n]))
         slices = tuple(slice(o, o + s) for o, s in zip(sh.global_offset[n:], sh.local_shape))
         yield LocalShard(key=sh.key, index=index, slices=slices, shape=tuple(sh.global_shape[n:]),
-                         owner=_replica_is_zero(sh.replica_id), data=sh.data)
+                         data=sh.data)
 
 
 def initial_value(key: str, index: tuple[int, ...], shape: tuple[int, ...], *, seed: int, std: float,
