@@ -79,6 +79,16 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     g.add_argument("--hetu-runtime", choices=["auto", "megatron", "plan"], default="auto",
                    help="megatron: parallel_state's uniform grid; plan: any plan (stage models with their own groups)"
                         "; auto: megatron for uniform plans, plan otherwise")
+    g.add_argument("--hetu-emulate-slowdown", default=None, metavar="SCHEDULE",
+                   help='emulate stragglers: "step=20:rank=3:x=4[,step=60:rank=3:x=1]" pads each layer of rank 3 '
+                        "to 4x its time from step 20")
+    g.add_argument("--hetu-straggler-interval", type=int, default=0,
+                   help="measure per-rank slowdowns every N steps and propose a Malleus plan (0: off)")
+    g.add_argument("--hetu-straggler-threshold", type=float, default=1.3)
+    g.add_argument("--hetu-straggler-min-change", type=float, default=0.2)
+    g.add_argument("--hetu-straggler-window", type=int, default=5)
+    g.add_argument("--hetu-gpus-per-node", type=int, default=None, help="for planning (default: one node)")
+    g.add_argument("--hetu-replan-output", default=None, help="write the proposed plan here (YAML)")
     g.add_argument("--hetu-cpu-patches", choices=["auto", "on", "off"], default="auto",
                    help="Megatron-core CPU patches: auto applies them only when no CUDA device is present")
     return p
@@ -110,5 +120,11 @@ def validate_args(args: argparse.Namespace) -> None:
     if bool(args.mock_data) == bool(args.data_path):
         raise ValueError("give exactly one data source: --mock-data or --data-path PREFIX "
                          f"(got --mock-data={args.mock_data}, --data-path={args.data_path})")
+    if args.hetu_straggler_interval < 0:
+        raise ValueError(f"--hetu-straggler-interval must be >= 0, got {args.hetu_straggler_interval}")
+    if args.hetu_emulate_slowdown:
+        from hetu_ext.runtime.straggler import parse_schedule
+
+        parse_schedule(args.hetu_emulate_slowdown)
     if args.save_interval is not None and args.save is None:
         raise ValueError(f"--save-interval {args.save_interval} needs --save DIR to save into")

@@ -19,11 +19,14 @@ import torch
 import torch.distributed as dist
 
 from hetu_ext.data.assign import global_batch_size
+from hetu_ext.plan.straggler_policy import StragglerPolicy
+from hetu_ext.runtime.straggler import parse_schedule
 from hetu_ext.plan import ModelSpec, Plan, PlanError, format_plan, load_plan, uniform_plan, uniform_shape
 
 from . import checkpointing, host
 from .data import DataSpec, build_train_dataset, make_tokenizer, microbatch_iterator
 from .memory import memory_table
+from .monitor import StragglerMonitor
 from .model import TrainingNumerics
 from .placement import Placement
 from .plan_runtime import build_plan_placement, check_runnable
@@ -76,6 +79,7 @@ class Trainer:
     placement: Placement
     scheduler: object
     dataset: object
+    monitor: StragglerMonitor | None = None
     iteration: int = 0
     losses: list[float] = field(default_factory=list)
 
@@ -108,6 +112,8 @@ class Trainer:
         gbs = global_batch_size(self.plan, args.micro_batch_size)
         window_start, window_iters = time.perf_counter(), 0
         while self.iteration < args.train_iters:
+            if self.monitor:
+                self.monitor.before_step(self.iteration + 1)
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
             reports = placement.forward_backward(
@@ -120,6 +126,8 @@ class Trainer:
             window_iters += 1
             loss = self._global_loss(reports)
             self.losses.append(loss)
+            if self.monitor:
+                self.monitor.after_step(self.iteration, log)
             if self.iteration % args.log_interval == 0 or self.iteration == args.train_iters:
                 elapsed = (time.perf_counter() - window_start) / window_iters
                 if self.host.rank == self.log_rank:
@@ -188,6 +196,22 @@ def select_runtime(args: argparse.Namespace, plan: Plan) -> str:
     return "megatron"
 
 
+def _straggler_monitor(args, spec: ModelSpec, plan: Plan, h: host.Host, placement: Placement):
+    if not placement.active or not args.hetu_straggler_interval:
+        return None
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    monitor = StragglerMonitor(
+        rank=h.rank, plan=plan, spec=spec, micro_batch=args.micro_batch_size,
+        interval=args.hetu_straggler_interval,
+        policy=StragglerPolicy(threshold=args.hetu_straggler_threshold,
+                               min_change=args.hetu_straggler_min_change, window=args.hetu_straggler_window),
+        events=parse_schedule(args.hetu_emulate_slowdown or ""), group=placement.report_group,
+        gpus_per_node=args.hetu_gpus_per_node or h.world_size, replan_output=args.hetu_replan_output)
+    monitor.attach(m for m in placement.model.modules() if isinstance(m, TransformerLayer))
+    return monitor
+
+
 def build_trainer(args: argparse.Namespace) -> Trainer:
     """Check the plan, start the process group, then place this rank and build its scheduler and dataset."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -231,7 +255,7 @@ def build_trainer(args: argparse.Namespace) -> Trainer:
         logger.info("plan (%s runtime, %s on %s, Megatron-core CPU patches: %s):\n%s", runtime, h.backend,
                     h.device.type, "on" if h.cpu_patched else "off", format_plan(plan))
     trainer = Trainer(args=args, spec=spec, plan=plan, host=h, placement=placement, scheduler=scheduler,
-                      dataset=dataset)
+                      dataset=dataset, monitor=_straggler_monitor(args, spec, plan, h, placement))
     if args.load:
         checkpointing.load(trainer, args.load)
     return trainer

@@ -1,0 +1,117 @@
+"""Per-layer compute timing and speed emulation on a stage model (torch; no process group, no host framework).
+
+Each transformer layer gets two identity autograd marks, at its input and at its output. The forward time of a
+layer is the time between its forward pre-hook and its forward hook; its backward time is the time between the
+output mark's backward (the gradient arrives) and the input mark's backward (it leaves). Only compute is
+measured: pipeline and gradient communication happen outside the layers.
+
+Emulation (``--hetu-emulate-slowdown "step=20:rank=3:x=4"``) pads each layer's forward and backward to x times
+its measured duration: a sleep on CPU, ``torch.cuda._sleep`` on GPU. The padding is counted as compute, so the
+measurement sees an emulated straggler exactly as it would a slow GPU.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class SlowdownEvent:
+    step: int
+    rank: int
+    factor: float
+
+
+def parse_schedule(text: str) -> list[SlowdownEvent]:
+    """``"step=20:rank=3:x=4,step=60:rank=3:x=1"`` -> events (x=1 ends a slowdown). ValueError on bad input."""
+    events = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        fields = dict(kv.split("=", 1) for kv in item.split(":") if "=" in kv)
+        try:
+            event = SlowdownEvent(step=int(fields["step"]), rank=int(fields["rank"]), factor=float(fields["x"]))
+        except (KeyError, ValueError):
+            raise ValueError(f"--hetu-emulate-slowdown {item!r}: expected step=N:rank=R:x=F (e.g. step=20:rank=3:"
+                             f"x=4), several separated by commas") from None
+        if event.step < 0 or event.rank < 0 or event.factor < 1.0:
+            raise ValueError(f"--hetu-emulate-slowdown {item!r}: need step >= 0, rank >= 0 and x >= 1")
+        events.append(event)
+    return sorted(events, key=lambda e: e.step)
+
+
+def factor_at(events: list[SlowdownEvent], rank: int, step: int) -> float:
+    factor = 1.0
+    for event in events:
+        if event.rank == rank and event.step <= step:
+            factor = event.factor
+    return factor
+
+
+def _pause(seconds: float) -> None:
+    if seconds <= 0:
+        return
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda._sleep(int(seconds * 1.4e9))  # cycles at ~1.4 GHz; timing on GPU uses CUDA events
+    else:
+        time.sleep(seconds)
+
+
+class _Mark(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, timer, edge):
+        ctx.timer, ctx.edge = timer, edge
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.timer._backward_edge(ctx.edge)
+        return grad, None, None
+
+
+@dataclass
+class LayerTimer:
+    """Compute seconds of a stage's layers (forward + backward), with optional emulated slowdown."""
+
+    factor: float = 1.0
+    """Emulated slowdown applied to every layer (1.0: none)."""
+    seconds: float = 0.0
+    """Compute seconds accumulated since the last :meth:`take`."""
+    _starts: list[float] = field(default_factory=list)
+    _bwd_start: float = 0.0
+
+    def attach(self, layers: list[torch.nn.Module]) -> None:
+        for layer in layers:
+            layer.register_forward_pre_hook(self._pre, with_kwargs=True)
+            layer.register_forward_hook(self._post, with_kwargs=True)
+
+    def take(self) -> float:
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
+
+    def _spent(self, elapsed: float) -> None:
+        _pause((self.factor - 1.0) * elapsed)
+        self.seconds += self.factor * elapsed
+
+    def _pre(self, module, args, kwargs):
+        self._starts.append(time.perf_counter())
+        if "hidden_states" in kwargs and torch.is_grad_enabled():
+            kwargs["hidden_states"] = _Mark.apply(kwargs["hidden_states"], self, "in")
+        elif args and torch.is_grad_enabled():
+            args = (_Mark.apply(args[0], self, "in"), *args[1:])
+        return args, kwargs
+
+    def _post(self, module, args, kwargs, output):
+        self._spent(time.perf_counter() - self._starts.pop())
+        if torch.is_grad_enabled():
+            if isinstance(output, tuple):
+                return (_Mark.apply(output[0], self, "out"), *output[1:])
+            return _Mark.apply(output, self, "out")
+        return output
+
+    def _backward_edge(self, edge: str) -> None:
+        if edge == "out":
+            self._bwd_start = time.perf_counter()
+        else:
+            self._spent(time.perf_counter() - self._bwd_start)

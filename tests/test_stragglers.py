@@ -1,0 +1,102 @@
+"""Straggler measurement: emulation schedules, layer timing with emulated slowdown, slowdown estimation with
+hysteresis, and the monitor detecting an emulated straggler in a real 2-rank Megatron-core run."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from hetu_ext.plan.straggler_policy import SlowdownEstimator, StragglerPolicy, should_replan
+from hetu_ext.runtime.straggler import LayerTimer, factor_at, parse_schedule
+from hetu_ext.testing.multiproc import run_ranks
+from test_uniform_equivalence import _argv
+
+
+def test_schedule_parsing_and_lookup():
+    events = parse_schedule("step=20:rank=3:x=4, step=60:rank=3:x=1,step=30:rank=1:x=2.5")
+    assert [(e.step, e.rank, e.factor) for e in events] == [(20, 3, 4.0), (30, 1, 2.5), (60, 3, 1.0)]
+    assert [factor_at(events, 3, s) for s in (19, 20, 59, 60)] == [1.0, 4.0, 4.0, 1.0]
+    for bad in ("step=20:rank=3", "step=x:rank=1:x=2", "step=1:rank=1:x=0.5"):
+        with pytest.raises(ValueError, match="--hetu-emulate-slowdown"):
+            parse_schedule(bad)
+
+
+def test_estimator_normalises_by_work_and_uses_the_median_pace():
+    est = SlowdownEstimator(policy=StragglerPolicy(window=3))
+    for step in range(3):
+        for rank in range(4):
+            flops = 1e12 * (2 if rank == 1 else 1)  # rank 1 does twice the work in twice the time: not slow
+            seconds = flops * 1e-12 * (3.0 if rank == 2 else 1.0) * (1.05 if step == 1 else 1.0)
+            est.add(rank, seconds, flops)
+    assert est.slowdowns()[1] == pytest.approx(1.0) and est.stragglers() == {2: pytest.approx(3.0)}
+
+
+def test_hysteresis():
+    policy = StragglerPolicy(threshold=1.3, min_change=0.2)
+    assert not should_replan({}, {0: 1.2}, policy)  # below the threshold
+    assert should_replan({}, {3: 4.0}, policy)  # a new straggler
+    assert not should_replan({3: 4.0}, {3: 4.5}, policy)  # moved 12%: keep the plan
+    assert should_replan({3: 4.0}, {3: 2.0}, policy)  # moved 50%
+    assert should_replan({3: 4.0}, {}, policy)  # recovered
+
+
+def test_emulated_slowdown_is_real_time_and_measured_in_forward_and_backward():
+    """The padding is wall time the layer really takes (sleep), and the timer counts it in both passes."""
+    torch.manual_seed(0)
+    layers = [torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU()) for _ in range(4)]
+    timer = LayerTimer()
+    timer.attach(layers)
+    x = torch.randn(512, 256)
+
+    def step(factor):
+        timer.factor = factor
+        start = time.perf_counter()
+        y = x
+        for layer in layers:
+            y = layer(y)
+        forward = timer.seconds
+        y.sum().backward()
+        return time.perf_counter() - start, forward, timer.take()
+
+    step(1.0)  # warm-up
+    wall1, fwd1, total1 = step(1.0)
+    wall3, fwd3, total3 = step(3.0)
+    assert total1 > fwd1 > 0 and total3 > fwd3 > 0  # backward time is counted too
+    # what the timer counts is time the step really took: with x=3 two thirds of it is padding (sleep), so if
+    # the padding were only counted and not slept, the count would be ~3x the wall time
+    assert total1 <= wall1 and 0.7 * wall3 <= total3 <= 1.05 * wall3
+
+
+def _monitored(rank, world, argv):
+    from hetu_ext.megatron.args import build_parser
+    from hetu_ext.megatron.trainer import build_trainer
+
+    trainer = build_trainer(build_parser().parse_args(argv))
+    lines = []
+    trainer.train(log=lines.append)
+    return {"detections": trainer.monitor.detections, "lines": lines}
+
+
+def test_monitor_detects_an_emulated_straggler(sample_prefix):
+    argv = _argv(1, 1, sample_prefix, ("--train-iters", "8", "--hetu-emulate-slowdown", "step=3:rank=1:x=5",
+                                       "--hetu-straggler-interval", "2", "--hetu-straggler-window", "2",
+                                       "--hetu-straggler-threshold", "2.0"))
+    results = run_ranks(_monitored, 2, argv, timeout=180)
+    detections = results[0]["detections"]
+    assert detections and detections == results[1]["detections"]  # every rank holds the same estimate
+    step, stragglers = detections[0]
+    assert set(stragglers) == {1} and stragglers[1] > 3.0 and step >= 4
+    assert any("straggler monitor: step" in line and "rank 1 x" in line for line in results[0]["lines"])
+
+
+def test_timing_and_emulation_leave_training_bit_identical(sample_prefix):
+    """The layer marks are identities: a monitored, emulated run trains exactly like a plain one."""
+    from hetu_ext.testing.runs import train
+
+    plain = run_ranks(train, 2, _argv(1, 1, sample_prefix), timeout=180)[0]
+    watched = run_ranks(train, 2, _argv(1, 1, sample_prefix, ("--hetu-emulate-slowdown", "step=1:rank=1:x=2",
+                                                              "--hetu-straggler-interval", "1")), timeout=180)[0]
+    assert watched["losses"] == plain["losses"]
+    assert all(torch.equal(watched["weights"][k], w) for k, w in plain["weights"].items())
