@@ -89,6 +89,9 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     g.add_argument("--hetu-straggler-window", type=int, default=5)
     g.add_argument("--hetu-gpus-per-node", type=int, default=None, help="for planning (default: one node)")
     g.add_argument("--hetu-replan-output", default=None, help="write the proposed plan here (YAML)")
+    g.add_argument("--hetu-migrate", default=None, metavar="SCHEDULE",
+                   help='move the running job to other plans: "step=3:plan=a.yaml[,step=8:plan=b.yaml]" (after '
+                        "step 3, ...), parameters and optimizer state resharded online")
     g.add_argument("--hetu-cpu-patches", choices=["auto", "on", "off"], default="auto",
                    help="Megatron-core CPU patches: auto applies them only when no CUDA device is present")
     return p

@@ -92,7 +92,8 @@ def build_plan_placement(args, spec: ModelSpec, plan: Plan, host, numerics: Trai
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     check_runnable(plan)
-    parallel_state._set_global_memory_buffer()  # Megatron's layers draw scratch space from it
+    if parallel_state._GLOBAL_MEMORY_BUFFER is None:  # Megatron's layers draw scratch space from it
+        parallel_state._set_global_memory_buffer()
     groups = build_groups(plan)
     where = plan.stage_of(host.rank)
     model = None

@@ -26,6 +26,7 @@ from hetu_ext.plan import ModelSpec, Plan, PlanError, format_plan, load_plan, un
 from . import checkpointing, host
 from .data import DataSpec, build_train_dataset, make_tokenizer, microbatch_iterator
 from .memory import memory_table
+from .migrate import migrate, parse_migrations
 from .monitor import StragglerMonitor
 from .model import TrainingNumerics
 from .placement import Placement
@@ -80,6 +81,9 @@ class Trainer:
     scheduler: object
     dataset: object
     monitor: StragglerMonitor | None = None
+    numerics: TrainingNumerics | None = None
+    migrations: list[tuple[int, Plan]] = field(default_factory=list)
+    """Pending (after step, plan) migrations (--hetu-migrate)."""
     iteration: int = 0
     losses: list[float] = field(default_factory=list)
 
@@ -99,50 +103,87 @@ class Trainer:
     def train(self, log=print) -> list[float]:
         """Run until ``--train-iters``; return this run's per-iteration global losses (same on every used rank).
 
-        Unused ranks hold nothing and wait at the final barrier."""
-        if not self.placement.active:
-            dist.barrier()
-            return self.losses
-        args, placement = self.args, self.placement
-        remaining = args.train_iters - self.iteration
-        data = microbatch_iterator(self.dataset, self.plan, placement.pipeline_index, args.micro_batch_size,
-                                   start_iteration=self.iteration, num_iterations=max(remaining, 0),
-                                   device=self.host.device)
-        num_microbatches = self.plan.pipelines[placement.pipeline_index].num_microbatches
+        Ranks the current plan leaves unused skip ahead to the next migration (they take part in it) or to the
+        final barrier."""
+        args = self.args
         gbs = global_batch_size(self.plan, args.micro_batch_size)
+        data = None
         window_start, window_iters = time.perf_counter(), 0
         while self.iteration < args.train_iters:
-            if self.monitor:
-                self.monitor.before_step(self.iteration + 1)
-            self.model.zero_grad_buffer()
-            self.optimizer.zero_grad()
-            reports = placement.forward_backward(
-                forward_step_func=_forward_step, data_iterator=data, model=[self.model],
-                num_microbatches=num_microbatches, seq_length=args.seq_length,
-                micro_batch_size=args.micro_batch_size, forward_only=False, **placement.schedule_kwargs)
-            _, grad_norm, _ = self.optimizer.step()
-            self.scheduler.step(increment=gbs)
-            self.iteration += 1
-            window_iters += 1
-            loss = self._global_loss(reports)
-            self.losses.append(loss)
-            if self.monitor:
-                self.monitor.after_step(self.iteration, log)
-            if self.iteration % args.log_interval == 0 or self.iteration == args.train_iters:
-                elapsed = (time.perf_counter() - window_start) / window_iters
-                if self.host.rank == self.log_rank:
-                    log(format_log_line(iteration=self.iteration, train_iters=args.train_iters,
-                                        consumed=self.iteration * gbs, step_ms=elapsed * 1e3,
-                                        lr=self.optimizer.param_groups[0]["lr"], gbs=gbs, loss=loss,
-                                        grad_norm=grad_norm, tokens_per_s=gbs * args.seq_length / elapsed))
+            placement = self.placement
+            if not placement.active:
+                pending = [step for step, _ in self.migrations if step > self.iteration]
+                self.iteration = min(pending[0] if pending else args.train_iters, args.train_iters)
+            else:
+                if data is None:
+                    data = microbatch_iterator(self.dataset, self.plan, placement.pipeline_index,
+                                               args.micro_batch_size, start_iteration=self.iteration,
+                                               num_iterations=args.train_iters - self.iteration,
+                                               device=self.host.device)
+                loss, grad_norm = self._step(data)
+                window_iters += 1
+                if self.iteration % args.log_interval == 0 or self.iteration == args.train_iters:
+                    elapsed = (time.perf_counter() - window_start) / window_iters
+                    if self.host.rank == self.log_rank:
+                        log(format_log_line(iteration=self.iteration, train_iters=args.train_iters,
+                                            consumed=self.iteration * gbs, step_ms=elapsed * 1e3,
+                                            lr=self.optimizer.param_groups[0]["lr"], gbs=gbs, loss=loss,
+                                            grad_norm=grad_norm, tokens_per_s=gbs * args.seq_length / elapsed))
+                    window_start, window_iters = time.perf_counter(), 0
+                if args.save and args.save_interval and self.iteration % args.save_interval == 0:
+                    checkpointing.save(self, args.save)
+            if self.migrations and self.migrations[0][0] == self.iteration:
+                self._migrate(self.migrations.pop(0)[1], log)
+                data = None
                 window_start, window_iters = time.perf_counter(), 0
-            if args.save and args.save_interval and self.iteration % args.save_interval == 0:
-                checkpointing.save(self, args.save)
-        if args.save and (not args.save_interval or self.iteration % args.save_interval):
+        if args.save and self.placement.active and (not args.save_interval or self.iteration % args.save_interval):
             checkpointing.save(self, args.save)
         if self.plan.unused_ranks:
             dist.barrier()  # release the idle ranks
         return self.losses
+
+    def _step(self, data) -> tuple[float, float | None]:
+        """One training step of this rank's pipeline; returns the global loss and the grad norm."""
+        args, placement = self.args, self.placement
+        if self.monitor:
+            self.monitor.before_step(self.iteration + 1)
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        reports = placement.forward_backward(
+            forward_step_func=_forward_step, data_iterator=data, model=[self.model],
+            num_microbatches=self.plan.pipelines[placement.pipeline_index].num_microbatches,
+            seq_length=args.seq_length, micro_batch_size=args.micro_batch_size, forward_only=False,
+            **placement.schedule_kwargs)
+        _, grad_norm, _ = self.optimizer.step()
+        self.scheduler.step(increment=global_batch_size(self.plan, args.micro_batch_size))
+        self.iteration += 1
+        loss = self._global_loss(reports)
+        self.losses.append(loss)
+        if self.monitor:
+            self.monitor.after_step(self.iteration, lambda line: print(line, flush=True))
+        return loss, grad_norm
+
+    def _migrate(self, plan: Plan, log) -> None:
+        """Move to ``plan`` now (collective over every rank): new stage models, state resharded, same run."""
+        report_rank = min(plan.used_ranks)
+        old_scheduler = self.scheduler
+        placement, report = migrate(
+            self.placement, lambda: build_plan_placement(self.args, self.spec, plan, self.host, self.numerics),
+            self.iteration)
+        self.plan, self.placement = plan, placement
+        self.scheduler = _make_scheduler(self.args, placement, plan)
+        if self.scheduler is not None and old_scheduler is not None:
+            self.scheduler.load_state_dict(old_scheduler.state_dict())
+        elif self.scheduler is not None:  # this rank was idle: replay the schedule to the current step
+            self.scheduler.step(increment=self.iteration * global_batch_size(plan, self.args.micro_batch_size))
+        if self.monitor:
+            self.monitor = _straggler_monitor(self.args, self.spec, plan, self.host, placement)
+        sent = torch.tensor([float(report.bytes_sent), float(report.bytes_kept)], dtype=torch.float64)
+        dist.all_reduce(sent)
+        if self.host.rank == report_rank:
+            log(f"migrated to a new plan after step {self.iteration} in {report.seconds:.2f} s: "
+                f"{sent[0] / 2**20:.2f} MiB sent between ranks, {sent[1] / 2**20:.2f} MiB kept in place\n"
+                f"{format_plan(plan)}")
 
     def _global_loss(self, reports: list[dict]) -> float:
         """Mean per-token loss of the whole global batch: sums from every pipeline's last stage."""
@@ -185,7 +226,13 @@ def select_runtime(args: argparse.Namespace, plan: Plan) -> str:
         raise PlanError("--hetu-runtime megatron can only run a uniform TP x PP x DP plan (same shape, TP degree "
                         "and microbatches in every pipeline, Megatron's rank order, no unused ranks); use "
                         "--hetu-runtime plan or auto")
-    if args.hetu_runtime == "plan" or uniform_shape(plan) is None:
+    if args.hetu_migrate and args.hetu_runtime == "megatron":
+        raise PlanError("--hetu-migrate needs the plan runtime (Megatron's parallel_state cannot change layout in a "
+                        "running job); drop --hetu-runtime megatron")
+    if args.hetu_migrate and (args.bf16 or args.optimizer != "adam"):
+        raise PlanError("--hetu-migrate moves fp32 weights and Adam's moments; run with --optimizer adam and "
+                        "without --bf16")
+    if args.hetu_runtime == "plan" or uniform_shape(plan) is None or args.hetu_migrate:
         if args.save or args.load:
             raise PlanError("--save/--load run on Megatron's uniform runtime only in this release; drop them or "
                             "run a uniform plan")
@@ -194,6 +241,21 @@ def select_runtime(args: argparse.Namespace, plan: Plan) -> str:
                             "it or run a uniform plan")
         return "plan"
     return "megatron"
+
+
+def _make_scheduler(args, placement: Placement, plan: Plan):
+    """Megatron's LR/weight-decay scheduler, stepped in samples as Megatron-LM does (None on idle ranks)."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    if not placement.active:
+        return None
+    gbs = global_batch_size(plan, args.micro_batch_size)
+    decay_iters = args.lr_decay_iters or args.train_iters
+    return OptimizerParamScheduler(
+        placement.optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_iters * gbs, lr_decay_steps=decay_iters * gbs,
+        lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay, end_wd=args.weight_decay,
+        wd_incr_steps=decay_iters * gbs, wd_incr_style="constant")
 
 
 def _straggler_monitor(args, spec: ModelSpec, plan: Plan, h: host.Host, placement: Placement):
@@ -214,13 +276,19 @@ def _straggler_monitor(args, spec: ModelSpec, plan: Plan, h: host.Host, placemen
 
 def build_trainer(args: argparse.Namespace) -> Trainer:
     """Check the plan, start the process group, then place this rank and build its scheduler and dataset."""
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
     # the plan is checked against the model before any process group exists
     tokenizer = make_tokenizer(args.tokenizer_type, args.vocab_size)
     spec = model_spec_from_args(args, tokenizer.vocab_size)
     world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     plan = plan_from_args(args, spec, world_size)
+    migrations = []
+    for step, path in parse_migrations(args.hetu_migrate or ""):
+        target = load_plan(path).validate(spec, world_size)
+        if target.num_microbatches != plan.num_microbatches:
+            raise PlanError(f"--hetu-migrate plan {path!r} runs {target.num_microbatches} microbatches per step but "
+                            f"the run has {plan.num_microbatches}; keep the global batch the same")
+        check_runnable(target)
+        migrations.append((step, target))
     runtime = select_runtime(args, plan)
     if runtime == "plan":
         check_runnable(plan)
@@ -232,15 +300,8 @@ def build_trainer(args: argparse.Namespace) -> Trainer:
     build = build_megatron_placement if runtime == "megatron" else build_plan_placement
     placement = build(args, spec, plan, h, numerics)
 
-    scheduler = None
+    scheduler = _make_scheduler(args, placement, plan)
     gbs = global_batch_size(plan, args.micro_batch_size)
-    if placement.active:
-        decay_iters = args.lr_decay_iters or args.train_iters
-        scheduler = OptimizerParamScheduler(
-            placement.optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr,
-            lr_warmup_steps=args.lr_warmup_iters * gbs, lr_decay_steps=decay_iters * gbs,
-            lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay, end_wd=args.weight_decay,
-            wd_incr_steps=decay_iters * gbs, wd_incr_style="constant")
     data_spec = DataSpec(mock=args.mock_data, data_path=tuple(args.data_path or ()), split=args.split,
                          seq_length=args.seq_length, seed=args.seed, cache_path=args.data_cache_path)
     num_samples = args.train_iters * gbs
@@ -255,7 +316,8 @@ def build_trainer(args: argparse.Namespace) -> Trainer:
         logger.info("plan (%s runtime, %s on %s, Megatron-core CPU patches: %s):\n%s", runtime, h.backend,
                     h.device.type, "on" if h.cpu_patched else "off", format_plan(plan))
     trainer = Trainer(args=args, spec=spec, plan=plan, host=h, placement=placement, scheduler=scheduler,
-                      dataset=dataset, monitor=_straggler_monitor(args, spec, plan, h, placement))
+                      dataset=dataset, monitor=_straggler_monitor(args, spec, plan, h, placement),
+                      numerics=numerics, migrations=migrations)
     if args.load:
         checkpointing.load(trainer, args.load)
     return trainer

@@ -1,0 +1,58 @@
+"""Online migration (Malleus): a run that moves to a new plan after step 2 continues exactly like a run that
+never changed plan: the same losses at steps 3-4 and the same final weights as the single-process reference,
+within test_uniform_equivalence's tolerances. Covers a change of layer split, of pipeline count, of TP degree,
+and bringing an idle rank back. A migration that dropped Adam's moments, reset its step count (bias
+correction), restarted the LR schedule or re-read a consumed microbatch changes step-3 loss by >1e-3."""
+
+from __future__ import annotations
+
+import pytest
+
+from hetu_ext.testing.multiproc import run_ranks
+from hetu_ext.testing.runs import train
+from test_uniform_equivalence import LOSS_RTOL, WEIGHT_ATOL, _argv
+
+STEPS = ("--train-iters", "4", "--lr-decay-style", "linear")
+CHANGES = [
+    ("layer_split", 2,
+     "pipelines: [{num_microbatches: 4, stages: [{ranks: [0], layers: [0, 1]}, {ranks: [1], layers: [1, 4]}]}]",
+     "pipelines: [{num_microbatches: 4, stages: [{ranks: [0], layers: [0, 3]}, {ranks: [1], layers: [3, 4]}]}]"),
+    ("pipeline_count", 2,
+     "pipelines: [{num_microbatches: 2, stages: [{ranks: [0], layers: [0, 4]}]},"
+     " {num_microbatches: 2, stages: [{ranks: [1], layers: [0, 4]}]}]",
+     "pipelines: [{num_microbatches: 4, stages: [{ranks: [1], layers: [0, 2]}, {ranks: [0], layers: [2, 4]}]}]"),
+    ("tp_degree", 2,
+     "pipelines: [{num_microbatches: 4, stages: [{ranks: [0, 1], layers: [0, 4]}]}]",
+     "pipelines: [{num_microbatches: 3, stages: [{ranks: [0], layers: [0, 4]}]},"
+     " {num_microbatches: 1, stages: [{ranks: [1], layers: [0, 4]}]}]"),
+    ("idle_rank_comes_back", 3,
+     "pipelines: [{num_microbatches: 4, stages: [{ranks: [0], layers: [0, 2]}, {ranks: [1], layers: [2, 4]}]}]\n"
+     "unused_ranks: [2]",
+     "pipelines: [{num_microbatches: 4, stages: [{ranks: [0], layers: [0, 1]}, {ranks: [2, 1], layers: [1, 4]}]}]"),
+]
+
+
+@pytest.fixture(scope="module")
+def reference(sample_prefix):
+    return run_ranks(train, 1, _argv(1, 1, sample_prefix, STEPS), timeout=120)[0]
+
+
+@pytest.mark.parametrize("name,world,before,after", CHANGES, ids=[c[0] for c in CHANGES])
+def test_migration_continues_the_same_run(name, world, before, after, reference, sample_prefix, tmp_path):
+    first, second = tmp_path / "before.yaml", tmp_path / "after.yaml"
+    first.write_text(before)
+    second.write_text(after)
+    argv = _argv(1, 1, sample_prefix, STEPS + ("--hetu-plan", str(first), "--hetu-migrate",
+                                               f"step=2:plan={second}"))
+    result = next(r for r in run_ranks(train, world, argv, timeout=240) if r is not None)
+    loss_diff, weight_diff = compare_k(result, reference)
+    print(f"{name}: loss rel diff {loss_diff:.2e}, weight abs diff {weight_diff:.2e}")
+    assert loss_diff <= LOSS_RTOL and weight_diff <= WEIGHT_ATOL
+    assert any(line.startswith("migrated to a new plan after step 2") for line in result["log_lines"])
+
+
+def compare_k(result, ref):
+    assert len(result["losses"]) == len(ref["losses"]) == 4
+    loss = max(abs(a - b) / abs(b) for a, b in zip(result["losses"], ref["losses"]))
+    weight = max(float((result["weights"][k] - w).abs().max()) for k, w in ref["weights"].items())
+    return loss, weight
