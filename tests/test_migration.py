@@ -56,3 +56,24 @@ def compare_k(result, ref):
     loss = max(abs(a - b) / abs(b) for a, b in zip(result["losses"], ref["losses"]))
     weight = max(float((result["weights"][k] - w).abs().max()) for k, w in ref["weights"].items())
     return loss, weight
+
+
+def test_straggler_triggers_an_online_replan_that_continues_the_same_run(sample_prefix):
+    """The whole Malleus loop on 4 ranks: rank 3 turns 6x slow at step 3 (emulated), the monitor detects it,
+    every rank makes the same new plan (rank 3 left out), the job migrates without restarting, and the run
+    still matches the single-process reference step for step."""
+    steps = ("--train-iters", "10", "--lr-decay-style", "linear")
+    reference = run_ranks(train, 1, _argv(1, 1, sample_prefix, steps), timeout=120)[0]
+    argv = _argv(1, 1, sample_prefix, steps + (
+        "--hetu-runtime", "plan", "--tensor-model-parallel-size", "1", "--hetu-emulate-slowdown",
+        "step=3:rank=3:x=6", "--hetu-straggler-interval", "2", "--hetu-straggler-window", "2",
+        "--hetu-straggler-threshold", "2.0", "--hetu-straggler-replan", "online", "--hetu-gpus-per-node", "4"))
+    result = run_ranks(train, 4, argv, timeout=300)[0]
+    lines = result["log_lines"]
+    detected = [line for line in lines if line.startswith("straggler monitor: step") and "rank 3 x" in line]
+    assert detected, lines
+    assert any(line.startswith("migrated to a new plan after step") for line in lines)
+    assert len(result["losses"]) == 10
+    loss = max(abs(a - b) / abs(b) for a, b in zip(result["losses"], reference["losses"]))
+    weight = max(float((result["weights"][k] - w).abs().max()) for k, w in reference["weights"].items())
+    assert loss <= LOSS_RTOL and weight <= WEIGHT_ATOL

@@ -87,6 +87,8 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     g.add_argument("--hetu-straggler-threshold", type=float, default=1.3)
     g.add_argument("--hetu-straggler-min-change", type=float, default=0.2)
     g.add_argument("--hetu-straggler-window", type=int, default=5)
+    g.add_argument("--hetu-straggler-replan", choices=["off", "online"], default="off",
+                   help="online: migrate to the Malleus plan the monitor proposes, without restarting")
     g.add_argument("--hetu-gpus-per-node", type=int, default=None, help="for planning (default: one node)")
     g.add_argument("--hetu-replan-output", default=None, help="write the proposed plan here (YAML)")
     g.add_argument("--hetu-migrate", default=None, metavar="SCHEDULE",

@@ -2,10 +2,14 @@
 
 Every ``interval`` steps the used ranks exchange their per-step compute seconds and FLOPs (one small
 all_gather_object over the plan's used ranks); every rank then holds the same :class:`SlowdownEstimator`. When
-the slowdowns move past the policy's hysteresis, the plan's lowest used rank logs them, with the detection
-latency when the slowdown was emulated, and the plan the Malleus planner makes for them (written to
-``--hetu-replan-output`` if given). Migrating the running job to that plan online is the next step of the
-Malleus issue; today the plan is applied by restarting with ``--hetu-plan``.
+the slowdowns move past the policy's hysteresis, every rank makes the same Malleus plan for them (the planner
+is pure and deterministic); the plan's lowest used rank logs the slowdowns, the detection latency when the
+slowdown was emulated, and the plan (also written to ``--hetu-replan-output`` if given). With
+``--hetu-straggler-replan online`` the trainer then migrates to it (migrate.py) and goes on.
+
+Idle ranks take part in every exchange with no samples, so they can join a migration. A rank the plan leaves
+unused keeps the slowdown it was last measured at (no probe runs on idle ranks yet), so it is not brought back
+by a later plan as if it had recovered.
 """
 
 from __future__ import annotations
@@ -34,8 +38,8 @@ class StragglerMonitor:
     interval: int
     policy: StragglerPolicy
     events: list[SlowdownEvent]
-    group: object
     gpus_per_node: int
+    gpu_memory_bytes: int = 80 * 2**30
     replan_output: str | None = None
     timer: LayerTimer = field(default_factory=LayerTimer)
     estimator: SlowdownEstimator = field(init=False)
@@ -43,15 +47,24 @@ class StragglerMonitor:
     """Slowdowns the current plan was made for (none: a healthy cluster)."""
     detections: list[tuple[int, dict[int, float]]] = field(default_factory=list)
     _samples: list[tuple[int, float, float]] = field(default_factory=list)
+    _flops: float = 0.0
 
     def __post_init__(self) -> None:
         self.estimator = SlowdownEstimator(policy=self.policy)
-        where = self.plan.stage_of(self.rank)
-        pipeline = self.plan.pipelines[where[0]]
-        layers = pipeline.stages[where[1]].num_layers
-        # fwd + bwd FLOPs of this rank's share of its layers per step (TP splits each layer's work)
-        self._flops = (3 * layers * pipeline.num_microbatches * layer_forward_flops(self.spec, self.micro_batch)
-                       / pipeline.stages[where[1]].tp)
+        self.use_plan(self.plan)
+
+    def use_plan(self, plan: Plan) -> None:
+        """Follow a new plan: this rank's work per step changes, past timings no longer compare."""
+        self.plan = plan
+        self.estimator = SlowdownEstimator(policy=self.policy)
+        self._samples, self._flops = [], 0.0
+        where = plan.stage_of(self.rank)
+        if where is not None:
+            pipeline = plan.pipelines[where[0]]
+            stage = pipeline.stages[where[1]]
+            # fwd + bwd FLOPs of this rank's share of its layers per step (TP splits each layer's work)
+            self._flops = (3 * stage.num_layers * pipeline.num_microbatches
+                           * layer_forward_flops(self.spec, self.micro_batch) / stage.tp)
 
     def attach(self, layers) -> None:
         self.timer.attach(list(layers))
@@ -60,37 +73,48 @@ class StragglerMonitor:
         """``step``: the 1-based number of the step about to run (as in the log lines)."""
         self.timer.factor = factor_at(self.events, self.rank, step)
 
-    def after_step(self, iteration: int, log) -> None:
-        self._samples.append((iteration, self.timer.take(), self._flops))
+    def after_step(self, iteration: int, log) -> Plan | None:
+        """Record the step; every ``interval`` steps exchange timings (collective over all ranks, idle ones
+        included) and return a new plan when the slowdowns moved past the hysteresis, else None."""
+        if self._flops:
+            self._samples.append((iteration, self.timer.take(), self._flops))
         if iteration % self.interval:
-            return
-        everyone: list = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(everyone, (self.rank, self._samples), group=self.group)
+            return None
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, (self.rank, self._samples))
         self._samples = []
         for rank, samples in everyone:
             for _, seconds, flops in samples:
                 self.estimator.add(rank, seconds, flops)
-        measured = self.estimator.stragglers()
-        if not should_replan(self.assumed, measured, self.policy):
-            return
-        self.detections.append((iteration, measured))
-        self.assumed = measured
-        if self.rank != min(self.plan.used_ranks):
-            return
-        onsets = [e.step for e in self.events if e.rank in measured and e.step <= iteration]
-        latency = f", {iteration - max(onsets)} steps after onset" if onsets else ""
-        shown = ", ".join(f"rank {r} x{x:.2f}" for r, x in sorted(measured.items())) or "none"
-        log(f"straggler monitor: step {iteration}: stragglers {shown}{latency}")
+        measured = self.estimator.slowdowns()
+        if not measured:
+            return None
+        unmeasured = {r: x for r, x in self.assumed.items() if r not in measured}
+        stragglers = {**unmeasured, **{r: x for r, x in measured.items() if x >= self.policy.threshold}}
+        if not should_replan(self.assumed, stragglers, self.policy):
+            return None
+        self.detections.append((iteration, stragglers))
+        self.assumed = stragglers
+        reporter = self.rank == min(self.plan.used_ranks)
+        say = log if reporter else (lambda _: None)
+        onsets = [e.step for e in self.events if e.rank in stragglers and e.step <= iteration]
+        latency = f", {iteration - max(onsets) + 1} steps after onset" if onsets else ""
+        shown = ", ".join(f"rank {r} x{x:.2f}" for r, x in sorted(stragglers.items())) or "none"
+        say(f"straggler monitor: step {iteration}: stragglers {shown}{latency}")
         cluster = Cluster(world_size=self.plan.world_size, gpus_per_node=self.gpus_per_node,
-                          gpu_memory_bytes=80 * 2**30, slowdowns=measured)
+                          gpu_memory_bytes=self.gpu_memory_bytes, slowdowns=stragglers)
         try:
             planned = plan_malleus(cluster, self.spec, micro_batch=self.micro_batch,
                                    num_microbatches=self.plan.num_microbatches)
         except ValueError as exc:
-            log(f"straggler monitor: no plan for these slowdowns: {exc}")
-            return
-        log(f"straggler monitor: Malleus plan for them ({planned.template}):\n{format_plan(planned.plan)}")
-        if self.replan_output:
+            say(f"straggler monitor: no plan for these slowdowns: {exc}")
+            return None
+        if planned.plan == self.plan:
+            say("straggler monitor: the current plan is still the best one")
+            return None
+        say(f"straggler monitor: Malleus plan for them ({planned.template}):\n{format_plan(planned.plan)}")
+        if self.replan_output and reporter:
             with open(self.replan_output, "w") as f:
                 f.write(dump_plan(planned.plan))
-            log(f"straggler monitor: wrote {self.replan_output}; restart with --hetu-plan to apply it")
+            say(f"straggler monitor: wrote {self.replan_output}")
+        return planned.plan

@@ -111,16 +111,21 @@ class Trainer:
         window_start, window_iters = time.perf_counter(), 0
         while self.iteration < args.train_iters:
             placement = self.placement
+            replan = None
             if not placement.active:
                 pending = [step for step, _ in self.migrations if step > self.iteration]
-                self.iteration = min(pending[0] if pending else args.train_iters, args.train_iters)
+                if self.monitor:  # idle ranks take part in every exchange of timings
+                    pending.append((self.iteration // self.monitor.interval + 1) * self.monitor.interval)
+                self.iteration = min(min(pending, default=args.train_iters), args.train_iters)
+                if self.monitor:
+                    replan = self.monitor.after_step(self.iteration, log)
             else:
                 if data is None:
                     data = microbatch_iterator(self.dataset, self.plan, placement.pipeline_index,
                                                args.micro_batch_size, start_iteration=self.iteration,
                                                num_iterations=args.train_iters - self.iteration,
                                                device=self.host.device)
-                loss, grad_norm = self._step(data)
+                loss, grad_norm, replan = self._step(data, log)
                 window_iters += 1
                 if self.iteration % args.log_interval == 0 or self.iteration == args.train_iters:
                     elapsed = (time.perf_counter() - window_start) / window_iters
@@ -135,6 +140,9 @@ class Trainer:
             if self.migrations and self.migrations[0][0] == self.iteration:
                 self._migrate(self.migrations.pop(0)[1], log)
                 data = None
+            elif replan is not None and args.hetu_straggler_replan == "online":
+                self._migrate(replan, log)
+                data = None
                 window_start, window_iters = time.perf_counter(), 0
         if args.save and self.placement.active and (not args.save_interval or self.iteration % args.save_interval):
             checkpointing.save(self, args.save)
@@ -142,8 +150,9 @@ class Trainer:
             dist.barrier()  # release the idle ranks
         return self.losses
 
-    def _step(self, data) -> tuple[float, float | None]:
-        """One training step of this rank's pipeline; returns the global loss and the grad norm."""
+    def _step(self, data, log) -> tuple[float, float | None, Plan | None]:
+        """One training step of this rank's pipeline: the global loss, the grad norm, and the plan the straggler
+        monitor proposes (or None)."""
         args, placement = self.args, self.placement
         if self.monitor:
             self.monitor.before_step(self.iteration + 1)
@@ -159,9 +168,8 @@ class Trainer:
         self.iteration += 1
         loss = self._global_loss(reports)
         self.losses.append(loss)
-        if self.monitor:
-            self.monitor.after_step(self.iteration, lambda line: print(line, flush=True))
-        return loss, grad_norm
+        replan = self.monitor.after_step(self.iteration, log) if self.monitor else None
+        return loss, grad_norm, replan
 
     def _migrate(self, plan: Plan, log) -> None:
         """Move to ``plan`` now (collective over every rank): new stage models, state resharded, same run."""
@@ -177,7 +185,9 @@ class Trainer:
         elif self.scheduler is not None:  # this rank was idle: replay the schedule to the current step
             self.scheduler.step(increment=self.iteration * global_batch_size(plan, self.args.micro_batch_size))
         if self.monitor:
-            self.monitor = _straggler_monitor(self.args, self.spec, plan, self.host, placement)
+            self.monitor.use_plan(plan)
+            if placement.active:
+                self.monitor.attach(_transformer_layers(placement.model))
         sent = torch.tensor([float(report.bytes_sent), float(report.bytes_kept)], dtype=torch.float64)
         dist.all_reduce(sent)
         if self.host.rank == report_rank:
@@ -226,13 +236,15 @@ def select_runtime(args: argparse.Namespace, plan: Plan) -> str:
         raise PlanError("--hetu-runtime megatron can only run a uniform TP x PP x DP plan (same shape, TP degree "
                         "and microbatches in every pipeline, Megatron's rank order, no unused ranks); use "
                         "--hetu-runtime plan or auto")
-    if args.hetu_migrate and args.hetu_runtime == "megatron":
-        raise PlanError("--hetu-migrate needs the plan runtime (Megatron's parallel_state cannot change layout in a "
-                        "running job); drop --hetu-runtime megatron")
-    if args.hetu_migrate and (args.bf16 or args.optimizer != "adam"):
-        raise PlanError("--hetu-migrate moves fp32 weights and Adam's moments; run with --optimizer adam and "
+    online = args.hetu_migrate or args.hetu_straggler_replan == "online"
+    if online and args.hetu_runtime == "megatron":
+        raise PlanError("changing plans online (--hetu-migrate, --hetu-straggler-replan online) needs the plan "
+                        "runtime (Megatron's parallel_state cannot change layout in a running job); drop "
+                        "--hetu-runtime megatron")
+    if online and (args.bf16 or args.optimizer != "adam"):
+        raise PlanError("changing plans online moves fp32 weights and Adam's moments; run with --optimizer adam and "
                         "without --bf16")
-    if args.hetu_runtime == "plan" or uniform_shape(plan) is None or args.hetu_migrate:
+    if args.hetu_runtime == "plan" or uniform_shape(plan) is None or online:
         if args.save or args.load:
             raise PlanError("--save/--load run on Megatron's uniform runtime only in this release; drop them or "
                             "run a uniform plan")
@@ -258,19 +270,25 @@ def _make_scheduler(args, placement: Placement, plan: Plan):
         wd_incr_steps=decay_iters * gbs, wd_incr_style="constant")
 
 
-def _straggler_monitor(args, spec: ModelSpec, plan: Plan, h: host.Host, placement: Placement):
-    if not placement.active or not args.hetu_straggler_interval:
-        return None
+def _transformer_layers(model) -> list:
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
+    return [m for m in model.modules() if isinstance(m, TransformerLayer)]
+
+
+def _straggler_monitor(args, spec: ModelSpec, plan: Plan, h: host.Host, placement: Placement):
+    """The straggler monitor (on every rank, idle ones too), or None when --hetu-straggler-interval is 0."""
+    if not args.hetu_straggler_interval:
+        return None
     monitor = StragglerMonitor(
         rank=h.rank, plan=plan, spec=spec, micro_batch=args.micro_batch_size,
         interval=args.hetu_straggler_interval,
         policy=StragglerPolicy(threshold=args.hetu_straggler_threshold,
                                min_change=args.hetu_straggler_min_change, window=args.hetu_straggler_window),
-        events=parse_schedule(args.hetu_emulate_slowdown or ""), group=placement.report_group,
+        events=parse_schedule(args.hetu_emulate_slowdown or ""),
         gpus_per_node=args.hetu_gpus_per_node or h.world_size, replan_output=args.hetu_replan_output)
-    monitor.attach(m for m in placement.model.modules() if isinstance(m, TransformerLayer))
+    if placement.active:
+        monitor.attach(_transformer_layers(placement.model))
     return monitor
 
 
