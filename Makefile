@@ -16,10 +16,11 @@ $(STAMP): setup.py Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "torch==2.13.0"
-	$(PY) -m pip install --quiet -e ".[megatron,deepspeed,dev]"
+	$(PY) -m pip install --quiet -e ".[megatron,deepspeed,dev,plot]"
 	touch $(STAMP)
 
-# The main job: pretrain_gpt.py on NPROC CPU ranks (TP 2 x PP 2) on the shipped text sample.
+# The main job: pretrain_gpt.py on NPROC CPU ranks with an emulated straggler, Megatron's uniform plan vs
+# hetu_ext's online re-planning; writes runs/demo/throughput.png.
 demo: venv
 	OMP_NUM_THREADS=1 bash launch/demo.sh $(NPROC) $(DEMO_DIR)
 

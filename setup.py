@@ -19,6 +19,7 @@ setup(
         "megatron": [TORCH, "megatron-core==0.16.1"],
         "deepspeed": [TORCH, "deepspeed==0.19.8"],
         "dev": ["pytest>=8", "pytest-timeout"],
+        "plot": ["matplotlib>=3.7"],
     },
     entry_points={"console_scripts": ["hetu-plan=hetu_ext.plan.__main__:main"]},
 )

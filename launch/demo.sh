@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# The README's main command (make demo): tokenize the shipped sample offline, show the plan, then train
-# Megatron-core's GPTModel with TP 2 x PP 2 on 4 CPU ranks under torchrun, saving a checkpoint at the end.
+# The README's main command (make demo). On 4 CPU ranks, Megatron-core's GPT trains data-parallel; at step 12
+# rank 3 turns 4x slow (emulated). Run 1, Megatron's uniform plan, keeps its pace at the straggler's. Run 2,
+# hetu_ext, detects the straggler, plans around it (Malleus), migrates online and recovers throughput.
+# Writes runs/demo/throughput.png (tokens/s per step, both runs) and both logs.
 set -euo pipefail
 NPROC=${1:-4}
 OUT=${2:-runs/demo}
@@ -11,11 +13,23 @@ export PYTHONWARNINGS=ignore
 $PY -m hetu_ext.megatron.preprocess_data --input hetu_ext/data/samples/python_reference.jsonl \
     --output-prefix "$OUT/pyref" --tokenizer-type ByteLevelTokenizer --append-eod
 
-$PY -m torch.distributed.run --nproc-per-node "$NPROC" --rdzv-backend c10d --rdzv-endpoint localhost:0 \
-    launch/pretrain_gpt.py \
-    --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 \
-    --num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 128 \
-    --micro-batch-size 4 --global-batch-size 16 --train-iters 60 \
-    --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine --lr-warmup-iters 5 --weight-decay 0.01 --clip-grad 1.0 \
-    --data-path "$OUT/pyref_text_document" --split 98,2,0 --tokenizer-type ByteLevelTokenizer \
-    --data-cache-path "$OUT/cache" --log-interval 5 --save "$OUT/checkpoints" --seed 1234
+COMMON=(--num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 128
+        --micro-batch-size 2 --global-batch-size 24 --train-iters 36 --lr 1e-3 --min-lr 1e-4
+        --lr-decay-style cosine --lr-warmup-iters 3 --clip-grad 1.0 --hidden-dropout 0 --attention-dropout 0
+        --data-path "$OUT/pyref_text_document" --split 98,2,0 --data-cache-path "$OUT/cache" --log-interval 1
+        --hetu-emulate-slowdown step=12:rank=3:x=4 --hetu-straggler-interval 2 --hetu-straggler-window 3
+        --hetu-straggler-threshold 2.0 --hetu-straggler-min-change 0.5 --hetu-gpus-per-node "$NPROC")
+# (threshold and min-change above the defaults: 4 ranks sharing 2 cores time each other's work with ~30% noise)
+run() {
+    $PY -m torch.distributed.run --nproc-per-node "$NPROC" --rdzv-backend c10d --rdzv-endpoint localhost:0 \
+        launch/pretrain_gpt.py "${COMMON[@]}" "$@"
+}
+
+echo "=== run 1: Megatron-core's uniform data-parallel plan, rank 3 becomes 4x slow at step 12 ==="
+run --hetu-runtime megatron 2>&1 | tee "$OUT/uniform.log" | grep -E "iteration|straggler monitor: step"
+echo
+echo "=== run 2: hetu_ext: detect the straggler, re-plan (Malleus), migrate online ==="
+run --hetu-runtime plan --hetu-straggler-replan online 2>&1 | tee "$OUT/hetu.log" \
+    | grep -vE "gpt_dataset|blended_megatron|indexed_dataset|WARNING|Warning|warn"
+$PY launch/plot_throughput.py --out "$OUT/throughput.png" --title "4 CPU ranks, rank 3 4x slow from step 12" \
+    "Megatron uniform=$OUT/uniform.log" "hetu_ext (Malleus)=$OUT/hetu.log"
