@@ -64,3 +64,22 @@ def build_gpt_stage(spec: ModelSpec, config, *, pre_process: bool, post_process:
         max_sequence_length=spec.max_position_embeddings, pre_process=pre_process, post_process=post_process,
         share_embeddings_and_output_weights=not spec.untie_embeddings_and_output_weights,
         position_embedding_type="learned_absolute", **kwargs)
+
+
+def optimizer_config(args, numerics: TrainingNumerics, *, use_distributed_optimizer: bool = False):
+    """Megatron's OptimizerConfig from the Megatron-LM flags (Adam or SGD, LR, weight decay, clipping)."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    return OptimizerConfig(optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr,
+                           weight_decay=args.weight_decay, adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
+                           adam_eps=args.adam_eps, clip_grad=args.clip_grad, bf16=args.bf16,
+                           params_dtype=numerics.dtype, use_distributed_optimizer=use_distributed_optimizer)
+
+
+def with_precision(model, config, numerics: TrainingNumerics):
+    """``--bf16``: Megatron's Float16Module (bf16 weights and activations; the optimizer keeps fp32 masters)."""
+    if not numerics.bf16:
+        return model
+    from megatron.core.transformer.module import Float16Module
+
+    return Float16Module(config, model)

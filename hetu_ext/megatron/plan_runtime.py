@@ -28,7 +28,7 @@ from hetu_ext.runtime.grad_sync import GradSync, LocalTensor
 from hetu_ext.runtime.groups import PlanGroups, add_lane_groups, build_groups
 
 from .placement import Placement
-from .model import TrainingNumerics, build_gpt_stage, transformer_config
+from .model import TrainingNumerics, build_gpt_stage, optimizer_config, transformer_config, with_precision
 from .weights import init_weights, local_shards
 
 logger = logging.getLogger(__name__)
@@ -69,15 +69,14 @@ def _join_optimizer_setup(args, spec: ModelSpec, numerics: TrainingNumerics, gro
     with all_gather_object over the whole world (0.16.1, optimizer/__init__.py:_get_param_groups), so an idle
     rank runs it too, on a module with no trainable parameter, and drops the result."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.transformer.module import MegatronModule
 
     config = transformer_config(dataclasses.replace(spec, num_layers=1), numerics, tp=1, pp=1,
                                 on_cpu=host.device.type == "cpu")
     idle = MegatronModule(config)
     idle.placeholder = torch.nn.Parameter(torch.zeros(1), requires_grad=False)
-    opt_config = OptimizerConfig(optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, bf16=args.bf16,
-                                 params_dtype=numerics.dtype)
+    opt_config = optimizer_config(args, numerics)
     pgc = _pg_collection(groups)
     idle = DistributedDataParallel(config=config, ddp_config=DistributedDataParallelConfig(), module=idle,
                                    pg_collection=pgc)
@@ -88,7 +87,7 @@ def build_plan_placement(args, spec: ModelSpec, plan: Plan, host, numerics: Trai
     """Groups, stage model, DDP, optimizer, schedule and gradient sync for this rank under ``plan``."""
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     check_runnable(plan)
@@ -110,10 +109,7 @@ def build_plan_placement(args, spec: ModelSpec, plan: Plan, host, numerics: Trai
         model.to(host.device)
         shard_kwargs = {"layer_offset": stage.layer_start, "metadata": {"dp_cp_group": groups.single}}
         init_weights(model, seed=args.seed, std=args.init_method_std, num_layers=spec.num_layers, **shard_kwargs)
-        if args.bf16:
-            from megatron.core.transformer.module import Float16Module
-
-            model = Float16Module(config, model)
+        model = with_precision(model, config, numerics)
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False)
         model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model, pg_collection=pgc)
         tp_index = stage.ranks.index(host.rank)
@@ -137,10 +133,7 @@ def build_plan_placement(args, spec: ModelSpec, plan: Plan, host, numerics: Trai
 
     sync = GradSync(layout=layout, groups=groups, local=local, flat_buffers=flat,
                     in_place=in_place_lanes(layout, all_shards))
-    opt_config = OptimizerConfig(optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr,
-                                 weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
-                                 adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad,
-                                 bf16=args.bf16, params_dtype=numerics.dtype)
+    opt_config = optimizer_config(args, numerics)
     optimizer = get_megatron_optimizer(opt_config, [model], use_gloo_process_groups=False, pg_collection=pgc)
     for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
         # the global norm counts every element once over the whole plan

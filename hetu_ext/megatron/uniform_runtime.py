@@ -5,7 +5,7 @@ from __future__ import annotations
 from hetu_ext.plan import ModelSpec, Plan, uniform_shape
 
 from . import host
-from .model import TrainingNumerics, build_gpt_stage, transformer_config
+from .model import TrainingNumerics, build_gpt_stage, optimizer_config, transformer_config, with_precision
 from .placement import Placement
 from .weights import init_weights
 
@@ -16,7 +16,7 @@ def build_megatron_placement(args, spec: ModelSpec, plan: Plan, h: host.Host, nu
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, \
         finalize_model_grads
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     tp, pp, _ = uniform_shape(plan)
@@ -29,19 +29,12 @@ def build_megatron_placement(args, spec: ModelSpec, plan: Plan, h: host.Host, nu
     model = build_gpt_stage(spec, config, pre_process=stage.has_embedding, post_process=stage.has_output)
     model.to(h.device)
     init_weights(model, seed=args.seed, std=args.init_method_std, num_layers=spec.num_layers)
-    if args.bf16:
-        from megatron.core.transformer.module import Float16Module
-
-        model = Float16Module(config, model)  # bf16 weights and activations; fp32 master weights in the optimizer
+    model = with_precision(model, config, numerics)
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                use_distributed_optimizer=args.use_distributed_optimizer)
     model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
     model.broadcast_params()
-    opt_config = OptimizerConfig(optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr,
-                                 weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
-                                 adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad,
-                                 bf16=args.bf16, params_dtype=numerics.dtype,
-                                 use_distributed_optimizer=args.use_distributed_optimizer)
+    opt_config = optimizer_config(args, numerics, use_distributed_optimizer=args.use_distributed_optimizer)
     optimizer = get_megatron_optimizer(opt_config, [model], use_gloo_process_groups=False)
     config.no_sync_func = model.no_sync
     config.finalize_model_grads_func = finalize_model_grads
