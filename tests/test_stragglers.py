@@ -100,3 +100,19 @@ def test_timing_and_emulation_leave_training_bit_identical(sample_prefix):
                                                               "--hetu-straggler-interval", "1")), timeout=180)[0]
     assert watched["losses"] == plain["losses"]
     assert all(torch.equal(watched["weights"][k], w) for k, w in plain["weights"].items())
+
+
+def test_emulated_layer_time_sets_every_rank_pace():
+    """--hetu-emulate-layer-ms: each layer takes factor x nominal (2x for backward), whatever its real time,
+    so ranks sharing CPU cores keep the emulated cluster's pace; the timer counts exactly that time."""
+    layers = [torch.nn.Linear(8, 8) for _ in range(3)]
+    timer = LayerTimer(factor=2.0, nominal_s=0.01)
+    timer.attach(layers)
+    start = time.perf_counter()
+    y = torch.randn(4, 8, requires_grad=True)  # as a stage's input always is (embedding output or received)
+    for layer in layers:
+        y = layer(y)
+    forward_wall = time.perf_counter() - start
+    assert timer.seconds == pytest.approx(3 * 2 * 0.01, rel=0.05) and forward_wall >= 0.06
+    y.sum().backward()
+    assert timer.take() == pytest.approx(3 * 2 * 0.01 * 3, rel=0.05)  # forward + 2x backward

@@ -82,6 +82,9 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     g.add_argument("--hetu-emulate-slowdown", default=None, metavar="SCHEDULE",
                    help='emulate stragglers: "step=20:rank=3:x=4[,step=60:rank=3:x=1]" pads each layer of rank 3 '
                         "to 4x its time from step 20")
+    g.add_argument("--hetu-emulate-layer-ms", type=float, default=None,
+                   help="emulated device time of one layer's forward per microbatch (backward 2x) on every rank, "
+                        "so CPU ranks sharing cores keep an emulated cluster's pace (needs the straggler monitor)")
     g.add_argument("--hetu-straggler-interval", type=int, default=0,
                    help="measure per-rank slowdowns every N steps and propose a Malleus plan (0: off)")
     g.add_argument("--hetu-straggler-threshold", type=float, default=1.3)
@@ -125,6 +128,10 @@ def validate_args(args: argparse.Namespace) -> None:
     if bool(args.mock_data) == bool(args.data_path):
         raise ValueError("give exactly one data source: --mock-data or --data-path PREFIX "
                          f"(got --mock-data={args.mock_data}, --data-path={args.data_path})")
+    if args.hetu_emulate_layer_ms is not None and (args.hetu_emulate_layer_ms <= 0 or
+                                                    not args.hetu_straggler_interval):
+        raise ValueError(f"--hetu-emulate-layer-ms must be > 0 and needs --hetu-straggler-interval N (got "
+                         f"{args.hetu_emulate_layer_ms}, interval {args.hetu_straggler_interval})")
     if args.hetu_straggler_interval < 0:
         raise ValueError(f"--hetu-straggler-interval must be >= 0, got {args.hetu_straggler_interval}")
     if args.hetu_emulate_slowdown:

@@ -287,6 +287,8 @@ def _straggler_monitor(args, spec: ModelSpec, plan: Plan, h: host.Host, placemen
                                min_change=args.hetu_straggler_min_change, window=args.hetu_straggler_window),
         events=parse_schedule(args.hetu_emulate_slowdown or ""),
         gpus_per_node=args.hetu_gpus_per_node or h.world_size, replan_output=args.hetu_replan_output)
+    if args.hetu_emulate_layer_ms:
+        monitor.timer.nominal_s = args.hetu_emulate_layer_ms / 1e3
     if placement.active:
         monitor.attach(_transformer_layers(placement.model))
     return monitor

@@ -7,7 +7,10 @@ measured: pipeline and gradient communication happen outside the layers.
 
 Emulation (``--hetu-emulate-slowdown "step=20:rank=3:x=4"``) pads each layer's forward and backward to x times
 its measured duration: a sleep on CPU, ``torch.cuda._sleep`` on GPU. The padding is counted as compute, so the
-measurement sees an emulated straggler exactly as it would a slow GPU.
+measurement sees an emulated straggler exactly as it would a slow GPU. On a CPU shared by many ranks, a sleeping
+straggler frees cores for the others and its own measured duration shrinks; ``--hetu-emulate-layer-ms T`` fixes
+that by giving every layer an emulated device time (T forward, 2T backward, times x), so all ranks keep the pace
+of the emulated cluster.
 """
 
 from __future__ import annotations
@@ -76,6 +79,10 @@ class LayerTimer:
 
     factor: float = 1.0
     """Emulated slowdown applied to every layer (1.0: none)."""
+    nominal_s: float | None = None
+    """Emulated device time of one layer's forward for one microbatch (backward: twice that). When set, every
+    layer takes ``factor x nominal`` (or its real time, if longer) on every rank, healthy or not, so the ranks'
+    pace is the emulated cluster's and not that of processes sharing CPU cores."""
     seconds: float = 0.0
     """Compute seconds accumulated since the last :meth:`take`."""
     _starts: list[float] = field(default_factory=list)
@@ -90,9 +97,13 @@ class LayerTimer:
         seconds, self.seconds = self.seconds, 0.0
         return seconds
 
-    def _spent(self, elapsed: float) -> None:
-        _pause((self.factor - 1.0) * elapsed)
-        self.seconds += self.factor * elapsed
+    def _spent(self, elapsed: float, backward: bool = False) -> None:
+        if self.nominal_s is None:
+            target = self.factor * elapsed
+        else:
+            target = max(elapsed, self.factor * self.nominal_s * (2.0 if backward else 1.0))
+        _pause(target - elapsed)
+        self.seconds += target
 
     def _pre(self, module, args, kwargs):
         self._starts.append(time.perf_counter())
@@ -114,4 +125,4 @@ class LayerTimer:
         if edge == "out":
             self._bwd_start = time.perf_counter()
         else:
-            self._spent(time.perf_counter() - self._bwd_start)
+            self._spent(time.perf_counter() - self._bwd_start, backward=True)
