@@ -77,3 +77,26 @@ def test_straggler_triggers_an_online_replan_that_continues_the_same_run(sample_
     loss = max(abs(a - b) / abs(b) for a, b in zip(result["losses"], reference["losses"]))
     weight = max(float((result["weights"][k] - w).abs().max()) for k, w in reference["weights"].items())
     assert loss <= LOSS_RTOL and weight <= WEIGHT_ATOL
+
+
+def test_an_idle_rank_that_recovers_is_brought_back(sample_prefix, tmp_path):
+    """Rank 2 starts unused and 6x slow (emulated); its probe keeps measuring it; when it recovers at step 5 the
+    monitor's new plan uses it again, the job migrates online, and the run matches the reference."""
+    steps = ("--train-iters", "12", "--lr-decay-style", "linear")
+    reference = run_ranks(train, 1, _argv(1, 1, sample_prefix, steps), timeout=120)[0]
+    plan = tmp_path / "start.yaml"
+    plan.write_text("pipelines: [{num_microbatches: 2, stages: [{ranks: [0], layers: [0, 4]}]},"
+                    " {num_microbatches: 2, stages: [{ranks: [1], layers: [0, 4]}]}]\nunused_ranks: [2]")
+    argv = _argv(1, 1, sample_prefix, steps + (
+        "--hetu-plan", str(plan), "--hetu-emulate-slowdown", "step=1:rank=2:x=6,step=5:rank=2:x=1",
+        "--hetu-straggler-interval", "2", "--hetu-straggler-window", "2", "--hetu-straggler-threshold", "2.0",
+        "--hetu-straggler-replan", "online", "--hetu-gpus-per-node", "3"))
+    result = next(r for r in run_ranks(train, 3, argv, timeout=300) if r is not None)
+    lines = result["log_lines"]
+    migrations = [line for line in lines if line.startswith("migrated to a new plan")]
+    assert migrations, lines
+    assert "unused: none" in migrations[-1], migrations[-1]
+    assert len(result["losses"]) == 12
+    loss = max(abs(a - b) / abs(b) for a, b in zip(result["losses"], reference["losses"]))
+    weight = max(float((result["weights"][k] - w).abs().max()) for k, w in reference["weights"].items())
+    assert loss <= LOSS_RTOL and weight <= WEIGHT_ATOL

@@ -7,9 +7,9 @@ is pure and deterministic); the plan's lowest used rank logs the slowdowns, the 
 slowdown was emulated, and the plan (also written to ``--hetu-replan-output`` if given). With
 ``--hetu-straggler-replan online`` the trainer then migrates to it (migrate.py) and goes on.
 
-Idle ranks take part in every exchange with no samples, so they can join a migration. A rank the plan leaves
-unused keeps the slowdown it was last measured at (no probe runs on idle ranks yet), so it is not brought back
-by a later plan as if it had recovered.
+Idle ranks take part in every exchange, so they can join a migration, and time one transformer layer of the
+model (the probe) before each, so their speed stays measured: a dropped straggler that recovers is brought back
+by the next plan. Until an idle rank has a full window of probes it keeps the slowdown it was last assumed at.
 """
 
 from __future__ import annotations
@@ -72,6 +72,27 @@ class StragglerMonitor:
     def before_step(self, step: int) -> None:
         """``step``: the 1-based number of the step about to run (as in the log lines)."""
         self.timer.factor = factor_at(self.events, self.rank, step)
+
+    def probe(self, layer, iteration: int) -> None:
+        """Idle rank: time one microbatch through one layer (forward and backward), as the others' layers are
+        timed, and record it; called at each exchange so the idle rank's speed stays measured."""
+        import torch
+
+        self.timer.attach([layer])
+        self.before_step(iteration)
+        s, b, h = self.spec.seq_length, self.micro_batch, self.spec.hidden_size
+        param = next(layer.parameters())
+        x = torch.randn(s, b, h, dtype=param.dtype, device=param.device, requires_grad=True)  # (s, b, h)
+        out, _ = layer(hidden_states=x, attention_mask=None)
+        out.float().sum().backward()
+        layer.zero_grad(set_to_none=True)
+        self._samples.append((iteration, self.timer.take(), 3 * layer_forward_flops(self.spec, b)))
+        self._detach_probe()
+
+    def _detach_probe(self) -> None:
+        for hook in self.timer.handles:
+            hook.remove()
+        self.timer.handles.clear()
 
     def after_step(self, iteration: int, log) -> Plan | None:
         """Record the step; every ``interval`` steps exchange timings (collective over all ranks, idle ones

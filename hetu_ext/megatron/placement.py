@@ -27,5 +27,7 @@ class Placement:
     schedule_kwargs: dict = dataclasses.field(default_factory=dict)
     forward_backward: object = None
     grad_sync: GradSync | None = None
+    probe_layer: torch.nn.Module | None = None
+    """On an idle rank: one transformer layer the straggler monitor times to measure this rank's speed."""
     shard_kwargs: dict = dataclasses.field(default_factory=dict)
     """How to read this stage's tensors' global identity (weights.local_shards)."""

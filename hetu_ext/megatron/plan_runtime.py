@@ -64,6 +64,21 @@ def _buffer_offset(param: torch.Tensor, buffers: list[torch.Tensor]) -> int:
     return -1
 
 
+def _probe_layer(args, spec: ModelSpec, numerics: TrainingNumerics, groups: PlanGroups, host):
+    """One transformer layer of the model on an idle rank (TP 1, its own group): the straggler monitor times it
+    so that an idle rank's speed is measured on the same work as the others' and it can be brought back."""
+    from megatron.core import tensor_parallel
+
+    tensor_parallel.model_parallel_cuda_manual_seed(args.seed, tp_rank=0, ep_rank=0, etp_rank=0,
+                                                     force_reset_rng=True)
+    one = dataclasses.replace(spec, num_layers=1)
+    config = transformer_config(one, numerics, tp=1, pp=1, on_cpu=host.device.type == "cpu")
+    pgc = _pg_collection(groups)
+    pgc.tp = pgc.mp = pgc.tp_cp = pgc.tp_dp_cp = pgc.expt_tp = pgc.tp_ep = pgc.tp_ep_pp = groups.single
+    model = build_gpt_stage(one, config, pre_process=False, post_process=False, pg_collection=pgc)
+    return model.decoder.layers[0].to(host.device)
+
+
 def _join_optimizer_setup(args, spec: ModelSpec, numerics: TrainingNumerics, groups: PlanGroups, host) -> None:
     """An idle rank's share of the optimizer set-up: get_megatron_optimizer aligns parameter groups across ranks
     with all_gather_object over the whole world (0.16.1, optimizer/__init__.py:_get_param_groups), so an idle
@@ -129,7 +144,7 @@ def build_plan_placement(args, spec: ModelSpec, plan: Plan, host, numerics: Trai
     add_lane_groups(groups, list(layout.lanes))
     if where is None:
         _join_optimizer_setup(args, spec, numerics, groups, host)
-        return Placement(active=False)
+        return Placement(active=False, probe_layer=_probe_layer(args, spec, numerics, groups, host))
 
     sync = GradSync(layout=layout, groups=groups, local=local, flat_buffers=flat,
                     in_place=in_place_lanes(layout, all_shards))

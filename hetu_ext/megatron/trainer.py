@@ -118,6 +118,8 @@ class Trainer:
                     pending.append((self.iteration // self.monitor.interval + 1) * self.monitor.interval)
                 self.iteration = min(min(pending, default=args.train_iters), args.train_iters)
                 if self.monitor:
+                    if placement.probe_layer is not None and self.iteration % self.monitor.interval == 0:
+                        self.monitor.probe(placement.probe_layer, self.iteration)
                     replan = self.monitor.after_step(self.iteration, log)
             else:
                 if data is None:

@@ -52,10 +52,11 @@ class SlowdownEstimator:
             rates.popleft()
 
     def slowdowns(self) -> dict[int, float]:
-        """Rank -> slowdown (1.0 = the lower-median pace); empty until every rank has a full window."""
-        if not self._rates or any(len(r) < self.policy.window for r in self._rates.values()):
+        """Rank -> slowdown (1.0 = the lower-median pace) of the ranks with a full window of samples."""
+        per_rank = {rank: statistics.median(rates) for rank, rates in self._rates.items()
+                    if len(rates) >= self.policy.window}
+        if not per_rank:
             return {}
-        per_rank = {rank: statistics.median(rates) for rank, rates in self._rates.items()}
         healthy = statistics.median_low(per_rank.values())  # of two middle paces the faster: 1 of 2 may straggle
         return {rank: max(1.0, rate / healthy) for rank, rate in per_rank.items()}
 
