@@ -129,3 +129,20 @@ def test_timeline_matches_closed_form_for_equal_stages_and_bounds_it_otherwise(m
     fwd, bwd = [1.0, 2.5, 0.5], [2.0, 5.0, 1.0]
     exact = one_f_one_b(fwd, bwd, m)
     assert m * max(f + b for f, b in zip(fwd, bwd)) <= exact <= pipeline_time_closed_form(fwd, bwd, m)
+
+
+def test_replanning_prefers_plans_that_keep_layers_in_place():
+    """Among plans within the tolerance of the fastest, the one moving the fewest layers wins (a cheaper
+    migration): with a wide tolerance the running plan itself is kept although another template is faster."""
+    from hetu_ext.plan.malleus import kept_in_place
+
+    cluster = Cluster(world_size=16, gpus_per_node=8, gpu_memory_bytes=80 * 2**30, slowdowns={3: 5.0})
+    running = plan_malleus(cluster, SPEC, micro_batch=1, num_microbatches=64, tp_degrees=(4,)).plan
+    fastest = plan_malleus(cluster, SPEC, micro_batch=1, num_microbatches=64)
+    assert fastest.plan != running and kept_in_place(fastest.plan, running) < kept_in_place(running, running)
+    wide = plan_malleus(cluster, SPEC, micro_batch=1, num_microbatches=64, current=running, keep_tolerance=10.0)
+    assert wide.plan == running
+    tight = plan_malleus(cluster, SPEC, micro_batch=1, num_microbatches=64, current=running, keep_tolerance=0.0)
+    assert tight.predicted_step_s == fastest.predicted_step_s
+    # every used rank keeps all its layers when nothing changes
+    assert kept_in_place(running, running) == sum(s.num_layers * s.tp for p in running.pipelines for s in p.stages)

@@ -126,7 +126,7 @@ class StragglerMonitor:
                           gpu_memory_bytes=self.gpu_memory_bytes, slowdowns=stragglers)
         try:
             planned = plan_malleus(cluster, self.spec, micro_batch=self.micro_batch,
-                                   num_microbatches=self.plan.num_microbatches)
+                                   num_microbatches=self.plan.num_microbatches, current=self.plan)
         except ValueError as exc:
             say(f"straggler monitor: no plan for these slowdowns: {exc}")
             return None

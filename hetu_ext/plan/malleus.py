@@ -152,11 +152,28 @@ def _evaluate(spec: ModelSpec, cost: CostModel, cluster: Cluster, pipelines_grou
     return step, stages_all, mbs
 
 
+def kept_in_place(plan: Plan, current: Plan) -> int:
+    """(rank, layer) pairs that stay where they are, held with the same TP group: what a migration need not move."""
+    kept = 0
+    for rank in plan.used_ranks:
+        a, b = plan.stage_of(rank), current.stage_of(rank)
+        if a is None or b is None:
+            continue
+        new, old = plan.pipelines[a[0]].stages[a[1]], current.pipelines[b[0]].stages[b[1]]
+        if new.ranks == old.ranks:
+            kept += len(set(new.layers) & set(old.layers))
+    return kept
+
+
 def plan_malleus(cluster: Cluster, spec: ModelSpec, *, micro_batch: int, num_microbatches: int,
                  cost: CostModel = CostModel(), tp_degrees: tuple[int, ...] = (1, 2, 4, 8),
-                 stages_per_pipeline: tuple[int, ...] = (1, 2, 4, 8, 16)) -> PlannedStep:
-    """The best plan over the templates; ValueError naming what would fit if no template fits in memory."""
-    best = None
+                 stages_per_pipeline: tuple[int, ...] = (1, 2, 4, 8, 16), current: Plan | None = None,
+                 keep_tolerance: float = 0.02) -> PlannedStep:
+    """The best plan over the templates; ValueError naming what would fit if no template fits in memory.
+
+    With ``current`` (the running plan), among the plans predicted within ``keep_tolerance`` of the fastest, the
+    one that keeps the most layers in place (:func:`kept_in_place`) wins: it migrates fewer bytes."""
+    candidates = []
     cutoffs = sorted({cluster.slowdown(r) for r in range(cluster.world_size)}, reverse=True)[:4]
     for tp in tp_degrees:
         if tp > cluster.gpus_per_node or any(n % tp for n in (spec.num_attention_heads, spec.ffn_hidden_size,
@@ -181,11 +198,20 @@ def plan_malleus(cluster: Cluster, spec: ModelSpec, *, micro_batch: int, num_mic
                 if result is None:
                     continue
                 step, splits, mbs = result
-                if best is None or step < best[0]:
-                    best = (step, tp, cutoff, pp, pipes, splits, mbs, unused + [r for g, _ in spare for r in g])
-    if best is None:
+                candidates.append((step, tp, cutoff, pp, pipes, splits, mbs,
+                                   unused + [r for g, _ in spare for r in g]))
+    if not candidates:
         raise ValueError(_no_fit_message(cluster, spec, cost, micro_batch))
-    step, tp, cutoff, pp, pipes, splits, mbs, unused = best
+    fastest = min(c[0] for c in candidates)
+    if current is None:
+        return _build(cluster, spec, min(candidates, key=lambda c: c[0]))
+    near = [_build(cluster, spec, c) for c in candidates if c[0] <= fastest * (1 + keep_tolerance)]
+    return max(near, key=lambda p: (kept_in_place(p.plan, current), -p.predicted_step_s))
+
+
+def _build(cluster: Cluster, spec: ModelSpec, candidate) -> PlannedStep:
+    step, tp, cutoff, pp, pipes, splits, mbs, unused = candidate
+    unused = list(unused)
     pipelines = []
     for groups, split, m in zip(pipes, splits, mbs):
         if m == 0:
