@@ -81,7 +81,11 @@ def test_straggler_triggers_an_online_replan_that_continues_the_same_run(sample_
 
 def test_an_idle_rank_that_recovers_is_brought_back(sample_prefix, tmp_path):
     """Rank 2 starts unused and 6x slow (emulated); its probe keeps measuring it; when it recovers at step 5 the
-    monitor's new plan uses it again, the job migrates online, and the run matches the reference."""
+    monitor's new plan uses it again, the job migrates online, and the run matches the reference.
+
+    Layers get an emulated device time (--hetu-emulate-layer-ms): the idle rank's one-layer probe and the
+    training ranks' layers then take the time the emulated cluster says, not what 3 processes on 2 shared cores
+    happen to get (without it the probe of this tiny model was sometimes timed 2x slow after recovery)."""
     steps = ("--train-iters", "12", "--lr-decay-style", "linear")
     reference = run_ranks(train, 1, _argv(1, 1, sample_prefix, steps), timeout=120)[0]
     plan = tmp_path / "start.yaml"
@@ -90,7 +94,7 @@ def test_an_idle_rank_that_recovers_is_brought_back(sample_prefix, tmp_path):
     argv = _argv(1, 1, sample_prefix, steps + (
         "--hetu-plan", str(plan), "--hetu-emulate-slowdown", "step=1:rank=2:x=6,step=5:rank=2:x=1",
         "--hetu-straggler-interval", "2", "--hetu-straggler-window", "2", "--hetu-straggler-threshold", "2.0",
-        "--hetu-straggler-replan", "online", "--hetu-gpus-per-node", "3"))
+        "--hetu-straggler-replan", "online", "--hetu-gpus-per-node", "3", "--hetu-emulate-layer-ms", "5"))
     result = next(r for r in run_ranks(train, 3, argv, timeout=300) if r is not None)
     lines = result["log_lines"]
     migrations = [line for line in lines if line.startswith("migrated to a new plan")]

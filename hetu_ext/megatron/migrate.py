@@ -9,7 +9,6 @@ fp32 master weights would move the same way, but that path is not wired yet.
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass
 
@@ -19,8 +18,6 @@ from hetu_ext.runtime.reshard import Piece, reshard
 
 from .placement import Placement
 from .weights import local_shards
-
-logger = logging.getLogger(__name__)
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 

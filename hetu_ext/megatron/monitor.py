@@ -14,9 +14,9 @@ by the next plan. Until an idle rank has a full window of probes it keeps the sl
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
 
 from hetu_ext.plan import ModelSpec, Plan, dump_plan, format_plan
@@ -25,8 +25,6 @@ from hetu_ext.plan.cost import layer_forward_flops
 from hetu_ext.plan.malleus import plan_malleus
 from hetu_ext.plan.straggler_policy import SlowdownEstimator, StragglerPolicy, should_replan
 from hetu_ext.runtime.straggler import LayerTimer, SlowdownEvent, factor_at
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -46,11 +44,12 @@ class StragglerMonitor:
     assumed: dict[int, float] = field(default_factory=dict)
     """Slowdowns the current plan was made for (none: a healthy cluster)."""
     detections: list[tuple[int, dict[int, float]]] = field(default_factory=list)
-    _samples: list[tuple[int, float, float]] = field(default_factory=list)
+    _warm: set[int] = field(default_factory=set)
+    _samples: list[tuple[float, float]] = field(default_factory=list)
+    """(compute seconds, FLOPs) per step since the last exchange."""
     _flops: float = 0.0
 
     def __post_init__(self) -> None:
-        self.estimator = SlowdownEstimator(policy=self.policy)
         self.use_plan(self.plan)
 
     def use_plan(self, plan: Plan) -> None:
@@ -76,36 +75,37 @@ class StragglerMonitor:
     def probe(self, layer, iteration: int) -> None:
         """Idle rank: time one microbatch through one layer (forward and backward), as the others' layers are
         timed, and record it; called at each exchange so the idle rank's speed stays measured."""
-        import torch
-
-        self.timer.attach([layer])
-        self.before_step(iteration)
         s, b, h = self.spec.seq_length, self.micro_batch, self.spec.hidden_size
         param = next(layer.parameters())
         x = torch.randn(s, b, h, dtype=param.dtype, device=param.device, requires_grad=True)  # (s, b, h)
-        out, _ = layer(hidden_states=x, attention_mask=None)
-        out.float().sum().backward()
-        layer.zero_grad(set_to_none=True)
-        self._samples.append((iteration, self.timer.take(), 3 * layer_forward_flops(self.spec, b)))
-        self._detach_probe()
 
-    def _detach_probe(self) -> None:
-        for hook in self.timer.handles:
-            hook.remove()
-        self.timer.handles.clear()
+        def run() -> None:
+            out, _ = layer(hidden_states=x, attention_mask=None)
+            out.float().sum().backward()
+            layer.zero_grad(set_to_none=True)
+
+        if id(layer) not in self._warm:
+            run()  # the first pass pays one-off costs (allocation, kernel selection) the training steps do not
+            self._warm.add(id(layer))
+        handles = self.timer.attach([layer])
+        self.before_step(iteration)
+        run()
+        self._samples.append((self.timer.take(), 3 * layer_forward_flops(self.spec, b)))
+        for handle in handles:
+            handle.remove()
 
     def after_step(self, iteration: int, log) -> Plan | None:
         """Record the step; every ``interval`` steps exchange timings (collective over all ranks, idle ones
         included) and return a new plan when the slowdowns moved past the hysteresis, else None."""
         if self._flops:
-            self._samples.append((iteration, self.timer.take(), self._flops))
+            self._samples.append((self.timer.take(), self._flops))
         if iteration % self.interval:
             return None
         everyone: list = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, (self.rank, self._samples))
         self._samples = []
         for rank, samples in everyone:
-            for _, seconds, flops in samples:
+            for seconds, flops in samples:
                 self.estimator.add(rank, seconds, flops)
         measured = self.estimator.slowdowns()
         if not measured:

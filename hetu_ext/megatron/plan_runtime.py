@@ -16,7 +16,6 @@ where tensors get their global identity (weights.local_shards(layer_offset=...))
 from __future__ import annotations
 
 import dataclasses
-import logging
 
 import torch
 import torch.distributed as dist
@@ -31,8 +30,6 @@ from .placement import Placement
 from .model import TrainingNumerics, build_gpt_stage, optimizer_config, transformer_config, with_precision
 from .weights import init_weights, local_shards
 
-logger = logging.getLogger(__name__)
-
 
 def check_runnable(plan: Plan) -> None:
     for i, pipeline in enumerate(plan.pipelines):
@@ -42,10 +39,11 @@ def check_runnable(plan: Plan) -> None:
                                 "least one layer per stage, so merge it into an adjacent stage")
 
 
-def _pg_collection(groups: PlanGroups):
+def _pg_collection(groups: PlanGroups, tp=None):
+    """The groups a stage model sees: its TP group (``tp``, default the stage's), itself for everything else."""
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    one, tp = groups.single, groups.tp
+    one, tp = groups.single, tp or groups.tp
     return ProcessGroupCollection(
         tp=tp, pp=one, mp=tp, cp=one, tp_cp=tp, tp_dp_cp=tp, dp=one, dp_cp=one, intra_dp_cp=one, ep=one,
         expt_tp=tp, tp_ep=tp, tp_ep_pp=tp, expt_dp=one, intra_expt_dp=one, embd=None, pos_embd=None,
@@ -73,9 +71,8 @@ def _probe_layer(args, spec: ModelSpec, numerics: TrainingNumerics, groups: Plan
                                                      force_reset_rng=True)
     one = dataclasses.replace(spec, num_layers=1)
     config = transformer_config(one, numerics, tp=1, pp=1, on_cpu=host.device.type == "cpu")
-    pgc = _pg_collection(groups)
-    pgc.tp = pgc.mp = pgc.tp_cp = pgc.tp_dp_cp = pgc.expt_tp = pgc.tp_ep = pgc.tp_ep_pp = groups.single
-    model = build_gpt_stage(one, config, pre_process=False, post_process=False, pg_collection=pgc)
+    model = build_gpt_stage(one, config, pre_process=False, post_process=False,
+                            pg_collection=_pg_collection(groups, tp=groups.single))
     return model.decoder.layers[0].to(host.device)
 
 
@@ -114,8 +111,9 @@ def build_plan_placement(args, spec: ModelSpec, plan: Plan, host, numerics: Trai
     shards: list[ShardInfo] = []
     if where is not None:
         stage = plan.pipelines[where[0]].stages[where[1]]
-        tensor_parallel.model_parallel_cuda_manual_seed(args.seed, tp_rank=stage.ranks.index(host.rank),
-                                                         ep_rank=0, etp_rank=0, force_reset_rng=True)
+        tp_rank = stage.ranks.index(host.rank)
+        tensor_parallel.model_parallel_cuda_manual_seed(args.seed, tp_rank=tp_rank, ep_rank=0, etp_rank=0,
+                                                         force_reset_rng=True)
         pgc = _pg_collection(groups)
         stage_spec = dataclasses.replace(spec, num_layers=stage.num_layers)
         config = transformer_config(stage_spec, numerics, tp=stage.tp, pp=1, on_cpu=host.device.type == "cpu")
@@ -127,12 +125,11 @@ def build_plan_placement(args, spec: ModelSpec, plan: Plan, host, numerics: Trai
         model = with_precision(model, config, numerics)
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False)
         model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model, pg_collection=pgc)
-        tp_index = stage.ranks.index(host.rank)
         local = {}
         flat = [b.grad_data for b in model.buffers + model.expert_parallel_buffers]
         for s in local_shards(model, **shard_kwargs):
             box = tuple((sl.start, sl.stop) for sl in s.slices)
-            shards.append(ShardInfo(rank=host.rank, stage=where, tp_index=tp_index, key=s.key, index=s.index,
+            shards.append(ShardInfo(rank=host.rank, stage=where, tp_index=tp_rank, key=s.key, index=s.index,
                                     box=box, offset=_buffer_offset(s.data, flat)))
             if (s.key, s.index) in local:
                 raise PlanError(f"{s.key}{list(s.index)} appears twice on rank {host.rank}")
@@ -156,7 +153,6 @@ def build_plan_placement(args, spec: ModelSpec, plan: Plan, host, numerics: Trai
         inner.grad_stats_parallel_group = groups.used
 
     is_last = stage.has_output
-    tp_rank = stage.ranks.index(host.rank)
 
     def finalize(model_chunks, num_tokens=None, pg_collection=None, force_all_reduce=False):
         for chunk in model_chunks:

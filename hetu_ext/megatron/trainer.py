@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 
 from hetu_ext.data.assign import global_batch_size
+from hetu_ext.plan import ModelSpec, Plan, PlanError, format_plan, load_plan, uniform_plan, uniform_shape
 from hetu_ext.plan.straggler_policy import StragglerPolicy
 from hetu_ext.runtime.straggler import parse_schedule
-from hetu_ext.plan import ModelSpec, Plan, PlanError, format_plan, load_plan, uniform_plan, uniform_shape
 
 from . import checkpointing, host
 from .data import DataSpec, build_train_dataset, make_tokenizer, microbatch_iterator
@@ -140,12 +140,13 @@ class Trainer:
                 if args.save and args.save_interval and self.iteration % args.save_interval == 0:
                     checkpointing.save(self, args.save)
             if self.migrations and self.migrations[0][0] == self.iteration:
-                self._migrate(self.migrations.pop(0)[1], log)
-                data = None
-            elif replan is not None and args.hetu_straggler_replan == "online":
+                replan = self.migrations.pop(0)[1]
+            elif args.hetu_straggler_replan != "online":
+                replan = None
+            if replan is not None:
                 self._migrate(replan, log)
                 data = None
-                window_start, window_iters = time.perf_counter(), 0
+                window_start, window_iters = time.perf_counter(), 0  # the migration is not a step
         if args.save and self.placement.active and (not args.save_interval or self.iteration % args.save_interval):
             checkpointing.save(self, args.save)
         if self.plan.unused_ranks:

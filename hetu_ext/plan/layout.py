@@ -105,9 +105,13 @@ class ReductionLayout:
         return round(total)
 
 
-def _cuts(boxes: list[Box]) -> list[list[int]]:
-    ndim = len(boxes[0])
-    return [sorted({b[d][0] for b in boxes} | {b[d][1] for b in boxes}) for d in range(ndim)]
+def split_box(box: Box, boxes: list[Box]) -> list[Box]:
+    """``box`` cut along every boundary of ``boxes`` that falls inside it (the grid of their overlaps)."""
+    cuts = []
+    for d, (lo, hi) in enumerate(box):
+        points = sorted({lo, hi} | {b[d][k] for b in boxes for k in (0, 1) if lo < b[d][k] < hi})
+        cuts.append(list(zip(points[:-1], points[1:])))
+    return [tuple(cell) for cell in itertools.product(*cuts)]
 
 
 def _contains(box: Box, cell: Box) -> bool:
@@ -122,9 +126,9 @@ def reduction_layout(shards: list[ShardInfo]) -> ReductionLayout:
     lanes: dict[tuple[int, ...], list[Cell]] = defaultdict(list)
     owners: dict[Cell, int] = {}
     for (key, index), holders in sorted(by_tensor.items()):
-        cuts = _cuts([h.box for h in holders])
-        for corner in itertools.product(*(zip(c[:-1], c[1:]) for c in cuts)):
-            box: Box = tuple(corner)
+        boxes = [h.box for h in holders]
+        extent = tuple((min(b[d][0] for b in boxes), max(b[d][1] for b in boxes)) for d in range(len(boxes[0])))
+        for box in split_box(extent, boxes):
             inside = [h for h in holders if _contains(h.box, box)]
             if not inside:
                 raise ValueError(f"{key}{list(index)}: elements {box} are held by no rank")

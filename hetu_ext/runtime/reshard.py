@@ -14,7 +14,6 @@ same way, and checkpoint loading can feed it a file layout as the source.
 
 from __future__ import annotations
 
-import itertools
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -22,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from hetu_ext.errors import HetuExtError
-from hetu_ext.plan.layout import Box
+from hetu_ext.plan.layout import Box, split_box
 
 
 @dataclass(frozen=True)
@@ -44,16 +43,6 @@ def _intersect(a: Box, b: Box) -> Box | None:
 
 def _local(box: Box, within: Box) -> tuple[slice, ...]:
     return tuple(slice(lo - w0, hi - w0) for (lo, hi), (w0, _) in zip(box, within))
-
-
-def _cells(box: Box, others: list[Box]) -> list[Box]:
-    """``box`` cut along every boundary of ``others`` that falls inside it."""
-    cuts = []
-    for d, (lo, hi) in enumerate(box):
-        points = {lo, hi} | {b[d][k] for b in others for k in (0, 1) if lo < b[d][k] < hi}
-        points = sorted(points)
-        cuts.append(list(zip(points[:-1], points[1:])))
-    return [tuple(c) for c in itertools.product(*cuts)]
 
 
 def _numel(box: Box) -> int:
@@ -87,7 +76,7 @@ def reshard(sources: list[Piece], destinations: list[Piece], group=None) -> Resh
     for dst_rank, _, dsts in sorted(everyone, key=lambda e: e[0]):
         for p in dsts:
             sources_here = [(r, b) for r, b in holders.get((p.key, p.index), []) if _intersect(p.box, b)]
-            for cell in _cells(p.box, [b for _, b in sources_here]):
+            for cell in split_box(p.box, [b for _, b in sources_here]):
                 candidates = sorted(r for r, b in sources_here if _intersect(cell, b) == cell)
                 if not candidates:
                     raise HetuExtError(f"reshard: {p.key}{list(p.index)} elements {cell} wanted by rank "

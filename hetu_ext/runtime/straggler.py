@@ -85,15 +85,16 @@ class LayerTimer:
     pace is the emulated cluster's and not that of processes sharing CPU cores."""
     seconds: float = 0.0
     """Compute seconds accumulated since the last :meth:`take`."""
-    handles: list = field(default_factory=list)
-    """Hook handles of the attached layers (remove them to detach)."""
     _starts: list[float] = field(default_factory=list)
     _bwd_start: float = 0.0
 
-    def attach(self, layers: list[torch.nn.Module]) -> None:
+    def attach(self, layers: list[torch.nn.Module]) -> list:
+        """Time these layers; returns the hook handles (remove them to detach)."""
+        handles = []
         for layer in layers:
-            self.handles.append(layer.register_forward_pre_hook(self._pre, with_kwargs=True))
-            self.handles.append(layer.register_forward_hook(self._post, with_kwargs=True))
+            handles.append(layer.register_forward_pre_hook(self._pre, with_kwargs=True))
+            handles.append(layer.register_forward_hook(self._post, with_kwargs=True))
+        return handles
 
     def take(self) -> float:
         seconds, self.seconds = self.seconds, 0.0
