@@ -16,7 +16,7 @@ $(STAMP): setup.py Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "torch==2.13.0"
-	$(PY) -m pip install --quiet -e ".[megatron,deepspeed,dev,plot]"
+	$(PY) -m pip install --quiet -e ".[megatron,deepspeed,dev,plot,diffusion]"
 	touch $(STAMP)
 
 # The main job: pretrain_gpt.py on NPROC CPU ranks with an emulated straggler, Megatron's uniform plan vs

@@ -13,12 +13,13 @@ setup(
     packages=find_packages(include=["hetu_ext", "hetu_ext.*"]) + ["hetu_ext.patches"],
     package_dir={"hetu_ext.patches": "patches"},
     package_data={"hetu_ext": ["data/samples/*"]},
-    install_requires=["numpy", "pyyaml>=6"],
+    install_requires=["numpy", "pyyaml>=6", "safetensors>=0.4"],
     extras_require={
         "cpu": [TORCH],
         "megatron": [TORCH, "megatron-core==0.16.1"],
         "deepspeed": [TORCH, "deepspeed==0.19.8"],
-        "dev": ["pytest>=8", "pytest-timeout"],
+        "dev": ["pytest>=8", "pytest-timeout", "scipy>=1.9"],  # scipy: HiGHS MILP references in tests
+        "diffusion": [TORCH, "diffusers>=0.30", "transformers>=4.40"],
         "plot": ["matplotlib>=3.7"],
     },
     entry_points={"console_scripts": ["hetu-plan=hetu_ext.plan.__main__:main"]},
