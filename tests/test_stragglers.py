@@ -116,3 +116,39 @@ def test_emulated_layer_time_sets_every_rank_pace():
     assert timer.seconds == pytest.approx(3 * 2 * 0.01, rel=0.05) and forward_wall >= 0.06
     y.sum().backward()
     assert timer.take() == pytest.approx(3 * 2 * 0.01 * 3, rel=0.05)  # forward + 2x backward
+
+
+class _Spin(torch.nn.Module):
+    """A layer whose forward is a known amount of device time (a spin kernel) and nothing on the host."""
+
+    def __init__(self, cycles: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones((), device="cuda"))
+        self.cycles = cycles
+
+    def forward(self, x):
+        torch.cuda._sleep(self.cycles)
+        return x * self.weight
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_timer_counts_device_time_not_host_time():
+    """On GPU the host returns from a kernel launch at once: a host clock would see ~0 s. The CUDA-event timer
+    must see the spin kernels' device time, and an emulated 3x slowdown must pad it to 3x (within 15%: the
+    _sleep calibration and launch gaps)."""
+    layers = [_Spin(20_000_000) for _ in range(4)]
+
+    def forward_seconds(timer: LayerTimer) -> float:
+        handles = timer.attach(layers)
+        x = torch.ones(4, device="cuda", requires_grad=True)
+        for layer in layers:
+            x = layer(x)
+        for handle in handles:
+            handle.remove()
+        return timer.take()
+
+    forward_seconds(LayerTimer(factor=2.0))  # warm-up: kernels, CUDA context, the _sleep calibration
+    base, padded = forward_seconds(LayerTimer()), forward_seconds(LayerTimer(factor=3.0))
+    assert base > 0.005, base
+    assert padded == pytest.approx(3 * base, rel=0.15)

@@ -6,7 +6,7 @@ output mark's backward (the gradient arrives) and the input mark's backward (it 
 measured: pipeline and gradient communication happen outside the layers.
 
 Emulation (``--hetu-emulate-slowdown "step=20:rank=3:x=4"``) pads each layer's forward and backward to x times
-its measured duration: a sleep on CPU, ``torch.cuda._sleep`` on GPU. The padding is counted as compute, so the
+its measured duration: a sleep on CPU, ``torch.cuda._sleep`` on GPU (timed with CUDA events there). The padding is counted as compute, so the
 measurement sees an emulated straggler exactly as it would a slow GPU. On a CPU shared by many ranks, a sleeping
 straggler frees cores for the others and its own measured duration shrinks; ``--hetu-emulate-layer-ms T`` fixes
 that by giving every layer an emulated device time (T forward, 2T backward, times x), so all ranks keep the pace
@@ -52,13 +52,68 @@ def factor_at(events: list[SlowdownEvent], rank: int, step: int) -> float:
     return factor
 
 
-def _pause(seconds: float) -> None:
-    if seconds <= 0:
-        return
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda._sleep(int(seconds * 1.4e9))  # cycles at ~1.4 GHz; timing on GPU uses CUDA events
-    else:
-        time.sleep(seconds)
+class _CpuClock:
+    """Host wall-clock spans: on CPU the host runs the compute, so the time between two hooks is compute time."""
+
+    def start(self) -> float:
+        return time.perf_counter()
+
+    def stop(self, start: float, *, wait: bool) -> float | None:
+        return time.perf_counter() - start
+
+    def pause(self, seconds: float) -> None:
+        if seconds > 0:
+            time.sleep(seconds)
+
+    def drain(self) -> float:
+        return 0.0
+
+
+class _CudaClock:
+    """CUDA-event spans: the host only enqueues kernels, so a span is the device time between two events.
+
+    Spans are resolved lazily (``drain`` at :meth:`LayerTimer.take`, once per step) so timing never synchronises
+    the stream, except when emulation needs a span's length to pad it (``wait=True``). Padding is
+    ``torch.cuda._sleep`` (a spin kernel on the stream), calibrated once in cycles per second.
+    """
+
+    def __init__(self) -> None:
+        self._pending: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._cycles_per_s: float | None = None
+
+    def start(self) -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def stop(self, start: torch.cuda.Event, *, wait: bool) -> float | None:
+        end = self.start()
+        if not wait:
+            self._pending.append((start, end))
+            return None
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+    def pause(self, seconds: float) -> None:
+        if seconds > 0:
+            torch.cuda._sleep(int(seconds * self._calibrate()))
+
+    def drain(self) -> float:
+        if not self._pending:
+            return 0.0
+        self._pending[-1][1].synchronize()
+        seconds = sum(start.elapsed_time(end) for start, end in self._pending) / 1e3
+        self._pending.clear()
+        return seconds
+
+    def _calibrate(self) -> float:
+        if self._cycles_per_s is None:
+            cycles = 50_000_000
+            torch.cuda._sleep(cycles)  # warm-up
+            start = self.start()
+            torch.cuda._sleep(cycles)
+            self._cycles_per_s = cycles / self.stop(start, wait=True)
+        return self._cycles_per_s
 
 
 class _Mark(torch.autograd.Function):
@@ -84,12 +139,19 @@ class LayerTimer:
     layer takes ``factor x nominal`` (or its real time, if longer) on every rank, healthy or not, so the ranks'
     pace is the emulated cluster's and not that of processes sharing CPU cores."""
     seconds: float = 0.0
-    """Compute seconds accumulated since the last :meth:`take`."""
-    _starts: list[float] = field(default_factory=list)
-    _bwd_start: float = 0.0
+    """Compute seconds accumulated since the last :meth:`take` (CUDA spans are added at :meth:`take`)."""
+    _starts: list = field(default_factory=list)
+    _bwd_start: object = None
+    _clock: _CpuClock | _CudaClock = field(default_factory=_CpuClock)
 
     def attach(self, layers: list[torch.nn.Module]) -> list:
-        """Time these layers; returns the hook handles (remove them to detach)."""
+        """Time these layers; returns the hook handles (remove them to detach).
+
+        Layers whose parameters live on a CUDA device are timed with CUDA events, others with the host clock.
+        """
+        params = [p for layer in layers for p in layer.parameters()]
+        if params and params[0].is_cuda and not isinstance(self._clock, _CudaClock):
+            self._clock = _CudaClock()
         handles = []
         for layer in layers:
             handles.append(layer.register_forward_pre_hook(self._pre, with_kwargs=True))
@@ -97,19 +159,25 @@ class LayerTimer:
         return handles
 
     def take(self) -> float:
-        seconds, self.seconds = self.seconds, 0.0
+        seconds, self.seconds = self.seconds + self._clock.drain(), 0.0
         return seconds
 
-    def _spent(self, elapsed: float, backward: bool = False) -> None:
+    def _stop(self, start, backward: bool = False) -> None:
+        emulating = self.factor != 1.0 or self.nominal_s is not None
+        elapsed = self._clock.stop(start, wait=emulating)
+        if not emulating:
+            if elapsed is not None:
+                self.seconds += elapsed
+            return
         if self.nominal_s is None:
             target = self.factor * elapsed
         else:
             target = max(elapsed, self.factor * self.nominal_s * (2.0 if backward else 1.0))
-        _pause(target - elapsed)
+        self._clock.pause(target - elapsed)
         self.seconds += target
 
     def _pre(self, module, args, kwargs):
-        self._starts.append(time.perf_counter())
+        self._starts.append(self._clock.start())
         if "hidden_states" in kwargs and torch.is_grad_enabled():
             kwargs["hidden_states"] = _Mark.apply(kwargs["hidden_states"], self, "in")
         elif args and torch.is_grad_enabled():
@@ -117,7 +185,7 @@ class LayerTimer:
         return args, kwargs
 
     def _post(self, module, args, kwargs, output):
-        self._spent(time.perf_counter() - self._starts.pop())
+        self._stop(self._starts.pop())
         if torch.is_grad_enabled():
             if isinstance(output, tuple):
                 return (_Mark.apply(output[0], self, "out"), *output[1:])
@@ -126,6 +194,6 @@ class LayerTimer:
 
     def _backward_edge(self, edge: str) -> None:
         if edge == "out":
-            self._bwd_start = time.perf_counter()
+            self._bwd_start = self._clock.start()
         else:
-            self._spent(time.perf_counter() - self._bwd_start, backward=True)
+            self._stop(self._bwd_start, backward=True)
