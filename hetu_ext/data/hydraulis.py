@@ -1,0 +1,261 @@
+"""Hydraulis' two-stage length-aware assignment, and the lower bound that certifies it (pure: numpy only).
+
+Notation: replica r has stages j with per-microbatch cost ``a_j Q + b_j S + c_j`` (Q, S: squared and plain tokens
+of the microbatch), ``pp_r`` stages and a token capacity ``cap_r``. Its *representative* stage ``j_r`` is the one
+slowest on an even share of the batch; stage 1 and the bound price documents there:
+``w_r(s) = a_r s^2 + b_r s``.
+
+Stage 1 (across replicas), documents longest first: each goes to the replica whose estimated time after taking
+it is lowest, the estimate being ``W + c M + (pp - 1) max(W / M + c, d + c)`` with ``W`` its work, ``d`` its most
+expensive document and ``M`` the microbatch count that balances ``c M`` against the fill and drain
+(``sqrt((pp - 1) W / c)``, at least ``ceil(tokens / cap)``). Related-machines LPT: every document lands where it
+finishes first. Then, while it helps, a document is moved or two swapped between the slowest replica and one of
+the fastest, the candidate chosen by the estimate and accepted only if stage 2 confirms a lower maximum.
+
+Stage 2 (inside a replica) picks the microbatch count M >= the first-fit-decreasing count and, for each M, packs
+documents longest first into the least loaded microbatch that has room (capacity-aware LPT); it keeps the M of
+lowest ``sum + (pp - 1) max``, stopping once ``W + c M + (pp - 1)(d + c)`` exceeds the best found.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from .packing import ReplicaSpec
+
+_MAX_EXTRA_MICROBATCHES = 32  # stage 2 tries at most this many counts above first-fit-decreasing's
+
+
+class _Replicas:
+    """Stage coefficients of all replicas as arrays: a, b, c of shape (R, P_max) padded with zeros."""
+
+    def __init__(self, replicas: Sequence["ReplicaSpec"], s: np.ndarray) -> None:
+        r, p = len(replicas), max(x.pp for x in replicas)
+        self.a, self.b, self.c = (np.zeros((r, p)) for _ in range(3))
+        for k, x in enumerate(replicas):
+            for j, cost in enumerate(x.stage_costs):
+                self.a[k, j], self.b[k, j], self.c[k, j] = cost.a, cost.b, cost.c
+        self.pp = np.array([x.pp for x in replicas], dtype=np.float64)
+        self.cap = np.array([x.token_capacity for x in replicas], dtype=np.int64)
+        share_q, share_s = float(np.square(s, dtype=np.float64).sum()) / r, float(s.sum()) / r
+        rep = np.argmax(self.a * share_q + self.b * share_s + self.c, axis=1)
+        rows = np.arange(r)
+        self.ra, self.rb, self.rc = self.a[rows, rep], self.b[rows, rep], self.c[rows, rep]
+
+    def pack_times(self, r: int, q: np.ndarray, s: np.ndarray) -> np.ndarray:
+        """Seconds of microbatches with moments q, s (shape (M,)) on replica r's slowest stage."""
+        return (np.outer(q, self.a[r]) + np.outer(s, self.b[r]) + self.c[r]).max(axis=1)
+
+
+def lower_bound_s(s: np.ndarray, replicas: Sequence["ReplicaSpec"]) -> float:
+    """Seconds that no assignment of documents ``s`` to ``replicas`` can beat on its slowest replica.
+
+    The larger of two bounds. (1) The longest document: the microbatch holding it runs ``pp`` times on the
+    critical path (once in steady state, ``pp - 1`` in fill and drain) on the best replica able to hold it.
+    (2) Work: replica r's time is at least ``f_r(W) = W + c M + (pp - 1)(W / M + c)`` for its work W priced on one
+    fixed stage (any one stage's time lower-bounds the slowest's) and any real M >= 1, minimised over M; with
+    documents divisible, the best level T solves ``sum_r f_r^-1(T) = total work`` (bisection). Work is priced on
+    replica 0's representative stage scaled by ``k_r = min(a_r / a_0, b_r / b_0)`` so it adds across replicas.
+    """
+    if s.size == 0:
+        return 0.0
+    rep = _Replicas(replicas, s)
+    smax = float(s.max())
+    fits = rep.cap >= smax
+    longest = float(np.min((rep.pp * (rep.ra * smax * smax + rep.rb * smax + rep.rc))[fits]))
+    a0, b0 = rep.ra[0], rep.rb[0]
+    ratios = [rep.ra / a0] if a0 > 0 else []
+    ratios += [rep.rb / b0] if b0 > 0 else []
+    k = np.min(ratios, axis=0) if ratios else np.ones_like(rep.ra)
+    total = a0 * float(np.square(s, dtype=np.float64).sum()) + b0 * float(s.sum())
+    if total <= 0 or not np.all(k > 0):
+        return longest
+    lo, hi = 0.0, float(np.max(rep.pp * (total * k + rep.rc)))  # one replica alone reaches hi
+
+    def work_at(level: float) -> float:
+        return float(np.sum(_inverse_f(level, rep.pp, rep.rc) / k))
+
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        if mid in (lo, hi):
+            break
+        lo, hi = (lo, mid) if work_at(mid) >= total else (mid, hi)
+    return max(longest, hi)
+
+
+def _inverse_f(level: float, pp: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """Largest work W with f(W) <= level, f as in :func:`lower_bound_s` (closed form per replica).
+
+    pp = 1: f = W + c. pp > 1: the optimum M* = sqrt((pp - 1) W / c) >= 1 gives f = (sqrt W + sqrt((pp - 1) c))^2;
+    below W = c / (pp - 1), M = 1 gives f = pp (W + c).
+    """
+    fill = np.sqrt((pp - 1) * c)
+    big = np.square(np.maximum(math.sqrt(level) - fill, 0.0))
+    small = level / pp - c
+    knee = np.divide(c, pp - 1, out=np.full_like(c, np.inf), where=pp > 1)
+    w = np.where(pp == 1, level - c, np.where(big >= knee, big, small))
+    return np.maximum(w, 0.0)
+
+
+def assign_hetu(s: np.ndarray, replicas: Sequence["ReplicaSpec"]) -> list[list[list[int]]]:
+    """[replica][microbatch] -> document indices: stage 1 across replicas, stage 2 within each."""
+    rep = _Replicas(replicas, s)
+    shares = _stage1(s, rep)
+    packed = [_stage2(s, np.asarray(share, dtype=np.int64), rep, r) for r, share in enumerate(shares)]
+    _refine(s, rep, shares, packed)
+    return [packs for packs, _ in packed]
+
+
+def _estimate(w: np.ndarray, tokens: np.ndarray, d: np.ndarray, n: np.ndarray, rep: _Replicas) -> np.ndarray:
+    """Estimated replica seconds with work w, tokens, costliest document d and n documents (vectors of R)."""
+    m_lo = np.ceil(tokens / rep.cap)
+    m_star = np.sqrt(np.divide((rep.pp - 1) * w, rep.rc, out=n.astype(np.float64), where=rep.rc > 0))
+    m = np.maximum(np.minimum(m_star, n), np.maximum(m_lo, 1.0))
+    return w + rep.rc * m + (rep.pp - 1) * (np.maximum(w / m, d) + rep.rc)
+
+
+def _stage1(s: np.ndarray, rep: _Replicas) -> list[list[int]]:
+    r = rep.pp.size
+    w, tokens, d, n = np.zeros(r), np.zeros(r), np.zeros(r), np.zeros(r)
+    shares: list[list[int]] = [[] for _ in range(r)]
+    order = np.lexsort((np.arange(s.size), -s))
+    for i, length in zip(order.tolist(), s[order].tolist()):
+        cost = rep.ra * (length * length) + rep.rb * length
+        est = _estimate(w + cost, tokens + length, np.maximum(d, cost), n + 1, rep)
+        est[rep.cap < length] = np.inf
+        k = int(np.argmin(est))
+        shares[k].append(i)
+        w[k] += cost[k]
+        tokens[k] += length
+        d[k] = max(d[k], cost[k])
+        n[k] += 1
+    return shares
+
+
+def _stage2(s: np.ndarray, idx: np.ndarray, rep: _Replicas, r: int) -> tuple[list[list[int]], float]:
+    """Microbatches of replica r's documents ``idx`` and their predicted seconds."""
+    if idx.size == 0:
+        return [], 0.0
+    cap, pp, c = int(rep.cap[r]), float(rep.pp[r]), float(rep.rc[r])
+    order = idx[np.lexsort((idx, -s[idx]))]
+    lens = s[order].tolist()
+    weights = (rep.ra[r] * np.square(s[order], dtype=np.float64) + rep.rb[r] * s[order]).tolist()
+    best = _first_fit(order.tolist(), lens, cap)
+    best_t = _time(s, best, rep, r)
+    if pp == 1:
+        return best, best_t
+    total, top = sum(weights), weights[0]
+    m_star = math.sqrt((pp - 1) * total / c) if c > 0 else float(len(lens))
+    for m in range(len(best) + 1, min(len(lens), len(best) + _MAX_EXTRA_MICROBATCHES) + 1):
+        if total + c * m + (pp - 1) * (max(total / m, top) + c) >= best_t:
+            if m > m_star:
+                break
+            continue
+        packs = _lpt(order.tolist(), lens, weights, cap, m)
+        if packs is not None:
+            t = _time(s, packs, rep, r)
+            if t < best_t:
+                best, best_t = packs, t
+    return best, best_t
+
+
+def _first_fit(ids: list[int], lens: list[int], cap: int) -> list[list[int]]:
+    packs: list[list[int]] = []
+    free: list[int] = []
+    for i, n in zip(ids, lens):
+        for k, room in enumerate(free):
+            if room >= n:
+                packs[k].append(i)
+                free[k] -= n
+                break
+        else:
+            packs.append([i])
+            free.append(cap - n)
+    return packs
+
+
+def _lpt(ids: list[int], lens: list[int], weights: list[float], cap: int, m: int) -> list[list[int]] | None:
+    """Longest first into the least loaded of m microbatches with room; None if one does not fit anywhere."""
+    packs: list[list[int]] = [[] for _ in range(m)]
+    load, used = [0.0] * m, [0] * m
+    for i, n, w in zip(ids, lens, weights):
+        best = -1
+        for k in range(m):
+            if used[k] + n <= cap and (best < 0 or load[k] < load[best]):
+                best = k
+        if best < 0:
+            return None
+        packs[best].append(i)
+        load[best] += w
+        used[best] += n
+    return packs if all(packs) else None
+
+
+def _time(s: np.ndarray, packs: list[list[int]], rep: _Replicas, r: int) -> float:
+    if not packs:
+        return 0.0
+    q = np.array([float(np.square(s[p], dtype=np.float64).sum()) for p in packs])
+    t = np.array([float(s[p].sum()) for p in packs])
+    times = rep.pack_times(r, q, t)
+    return float(times.sum() + (rep.pp[r] - 1) * times.max())
+
+
+def _refine(s: np.ndarray, rep: _Replicas, shares: list[list[int]],
+            packed: list[tuple[list[list[int]], float]], max_steps: int | None = None,
+            candidates: int = 4) -> None:
+    """Move one document, or swap two, between the slowest replica and one of the ``candidates`` fastest while
+    stage 2 confirms the pair's maximum drops (in place)."""
+    r_count = len(shares)
+    for _ in range(max_steps if max_steps is not None else 2 * r_count):
+        times = np.array([t for _, t in packed])
+        r = int(np.argmax(times))
+        improved = False
+        for q in np.argsort(times, kind="stable")[:candidates].tolist():
+            if q == r:
+                continue
+            trial = _best_exchange(s, rep, shares, times, r, q)
+            if trial is None:
+                continue
+            new_r, new_q = trial
+            pr = _stage2(s, np.asarray(new_r, dtype=np.int64), rep, r)
+            pq = _stage2(s, np.asarray(new_q, dtype=np.int64), rep, q)
+            if max(pr[1], pq[1]) < times[r] * (1 - 1e-9):
+                shares[r], shares[q], packed[r], packed[q] = new_r, new_q, pr, pq
+                improved = True
+                break
+        if not improved:
+            return
+
+
+def _best_exchange(s: np.ndarray, rep: _Replicas, shares: list[list[int]], times: np.ndarray, r: int,
+                   q: int) -> tuple[list[int], list[int]] | None:
+    """The move (r -> q) or swap whose estimated pair maximum is lowest, if below replica r's time."""
+    dr, dq = np.asarray(shares[r], dtype=np.int64), np.asarray(shares[q], dtype=np.int64)
+    if dr.size == 0:
+        return None
+    lr, lq = s[dr].astype(np.float64), s[dq].astype(np.float64)
+    on_r = lambda x: rep.ra[r] * x * x + rep.rb[r] * x  # noqa: E731
+    on_q = lambda x: rep.ra[q] * x * x + rep.rb[q] * x  # noqa: E731
+    gain_r, cost_q = on_r(lr), on_q(lr)
+    moves = np.maximum(times[r] - gain_r, times[q] + cost_q)
+    moves[lr > rep.cap[q]] = np.inf
+    best_move = int(np.argmin(moves))
+    best, pick = moves[best_move], (best_move, -1)
+    if dq.size:
+        swap = np.maximum(times[r] - gain_r[:, None] + on_r(lq)[None, :],
+                          times[q] - on_q(lq)[None, :] + cost_q[:, None])
+        swap[(lr[:, None] > rep.cap[q]) | (lq[None, :] > rep.cap[r])] = np.inf
+        swap[lr[:, None] == lq[None, :]] = np.inf
+        flat = int(np.argmin(swap))
+        if swap.flat[flat] < best:
+            best, pick = swap.flat[flat], divmod(flat, dq.size)
+    if not best < times[r]:
+        return None
+    i, j = pick
+    new_r = [x for k, x in enumerate(shares[r]) if k != i] + ([int(dq[j])] if j >= 0 else [])
+    new_q = [x for k, x in enumerate(shares[q]) if k != j] + [int(dr[i])]
+    return new_r, new_q
