@@ -1,0 +1,111 @@
+"""Load a checkpoint into any layout: the file layout is the source of a reshard (collective).
+
+Every rank states the pieces it wants (its layout under the new plan: any TP / PP / DP, any rank count); each
+stored shard is read by one rank (:func:`selection.assign_reads`), checked, and becomes a source piece of the
+reshard engine, which sends every rank its boxes point to point (local copies first). Ranks agree on failure:
+if any rank finds a corrupt file, every rank learns it, and with ``fallback`` all move to the previous complete
+checkpoint together; nothing is written into the model before the whole checkpoint has read cleanly.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from hetu_ext.runtime.reshard import Piece, reshard
+
+from .manifest import CheckpointError, Manifest
+from .reader import ShardReader, candidates, read_manifest
+from .selection import assign_reads
+from .shardfile import BY_NAME, DTYPES
+from .storage import Storage
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    manifest: Manifest
+    iteration: int
+    bytes_read: int
+    """Bytes of shard data this rank read from disk."""
+    bytes_sent: int
+    """Bytes this rank sent to other ranks in the reshard."""
+    seconds: float
+    skipped: tuple[str, ...] = ()
+    """Errors of newer checkpoints that were skipped (with fallback)."""
+
+
+def _check_wanted(manifest: Manifest, destinations: list[Piece]) -> None:
+    tensors = manifest.tensor_map()
+    for p in destinations:
+        record = tensors.get((p.key, p.index))
+        if record is None:
+            raise CheckpointError(f"checkpoint iteration {manifest.iteration} has no tensor {p.key}{list(p.index)}; "
+                                  "it was saved from another model or another optimizer; load a matching checkpoint")
+        if DTYPES[p.tensor.dtype] != record.dtype or any(b > s for (_, b), s in zip(p.box, record.shape)) \
+                or len(p.box) != len(record.shape):
+            raise CheckpointError(f"{p.key}{list(p.index)}: the model holds {DTYPES[p.tensor.dtype]} box {p.box} "
+                                  f"but the checkpoint stores {record.dtype}{list(record.shape)}; the model "
+                                  "configuration differs from the saved one")
+
+
+def _read_sources(reader: ShardReader, rank: int, wants_by_rank: dict[int, list]) -> list[Piece]:
+    manifest = reader.manifest
+    shards, where = [], {}
+    for t in manifest.tensors:
+        for s in t.shards:
+            where[len(shards)] = (t, s)
+            shards.append((len(shards), (t.name, t.index), s.box, BY_NAME[t.dtype].itemsize))
+    readers = assign_reads(shards, wants_by_rank)
+    sources = []
+    for shard_id, reader_rank in readers.items():
+        if reader_rank == rank:
+            t, s = where[shard_id]
+            sources.append(Piece(t.name, t.index, s.box, reader.read(t, s)))
+    return sources
+
+
+def load_pieces(storage: Storage, destinations: list[Piece], *, fallback: bool = False, group=None) -> LoadReport:
+    """Fill ``destinations`` (this rank's pieces under its plan; [] on idle ranks) from the latest checkpoint.
+
+    Collective over ``group``. Raises :class:`CheckpointError` (on every rank) if there is no checkpoint or it
+    is corrupt and no fallback is allowed or left.
+    """
+    start = time.perf_counter()
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, [((p.key, p.index), p.box) for p in destinations], group=group)
+    wants = dict(enumerate(everyone))
+    order = candidates(storage, fallback=fallback)
+    if not order:
+        raise CheckpointError(f"{storage.local_path('')}: no committed checkpoint (no "
+                              "latest_checkpointed_iteration.txt); check the --load directory")
+    skipped: list[str] = []
+    for iteration in order:
+        error, sources, reader = None, [], None
+        try:
+            reader = ShardReader(storage, read_manifest(storage, iteration))
+            _check_wanted(reader.manifest, destinations)
+            sources = _read_sources(reader, rank, wants)
+        except CheckpointError as e:
+            error = str(e)
+        errors: list = [None] * world
+        dist.all_gather_object(errors, error, group=group)
+        bad = sorted({e for e in errors if e})
+        if bad:
+            skipped.append(bad[0])
+            if fallback and iteration != order[-1]:
+                logger.warning("checkpoint of iteration %d is unusable (%s); falling back to an older one",
+                               iteration, "; ".join(bad))
+                continue
+            hint = "" if fallback else "; --hetu-ckpt-fallback loads the previous complete checkpoint"
+            raise CheckpointError("; ".join(bad) + hint)
+        report = reshard(sources, destinations, group=group)
+        return LoadReport(manifest=reader.manifest, iteration=iteration, bytes_read=reader.bytes_read,
+                          bytes_sent=report.bytes_sent, seconds=time.perf_counter() - start,
+                          skipped=tuple(skipped))
+    raise AssertionError("unreachable")

@@ -1,0 +1,285 @@
+"""Save: a short blocking snapshot to host memory, then a background persist and an atomic commit.
+
+Per save, on every rank of the saving group:
+
+1. (collective, blocking) every rank's piece metadata is gathered; :func:`selection.assign_writes` gives each
+   unique element to one holder; the rank copies its cells to host memory (the only time training waits).
+2. (background thread) the rank writes ``.tmp_iter_NNNNNNN_<token>/shard_RRRRR.safetensors`` (fsynced), then its
+   part record ``part_RRRRR.json`` (entries, checksums, RNG) through a temporary name and a rename.
+3. (background, rank 0 of the group) once every part record is there: the manifest is written (last, fsynced),
+   the directory is renamed to ``iter_NNNNNNN`` (the commit), then ``latest_checkpointed_iteration.txt`` moves
+   through a temporary file and a rename, then retention deletes old checkpoints, never the latest.
+
+A crash at any point leaves either the previous state (``latest`` untouched, a ``.tmp_*`` directory that the
+next commit removes) or the new checkpoint complete. No collective runs in the background: the commit waits
+for part files, so the training thread owns the process group.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+import time
+import uuid
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hetu_ext.errors import HetuExtError
+from hetu_ext.runtime.reshard import Piece
+
+from . import manifest as mf
+from .selection import TensorId, assign_writes, extent, intersect
+from .shardfile import DTYPES, FileRecord, encode
+from .storage import Storage
+
+logger = logging.getLogger(__name__)
+
+TRACKER = "latest_checkpointed_iteration.txt"
+"""The ``latest`` pointer (Megatron-LM's name): the iteration of the newest committed checkpoint."""
+_ITER = re.compile(r"^iter_(\d{7})$")
+
+
+def checkpoint_name(iteration: int) -> str:
+    return f"iter_{iteration:07d}"
+
+
+@dataclass(kw_only=True)
+class SaveConfig:
+    """How checkpoints are kept and committed."""
+
+    keep: int = 2
+    """Complete checkpoints kept (>= 1); the newest is never deleted. 2 lets ``--hetu-ckpt-fallback`` work."""
+    commit_timeout_s: float = 600.0
+    """How long rank 0 waits for every rank's part record before giving the save up (seconds)."""
+    poll_s: float = 0.01
+    """How often rank 0 looks for part records (seconds)."""
+
+    def __post_init__(self) -> None:
+        if self.keep < 1:
+            raise ValueError(f"checkpoint retention keep={self.keep} must be >= 1 (the newest checkpoint is always "
+                             "kept); use 2 or more for a fallback")
+        if self.commit_timeout_s <= 0 or self.poll_s <= 0:
+            raise ValueError(f"commit_timeout_s ({self.commit_timeout_s}) and poll_s ({self.poll_s}) must be > 0")
+
+
+@dataclass
+class Snapshot:
+    """One rank's share of a checkpoint, in host memory."""
+
+    iteration: int
+    rank: int
+    world: int
+    token: str
+    tensors: dict[str, torch.Tensor]
+    """Entry name -> host copy of one cell."""
+    cells: list[tuple[TensorId, tuple[tuple[int, int], ...], str]]
+    """(tensor, box, entry) for each entry."""
+    rng: dict[str, Any]
+    info: dict[str, Any] = field(default_factory=dict)
+    """Rank 0 only: the manifest's global fields and every tensor's (shape, dtype)."""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+def _entry_name(tensor: TensorId, box) -> str:
+    return f"{tensor[0]}|{','.join(map(str, tensor[1]))}|{','.join(f'{a}:{b}' for a, b in box)}"
+
+
+def piece_meta(pieces: list[Piece]) -> list[tuple[TensorId, tuple, str, int]]:
+    """What the other ranks need to know of this rank's pieces: (tensor, box, dtype name, bytes per element)."""
+    return [((p.key, p.index), p.box, DTYPES[p.tensor.dtype], p.tensor.element_size()) for p in pieces]
+
+
+def take_snapshot(*, iteration: int, rank: int, world: int, token: str, pieces: list[Piece],
+                  metas: list[list[tuple]], rng: dict[str, Any], info: dict[str, Any] | None = None) -> Snapshot:
+    """Copy the cells this rank writes to host memory. ``metas[r]``: :func:`piece_meta` of rank r."""
+    writes = assign_writes({r: [(t, box, size) for t, box, _, size in m] for r, m in enumerate(metas)})[rank]
+    mine: dict[TensorId, list[Piece]] = defaultdict(list)
+    for p in pieces:
+        mine[(p.key, p.index)].append(p)
+    tensors, cells = {}, []
+    for tensor, cell in writes:
+        src = next(p for p in mine[tensor] if intersect(p.box, cell) == cell)
+        view = src.tensor.detach()[tuple(slice(a - s0, b - s0) for (a, b), (s0, _) in zip(cell, src.box))]
+        host = torch.empty(view.shape, dtype=view.dtype, device="cpu")
+        host.copy_(view)
+        name = _entry_name(tensor, cell)
+        tensors[name] = host
+        cells.append((tensor, cell, name))
+    snap = Snapshot(iteration=iteration, rank=rank, world=world, token=token, tensors=tensors, cells=cells, rng=rng)
+    if rank == 0:
+        shapes: dict[TensorId, list] = defaultdict(list)
+        dtypes: dict[TensorId, str] = {}
+        for m in metas:
+            for t, box, dtype, _ in m:
+                shapes[t].append(box)
+                if dtypes.setdefault(t, dtype) != dtype:
+                    raise HetuExtError(f"{t[0]}{list(t[1])}: ranks hold it as {dtypes[t]} and {dtype}")
+        snap.info = {**(info or {}), "tensors": {t: (tuple(b for _, b in extent(boxes)), dtypes[t])
+                                                 for t, boxes in shapes.items()}}
+    return snap
+
+
+class Checkpointer:
+    """Asynchronous, atomic checkpoint saving into one directory (one object per rank, reused across saves)."""
+
+    def __init__(self, storage: Storage, config: SaveConfig | None = None) -> None:
+        self.storage = storage
+        self.config = config or SaveConfig()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.last: dict[str, float] = {}
+        """Timings of the latest save: blocking_s, persist_s (this rank), bytes written by this rank."""
+
+    def save(self, *, iteration: int, pieces: list[Piece], rng: dict[str, Any], info: dict[str, Any],
+             group=None, blocking: bool = False) -> None:
+        """Collective over ``group``: snapshot now, persist in the background (or now if ``blocking``).
+
+        ``info`` (used on the group's rank 0): consumed_samples, plan, config, state for the manifest.
+        """
+        self.wait()
+        start = time.perf_counter()
+        world = dist.get_world_size(group)
+        everyone: list = [None] * world
+        dist.all_gather_object(everyone, (piece_meta(pieces), uuid.uuid4().hex[:12]), group=group)
+        snap = take_snapshot(iteration=iteration, rank=dist.get_rank(group), world=world, token=everyone[0][1],
+                             pieces=pieces, metas=[e[0] for e in everyone], rng=rng, info=info)
+        self.last = {"blocking_s": time.perf_counter() - start, "bytes": float(snap.nbytes)}
+        self.persist(snap, blocking=blocking)
+
+    def persist(self, snap: Snapshot, *, blocking: bool = False) -> None:
+        """Write a snapshot (in a background thread unless ``blocking``); rank 0 also commits."""
+        self.wait()
+        if blocking:
+            self._persist(snap)
+            self.wait()
+            return
+        self._thread = threading.Thread(target=self._persist, args=(snap,), name="hetu-ckpt-persist", daemon=False)
+        self._thread.start()
+
+    def wait(self) -> None:
+        """Block until the previous save is persisted (and, on rank 0, committed); re-raise its failure."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise HetuExtError(f"checkpoint save failed: {error}") from error
+
+    def _persist(self, snap: Snapshot) -> None:
+        try:
+            start = time.perf_counter()
+            tmp = f".tmp_{checkpoint_name(snap.iteration)}_{snap.token}"
+            self.storage.makedirs(tmp)
+            write_part(self.storage, tmp, snap)
+            if snap.rank == 0:
+                commit(self.storage, tmp, snap, self.config)
+            self.last["persist_s"] = time.perf_counter() - start
+        except BaseException as e:  # noqa: BLE001 - reported by wait() on the training thread
+            logger.error("checkpoint save of iteration %d failed on rank %d: %s", snap.iteration, snap.rank, e)
+            self._error = e
+
+
+def write_part(storage: Storage, tmp: str, snap: Snapshot) -> None:
+    """This rank's shard file, then its part record (renamed into place, so it is never seen half-written)."""
+    file = f"shard_{snap.rank:05d}.safetensors"
+    chunks, entries, size, head_crc = encode(snap.tensors, {"iteration": str(snap.iteration)})
+    written = storage.write(f"{tmp}/{file}", chunks)
+    assert written == size, (written, size)
+    part = {"file": {"name": file, "size": size, "header_crc32": head_crc},
+            "entries": [{"name": t[0], "index": list(t[1]), "box": [list(b) for b in box], "entry": e.entry,
+                         "crc32": e.crc32} for (t, box, _), e in zip(snap.cells, entries)],
+            "rng": snap.rng}
+    name = f"part_{snap.rank:05d}.json"
+    storage.write(f"{tmp}/{name}.tmp", [json.dumps(part).encode()])
+    storage.rename(f"{tmp}/{name}.tmp", f"{tmp}/{name}")
+
+
+def commit(storage: Storage, tmp: str, snap: Snapshot, config: SaveConfig) -> None:
+    """Rank 0: wait for every part, write the manifest, rename the directory, move ``latest``, retain."""
+    wanted = {f"part_{r:05d}.json" for r in range(snap.world)}
+    deadline = time.monotonic() + config.commit_timeout_s
+    while not wanted <= set(storage.list(tmp)):
+        if time.monotonic() > deadline:
+            missing = sorted(wanted - set(storage.list(tmp)))
+            raise HetuExtError(f"iteration {snap.iteration}: no part record from {missing} after "
+                               f"{config.commit_timeout_s:.0f} s; those ranks died or hang; nothing was committed")
+        time.sleep(config.poll_s)
+    parts = [json.loads(storage.read(f"{tmp}/part_{r:05d}.json")) for r in range(snap.world)]
+    shards: dict[TensorId, list[mf.ShardRecord]] = defaultdict(list)
+    for part in parts:
+        for e in part["entries"]:
+            shards[(e["name"], tuple(e["index"]))].append(mf.ShardRecord(
+                file=part["file"]["name"], entry=e["entry"], box=mf._box(e["box"]), crc32=e["crc32"]))
+    info = snap.info
+    tensors = tuple(mf.TensorRecord(name=t[0], index=t[1], shape=shape, dtype=dtype,
+                                    shards=tuple(sorted(shards[t], key=lambda s: s.box)))
+                    for t, (shape, dtype) in sorted(info["tensors"].items()))
+    manifest = mf.Manifest(
+        iteration=snap.iteration, consumed_samples=info.get("consumed_samples", 0), world_size=snap.world,
+        plan=info.get("plan"), config=info.get("config", {}), state=info.get("state", {}),
+        rng={str(r): p["rng"] for r, p in enumerate(parts)}, tensors=tensors,
+        files=tuple(FileRecord(**p["file"]) for p in parts))
+    storage.write(f"{tmp}/{mf.MANIFEST}", [mf.to_bytes(manifest)])
+    for r in range(snap.world):  # the manifest holds all they said
+        storage.remove(f"{tmp}/part_{r:05d}.json")
+    final = checkpoint_name(snap.iteration)
+    if final in storage.list(""):  # a re-save of this iteration (after a fallback): replace the old one
+        storage.rename(final, f".old_{final}_{snap.token}")
+    storage.rename(tmp, final)
+    storage.write(f"{TRACKER}.tmp", [str(snap.iteration).encode()])
+    storage.rename(f"{TRACKER}.tmp", TRACKER)
+    retain(storage, config.keep, snap.iteration)
+    logger.info("checkpoint of iteration %d committed (%d ranks, %.1f MiB)", snap.iteration, snap.world,
+                manifest.total_bytes / 2**20)
+
+
+def complete_iterations(storage: Storage) -> list[int]:
+    """Iterations of committed checkpoints (a directory ``iter_NNNNNNN`` holding a manifest), ascending."""
+    out = []
+    for name in storage.list(""):
+        m = _ITER.match(name)
+        if m and mf.MANIFEST in storage.list(name):
+            out.append(int(m.group(1)))
+    return sorted(out)
+
+
+def retain(storage: Storage, keep: int, latest: int) -> None:
+    """Delete all but the ``keep`` newest complete checkpoints (never ``latest``) and leftover temporaries."""
+    complete = complete_iterations(storage)
+    keep_set = set(complete[-keep:]) | {latest}
+    for it in complete:
+        if it not in keep_set:
+            storage.remove(checkpoint_name(it))
+    for name in storage.list(""):
+        if name.startswith((".tmp_iter_", ".old_iter_")) or (_ITER.match(name) and int(name[5:]) not in complete):
+            storage.remove(name)
+
+
+def save_offline(storage: Storage, *, iteration: int, pieces_by_rank: list[list[Piece]], info: dict[str, Any],
+                 rng_by_rank: list[dict[str, Any]] | None = None, config: SaveConfig | None = None) -> None:
+    """Write and commit the checkpoint that ranks holding ``pieces_by_rank`` would write, from one process.
+
+    The format does not depend on who writes it, so a checkpoint of any layout (an 8-rank plan, say) can be
+    made here, by tools and tests, bit-identical to a distributed save of the same pieces.
+    """
+    token = uuid.uuid4().hex[:12]
+    metas = [piece_meta(p) for p in pieces_by_rank]
+    world = len(pieces_by_rank)
+    tmp = f".tmp_{checkpoint_name(iteration)}_{token}"
+    storage.makedirs(tmp)
+    for rank in reversed(range(world)):
+        snap = take_snapshot(iteration=iteration, rank=rank, world=world, token=token,
+                             pieces=pieces_by_rank[rank], metas=metas,
+                             rng=(rng_by_rank or [{}] * world)[rank], info=info)
+        write_part(storage, tmp, snap)
+        if rank == 0:
+            commit(storage, tmp, snap, config or SaveConfig())
