@@ -24,9 +24,10 @@ A :class:`CostTable` holds one :class:`LengthCost` per strategy (TP degree) and 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import yaml
 
@@ -70,7 +71,7 @@ class LengthCost:
         """Bytes of one microbatch of ``tokens`` tokens."""
         return self.memory_fixed_bytes + self.memory_per_token_bytes * tokens
 
-    def scaled(self, factor: float) -> "LengthCost":
+    def scaled(self, factor: float) -> LengthCost:
         """Time (a, b, c) scaled by ``factor`` (a slowdown); memory unchanged."""
         if not factor > 0:
             raise ValueError(f"LengthCost.scaled: factor must be > 0, got {factor!r}")
@@ -78,7 +79,7 @@ class LengthCost:
                           memory_per_token_bytes=self.memory_per_token_bytes,
                           memory_fixed_bytes=self.memory_fixed_bytes)
 
-    def times_layers(self, num_layers: int, slowdown: float = 1.0) -> "LengthCost":
+    def times_layers(self, num_layers: int, slowdown: float = 1.0) -> LengthCost:
         """The cost of a stage of ``num_layers`` layers whose slowest rank is ``slowdown`` times slower: time
         scales with layers x slowdown, memory with layers."""
         if num_layers < 0 or not slowdown > 0:
@@ -94,11 +95,11 @@ def _default_per_tp() -> dict[int, LengthCost]:
     # A100-class defaults for a 4096-wide layer (ffn 16384), bf16, causal FlashAttention at 150 TFLOP/s sustained:
     # forward FLOPs per token 24 h^2 (matmuls) and 2 s h (causal scores + values); backward = 2 x forward, so
     # b = 3 * 24 h^2 / F = 8.05e-8 s/token and a = 3 * 2 h / F = 1.64e-10 s/token^2 (attention equals the matmuls
-    # at s = 12 h = 49K tokens); c = 3e-4 s (about 60 kernel launches fwd+bwd). TP t divides a and b by t at
+    # at s = 12 h = 49K tokens); c = 1e-4 s (about 30 kernels fwd+bwd at a few microseconds each). TP t divides a and b by t at
     # 0.95 / 0.9 / 0.85 efficiency for t = 2 / 4 / 8. Activations 34 h bytes per token (Korthikanti et al., no
     # s x s term with FlashAttention), weights + grads + Adam 18 bytes per parameter of the 12 h^2 weights.
     h, flops = 4096, 150e12
-    base = dict(a=3 * 2 * h / flops, b=3 * 24 * h * h / flops, c=3e-4)
+    base = {"a": 3 * 2 * h / flops, "b": 3 * 24 * h * h / flops, "c": 1e-4}
     table = {}
     for tp, eff in ((1, 1.0), (2, 0.95), (4, 0.9), (8, 0.85)):
         table[tp] = LengthCost(a=base["a"] / (tp * eff), b=base["b"] / (tp * eff), c=base["c"],
@@ -142,7 +143,7 @@ _COST_KEYS = {f.name for f in fields(LengthCost)}
 
 def _check_keys(obj: Any, allowed: set[str], where: str) -> dict:
     if not isinstance(obj, dict):
-        raise ValueError(f"{where}: expected a mapping with keys {sorted(allowed)}, got {type(obj).__name__}")
+        raise TypeError(f"{where}: expected a mapping with keys {sorted(allowed)}, got {type(obj).__name__}")
     unknown = sorted(map(str, set(obj) - allowed))
     if unknown:
         raise ValueError(f"{where}: unknown key(s) {unknown}; allowed keys are {sorted(allowed)}")

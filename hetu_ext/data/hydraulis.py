@@ -20,7 +20,8 @@ lowest ``sum + (pp - 1) max``, stopping once ``W + c M + (pp - 1)(d + c)`` excee
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -33,7 +34,7 @@ _MAX_EXTRA_MICROBATCHES = 32  # stage 2 tries at most this many counts above fir
 class _Replicas:
     """Stage coefficients of all replicas as arrays: a, b, c of shape (R, P_max) padded with zeros."""
 
-    def __init__(self, replicas: Sequence["ReplicaSpec"], s: np.ndarray) -> None:
+    def __init__(self, replicas: Sequence[ReplicaSpec], s: np.ndarray) -> None:
         r, p = len(replicas), max(x.pp for x in replicas)
         self.a, self.b, self.c = (np.zeros((r, p)) for _ in range(3))
         for k, x in enumerate(replicas):
@@ -51,7 +52,7 @@ class _Replicas:
         return (np.outer(q, self.a[r]) + np.outer(s, self.b[r]) + self.c[r]).max(axis=1)
 
 
-def lower_bound_s(s: np.ndarray, replicas: Sequence["ReplicaSpec"]) -> float:
+def lower_bound_s(s: np.ndarray, replicas: Sequence[ReplicaSpec]) -> float:
     """Seconds that no assignment of documents ``s`` to ``replicas`` can beat on its slowest replica.
 
     The larger of two bounds. (1) The longest document: the microbatch holding it runs ``pp`` times on the
@@ -101,7 +102,7 @@ def _inverse_f(level: float, pp: np.ndarray, c: np.ndarray) -> np.ndarray:
     return np.maximum(w, 0.0)
 
 
-def assign_hetu(s: np.ndarray, replicas: Sequence["ReplicaSpec"]) -> list[list[list[int]]]:
+def assign_hetu(s: np.ndarray, replicas: Sequence[ReplicaSpec]) -> list[list[list[int]]]:
     """[replica][microbatch] -> document indices: stage 1 across replicas, stage 2 within each."""
     rep = _Replicas(replicas, s)
     shares = _stage1(s, rep)
@@ -238,8 +239,8 @@ def _best_exchange(s: np.ndarray, rep: _Replicas, shares: list[list[int]], times
     if dr.size == 0:
         return None
     lr, lq = s[dr].astype(np.float64), s[dq].astype(np.float64)
-    on_r = lambda x: rep.ra[r] * x * x + rep.rb[r] * x  # noqa: E731
-    on_q = lambda x: rep.ra[q] * x * x + rep.rb[q] * x  # noqa: E731
+    on_r = lambda x: rep.ra[r] * x * x + rep.rb[r] * x
+    on_q = lambda x: rep.ra[q] * x * x + rep.rb[q] * x
     gain_r, cost_q = on_r(lr), on_q(lr)
     moves = np.maximum(times[r] - gain_r, times[q] + cost_q)
     moves[lr > rep.cap[q]] = np.inf

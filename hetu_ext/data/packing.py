@@ -29,8 +29,8 @@ faster than it (a fractional relaxation, see its docstring).
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 import numpy as np
 
