@@ -1,0 +1,86 @@
+"""FISEdit's typed configuration: schedule, mask, sparse compute and cache budget of one engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Threshold = Literal["otsu", "fixed"]
+KeyValues = Literal["active", "cached"]
+GroupNormStats = Literal["corrected", "cached"]
+
+
+@dataclass(kw_only=True)
+class FISEditConfig:
+    """How an edit reuses the generation's cache. Defaults follow FISEdit's schedule (10 dense steps of 50)."""
+
+    dense_steps: int = 10
+    """Leading steps of an edit run densely (fresh, no cache). The mask is made after them; 0 needs a user mask."""
+
+    mask_steps: int | None = None
+    """k: the mask is the latent difference (edit vs cached) summed over the edit's first k steps; None = dense_steps."""
+
+    threshold: Threshold = "otsu"
+    """How the normalised difference map becomes a mask: Otsu's between-class variance or `fixed_threshold`."""
+
+    fixed_threshold: float = 0.2
+    """Threshold on the difference map normalised to [0, 1] when `threshold == "fixed"`."""
+
+    open_radius: int = 1
+    """Morphological opening radius (latent pixels) that removes specks from the thresholded mask; 0 = none."""
+
+    dilate_radius: int = 1
+    """Dilation radius (latent pixels) that grows the cleaned mask to cover the edit's border; 0 = none."""
+
+    block_size: int = 8
+    """Side of a sparse block in pixels of each layer's own feature map (capped at the map side)."""
+
+    min_sparse_size: int = 16
+    """Feature maps with a side smaller than this run dense: there sparsity does not pay for its gathers."""
+
+    max_active_fraction: float = 0.6
+    """A resolution whose active block fraction exceeds this runs dense for the edit (exact, no gather cost)."""
+
+    key_values: KeyValues = "active"
+    """Self-attention keys/values: "active" (FISEdit: from the active tokens only) or "cached" (all tokens, the
+    inactive ones from the generation's cache; costs 2 x tokens x channels of cache per attention layer)."""
+
+    group_norm: GroupNormStats = "corrected"
+    """GroupNorm statistics in sparse steps: "cached" (FISEdit: the generation's statistics) or "corrected" (the
+    generation's per-block statistics with the active blocks' fresh ones swapped in: same cost, and exact when
+    every block is active)."""
+
+    cache_budget_bytes: int | None = None
+    """Most bytes of cached feature maps; layers with the fewest MACs saved per byte are left out (they run dense
+    in the steps they miss). None = cache every sparse-eligible layer."""
+
+    def __post_init__(self) -> None:
+        if self.dense_steps < 0:
+            raise ValueError(f"dense_steps must be >= 0, got {self.dense_steps}; use 0 only with a user mask")
+        if self.mask_steps is not None and not 1 <= self.mask_steps <= max(self.dense_steps, 1):
+            raise ValueError(f"mask_steps must be in [1, dense_steps={self.dense_steps}], got {self.mask_steps}: the "
+                             "mask is made from the dense steps; lower mask_steps or raise dense_steps")
+        if self.threshold not in ("otsu", "fixed"):
+            raise ValueError(f"threshold must be 'otsu' or 'fixed', got {self.threshold!r}")
+        if not 0.0 < self.fixed_threshold < 1.0:
+            raise ValueError(f"fixed_threshold must be in (0, 1) (the map is normalised), got {self.fixed_threshold}")
+        for name in ("open_radius", "dilate_radius"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1 pixel, got {self.block_size}")
+        if self.min_sparse_size < 1:
+            raise ValueError(f"min_sparse_size must be >= 1 pixel, got {self.min_sparse_size}")
+        if not 0.0 < self.max_active_fraction <= 1.0:
+            raise ValueError(f"max_active_fraction must be in (0, 1], got {self.max_active_fraction}")
+        if self.key_values not in ("active", "cached"):
+            raise ValueError(f"key_values must be 'active' or 'cached', got {self.key_values!r}")
+        if self.group_norm not in ("corrected", "cached"):
+            raise ValueError(f"group_norm must be 'corrected' or 'cached', got {self.group_norm!r}")
+        if self.cache_budget_bytes is not None and self.cache_budget_bytes < 0:
+            raise ValueError(f"cache_budget_bytes must be >= 0 or None, got {self.cache_budget_bytes}")
+
+    @property
+    def k(self) -> int:
+        """Steps whose latent differences make the mask."""
+        return self.mask_steps if self.mask_steps is not None else self.dense_steps

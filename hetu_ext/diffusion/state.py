@@ -1,0 +1,122 @@
+"""Per-run state the wrappers and hooks consult: phase, step, cache plan, mask and active blocks per map size."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from hetu_ext.diffusion.cache import CachePlan, CacheUnit, FeatureCache, plan_cache
+from hetu_ext.diffusion.config import FISEditConfig
+from hetu_ext.diffusion.mask import ActiveSet, block_grid
+from hetu_ext.diffusion.sparse_ops import Phase
+
+logger = logging.getLogger(__name__)
+
+
+class RunState:
+    """Implements `StepContext`. One generation fills the cache; each edit reads it."""
+
+    def __init__(self, config: FISEditConfig) -> None:
+        self.config = config
+        self.group_norm = config.group_norm
+        self.phase: Phase = "off"
+        self.step = 0
+        self.cache = FeatureCache()
+        self.plan: CachePlan | None = None
+        self.mask: torch.Tensor | None = None
+        self.timesteps: list[float] = []
+        self._sizes: dict[str, tuple[int, int]] = {}  # unit -> (bytes, macs) seen at the first recorded step
+        self._sets: dict[tuple[int, int], ActiveSet | None] = {}
+
+    # ---- record (generation) -------------------------------------------------------------------------------
+    def start_record(self) -> None:
+        self.cache.clear()
+        self.plan, self.mask, self.timesteps = None, None, []
+        self._sizes.clear()
+        self._sets.clear()
+
+    def records_features(self) -> bool:
+        """Features are cached only for the steps an edit runs sparse."""
+        return self.step >= self.config.dense_steps
+
+    def record(self, unit: str | None, key: str, value: torch.Tensor, macs: int) -> None:
+        if self.phase != "record" or not self.records_features():
+            return
+        if unit is None:
+            self.cache.put(self.step, key, value)
+            return
+        if self.plan is None:  # first recorded step: keep all, sizes decide the plan after the step
+            size, total = self._sizes.get(unit, (0, 0))
+            self._sizes[unit] = (size + value.numel() * value.element_size(), total + macs)
+            self.cache.put(self.step, key, value)
+        elif self.plan.has(unit, self.step):
+            self.cache.put(self.step, key, value)
+
+    def note_macs(self, unit: str, macs: int) -> None:
+        """Add MACs computed outside `record` (attention) to a unit's value at the first recorded step."""
+        if self.phase == "record" and self.records_features() and self.plan is None:
+            size, total = self._sizes.get(unit, (0, 0))
+            self._sizes[unit] = (size, total + macs)
+
+    def finish_record_step(self, total_steps: int) -> None:
+        """After the first recorded step: plan the cache for all sparse steps and drop what the plan leaves out."""
+        if self.phase != "record" or not self.records_features() or self.plan is not None:
+            return
+        units = [CacheUnit(name=n, bytes_per_step=b, macs_per_step=m) for n, (b, m) in self._sizes.items()]
+        steps = list(range(self.config.dense_steps, total_steps))
+        self.plan = plan_cache(units, steps, self.config.cache_budget_bytes)
+        for key in self.cache.step_keys(self.step):
+            unit = key.rsplit("#", 1)[0]
+            if unit in self._sizes and not self.plan.has(unit, self.step):
+                self.cache.drop(self.step, key)
+        kept = sum(1 for n in self._sizes if self.plan.steps.get(n))
+        logger.info("FISEdit cache plan: %d of %d units, %.1f MiB of feature maps for %d sparse steps", kept,
+                    len(units), self.plan.total_bytes / 2**20, len(steps))
+
+    # ---- edit ----------------------------------------------------------------------------------------------
+    def start_edit(self) -> None:
+        if self.plan is None and self.config.dense_steps < len(self.timesteps):
+            raise RuntimeError("internal: a generation recorded steps but made no cache plan")
+        self.mask = None
+        self._sets.clear()
+
+    def set_mask(self, mask: torch.Tensor) -> None:
+        self.mask = mask
+        self._sets.clear()
+
+    def stats_block(self, height: int, width: int) -> int | None:
+        cfg = self.config
+        block = min(cfg.block_size, height, width)
+        if min(height, width) < cfg.min_sparse_size or height % block or width % block:
+            return None
+        return block
+
+    def active(self, unit: str | None, height: int, width: int) -> ActiveSet | None:
+        if self.phase != "sparse" or self.mask is None:
+            return None
+        if unit is not None and (self.plan is None or not self.plan.has(unit, self.step)):
+            return None
+        key = (height, width)
+        if key not in self._sets:
+            self._sets[key] = self._make_set(height, width)
+        return self._sets[key]
+
+    def _make_set(self, height: int, width: int) -> ActiveSet | None:
+        block = self.stats_block(height, width)
+        if block is None:
+            return None
+        grid = block_grid(self.mask, height, width, block)
+        aset = ActiveSet(height=height, width=width, block=block, grid=grid)
+        if aset.fraction > self.config.max_active_fraction:
+            logger.info("FISEdit: %dx%d maps run dense (%.0f%% of blocks active > max_active_fraction %.0f%%)",
+                        height, width, 100 * aset.fraction, 100 * self.config.max_active_fraction)
+            return None
+        return aset
+
+    def active_fractions(self) -> dict[str, float]:
+        """Per map size that ran sparse in the last edit: the share of its blocks recomputed."""
+        return {f"{h}x{w}": s.fraction for (h, w), s in sorted(self._sets.items(), reverse=True) if s is not None}
+
+    def cached(self, key: str, device: torch.device) -> torch.Tensor:
+        return self.cache.get(self.step, key, device)
