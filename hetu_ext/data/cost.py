@@ -94,10 +94,10 @@ class LengthCost:
 def _default_per_tp() -> dict[int, LengthCost]:
     # A100-class defaults for a 4096-wide layer (ffn 16384), bf16, causal FlashAttention at 150 TFLOP/s sustained:
     # forward FLOPs per token 24 h^2 (matmuls) and 2 s h (causal scores + values); backward = 2 x forward, so
-    # b = 3 * 24 h^2 / F = 8.05e-8 s/token and a = 3 * 2 h / F = 1.64e-10 s/token^2 (attention equals the matmuls
-    # at s = 12 h = 49K tokens); c = 1e-4 s (about 30 kernels fwd+bwd at a few microseconds each). TP t divides a and b by t at
-    # 0.95 / 0.9 / 0.85 efficiency for t = 2 / 4 / 8. Activations 34 h bytes per token (Korthikanti et al., no
-    # s x s term with FlashAttention), weights + grads + Adam 18 bytes per parameter of the 12 h^2 weights.
+    # b = 3 * 24 h^2 / F = 8.05e-6 s/token and a = 3 * 2 h / F = 1.64e-10 s/token^2 (attention equals the matmuls
+    # at s = 12 h = 49K tokens); c = 1e-4 s (about 30 kernels fwd+bwd at a few microseconds each). TP t divides
+    # a and b by t at 0.95 / 0.9 / 0.85 efficiency for t = 2 / 4 / 8. Activations 34 h bytes per token
+    # (Korthikanti et al., no s x s term with FlashAttention); weights + grads + Adam 18 bytes per parameter.
     h, flops = 4096, 150e12
     base = {"a": 3 * 2 * h / flops, "b": 3 * 24 * h * h / flops, "c": 1e-4}
     table = {}

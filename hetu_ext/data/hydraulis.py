@@ -85,7 +85,69 @@ def lower_bound_s(s: np.ndarray, replicas: Sequence[ReplicaSpec]) -> float:
         if mid in (lo, hi):
             break
         lo, hi = (lo, mid) if work_at(mid) >= total else (mid, hi)
-    return max(longest, hi)
+    bound = max(longest, hi)
+    if _identical(rep) and rep.pp[0] > 1:  # with pp = 1 the costliest document adds no fill and drain
+        bound = max(bound, _anchored_bound(s, rep, bound))
+    return bound
+
+
+def _identical(rep: _Replicas) -> bool:
+    return bool(np.all(rep.pp == rep.pp[0]) and np.all(rep.ra == rep.ra[0]) and np.all(rep.rb == rep.rb[0])
+                and np.all(rep.rc == rep.rc[0]) and np.all(rep.cap == rep.cap[0]))
+
+
+def _work_capacity(level: float, m: np.ndarray, pp: float, c: float, steps: int = 24) -> np.ndarray:
+    """Most work a replica can hold within ``level`` seconds when its costliest document costs ``m`` (vector);
+    -1 where even that document alone exceeds the level. Lower-bound model: ``W + c M + (pp - 1)(max(W / M, m)
+    + c)`` minimised over real ``1 <= M <= max(1, W / m)`` (past W / m the fill is set by m and more microbatches
+    only add c), increasing in W, inverted by bisection."""
+
+    def f(w: np.ndarray) -> np.ndarray:
+        m_hi = np.maximum(1.0, np.divide(w, m, out=np.full_like(w, np.inf), where=m > 0))
+        m_star = np.sqrt((pp - 1) * w / c) if c > 0 else m_hi
+        mm = np.clip(m_star, 1.0, m_hi)
+        return w + (pp - 1) * c + c * mm + (pp - 1) * np.maximum(w / mm, m)
+
+    lo, hi = m.astype(np.float64).copy(), np.full(m.shape, float(level))
+    ok = f(lo) <= level
+    for _ in range(steps):
+        mid = (lo + hi) / 2
+        good = f(mid) <= level
+        lo, hi = np.where(good, mid, lo), np.where(good, hi, mid)
+    return np.where(ok, lo, -1.0)
+
+
+def _anchored_bound(s: np.ndarray, rep: _Replicas, start: float, steps: int = 16) -> float:
+    """Identical replicas: a level T is feasible only if the replicas' capacities, each lowered by the costliest
+    document it must hold, cover the work. If the k costliest documents (costs d_1 >= .. >= d_k) do not fit in
+    fewer than J_k replicas of capacity C_T(d_k), at least J_k replicas hold a document costing >= d_k, so the
+    j-th costliest replica maximum is >= d_k for the first k with J_k >= j, and the total capacity is at most
+    sum_j C_T(that d_k). Bisection on T from ``start`` (a valid bound) upwards."""
+    r = rep.pp.size
+    pp, c = float(rep.pp[0]), float(rep.rc[0])
+    d = np.sort(rep.ra[0] * np.square(s, dtype=np.float64) + rep.rb[0] * s)[::-1]
+    total = float(d.sum())
+    top = d[:min(d.size, 4 * r + 1)]
+    prefix = np.cumsum(top)
+
+    def feasible(level: float) -> bool:
+        cap = _work_capacity(level, top, pp, c)
+        if np.any(cap < 0):
+            return False
+        need = np.maximum.accumulate(np.ceil(prefix / cap - 1e-12))
+        if need[-1] > r:
+            return False
+        first = np.searchsorted(need, np.arange(1, r + 1), side="left")  # first k with need >= j
+        anchors = np.where(first < top.size, top[np.minimum(first, top.size - 1)], 0.0)
+        return float(_work_capacity(level, anchors, pp, c).sum()) >= total
+
+    lo, hi = start, start
+    while not feasible(hi):
+        lo, hi = hi, hi * 2
+    for _ in range(steps):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if feasible(mid) else (mid, hi)
+    return lo if lo > start else start
 
 
 def _inverse_f(level: float, pp: np.ndarray, c: np.ndarray) -> np.ndarray:

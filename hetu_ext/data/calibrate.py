@@ -1,0 +1,193 @@
+"""Measure one Megatron-core transformer layer and fit the length cost ``t(s) = a s^2 + b s + c`` (seconds).
+
+    python -m hetu_ext.data.calibrate --out configs/calibration/cpu.yaml [--hidden-size 256 \\
+        --num-attention-heads 8 --seq-lengths 128,256,512,1024,2048,4096 --repeats 5 --tp 1,2]
+
+Measured: forward + backward of one GPTModel stage holding one transformer layer (no embedding, no output
+layer; Megatron-core's local layer spec, built by :func:`hetu_ext.megatron.model.build_gpt_stage`) on one causal
+input of ``s`` tokens, the median of ``--repeats`` runs after a warm-up, for each ``s``. An ordinary causal
+``[s, 1, h]`` input costs what a pack holding one document of ``s`` tokens costs. The fit is linear least squares
+on ``(s^2, s, 1)`` weighted by ``1 / t`` (relative error); the table printed shows measured and fitted times.
+
+TP 1 is measured. TP t > 1 is *derived*, not measured: ``a / t`` and ``b / t`` (the work splits evenly over the
+TP group) and the same ``c``; the all-reduces of TP are not in it. Memory per token: bytes of the tensors the
+layer saves for backward at the longest measured length, divided by it (so it includes the s x s attention
+scores the local spec keeps at that length); fixed memory: parameters x (weight + gradient + two Adam moments).
+
+The fit itself (:func:`fit_length_cost`) is pure numpy; torch and megatron are imported only to measure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import platform
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from .cost import CostTable, LengthCost, save_cost_table
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Fit:
+    """Least-squares fit of ``a s^2 + b s + c`` to measured seconds."""
+
+    a: float
+    b: float
+    c: float
+    fitted_s: tuple[float, ...]
+    """The fit at each measured length, seconds."""
+    max_rel_error: float
+    """max |fitted - measured| / measured over the measured lengths."""
+
+
+def fit_length_cost(lengths: Sequence[int], seconds: Sequence[float]) -> Fit:
+    """Fit ``a s^2 + b s + c`` (a, b, c >= 0) minimising the relative squared error; needs >= 3 distinct lengths.
+
+    A coefficient the unconstrained fit makes negative is fixed at 0 and the others refitted (non-negative
+    least squares by enumeration of the active set: 3 unknowns)."""
+    s = np.asarray(lengths, dtype=np.float64)
+    t = np.asarray(seconds, dtype=np.float64)
+    if s.size != t.size or np.unique(s).size < 3 or np.any(t <= 0):
+        raise ValueError(f"fit_length_cost: need >= 3 distinct lengths with positive times, got lengths "
+                         f"{list(lengths)} and seconds {list(seconds)}")
+    basis = np.stack([s * s, s, np.ones_like(s)], axis=1) / t[:, None]
+    target = np.ones_like(t)
+    best = None
+    for mask in ((1, 1, 1), (1, 1, 0), (0, 1, 1), (1, 0, 1), (0, 1, 0), (1, 0, 0), (0, 0, 1)):
+        cols = [k for k in range(3) if mask[k]]
+        coef, *_ = np.linalg.lstsq(basis[:, cols], target, rcond=None)
+        if np.any(coef < 0):
+            continue
+        full = np.zeros(3)
+        full[cols] = coef
+        err = float(np.sum((basis @ full - target) ** 2))
+        if best is None or err < best[0] - 1e-15:
+            best = (err, full)
+    full = best[1]
+    fitted = full[0] * s * s + full[1] * s + full[2]
+    return Fit(a=float(full[0]), b=float(full[1]), c=float(full[2]), fitted_s=tuple(fitted.tolist()),
+               max_rel_error=float(np.max(np.abs(fitted - t) / t)))
+
+
+def _build_layer(hidden: int, heads: int, ffn: int | None):
+    """One-layer GPTModel stage (no embedding, no output) on this process; single-rank groups."""
+    import os
+    import tempfile
+
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state, tensor_parallel
+
+    from hetu_ext.megatron.host import enable_cpu_support
+    from hetu_ext.megatron.model import TrainingNumerics, build_gpt_stage, transformer_config
+    from hetu_ext.plan.model_spec import ModelSpec
+
+    on_cpu = enable_cpu_support() or not torch.cuda.is_available()
+    if not dist.is_initialized():
+        store = dist.FileStore(os.path.join(tempfile.mkdtemp(prefix="hetu_calib_"), "store"), 1)
+        dist.init_process_group("gloo" if on_cpu else "nccl", store=store, rank=0, world_size=1)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    spec = ModelSpec(num_layers=1, hidden_size=hidden, num_attention_heads=heads, ffn_hidden_size=ffn,
+                     seq_length=8, max_position_embeddings=8)
+    numerics = TrainingNumerics(hidden_dropout=0.0, attention_dropout=0.0)
+    config = transformer_config(spec, numerics, tp=1, pp=1, on_cpu=on_cpu)
+    model = build_gpt_stage(spec, config, pre_process=False, post_process=False)
+    device = torch.device("cpu") if on_cpu else torch.device("cuda", torch.cuda.current_device())
+    return model.to(device), device
+
+
+def measure(hidden: int, heads: int, ffn: int | None, seq_lengths: Sequence[int], repeats: int) -> dict:
+    """Median forward+backward seconds of one layer at each length, saved-activation bytes, parameter count."""
+    import torch
+
+    model, device = _build_layer(hidden, heads, ffn)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    seconds, saved = [], []
+    for s in seq_lengths:
+        x = torch.randn(s, 1, hidden, device=device, requires_grad=True)  # (S, B, H)
+
+        def step() -> None:
+            model.set_input_tensor(x)
+            out = model(input_ids=None, position_ids=None, attention_mask=None)
+            out.sum().backward()
+
+        step()  # warm-up
+        runs = []
+        for _ in range(repeats):
+            sync()
+            start = time.perf_counter()
+            step()
+            sync()
+            runs.append(time.perf_counter() - start)
+        seconds.append(float(np.median(runs)))
+        total = [0]
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            total[0] += t.numel() * t.element_size()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model.set_input_tensor(x)
+            model(input_ids=None, position_ids=None, attention_mask=None)
+        saved.append(total[0])
+        logger.info("s=%d: %.4f s, %d saved bytes", s, seconds[-1], total[0])
+    params = sum(p.numel() for p in model.parameters())
+    return {"seconds": seconds, "saved_bytes": saved, "params": params, "device": str(device),
+            "dtype_bytes": 4}
+
+
+def calibrate(args: argparse.Namespace) -> tuple[CostTable, Fit, dict]:
+    lengths = [int(x) for x in args.seq_lengths.split(",")]
+    m = measure(args.hidden_size, args.num_attention_heads, args.ffn_hidden_size, lengths, args.repeats)
+    fit = fit_length_cost(lengths, m["seconds"])
+    per_token = m["saved_bytes"][-1] / lengths[-1]
+    fixed = m["params"] * m["dtype_bytes"] * 4  # weight, gradient, two Adam moments (fp32)
+    per_tp = {}
+    for tp in sorted({1, *[int(x) for x in args.tp.split(",")]}):
+        per_tp[tp] = LengthCost(a=fit.a / tp, b=fit.b / tp, c=fit.c, memory_per_token_bytes=per_token / tp,
+                                memory_fixed_bytes=fixed / tp)
+    device = m["device"] if m["device"] != "cpu" else f"cpu ({platform.processor() or platform.machine()})"
+    note = (f"one Megatron-core layer (local spec, fp32), hidden {args.hidden_size}, heads "
+            f"{args.num_attention_heads}, ffn {args.ffn_hidden_size or 4 * args.hidden_size}; lengths {lengths}; "
+            f"median of {args.repeats}; max relative fit error {fit.max_rel_error:.3f}; TP>1 derived as a/t, b/t, c "
+            "(not measured)")
+    return CostTable(per_tp=per_tp, device=device, note=note), fit, m
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m hetu_ext.data.calibrate", description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True, help="YAML file to write the cost table to")
+    parser.add_argument("--hidden-size", type=int, default=256)
+    parser.add_argument("--num-attention-heads", type=int, default=8)
+    parser.add_argument("--ffn-hidden-size", type=int, default=None)
+    parser.add_argument("--seq-lengths", default="128,256,512,1024,2048,3072,4096",
+                        help="comma-separated document lengths (tokens) to measure")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--tp", default="1", help="TP degrees to write (TP > 1 derived from TP 1, see --help)")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
+    args = parser.parse_args(argv)
+    if args.threads:
+        import torch
+        torch.set_num_threads(args.threads)
+    table, fit, m = calibrate(args)
+    lengths = [int(x) for x in args.seq_lengths.split(",")]
+    print(f"device: {table.device}")
+    print(f"fit: a={fit.a:.4g} s/token^2  b={fit.b:.4g} s/token  c={fit.c:.4g} s")
+    print(f"{'tokens':>8} {'measured_s':>12} {'fitted_s':>12} {'rel_err':>8}")
+    for s, t, f in zip(lengths, m["seconds"], fit.fitted_s):
+        print(f"{s:>8} {t:>12.5f} {f:>12.5f} {(f - t) / t:>+8.3f}")
+    print(f"max relative error {fit.max_rel_error:.3f}")
+    save_cost_table(table, args.out)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
