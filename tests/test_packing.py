@@ -1,0 +1,186 @@
+"""Packing and two-stage assignment: invariants of every method, the certified bound, optimality against an exact
+MILP (HiGHS) on small instances, a heterogeneous plan (Acceptance 4 of issue 5), the cost table and its fit.
+
+Pure tests: numpy and scipy, no process group, no clocks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hetu_ext.data.calibrate import fit_length_cost
+from hetu_ext.data.cost import CostTable, LengthCost, cost_table_from_dict, load_cost_table, save_cost_table
+from hetu_ext.data.lengths import LognormalLengths, batch_bounds, concat_split, split_long
+from hetu_ext.data.packing import METHODS, ReplicaSpec, assign, replica_specs
+from hetu_ext.plan.model_spec import ModelSpec
+from hetu_ext.plan.plan import Pipeline, Plan, Stage
+from packing_milp import optimal_max_time
+
+LAYER = LengthCost(a=1.6e-10, b=8e-6, c=1e-4)
+WIKI_LIKE = LognormalLengths(min_seq_len=8, max_seq_len=200_000, mean_seq_len=1014, lognormal_sigma=1.26)
+
+
+def _uniform(r: int, pp: int, cap: int, layers: int = 32) -> list[ReplicaSpec]:
+    return [ReplicaSpec(stage_costs=(LAYER.times_layers(layers // pp),) * pp, token_capacity=cap)] * r
+
+
+def _brute_time(spec: ReplicaSpec, packs, lengths) -> float:
+    """Predicted 1F1B time, recomputed here from the definition with plain loops."""
+    times = []
+    for pack in packs:
+        per_stage = [sum(c.a * lengths[i] ** 2 + c.b * lengths[i] for i in pack) + c.c for c in spec.stage_costs]
+        times.append(max(per_stage))
+    return sum(times) + (len(spec.stage_costs) - 1) * max(times) if times else 0.0
+
+
+def _check_invariants(a, lengths, replicas) -> None:
+    seen = sorted(i for rep in a.microbatches for pack in rep for i in pack)
+    assert seen == list(range(len(lengths))), "each document exactly once"
+    for rep, spec, t in zip(a.microbatches, replicas, a.predicted_s):
+        assert all(pack and sum(lengths[i] for i in pack) <= spec.token_capacity for pack in rep)
+        assert t == pytest.approx(_brute_time(spec, rep, lengths), rel=1e-9)
+    assert a.lower_bound_s <= max(a.predicted_s) * (1 + 1e-9), "the bound must hold for every method's result"
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("pp, cap", [(1, 4096), (4, 16384)])
+def test_every_method_keeps_each_document_once_within_capacity(method, pp, cap):
+    lengths = split_long(WIKI_LIKE.sample(3000, seed=3), cap).length[:1500].tolist()
+    replicas = _uniform(16, pp, cap)
+    a = assign(lengths, replicas, method=method)
+    _check_invariants(a, lengths, replicas)
+    assert a == assign(lengths, replicas, method=method)  # deterministic
+
+
+def test_hetu_balances_better_than_the_baselines_on_wikipedia_like_lengths():
+    """The point of the method: at 4K packs and 16 replicas, token balancing (greedy) leaves a few percent and
+    Megatron's order-preserving packs tens of percent; hetu's result is certified within 1% of the bound."""
+    lengths = split_long(WIKI_LIKE.sample(20000, seed=4), 4096).length
+    batch = lengths[:int(batch_bounds(lengths, tokens=16 * 8192)[1])].tolist()
+    replicas = _uniform(16, 1, 4096)
+    results = {m: assign(batch, replicas, method=m) for m in METHODS}
+    assert results["hetu"].gap < 0.01
+    assert results["hetu"].max_over_mean < 1.01
+    for m in ("megatron", "ffd", "greedy"):
+        assert max(results["hetu"].predicted_s) <= max(results[m].predicted_s)
+    assert results["megatron"].max_over_mean > 1.1
+
+
+def test_megatron_method_on_concatenated_pieces_fills_packs_exactly():
+    docs = WIKI_LIKE.sample(400, seed=5)
+    pieces = concat_split(docs, 2048)
+    a = assign(pieces.length.tolist(), _uniform(4, 1, 2048), method="megatron")
+    packs = [sum(int(pieces.length[i]) for i in p) for rep in a.microbatches for p in rep]
+    assert all(t == 2048 for t in packs[:-1]) and 0 < packs[-1] <= 2048
+    assert [len(rep) for rep in a.microbatches] == [len(packs) // 4 + (k < len(packs) % 4) for k in range(4)]
+
+
+def test_too_long_document_and_unknown_method_are_clear_errors():
+    replicas = _uniform(2, 1, 1000)
+    with pytest.raises(ValueError, match=r"document 1 has 1500 tokens, more than the token capacity 1000.*split"):
+        assign([10, 1500], replicas)
+    with pytest.raises(ValueError, match=r"unknown method 'lpt'; choose one of \['megatron', 'ffd'"):
+        assign([10], replicas, method="lpt")
+
+
+def _small_instance(seed: int) -> tuple[list[int], list[ReplicaSpec]]:
+    rng = np.random.default_rng(seed)
+    n, r = int(rng.integers(5, 8)), int(rng.integers(2, 4))
+    lengths = np.minimum(np.rint(rng.lognormal(6.5, 1.2, n)).astype(int) + 1, 4096).tolist()
+    replicas = []
+    for k in range(r):
+        pp, slow = int(rng.integers(1, 4)), float(rng.uniform(1, 2))
+        base = LengthCost(a=1e-9, b=1e-5, c=float(rng.choice([0.0, 2e-3, 1e-2])))
+        costs = tuple(base.scaled(slow * float(rng.uniform(0.8, 1.2))) for _ in range(pp))
+        replicas.append(ReplicaSpec(stage_costs=costs, token_capacity=4096 if k == 0 else int(rng.choice([2048,
+                                                                                                            4096]))))
+    return lengths, replicas
+
+
+@pytest.mark.parametrize("seed", [0, 7, 11, 24, 27])
+def test_hetu_within_4_percent_of_the_milp_optimum_and_bound_below_it(seed):
+    """Small instances (5-7 documents, 2-3 replicas differing in speed, depth, capacity and c) solved exactly by
+    HiGHS. The heuristic must be within 4% of the optimum (seeds 7, 24 and 27 are the hardest of the first 30:
+    0.8-3.5% above it) and the certified bound must never exceed it (a bound above the optimum would be a bug)."""
+    lengths, replicas = _small_instance(seed)
+    optimum = optimal_max_time(lengths, replicas)
+    a = assign(lengths, replicas)
+    _check_invariants(a, lengths, replicas)
+    assert a.lower_bound_s <= optimum * (1 + 1e-6)
+    assert max(a.predicted_s) <= optimum * 1.04
+
+
+def _hetero_plan() -> Plan:
+    def stage(ranks, start, stop, j, p):
+        return Stage(ranks=tuple(ranks), layer_start=start, layer_stop=stop, has_embedding=j == 0,
+                     has_output=j == p - 1)
+    return Plan(pipelines=(
+        Pipeline(stages=(stage([0], 0, 8, 0, 1),), num_microbatches=1),
+        Pipeline(stages=(stage([1], 0, 4, 0, 2), stage([2], 4, 8, 1, 2)), num_microbatches=1),
+        Pipeline(stages=(stage([3, 4], 0, 8, 0, 1),), num_microbatches=1),
+        Pipeline(stages=tuple(stage([5 + j], 2 * j, 2 * j + 2, j, 4) for j in range(4)), num_microbatches=1),
+    ))
+
+
+def test_heterogeneous_plan_replicas_finish_within_5_percent():
+    """Acceptance 4: four pipelines differing in depth (1, 2, 1, 4 stages), speed (rank 2 1.5x slow; TP 2 vs 1)
+    and memory (the 1-stage TP-1 pipeline holds 8 layers' weights, so ~9.8K tokens fit; the others take the 16K
+    pack length): hetu keeps the replicas' predicted times within 5% of each other (measured: equal to 0.1%),
+    where token-balanced greedy leaves them 2.7x apart (the TP-2 replica is ~2x faster than the 1-GPU one)."""
+    table = CostTable(device_memory_bytes=40e9)
+    specs = replica_specs(_hetero_plan(), ModelSpec(num_layers=8, hidden_size=64, num_attention_heads=4), table,
+                          slowdowns={2: 1.5}, max_pack_tokens=16384)
+    caps = [s.token_capacity for s in specs]
+    assert caps[0] < 16384 and caps[1:] == [16384] * 3 and [s.pp for s in specs] == [1, 2, 1, 4]
+    assert specs[1].stage_costs[1].a == pytest.approx(table.for_tp(1).a * 4 * 1.5)
+    docs = split_long(WIKI_LIKE.sample(5000, seed=6), caps[0]).length
+    batch = docs[:int(batch_bounds(docs, tokens=4 * 65536)[1])].tolist()
+    a = assign(batch, specs)
+    _check_invariants(a, batch, specs)
+    assert max(a.predicted_s) / min(a.predicted_s) <= 1.05
+    greedy = assign(batch, specs, method="greedy")
+    assert max(greedy.predicted_s) / min(greedy.predicted_s) > 1.2
+
+
+def test_replica_specs_reject_a_plan_for_another_model():
+    with pytest.raises(ValueError, match="the plan holds 8 layers but the model has 6"):
+        replica_specs(_hetero_plan(), ModelSpec(num_layers=6, hidden_size=64, num_attention_heads=4), CostTable(),
+                      max_pack_tokens=4096)
+
+
+def test_cost_table_yaml_round_trip_and_strict_keys(tmp_path):
+    table = CostTable(per_tp={1: LengthCost(a=1e-9, b=2e-6, c=3e-4, memory_per_token_bytes=100.0)},
+                      device="cpu", note="test")
+    save_cost_table(table, tmp_path / "t.yaml")
+    assert load_cost_table(tmp_path / "t.yaml") == table
+    with pytest.raises(ValueError, match=r"per_tp\[1\]: unknown key\(s\) \['d'\]; allowed keys are \['a', 'b'"):
+        cost_table_from_dict({"per_tp": {1: {"a": 1.0, "b": 1.0, "d": 1.0}}})
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['tp'\]; allowed keys are \['device'"):
+        cost_table_from_dict({"tp": 1, "per_tp": {1: {"a": 1.0, "b": 1.0}}})
+    with pytest.raises(ValueError, match="missing.yaml.*cannot be read.*calibrate"):
+        load_cost_table(tmp_path / "missing.yaml")
+    with pytest.raises(ValueError, match=r"no cost for TP degree 4; it has TP \[1\]"):
+        table.for_tp(4)
+    with pytest.raises(ValueError, match="b must be a number >= 0"):
+        LengthCost(a=1.0, b=-1.0)
+
+
+def test_stored_cpu_calibration_loads():
+    table = load_cost_table("configs/calibration/cpu.yaml")
+    assert table.for_tp(1).a > 0 and table.for_tp(1).b > 0
+
+
+def test_fit_recovers_known_coefficients():
+    """Synthetic times from a = 2e-9, b = 3e-6, c = 4e-3 with +-1% deterministic noise: the fit must recover
+    each coefficient within 10% and the times within 2%; without noise, exactly."""
+    s = np.array([128, 256, 512, 1024, 2048, 4096, 8192])
+    exact = 2e-9 * s ** 2 + 3e-6 * s + 4e-3
+    fit = fit_length_cost(s, exact)
+    assert (fit.a, fit.b, fit.c) == pytest.approx((2e-9, 3e-6, 4e-3), rel=1e-6)
+    noisy = exact * (1 + 0.01 * np.sin(np.arange(s.size) * 2.3))
+    fit = fit_length_cost(s, noisy)
+    assert (fit.a, fit.b, fit.c) == pytest.approx((2e-9, 3e-6, 4e-3), rel=0.1)
+    assert fit.max_rel_error < 0.02
+    with pytest.raises(ValueError, match="need >= 3 distinct lengths"):
+        fit_length_cost([1, 1, 2], [1.0, 1.0, 2.0])
