@@ -85,7 +85,11 @@ def _build_layer(hidden: int, heads: int, ffn: int | None):
     from megatron.core import parallel_state, tensor_parallel
 
     from hetu_ext.megatron.host import enable_cpu_support
-    from hetu_ext.megatron.model import TrainingNumerics, build_gpt_stage, transformer_config
+    from hetu_ext.megatron.model import (
+        TrainingNumerics,
+        build_gpt_stage,
+        transformer_config,
+    )
     from hetu_ext.plan.model_spec import ModelSpec
 
     on_cpu = enable_cpu_support() or not torch.cuda.is_available()
@@ -111,34 +115,27 @@ def measure(hidden: int, heads: int, ffn: int | None, seq_lengths: Sequence[int]
     model, device = _build_layer(hidden, heads, ffn)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     seconds, saved = [], []
+    def step(x: torch.Tensor) -> torch.Tensor:
+        model.set_input_tensor(x)
+        return model(input_ids=None, position_ids=None, attention_mask=None)
+
     for s in seq_lengths:
         x = torch.randn(s, 1, hidden, device=device, requires_grad=True)  # (S, B, H)
-
-        def step() -> None:
-            model.set_input_tensor(x)
-            out = model(input_ids=None, position_ids=None, attention_mask=None)
-            out.sum().backward()
-
-        step()  # warm-up
+        step(x).sum().backward()  # warm-up
         runs = []
         for _ in range(repeats):
             sync()
             start = time.perf_counter()
-            step()
+            step(x).sum().backward()
             sync()
             runs.append(time.perf_counter() - start)
         seconds.append(float(np.median(runs)))
-        total = [0]
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            total[0] += t.numel() * t.element_size()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            model.set_input_tensor(x)
-            model(input_ids=None, position_ids=None, attention_mask=None)
-        saved.append(total[0])
-        logger.info("s=%d: %.4f s, %d saved bytes", s, seconds[-1], total[0])
+        sizes: list[int] = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t, out=sizes: out.append(t.numel() * t.element_size())
+                                                      or t, lambda t: t):
+            step(x)
+        saved.append(sum(sizes))
+        logger.info("s=%d: %.4f s, %d saved bytes", s, seconds[-1], saved[-1])
     params = sum(p.numel() for p in model.parameters())
     return {"seconds": seconds, "saved_bytes": saved, "params": params, "device": str(device),
             "dtype_bytes": 4}

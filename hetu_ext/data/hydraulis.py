@@ -19,6 +19,7 @@ lowest ``sum + (pp - 1) max``, stopping once ``W + c M + (pp - 1)(d + c)`` excee
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -147,7 +148,7 @@ def _anchored_bound(s: np.ndarray, rep: _Replicas, start: float, steps: int = 16
     for _ in range(steps):
         mid = (lo + hi) / 2
         lo, hi = (lo, mid) if feasible(mid) else (mid, hi)
-    return lo if lo > start else start
+    return max(start, lo)
 
 
 def _inverse_f(level: float, pp: np.ndarray, c: np.ndarray) -> np.ndarray:
@@ -173,29 +174,46 @@ def assign_hetu(s: np.ndarray, replicas: Sequence[ReplicaSpec]) -> list[list[lis
     return [packs for packs, _ in packed]
 
 
-def _estimate(w: np.ndarray, tokens: np.ndarray, d: np.ndarray, n: np.ndarray, rep: _Replicas) -> np.ndarray:
-    """Estimated replica seconds with work w, tokens, costliest document d and n documents (vectors of R)."""
-    m_lo = np.ceil(tokens / rep.cap)
-    m_star = np.sqrt(np.divide((rep.pp - 1) * w, rep.rc, out=n.astype(np.float64), where=rep.rc > 0))
-    m = np.maximum(np.minimum(m_star, n), np.maximum(m_lo, 1.0))
-    return w + rep.rc * m + (rep.pp - 1) * (np.maximum(w / m, d) + rep.rc)
+def _estimate(w: float, tokens: float, d: float, n: int, pp: float, c: float, cap: float) -> float:
+    """Estimated replica seconds with work w, tokens, costliest document d and n documents (module docstring)."""
+    m_lo = max(1.0, math.ceil(tokens / cap))
+    m_star = math.sqrt((pp - 1) * w / c) if c > 0 else float(n)
+    m = max(min(m_star, float(n)), m_lo)
+    return w + c * m + (pp - 1) * (max(w / m, d) + c)
 
 
 def _stage1(s: np.ndarray, rep: _Replicas) -> list[list[int]]:
+    """Documents longest first, each to the replica whose estimated time after taking it is lowest.
+
+    Replicas with identical coefficients, depth and capacity form a class; within a class the replica with the
+    lowest current estimate is the candidate (a heap), so a step costs O(classes + log R), not O(R)."""
     r = rep.pp.size
-    w, tokens, d, n = np.zeros(r), np.zeros(r), np.zeros(r), np.zeros(r)
+    keys = list(zip(rep.ra.tolist(), rep.rb.tolist(), rep.rc.tolist(), rep.pp.tolist(), rep.cap.tolist()))
+    classes: dict[tuple, list[tuple[float, int]]] = {}
+    for k, key in enumerate(keys):
+        classes.setdefault(key, []).append((0.0, k))  # (current estimate, replica): already a heap
+    state = [[0.0, 0.0, 0.0, 0] for _ in range(r)]  # work, tokens, costliest document, documents
     shares: list[list[int]] = [[] for _ in range(r)]
     order = np.lexsort((np.arange(s.size), -s))
     for i, length in zip(order.tolist(), s[order].tolist()):
-        cost = rep.ra * (length * length) + rep.rb * length
-        est = _estimate(w + cost, tokens + length, np.maximum(d, cost), n + 1, rep)
-        est[rep.cap < length] = np.inf
-        k = int(np.argmin(est))
+        best = None
+        for (a, b, c, pp, cap), heap in classes.items():
+            if cap < length:
+                continue
+            k = heap[0][1]
+            w, tokens, d, n = state[k]
+            cost = a * length * length + b * length
+            est = _estimate(w + cost, tokens + length, max(d, cost), n + 1, pp, c, cap)
+            if best is None or (est, k) < best[:2]:
+                best = (est, k, cost, heap)
+        est, k, cost, heap = best
+        st = state[k]
+        st[0] += cost
+        st[1] += length
+        st[2] = max(st[2], cost)
+        st[3] += 1
         shares[k].append(i)
-        w[k] += cost[k]
-        tokens[k] += length
-        d[k] = max(d[k], cost[k])
-        n[k] += 1
+        heapq.heapreplace(heap, (est, k))
     return shares
 
 
