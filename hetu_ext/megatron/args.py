@@ -61,6 +61,13 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     g.add_argument("--save", default=None)
     g.add_argument("--load", default=None)
     g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--hetu-ckpt-format", choices=["auto", "hetu", "torch_dist"], default="auto",
+                   help="--save format: hetu (layout-agnostic shards, async, any plan) or torch_dist (Megatron's "
+                        "dist_checkpointing, uniform runtime); auto: hetu, or torch_dist with "
+                        "--use-distributed-optimizer. --load recognises either")
+    g.add_argument("--hetu-ckpt-fallback", action="store_true",
+                   help="if the latest checkpoint is corrupt or incomplete, load the previous complete one")
+    g.add_argument("--hetu-ckpt-keep", type=int, default=2, help="complete hetu checkpoints kept (>= 1)")
 
     g = p.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=1)
@@ -99,6 +106,25 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
                         "step 3, ...), parameters and optimizer state resharded online")
     g.add_argument("--hetu-cpu-patches", choices=["auto", "on", "off"], default="auto",
                    help="Megatron-core CPU patches: auto applies them only when no CUDA device is present")
+
+    g = p.add_argument_group("hetu_ext packing (Hydraulis)")
+    g.add_argument("--hetu-packing", choices=["off", "unpacked", "concat", "ffd", "greedy", "balanced"],
+                   default="off",
+                   help="off: Megatron's fixed-length samples; else documents packed into THD microbatches of at "
+                        "most --seq-length tokens: unpacked (one per microbatch), concat (Megatron-style cut), ffd, "
+                        "greedy (DeepSpeed-style by tokens), balanced (two-stage, length-aware)")
+    g.add_argument("--hetu-global-batch-tokens", type=int, default=None,
+                   help="with --hetu-packing: a global batch is as many sequences as fit in this many tokens "
+                        "(default: --global-batch-size sequences)")
+    g.add_argument("--hetu-cost-model", default=None, metavar="YAML",
+                   help="per-layer time a*s^2+b*s+c per TP degree (python -m hetu_ext.data.calibrate); default: "
+                        "built-in coefficients")
+    g.add_argument("--hetu-varlen-mock", default=None, metavar="JSON",
+                   help='with --mock-data and --hetu-packing: document lengths, {"mode": "file", "path": ...} or '
+                        '{"mode": "distribution", "type": "lognormal", "min_seq_len": ..., "max_seq_len": ..., '
+                        '"mean_seq_len": ..., "lognormal_sigma": ...}')
+    g.add_argument("--hetu-mock-documents", type=int, default=100_000,
+                   help="documents drawn for --hetu-varlen-mock")
     return p
 
 
@@ -108,6 +134,28 @@ def _positive(args: argparse.Namespace, *names: str) -> None:
         if value is not None and value < 1:
             flag = "--" + name.replace("_", "-")
             raise ValueError(f"{flag} must be >= 1, got {value}")
+
+
+def _validate_packing(args: argparse.Namespace) -> None:
+    _positive(args, "hetu_global_batch_tokens", "hetu_mock_documents")
+    if args.hetu_packing == "off":
+        for flag in ("hetu_global_batch_tokens", "hetu_varlen_mock"):
+            if getattr(args, flag) is not None:
+                raise ValueError(f"--{flag.replace('_', '-')} needs --hetu-packing other than off (packed "
+                                 "documents); add e.g. --hetu-packing balanced")
+        return
+    if args.micro_batch_size != 1:
+        raise ValueError(f"--hetu-packing {args.hetu_packing}: a THD pack is one row, so --micro-batch-size must "
+                         f"be 1 (got {args.micro_batch_size}); --seq-length is the most tokens of a pack")
+    if args.mock_data and args.hetu_varlen_mock is None:
+        raise ValueError(f"--hetu-packing {args.hetu_packing} with --mock-data needs --hetu-varlen-mock JSON (the "
+                         "document lengths), e.g. '{\"mode\": \"distribution\", \"type\": \"lognormal\", ...}'")
+    if args.data_path and len(args.data_path) != 1:
+        raise ValueError(f"--hetu-packing {args.hetu_packing} reads the documents of one indexed dataset; got "
+                         f"--data-path {' '.join(args.data_path)} (blends are not supported with packing)")
+    if args.global_batch_size is None and args.hetu_global_batch_tokens is None:
+        raise ValueError(f"--hetu-packing {args.hetu_packing}: define a global batch by --global-batch-size "
+                         "(sequences) or --hetu-global-batch-tokens (tokens)")
 
 
 def validate_args(args: argparse.Namespace) -> None:
@@ -128,6 +176,7 @@ def validate_args(args: argparse.Namespace) -> None:
     if bool(args.mock_data) == bool(args.data_path):
         raise ValueError("give exactly one data source: --mock-data or --data-path PREFIX "
                          f"(got --mock-data={args.mock_data}, --data-path={args.data_path})")
+    _validate_packing(args)
     if args.hetu_emulate_layer_ms is not None and (args.hetu_emulate_layer_ms <= 0 or
                                                     not args.hetu_straggler_interval):
         raise ValueError(f"--hetu-emulate-layer-ms must be > 0 and needs --hetu-straggler-interval N (got "
@@ -138,5 +187,9 @@ def validate_args(args: argparse.Namespace) -> None:
         from hetu_ext.runtime.straggler import parse_schedule
 
         parse_schedule(args.hetu_emulate_slowdown)
+    _positive(args, "hetu_ckpt_keep")
+    if args.hetu_ckpt_format == "hetu" and args.use_distributed_optimizer and args.save:
+        raise ValueError("--hetu-ckpt-format hetu cannot save --use-distributed-optimizer's flat ZeRO-1 shards yet; "
+                         "use --hetu-ckpt-format torch_dist (or auto)")
     if args.save_interval is not None and args.save is None:
         raise ValueError(f"--save-interval {args.save_interval} needs --save DIR to save into")

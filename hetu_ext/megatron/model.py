@@ -21,6 +21,8 @@ class TrainingNumerics:
     """``--attention-dropout``."""
     init_method_std: float = 0.02
     """``--init-method-std``."""
+    variable_seq_lengths: bool = False
+    """Microbatches differ in length (``--hetu-packing``: THD packs); pipeline stages exchange shapes first."""
 
     @property
     def dtype(self) -> torch.dtype:
@@ -49,6 +51,9 @@ def transformer_config(spec: ModelSpec, numerics: TrainingNumerics, *, tp: int, 
         # the fused vocab-parallel cross entropy takes its TP group from pg_collection (the unfused one reads
         # parallel_state's); "native" is its pure-torch implementation, which runs on CPU too
         cross_entropy_loss_fusion=True, cross_entropy_fusion_impl="native",
+        variable_seq_lengths=numerics.variable_seq_lengths,
+        # no MoE here, but 0.16.1 refuses variable lengths with its default (allgather) token dispatcher
+        **({"moe_token_dispatcher_type": "alltoall"} if numerics.variable_seq_lengths else {}),
         **no_fusion,
     )
 
@@ -58,9 +63,14 @@ def build_gpt_stage(spec: ModelSpec, config, *, pre_process: bool, post_process:
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
+    from .attention import PackedDotProductAttention
+
+    layer_spec = get_gpt_layer_local_spec()
+    # the local spec's core attention, able to take THD packs (--hetu-packing): Megatron's ModuleSpec seam
+    layer_spec.submodules.self_attention.submodules.core_attention = PackedDotProductAttention
     kwargs = {} if pg_collection is None else {"pg_collection": pg_collection}
     return GPTModel(
-        config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=spec.padded_vocab_size,
+        config=config, transformer_layer_spec=layer_spec, vocab_size=spec.padded_vocab_size,
         max_sequence_length=spec.max_position_embeddings, pre_process=pre_process, post_process=post_process,
         share_embeddings_and_output_weights=not spec.untie_embeddings_and_output_weights,
         position_embedding_type="learned_absolute", **kwargs)

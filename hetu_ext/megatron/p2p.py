@@ -40,20 +40,38 @@ class StageP2P(P2PCommunicator):
 
     def _communicate(self, *, tensor_send_next, tensor_send_prev, recv_prev, recv_next, tensor_shape,
                      wait_on_reqs: bool = True):
-        ops, recv_prev_t, recv_next_t = [], None, None
-        if recv_prev:
-            recv_prev_t = torch.empty(tuple(tensor_shape), dtype=self.dtype, device=self.device,
-                                      requires_grad=True)
-            ops.append(dist.P2POp(dist.irecv, recv_prev_t, self.peers.recv_forward_from))
-        if recv_next:
-            recv_next_t = torch.empty(tuple(tensor_shape), dtype=self.dtype, device=self.device,
-                                      requires_grad=True)
-            ops.append(dist.P2POp(dist.irecv, recv_next_t, self.peers.recv_backward_from))
-        if tensor_send_next is not None:
-            ops += [dist.P2POp(dist.isend, tensor_send_next, r) for r in self.peers.send_forward_to]
-        if tensor_send_prev is not None:
-            ops += [dist.P2POp(dist.isend, tensor_send_prev, r) for r in self.peers.send_backward_to]
+        prev_shape = next_shape = tuple(tensor_shape) if tensor_shape is not None else None
+        if self.config.variable_seq_lengths:  # packs differ in length: shapes go first, as in Megatron's
+            got_prev, got_next = self._exchange(
+                self._shape(tensor_send_next), self._shape(tensor_send_prev),
+                self._empty((3,), torch.int64) if recv_prev else None,
+                self._empty((3,), torch.int64) if recv_next else None)
+            prev_shape = tuple(got_prev.tolist()) if recv_prev else None
+            next_shape = tuple(got_next.tolist()) if recv_next else None
+        from_prev, from_next = self._exchange(
+            tensor_send_next, tensor_send_prev,
+            self._empty(prev_shape, self.dtype, requires_grad=True) if recv_prev else None,
+            self._empty(next_shape, self.dtype, requires_grad=True) if recv_next else None)
+        return from_prev, from_next, None
+
+    def _exchange(self, send_next, send_prev, recv_prev, recv_next):
+        """One batch of sends to and receives (into the given buffers) from the plan's neighbours."""
+        ops = []
+        if recv_prev is not None:
+            ops.append(dist.P2POp(dist.irecv, recv_prev, self.peers.recv_forward_from))
+        if recv_next is not None:
+            ops.append(dist.P2POp(dist.irecv, recv_next, self.peers.recv_backward_from))
+        if send_next is not None:
+            ops += [dist.P2POp(dist.isend, send_next, r) for r in self.peers.send_forward_to]
+        if send_prev is not None:
+            ops += [dist.P2POp(dist.isend, send_prev, r) for r in self.peers.send_backward_to]
         if ops:
             for req in dist.batch_isend_irecv(ops):
                 req.wait()
-        return recv_prev_t, recv_next_t, None
+        return recv_prev, recv_next
+
+    def _empty(self, shape: tuple[int, ...], dtype: torch.dtype, requires_grad: bool = False) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device=self.device, requires_grad=requires_grad)
+
+    def _shape(self, tensor: torch.Tensor | None) -> torch.Tensor | None:
+        return None if tensor is None else torch.tensor(tensor.shape, dtype=torch.int64, device=self.device)

@@ -27,6 +27,7 @@ from . import checkpointing, host
 from .data import DataSpec, build_train_dataset, make_tokenizer, microbatch_iterator
 from .memory import memory_table
 from .migrate import migrate, parse_migrations
+from .packed_data import PackedSteps, build_packed_steps, open_documents
 from .monitor import StragglerMonitor
 from .model import TrainingNumerics
 from .placement import Placement
@@ -48,6 +49,7 @@ def model_spec_from_args(args: argparse.Namespace, vocab_size: int) -> ModelSpec
 def plan_from_args(args: argparse.Namespace, spec: ModelSpec, world_size: int) -> Plan:
     """The plan to run: ``--hetu-plan`` if given, else Megatron's uniform grid of the TP/PP/batch flags."""
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    packed = args.hetu_packing != "off"  # microbatches are chosen per step by the packer
     if args.hetu_plan:
         plan = load_plan(args.hetu_plan)
     else:
@@ -55,14 +57,15 @@ def plan_from_args(args: argparse.Namespace, spec: ModelSpec, world_size: int) -
             raise PlanError(f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
                             f"--pipeline-model-parallel-size {pp}; launch a multiple of {tp * pp} ranks")
         dp = world_size // (tp * pp)
-        gbs = args.global_batch_size or args.micro_batch_size * dp
+        gbs = args.micro_batch_size * dp if packed else args.global_batch_size or args.micro_batch_size * dp
         if gbs % (args.micro_batch_size * dp):
             raise PlanError(f"--global-batch-size {gbs} must be a multiple of --micro-batch-size "
                             f"{args.micro_batch_size} x data-parallel size {dp} = {args.micro_batch_size * dp}")
         plan = uniform_plan(world_size=world_size, tp=tp, pp=pp, num_layers=spec.num_layers,
                             num_microbatches=gbs // (args.micro_batch_size * dp))
     plan.validate(spec, world_size)
-    if args.global_batch_size and global_batch_size(plan, args.micro_batch_size) != args.global_batch_size:
+    if not packed and args.global_batch_size and \
+            global_batch_size(plan, args.micro_batch_size) != args.global_batch_size:
         raise PlanError(f"the plan runs {plan.num_microbatches} microbatches of {args.micro_batch_size} = "
                         f"{global_batch_size(plan, args.micro_batch_size)} samples per step but --global-batch-size "
                         f"is {args.global_batch_size}; make them agree")
@@ -84,6 +87,8 @@ class Trainer:
     numerics: TrainingNumerics | None = None
     migrations: list[tuple[int, Plan]] = field(default_factory=list)
     """Pending (after step, plan) migrations (--hetu-migrate)."""
+    documents: object | None = None
+    """--hetu-packing: the corpus' documents (``dataset`` is then None)."""
     iteration: int = 0
     losses: list[float] = field(default_factory=list)
 
@@ -106,9 +111,8 @@ class Trainer:
         Ranks the current plan leaves unused skip ahead to the next migration (they take part in it) or to the
         final barrier."""
         args = self.args
-        gbs = global_batch_size(self.plan, args.micro_batch_size)
         data = None
-        window_start, window_iters = time.perf_counter(), 0
+        window_start, window_iters, window_tokens = time.perf_counter(), 0, 0
         while self.iteration < args.train_iters:
             placement = self.placement
             replan = None
@@ -123,20 +127,19 @@ class Trainer:
                     replan = self.monitor.after_step(self.iteration, log)
             else:
                 if data is None:
-                    data = microbatch_iterator(self.dataset, self.plan, placement.pipeline_index,
-                                               args.micro_batch_size, start_iteration=self.iteration,
-                                               num_iterations=args.train_iters - self.iteration,
-                                               device=self.host.device)
-                loss, grad_norm, replan = self._step(data, log)
+                    data = self._open_data()
+                loss, grad_norm, replan, samples, tokens = self._step(data, log)
                 window_iters += 1
+                window_tokens += tokens
                 if self.iteration % args.log_interval == 0 or self.iteration == args.train_iters:
                     elapsed = (time.perf_counter() - window_start) / window_iters
                     if self.host.rank == self.log_rank:
                         log(format_log_line(iteration=self.iteration, train_iters=args.train_iters,
-                                            consumed=self.iteration * gbs, step_ms=elapsed * 1e3,
-                                            lr=self.optimizer.param_groups[0]["lr"], gbs=gbs, loss=loss,
-                                            grad_norm=grad_norm, tokens_per_s=gbs * args.seq_length / elapsed))
-                    window_start, window_iters = time.perf_counter(), 0
+                                            consumed=self._consumed(data, samples), step_ms=elapsed * 1e3,
+                                            lr=self.optimizer.param_groups[0]["lr"], gbs=samples, loss=loss,
+                                            grad_norm=grad_norm,
+                                            tokens_per_s=window_tokens / (elapsed * window_iters)))
+                    window_start, window_iters, window_tokens = time.perf_counter(), 0, 0
                 if args.save and args.save_interval and self.iteration % args.save_interval == 0:
                     checkpointing.save(self, args.save)
             if self.migrations and self.migrations[0][0] == self.iteration:
@@ -145,34 +148,58 @@ class Trainer:
                 replan = None
             if replan is not None:
                 self._migrate(replan, log)
+                if isinstance(data, PackedSteps):
+                    data.close()
                 data = None
-                window_start, window_iters = time.perf_counter(), 0  # the migration is not a step
+                window_start, window_iters, window_tokens = time.perf_counter(), 0, 0  # migrating is no step
         if args.save and self.placement.active and (not args.save_interval or self.iteration % args.save_interval):
             checkpointing.save(self, args.save)
+        if isinstance(data, PackedSteps):
+            data.close()
         if self.plan.unused_ranks:
             dist.barrier()  # release the idle ranks
         return self.losses
 
-    def _step(self, data, log) -> tuple[float, float | None, Plan | None]:
-        """One training step of this rank's pipeline: the global loss, the grad norm, and the plan the straggler
-        monitor proposes (or None)."""
+    def _consumed(self, data, samples_per_step: int) -> int:
+        return data.consumed(self.iteration) if isinstance(data, PackedSteps) else self.iteration * samples_per_step
+
+    def _open_data(self):
+        """This pipeline's data from the current step on: packed steps, or Megatron samples in microbatches."""
         args, placement = self.args, self.placement
+        if self.documents is not None:
+            return build_packed_steps(args, self.spec, self.plan, placement.pipeline_index, self.documents,
+                                      self.host.device)
+        return microbatch_iterator(self.dataset, self.plan, placement.pipeline_index, args.micro_batch_size,
+                                   start_iteration=self.iteration, num_iterations=args.train_iters - self.iteration,
+                                   device=self.host.device)
+
+    def _step(self, data, log) -> tuple[float, float | None, Plan | None, int, int]:
+        """One training step of this rank's pipeline: the global loss, the grad norm, the plan the straggler
+        monitor proposes (or None), and the global batch's samples and tokens."""
+        args, placement = self.args, self.placement
+        if isinstance(data, PackedSteps):
+            step = data.step(self.iteration)
+            microbatches, num_microbatches = iter(step.microbatches), len(step.microbatches)
+            samples, tokens, increment = step.sequences, step.tokens, 1
+        else:
+            num_microbatches = self.plan.pipelines[placement.pipeline_index].num_microbatches
+            microbatches, samples = data, global_batch_size(self.plan, args.micro_batch_size)
+            tokens, increment = samples * args.seq_length, samples
         if self.monitor:
             self.monitor.before_step(self.iteration + 1)
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         reports = placement.forward_backward(
-            forward_step_func=_forward_step, data_iterator=data, model=[self.model],
-            num_microbatches=self.plan.pipelines[placement.pipeline_index].num_microbatches,
-            seq_length=args.seq_length, micro_batch_size=args.micro_batch_size, forward_only=False,
-            **placement.schedule_kwargs)
+            forward_step_func=_forward_step, data_iterator=microbatches, model=[self.model],
+            num_microbatches=num_microbatches, seq_length=args.seq_length,
+            micro_batch_size=args.micro_batch_size, forward_only=False, **placement.schedule_kwargs)
         _, grad_norm, _ = self.optimizer.step()
-        self.scheduler.step(increment=global_batch_size(self.plan, args.micro_batch_size))
+        self.scheduler.step(increment=increment)
         self.iteration += 1
         loss = self._global_loss(reports)
         self.losses.append(loss)
         replan = self.monitor.after_step(self.iteration, log) if self.monitor else None
-        return loss, grad_norm, replan
+        return loss, grad_norm, replan, samples, tokens
 
     def _migrate(self, plan: Plan, log) -> None:
         """Move to ``plan`` now (collective over every rank): new stage models, state resharded, same run."""
@@ -186,7 +213,7 @@ class Trainer:
         if self.scheduler is not None and old_scheduler is not None:
             self.scheduler.load_state_dict(old_scheduler.state_dict())
         elif self.scheduler is not None:  # this rank was idle: replay the schedule to the current step
-            self.scheduler.step(increment=self.iteration * global_batch_size(plan, self.args.micro_batch_size))
+            self.scheduler.step(increment=self.iteration * _scheduler_unit(self.args, plan))
         if self.monitor:
             self.monitor.use_plan(plan)
             if placement.active:
@@ -211,7 +238,8 @@ class Trainer:
 def _forward_step(data_iterator, model):
     """One microbatch through a stage; the loss is a token sum (normalised once per global batch)."""
     batch = next(data_iterator)
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
+                   packed_seq_params=batch.get("packed_seq_params"))
     return output, partial(_loss_func, batch["loss_mask"])
 
 
@@ -248,9 +276,7 @@ def select_runtime(args: argparse.Namespace, plan: Plan) -> str:
         raise PlanError("changing plans online moves fp32 weights and Adam's moments; run with --optimizer adam and "
                         "without --bf16")
     if args.hetu_runtime == "plan" or uniform_shape(plan) is None or online:
-        if args.save or args.load:
-            raise PlanError("--save/--load run on Megatron's uniform runtime only in this release; drop them or "
-                            "run a uniform plan")
+        checkpointing.check_plan_runtime(args)
         if args.use_distributed_optimizer:
             raise PlanError("--use-distributed-optimizer (ZeRO-1) is not yet supported on the plan runtime; drop "
                             "it or run a uniform plan")
@@ -264,13 +290,19 @@ def _make_scheduler(args, placement: Placement, plan: Plan):
 
     if not placement.active:
         return None
-    gbs = global_batch_size(plan, args.micro_batch_size)
+    gbs = _scheduler_unit(args, plan)
     decay_iters = args.lr_decay_iters or args.train_iters
     return OptimizerParamScheduler(
         placement.optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr,
         lr_warmup_steps=args.lr_warmup_iters * gbs, lr_decay_steps=decay_iters * gbs,
         lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay, end_wd=args.weight_decay,
         wd_incr_steps=decay_iters * gbs, wd_incr_style="constant")
+
+
+def _scheduler_unit(args, plan: Plan) -> int:
+    """What one step advances the LR schedule by: its samples, as Megatron-LM counts; with --hetu-packing a
+    global batch's sequence count varies (token budgets), so the schedule counts steps."""
+    return 1 if args.hetu_packing != "off" else global_batch_size(plan, args.micro_batch_size)
 
 
 def _transformer_layers(model) -> list:
@@ -307,7 +339,7 @@ def build_trainer(args: argparse.Namespace) -> Trainer:
     migrations = []
     for step, path in parse_migrations(args.hetu_migrate or ""):
         target = load_plan(path).validate(spec, world_size)
-        if target.num_microbatches != plan.num_microbatches:
+        if target.num_microbatches != plan.num_microbatches and args.hetu_packing == "off":
             raise PlanError(f"--hetu-migrate plan {path!r} runs {target.num_microbatches} microbatches per step but "
                             f"the run has {plan.num_microbatches}; keep the global batch the same")
         check_runnable(target)
@@ -319,7 +351,8 @@ def build_trainer(args: argparse.Namespace) -> Trainer:
     h = host.init_distributed(force_cpu=force, timeout_minutes=args.distributed_timeout_minutes,
                               backend=args.distributed_backend)
     numerics = TrainingNumerics(bf16=args.bf16, hidden_dropout=args.hidden_dropout,
-                                attention_dropout=args.attention_dropout, init_method_std=args.init_method_std)
+                                attention_dropout=args.attention_dropout, init_method_std=args.init_method_std,
+                                variable_seq_lengths=args.hetu_packing != "off")
     build = build_megatron_placement if runtime == "megatron" else build_plan_placement
     placement = build(args, spec, plan, h, numerics)
 
@@ -327,9 +360,11 @@ def build_trainer(args: argparse.Namespace) -> Trainer:
     gbs = global_batch_size(plan, args.micro_batch_size)
     data_spec = DataSpec(mock=args.mock_data, data_path=tuple(args.data_path or ()), split=args.split,
                          seq_length=args.seq_length, seed=args.seed, cache_path=args.data_cache_path)
-    num_samples = args.train_iters * gbs
-    # every rank, idle ones included: Megatron's builder builds the index caches on rank 0, then barriers
-    dataset = build_train_dataset(data_spec, tokenizer, num_samples)
+    documents = dataset = None
+    if args.hetu_packing != "off":
+        documents = open_documents(args, tokenizer)
+    else:  # every rank, idle ones included: Megatron's builder builds index caches on rank 0, then barriers
+        dataset = build_train_dataset(data_spec, tokenizer, args.train_iters * gbs)
     where = plan.stage_of(h.rank)
     table = memory_table(placement.model, args.optimizer, args.bf16,
                          f"pipeline {where[0]} stage {where[1]}" if where else "unused")
@@ -340,7 +375,7 @@ def build_trainer(args: argparse.Namespace) -> Trainer:
                     h.device.type, "on" if h.cpu_patched else "off", format_plan(plan))
     trainer = Trainer(args=args, spec=spec, plan=plan, host=h, placement=placement, scheduler=scheduler,
                       dataset=dataset, monitor=_straggler_monitor(args, spec, plan, h, placement),
-                      numerics=numerics, migrations=migrations)
+                      numerics=numerics, migrations=migrations, documents=documents)
     if args.load:
         checkpointing.load(trainer, args.load)
     return trainer
