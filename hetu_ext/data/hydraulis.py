@@ -121,7 +121,8 @@ def _work_capacity(level: float, m: np.ndarray, pp: float, c: float, steps: int 
 def _anchored_bound(s: np.ndarray, rep: _Replicas, start: float, steps: int = 16) -> float:
     """Identical replicas: a level T is feasible only if the replicas' capacities, each lowered by the costliest
     document it must hold, cover the work. If the k costliest documents (costs d_1 >= .. >= d_k) do not fit in
-    fewer than J_k replicas of capacity C_T(d_k), at least J_k replicas hold a document costing >= d_k, so the
+    fewer than J_k replicas of capacity C_T(d_k) (by volume, ``prefix_k / C_T(d_k)``, or by count, a replica
+    holding at most ``floor(C_T(d_k) / d_k)`` of them), at least J_k replicas hold a document costing >= d_k, so the
     j-th costliest replica maximum is >= d_k for the first k with J_k >= j, and the total capacity is at most
     sum_j C_T(that d_k). Bisection on T from ``start`` (a valid bound) upwards."""
     r = rep.pp.size
@@ -135,7 +136,9 @@ def _anchored_bound(s: np.ndarray, rep: _Replicas, start: float, steps: int = 16
         cap = _work_capacity(level, top, pp, c)
         if np.any(cap < 0):
             return False
-        need = np.maximum.accumulate(np.ceil(prefix / cap - 1e-12))
+        per_replica = np.floor(cap / np.maximum(top, 1e-300) + 1e-12)  # documents costing >= d_k one can hold
+        need = np.maximum(np.ceil(prefix / cap - 1e-12), np.ceil(np.arange(1, top.size + 1) / per_replica - 1e-12))
+        need = np.maximum.accumulate(need)
         if need[-1] > r:
             return False
         first = np.searchsorted(need, np.arange(1, r + 1), side="left")  # first k with need >= j
