@@ -86,7 +86,7 @@ def lower_bound_s(s: np.ndarray, replicas: Sequence[ReplicaSpec]) -> float:
         if mid in (lo, hi):
             break
         lo, hi = (lo, mid) if work_at(mid) >= total else (mid, hi)
-    bound = max(longest, hi)
+    bound = max(longest, lo)  # lo: a level whose capacities fall short of the work
     if _identical(rep) and rep.pp[0] > 1:  # with pp = 1 the costliest document adds no fill and drain
         bound = max(bound, _anchored_bound(s, rep, bound))
     return bound
@@ -97,11 +97,12 @@ def _identical(rep: _Replicas) -> bool:
                 and np.all(rep.rc == rep.rc[0]) and np.all(rep.cap == rep.cap[0]))
 
 
-def _work_capacity(level: float, m: np.ndarray, pp: float, c: float, steps: int = 24) -> np.ndarray:
-    """Most work a replica can hold within ``level`` seconds when its costliest document costs ``m`` (vector);
-    -1 where even that document alone exceeds the level. Lower-bound model: ``W + c M + (pp - 1)(max(W / M, m)
-    + c)`` minimised over real ``1 <= M <= max(1, W / m)`` (past W / m the fill is set by m and more microbatches
-    only add c), increasing in W, inverted by bisection."""
+def _work_capacity(levels: np.ndarray, m: np.ndarray, pp: float, c: float, steps: int = 16) -> np.ndarray:
+    """Most work a replica can hold within ``levels`` seconds (shape (L, 1)) when its costliest document costs
+    ``m`` (broadcast to (L, K)); -1 where even that document alone exceeds the level. Lower-bound model:
+    ``W + c M + (pp - 1)(max(W / M, m) + c)`` minimised over real ``1 <= M <= max(1, W / m)`` (past W / m the fill
+    is set by m and more microbatches only add c), increasing in W, inverted by bisection."""
+    m = np.broadcast_to(m, np.broadcast_shapes(levels.shape, np.shape(m))).astype(np.float64)
 
     def f(w: np.ndarray) -> np.ndarray:
         m_hi = np.maximum(1.0, np.divide(w, m, out=np.full_like(w, np.inf), where=m > 0))
@@ -109,48 +110,49 @@ def _work_capacity(level: float, m: np.ndarray, pp: float, c: float, steps: int 
         mm = np.clip(m_star, 1.0, m_hi)
         return w + (pp - 1) * c + c * mm + (pp - 1) * np.maximum(w / mm, m)
 
-    lo, hi = m.astype(np.float64).copy(), np.full(m.shape, float(level))
-    ok = f(lo) <= level
+    lo, hi = m.copy(), np.broadcast_to(levels, m.shape).astype(np.float64)
+    ok = f(lo) <= levels
     for _ in range(steps):
         mid = (lo + hi) / 2
-        good = f(mid) <= level
+        good = f(mid) <= levels
         lo, hi = np.where(good, mid, lo), np.where(good, hi, mid)
-    return np.where(ok, lo, -1.0)
+    return np.where(ok, hi, -1.0)  # the upper end: capacity over-estimated, so the bound stays valid
 
 
-def _anchored_bound(s: np.ndarray, rep: _Replicas, start: float, steps: int = 16) -> float:
+def _anchored_bound(s: np.ndarray, rep: _Replicas, start: float, grid: int = 24, rounds: int = 2) -> float:
     """Identical replicas: a level T is feasible only if the replicas' capacities, each lowered by the costliest
     document it must hold, cover the work. If the k costliest documents (costs d_1 >= .. >= d_k) do not fit in
     fewer than J_k replicas of capacity C_T(d_k) (by volume, ``prefix_k / C_T(d_k)``, or by count, a replica
     holding at most ``floor(C_T(d_k) / d_k)`` of them), at least J_k replicas hold a document costing >= d_k, so the
     j-th costliest replica maximum is >= d_k for the first k with J_k >= j, and the total capacity is at most
-    sum_j C_T(that d_k). Bisection on T from ``start`` (a valid bound) upwards."""
+    sum_j C_T(that d_k). Levels are tested ``grid`` at a time (vectorised) from ``start`` (a valid bound) up."""
     r = rep.pp.size
     pp, c = float(rep.pp[0]), float(rep.rc[0])
     d = np.sort(rep.ra[0] * np.square(s, dtype=np.float64) + rep.rb[0] * s)[::-1]
     total = float(d.sum())
     top = d[:min(d.size, 4 * r + 1)]
-    prefix = np.cumsum(top)
+    prefix, count = np.cumsum(top), np.arange(1, top.size + 1)
 
-    def feasible(level: float) -> bool:
-        cap = _work_capacity(level, top, pp, c)
-        if np.any(cap < 0):
-            return False
+    def feasible(levels: np.ndarray) -> np.ndarray:
+        cap = _work_capacity(levels[:, None], top[None, :], pp, c)  # (L, K)
+        bad = np.any(cap < 0, axis=1)
+        cap = np.where(cap > 0, cap, np.inf)
         per_replica = np.floor(cap / np.maximum(top, 1e-300) + 1e-12)  # documents costing >= d_k one can hold
-        need = np.maximum(np.ceil(prefix / cap - 1e-12), np.ceil(np.arange(1, top.size + 1) / per_replica - 1e-12))
-        need = np.maximum.accumulate(need)
-        if need[-1] > r:
-            return False
-        first = np.searchsorted(need, np.arange(1, r + 1), side="left")  # first k with need >= j
+        need = np.maximum.accumulate(np.maximum(np.ceil(prefix / cap - 1e-12), np.ceil(count / per_replica - 1e-12)),
+                                     axis=1)
+        bad |= need[:, -1] > r
+        first = np.stack([np.searchsorted(row, np.arange(1, r + 1), side="left") for row in need])  # (L, R)
         anchors = np.where(first < top.size, top[np.minimum(first, top.size - 1)], 0.0)
-        return float(_work_capacity(level, anchors, pp, c).sum()) >= total
+        return ~bad & (_work_capacity(levels[:, None], anchors, pp, c).sum(axis=1) >= total)
 
-    lo, hi = start, start
-    while not feasible(hi):
-        lo, hi = hi, hi * 2
-    for _ in range(steps):
-        mid = (lo + hi) / 2
-        lo, hi = (lo, mid) if feasible(mid) else (mid, hi)
+    lo, hi = start, 2 * start
+    while not feasible(np.array([hi]))[0]:
+        lo, hi = hi, 2 * hi
+    for _ in range(rounds):
+        levels = np.linspace(lo, hi, grid + 2)[1:-1]
+        ok = feasible(levels)
+        k = int(np.argmax(ok)) if ok.any() else grid
+        lo, hi = (levels[k - 1] if k > 0 else lo), (levels[k] if k < grid else hi)
     return max(start, lo)
 
 
