@@ -12,8 +12,17 @@ import json
 import numpy as np
 import pytest
 
-from hetu_ext.data.lengths import (FileLengths, LengthFileError, LognormalLengths, batch_bounds, concat_split,
-                                   global_batch, parse_length_spec, read_lengths, split_long)
+from hetu_ext.data.lengths import (
+    FileLengths,
+    LengthFileError,
+    LognormalLengths,
+    batch_bounds,
+    concat_split,
+    global_batch,
+    parse_length_spec,
+    read_lengths,
+    split_long,
+)
 
 LOGNORMAL = {"mode": "distribution", "type": "lognormal", "min_seq_len": 16, "max_seq_len": 8192,
              "mean_seq_len": 1024, "lognormal_sigma": 1.2}

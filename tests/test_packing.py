@@ -8,14 +8,25 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from packing_milp import optimal_max_time
 
 from hetu_ext.data.calibrate import fit_length_cost
-from hetu_ext.data.cost import CostTable, LengthCost, cost_table_from_dict, load_cost_table, save_cost_table
-from hetu_ext.data.lengths import LognormalLengths, batch_bounds, concat_split, split_long
+from hetu_ext.data.cost import (
+    CostTable,
+    LengthCost,
+    cost_table_from_dict,
+    load_cost_table,
+    save_cost_table,
+)
+from hetu_ext.data.lengths import (
+    LognormalLengths,
+    batch_bounds,
+    concat_split,
+    split_long,
+)
 from hetu_ext.data.packing import METHODS, ReplicaSpec, assign, replica_specs
 from hetu_ext.plan.model_spec import ModelSpec
 from hetu_ext.plan.plan import Pipeline, Plan, Stage
-from packing_milp import optimal_max_time
 
 LAYER = LengthCost(a=1.6e-10, b=8e-6, c=1e-4)
 WIKI_LIKE = LognormalLengths(min_seq_len=8, max_seq_len=200_000, mean_seq_len=1014, lognormal_sigma=1.26)
