@@ -110,3 +110,55 @@ def test_packing_packs_several_sequences_per_microbatch(reference):
         assert int(cu[-1]) == batch["tokens"].shape[1] and cu.numel() >= 2
     finally:
         steps.close()
+
+
+def _cli_argv(*data: str) -> list[str]:
+    return ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "64",
+            "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "1", "--lr", "1e-3",
+            "--hetu-packing", "balanced", *data]
+
+
+def test_bad_data_gives_one_clear_error(tmp_path):
+    """Acceptance 5: a dataset path that does not exist, an empty dataset, a length file with a non-integer line:
+    exit code 2 and one error line naming the file (and the line)."""
+    from test_pretrain_cli import assert_one_error_line, run
+
+    from hetu_ext.megatron.preprocess_data import preprocess
+
+    missing = str(tmp_path / "nowhere_text_document")
+    assert_one_error_line(run(_cli_argv("--data-path", missing)), f"{missing}.idx does not exist")
+
+    (tmp_path / "empty.jsonl").write_text('{"text": ""}\n' * 3)  # documents of the EOD token only
+    prefix, count = preprocess(str(tmp_path / "empty.jsonl"), str(tmp_path / "empty"))
+    assert count == 3
+    assert_one_error_line(run(_cli_argv("--data-path", prefix)), "the dataset is empty")
+
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("12\n7\nseven\n")
+    spec = json.dumps({"mode": "file", "path": str(lengths)})
+    proc = run(_cli_argv("--mock-data", "--hetu-varlen-mock", spec))
+    assert_one_error_line(proc, str(lengths))
+    assert "line 3" in proc.stderr and "'seven'" in proc.stderr
+
+
+def test_packing_section_of_hetu_config(tmp_path):
+    """``packing:`` in --hetu-config fills the --hetu-* packing flags (paths relative to the file), the command
+    line wins, and an unknown key is named with the allowed ones."""
+    from hetu_ext.megatron.args import build_parser
+    from hetu_ext.megatron.config import apply_hetu_config
+
+    config = tmp_path / "hydraulis.yaml"
+    config.write_text("packing:\n  method: balanced\n  global_batch_tokens: 4096\n  cost_model: cal/cpu.yaml\n"
+                      "  varlen_mock: {mode: file, path: lens.txt}\n")
+    args = build_parser().parse_args(_cli_argv("--mock-data", "--hetu-config", str(config)))
+    args.hetu_packing = "off"  # as if not given on the command line
+    apply_hetu_config(args)
+    assert (args.hetu_packing, args.hetu_global_batch_tokens) == ("balanced", 4096)
+    assert args.hetu_cost_model == str(tmp_path / "cal" / "cpu.yaml")
+    assert json.loads(args.hetu_varlen_mock) == {"mode": "file", "path": str(tmp_path / "lens.txt")}
+    args = build_parser().parse_args(_cli_argv("--mock-data", "--hetu-config", str(config)))
+    apply_hetu_config(args)  # --hetu-packing balanced given on the command line stays; tokens come from the file
+    assert args.hetu_global_batch_tokens == 4096
+    config.write_text("packing:\n  methods: balanced\n")
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['methods'\] under packing; allowed keys are"):
+        apply_hetu_config(build_parser().parse_args(_cli_argv("--mock-data", "--hetu-config", str(config))))

@@ -67,9 +67,10 @@ def test_bad_plan_files_exit_2_before_any_process_group(tmp_path):
 
 
 def test_bad_hetu_config_exits_2(tmp_path):
-    config = write(tmp_path, "hetu.yaml", "plan: x.yaml\npacking: greedy\n")
+    config = write(tmp_path, "hetu.yaml", "plan: x.yaml\npakcing: {method: greedy}\n")
     assert_one_error_line(run(MODEL + ["--train-iters", "2", "--mock-data", "--hetu-config", config]),
-                          "unknown key(s) ['packing']; allowed keys are ['cpu_patches', 'plan', 'runtime']")
+                          "unknown key(s) ['pakcing']; allowed keys are ['cpu_patches', 'packing', 'plan', "
+                          "'runtime']")
 
 
 def _losses(stdout: str) -> list[float]:

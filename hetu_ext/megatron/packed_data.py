@@ -60,9 +60,10 @@ class IndexedDocuments:
         lengths = np.concatenate([[0], np.cumsum(np.asarray(self._data.sequence_lengths, dtype=np.int64))])
         self._start = lengths[bounds[:-1]]
         self.token_counts = lengths[bounds[1:]] - self._start
-        if self.token_counts.sum() < 2:
-            raise ValueError(f"--data-path {prefix}: the dataset is empty ({int(self.token_counts.sum())} tokens "
-                             f"in {self.token_counts.size} documents); preprocess a non-empty jsonl")
+        if not (self.token_counts >= 2).any():
+            raise ValueError(f"--data-path {prefix}: the dataset is empty: none of its {self.token_counts.size} "
+                             f"documents ({int(self.token_counts.sum())} tokens) has the 2 tokens a training "
+                             "position needs; preprocess a jsonl with text")
         self._bounds = bounds
 
     def tokens(self, doc: int, start: int, count: int) -> np.ndarray:

@@ -347,6 +347,8 @@ def build_trainer(args: argparse.Namespace) -> Trainer:
     runtime = select_runtime(args, plan)
     if runtime == "plan":
         check_runnable(plan)
+    # packed documents are read (and checked) before any process group exists
+    documents = open_documents(args, tokenizer) if args.hetu_packing != "off" else None
     force = {"auto": None, "on": True, "off": False}[args.hetu_cpu_patches]
     h = host.init_distributed(force_cpu=force, timeout_minutes=args.distributed_timeout_minutes,
                               backend=args.distributed_backend)
@@ -360,10 +362,8 @@ def build_trainer(args: argparse.Namespace) -> Trainer:
     gbs = global_batch_size(plan, args.micro_batch_size)
     data_spec = DataSpec(mock=args.mock_data, data_path=tuple(args.data_path or ()), split=args.split,
                          seq_length=args.seq_length, seed=args.seed, cache_path=args.data_cache_path)
-    documents = dataset = None
-    if args.hetu_packing != "off":
-        documents = open_documents(args, tokenizer)
-    else:  # every rank, idle ones included: Megatron's builder builds index caches on rank 0, then barriers
+    dataset = None
+    if documents is None:  # every rank, idle ones included: Megatron's builder builds index caches on rank 0, then barriers
         dataset = build_train_dataset(data_spec, tokenizer, args.train_iters * gbs)
     where = plan.stage_of(h.rank)
     table = memory_table(placement.model, args.optimizer, args.bf16,
