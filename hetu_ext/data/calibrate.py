@@ -5,7 +5,8 @@
 
 Measured: forward + backward of one GPTModel stage holding one transformer layer (no embedding, no output
 layer; Megatron-core's local layer spec, built by :func:`hetu_ext.megatron.model.build_gpt_stage`) on one causal
-input of ``s`` tokens, the median of ``--repeats`` runs after a warm-up, for each ``s``. An ordinary causal
+input of ``s`` tokens, the fastest of ``--repeats`` runs after a warm-up (lengths interleaved; on a shared machine
+the fastest run is the least disturbed one), for each ``s``. An ordinary causal
 ``[s, 1, h]`` input costs what a pack holding one document of ``s`` tokens costs. The fit is linear least squares
 on ``(s^2, s, 1)`` weighted by ``1 / t`` (relative error); the table printed shows measured and fitted times.
 
@@ -109,33 +110,35 @@ def _build_layer(hidden: int, heads: int, ffn: int | None):
 
 
 def measure(hidden: int, heads: int, ffn: int | None, seq_lengths: Sequence[int], repeats: int) -> dict:
-    """Median forward+backward seconds of one layer at each length, saved-activation bytes, parameter count."""
+    """Fastest forward+backward seconds of one layer at each length, saved-activation bytes, parameter count."""
     import torch
 
     model, device = _build_layer(hidden, heads, ffn)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    seconds, saved = [], []
+    saved: list[int] = []
     def step(x: torch.Tensor) -> torch.Tensor:
         model.set_input_tensor(x)
         return model(input_ids=None, position_ids=None, attention_mask=None)
 
-    for s in seq_lengths:
-        x = torch.randn(s, 1, hidden, device=device, requires_grad=True)  # (S, B, H)
+    inputs = [torch.randn(s, 1, hidden, device=device, requires_grad=True) for s in seq_lengths]  # (S, B, H)
+    runs: list[list[float]] = [[] for _ in seq_lengths]
+    for x in inputs:
         step(x).sum().backward()  # warm-up
-        runs = []
-        for _ in range(repeats):
+    for _ in range(repeats):  # lengths interleaved, so a burst of load on a shared machine hits them alike
+        for k, x in enumerate(inputs):
             sync()
             start = time.perf_counter()
             step(x).sum().backward()
             sync()
-            runs.append(time.perf_counter() - start)
-        seconds.append(float(np.median(runs)))
+            runs[k].append(time.perf_counter() - start)
+    seconds = [min(r) for r in runs]  # the least disturbed run
+    for s, x in zip(seq_lengths, inputs):
         sizes: list[int] = []
         with torch.autograd.graph.saved_tensors_hooks(lambda t, out=sizes: out.append(t.numel() * t.element_size())
                                                       or t, lambda t: t):
             step(x)
         saved.append(sum(sizes))
-        logger.info("s=%d: %.4f s, %d saved bytes", s, seconds[-1], saved[-1])
+        logger.info("s=%d: %.4f s, %d saved bytes", s, seconds[len(saved) - 1], saved[-1])
     params = sum(p.numel() for p in model.parameters())
     return {"seconds": seconds, "saved_bytes": saved, "params": params, "device": str(device),
             "dtype_bytes": 4}
@@ -154,7 +157,7 @@ def calibrate(args: argparse.Namespace) -> tuple[CostTable, Fit, dict]:
     device = m["device"] if m["device"] != "cpu" else f"cpu ({platform.processor() or platform.machine()})"
     note = (f"one Megatron-core layer (local spec, fp32), hidden {args.hidden_size}, heads "
             f"{args.num_attention_heads}, ffn {args.ffn_hidden_size or 4 * args.hidden_size}; lengths {lengths}; "
-            f"median of {args.repeats}; max relative fit error {fit.max_rel_error:.3f}; TP>1 derived as a/t, b/t, c "
+            f"fastest of {args.repeats}; max relative fit error {fit.max_rel_error:.3f}; TP>1 derived as a/t, b/t, c "
             "(not measured)")
     return CostTable(per_tp=per_tp, device=device, note=note), fit, m
 

@@ -164,6 +164,8 @@ def assign(lengths: Sequence[int], replicas: Sequence[ReplicaSpec], *, method: s
     out = Assignment(microbatches=tuple(tuple(tuple(int(i) for i in p) for p in rep) for rep in per),
                      predicted_s=times, lower_bound_s=lower_bound_s(s, replicas))
     _check(out, s, replicas)
+    logger.debug("assign(%s): %d documents, %d replicas, max %.4g s, bound %.4g s, gap %.3f", method, s.size,
+                 len(replicas), max(times), out.lower_bound_s, out.gap)
     return out
 
 
