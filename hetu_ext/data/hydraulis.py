@@ -9,12 +9,19 @@ Stage 1 (across replicas), documents longest first: each goes to the replica who
 it is lowest, the estimate being ``W + c M + (pp - 1) max(W / M + c, d + c)`` with ``W`` its work, ``d`` its most
 expensive document and ``M`` the microbatch count that balances ``c M`` against the fill and drain
 (``sqrt((pp - 1) W / c)``, at least ``ceil(tokens / cap)``). Related-machines LPT: every document lands where it
-finishes first. Then, while it helps, a document is moved or two swapped between the slowest replica and one of
+finishes first; replicas of identical shape share a heap, so a document costs O(classes + log R). Then, while it
+helps, a document is moved or two swapped between the slowest replica and one of
 the fastest, the candidate chosen by the estimate and accepted only if stage 2 confirms a lower maximum.
 
 Stage 2 (inside a replica) picks the microbatch count M >= the first-fit-decreasing count and, for each M, packs
 documents longest first into the least loaded microbatch that has room (capacity-aware LPT); it keeps the M of
 lowest ``sum + (pp - 1) max``, stopping once ``W + c M + (pp - 1)(d + c)`` exceeds the best found.
+
+Bound (:func:`lower_bound_s`): the longest document, a fractional work bound, and for identical pipelined
+replicas an anchored bound counting the fill and drain each replica's costliest document forces. Measured: with
+pp = 1 on Wikipedia lengths the results are within 0.5% of it; with pp > 1 the bound is loose (the relaxation
+lets microbatches shrink below a document), e.g. 10-18% at 4K packs and pp = 4 while the MILP of the tests finds
+stage 2 optimal per replica and the whole heuristic within 3.5% of the optimum on small instances.
 """
 
 from __future__ import annotations
