@@ -59,6 +59,8 @@ CASES = {  # name: (ranks, method, extra flags)
     "pp2-balanced": (2, "balanced", ("--pipeline-model-parallel-size", "2")),
     "dp2-greedy": (2, "greedy", ()),
     "hetero-balanced": (3, "balanced", ("--hetu-plan", "HETERO")),  # pipelines of 1 and 2 stages
+    # the straggler monitor times layers and divides by each step's packed work: it must not change the math
+    "dp2-balanced-monitored": (2, "balanced", ("--hetu-straggler-interval", "1")),
 }
 
 

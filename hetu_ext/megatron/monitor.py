@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from hetu_ext.plan import ModelSpec, Plan, dump_plan, format_plan
 from hetu_ext.plan.cluster import Cluster
-from hetu_ext.plan.cost import layer_forward_flops
+from hetu_ext.plan.cost import layer_forward_flops, pack_forward_flops
 from hetu_ext.plan.malleus import plan_malleus
 from hetu_ext.plan.straggler_policy import SlowdownEstimator, StragglerPolicy, should_replan
 from hetu_ext.runtime.straggler import LayerTimer, SlowdownEvent, factor_at
@@ -64,6 +64,15 @@ class StragglerMonitor:
             # fwd + bwd FLOPs of this rank's share of its layers per step (TP splits each layer's work)
             self._flops = (3 * stage.num_layers * pipeline.num_microbatches
                            * layer_forward_flops(self.spec, self.micro_batch) / stage.tp)
+
+    def use_microbatches(self, shapes: list[tuple[int, int]]) -> None:
+        """This step's microbatches as (tokens, sum of squared document lengths) (--hetu-packing: packs differ,
+        so does the work a step's timings are divided by)."""
+        where = self.plan.stage_of(self.rank)
+        if where is not None:
+            stage = self.plan.pipelines[where[0]].stages[where[1]]
+            self._flops = 3 * stage.num_layers / stage.tp * sum(
+                pack_forward_flops(self.spec, tokens=t, sum_sq=q) for t, q in shapes)
 
     def attach(self, layers) -> None:
         self.timer.attach(list(layers))

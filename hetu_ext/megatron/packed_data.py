@@ -104,6 +104,8 @@ class StepData:
     """Training tokens in the whole global batch."""
     predicted_s: tuple[float, ...] = ()
     """Predicted time of each pipeline (the packer's cost model)."""
+    shapes: list[tuple[int, int]] | None = None
+    """This pipeline's microbatches as (tokens, sum of squared document lengths): their work."""
 
 
 class PackedSteps:
@@ -155,7 +157,8 @@ class PackedSteps:
                              f"the plan's {len(per)} pipelines a microbatch; raise --global-batch-size or "
                              "--hetu-global-batch-tokens")
         return StepData(microbatches=[self._collate(mb) for mb in mine], sequences=int(ids.size),
-                        tokens=int(self.table.length[ids].sum()), predicted_s=predicted)
+                        tokens=int(self.table.length[ids].sum()), predicted_s=predicted,
+                        shapes=[(sum(n for *_, n in mb), sum(n * n for *_, n in mb)) for mb in mine])
 
     def _collate(self, segments: list[Segment]) -> dict:
         tokens, labels, positions, lengths = [], [], [], []
@@ -193,13 +196,14 @@ def open_documents(args, tokenizer):
                                  count=args.hetu_mock_documents)
 
 
-def build_packed_steps(args, spec: ModelSpec, plan: Plan, pipeline: int, documents,
-                       device: torch.device) -> PackedSteps:
-    """The packed data of ``plan``'s pipeline ``pipeline`` from the Megatron-LM / hetu flags."""
+def build_packed_steps(args, spec: ModelSpec, plan: Plan, pipeline: int, documents, device: torch.device,
+                       slowdowns: dict[int, float] | None = None) -> PackedSteps:
+    """The packed data of ``plan``'s pipeline ``pipeline`` from the Megatron-LM / hetu flags; ``slowdowns``
+    (rank -> x, from the straggler monitor) make slow pipelines' shares smaller."""
     cost = load_cost_table(args.hetu_cost_model) if args.hetu_cost_model else CostTable()
     table = SequenceTable.from_documents(documents.token_counts, args.seq_length)
     batches = GlobalBatches(table, seed=args.seed, tokens=args.hetu_global_batch_tokens,
                             samples=None if args.hetu_global_batch_tokens else args.global_batch_size)
-    replicas = replica_specs(plan, spec, cost, max_pack_tokens=args.seq_length)
+    replicas = replica_specs(plan, spec, cost, slowdowns=slowdowns, max_pack_tokens=args.seq_length)
     return PackedSteps(documents, table, batches, method=args.hetu_packing, replicas=replicas, pipeline=pipeline,
                        max_len=args.seq_length, device=device)

@@ -168,7 +168,7 @@ class Trainer:
         args, placement = self.args, self.placement
         if self.documents is not None:
             return build_packed_steps(args, self.spec, self.plan, placement.pipeline_index, self.documents,
-                                      self.host.device)
+                                      self.host.device, slowdowns=self.monitor.assumed if self.monitor else None)
         return microbatch_iterator(self.dataset, self.plan, placement.pipeline_index, args.micro_batch_size,
                                    start_iteration=self.iteration, num_iterations=args.train_iters - self.iteration,
                                    device=self.host.device)
@@ -187,6 +187,8 @@ class Trainer:
             tokens, increment = samples * args.seq_length, samples
         if self.monitor:
             self.monitor.before_step(self.iteration + 1)
+            if isinstance(data, PackedSteps):
+                self.monitor.use_microbatches(step.shapes)
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         reports = placement.forward_backward(

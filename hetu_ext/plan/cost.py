@@ -50,8 +50,16 @@ def layer_params(spec: ModelSpec) -> int:
 
 
 def layer_forward_flops(spec: ModelSpec, micro_batch: int) -> float:
-    h, f, s = spec.hidden_size, spec.ffn_hidden_size, spec.seq_length
-    return 2.0 * micro_batch * s * (4 * h * h + 2 * h * f) + 4.0 * micro_batch * s * s * h
+    """Forward FLOPs of one layer for ``micro_batch`` sequences of ``spec.seq_length`` tokens."""
+    s = spec.seq_length
+    return pack_forward_flops(spec, tokens=micro_batch * s, sum_sq=micro_batch * s * s)
+
+
+def pack_forward_flops(spec: ModelSpec, *, tokens: int, sum_sq: int) -> float:
+    """Forward FLOPs of one layer for a microbatch of ``tokens`` tokens whose documents' squared lengths sum to
+    ``sum_sq`` (each document attends to itself only): matmuls grow with tokens, attention with ``sum_sq``."""
+    h, f = spec.hidden_size, spec.ffn_hidden_size
+    return 2.0 * tokens * (4 * h * h + 2 * h * f) + 4.0 * sum_sq * h
 
 
 def stage_cost(spec: ModelSpec, cost: CostModel, *, num_layers: int, tp: int, slowdown: float, micro_batch: int,
