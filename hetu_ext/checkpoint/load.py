@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -69,33 +70,45 @@ def _read_sources(reader: ShardReader, rank: int, wants_by_rank: dict[int, list]
     return sources
 
 
-def load_pieces(storage: Storage, destinations: list[Piece], *, fallback: bool = False, group=None) -> LoadReport:
-    """Fill ``destinations`` (this rank's pieces under its plan; [] on idle ranks) from the latest checkpoint.
+def _agree(error: str | None, world: int, group) -> list[str]:
+    """Every rank's error (None if fine), gathered: all ranks take the same decision."""
+    errors: list = [None] * world
+    dist.all_gather_object(errors, error, group=group)
+    return sorted({e for e in errors if e})
 
-    Collective over ``group``. Raises :class:`CheckpointError` (on every rank) if there is no checkpoint or it
+
+def load_pieces(storage: Storage, destinations: list[Piece] | Callable[[Manifest], list[Piece]], *,
+                fallback: bool = False, group=None) -> LoadReport:
+    """Fill this rank's destination pieces (its layout under its plan; [] on idle ranks) from the latest
+    checkpoint. ``destinations`` may be a function of the manifest (to create optimizer state to fill).
+
+    Collective over ``group``. Raises :class:`CheckpointError` (on every rank) if there is no checkpoint, or it
     is corrupt and no fallback is allowed or left.
     """
     start = time.perf_counter()
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    everyone: list = [None] * world
-    dist.all_gather_object(everyone, [((p.key, p.index), p.box) for p in destinations], group=group)
-    wants = dict(enumerate(everyone))
     order = candidates(storage, fallback=fallback)
     if not order:
         raise CheckpointError(f"{storage.local_path('')}: no committed checkpoint (no "
                               "latest_checkpointed_iteration.txt); check the --load directory")
     skipped: list[str] = []
     for iteration in order:
-        error, sources, reader = None, [], None
+        error, sources, reader, mine = None, [], None, []
         try:
             reader = ShardReader(storage, read_manifest(storage, iteration))
-            _check_wanted(reader.manifest, destinations)
-            sources = _read_sources(reader, rank, wants)
+            mine = destinations(reader.manifest) if callable(destinations) else destinations
+            _check_wanted(reader.manifest, mine)
         except CheckpointError as e:
             error = str(e)
-        errors: list = [None] * world
-        dist.all_gather_object(errors, error, group=group)
-        bad = sorted({e for e in errors if e})
+        everyone: list = [None] * world
+        dist.all_gather_object(everyone, (error, [((p.key, p.index), p.box) for p in mine]), group=group)
+        bad = sorted({e for e, _ in everyone if e})
+        if not bad:
+            try:
+                sources = _read_sources(reader, rank, {r: w for r, (_, w) in enumerate(everyone)})
+            except CheckpointError as e:
+                error = str(e)
+            bad = _agree(error, world, group)
         if bad:
             skipped.append(bad[0])
             if fallback and iteration != order[-1]:
@@ -104,7 +117,7 @@ def load_pieces(storage: Storage, destinations: list[Piece], *, fallback: bool =
                 continue
             hint = "" if fallback else "; --hetu-ckpt-fallback loads the previous complete checkpoint"
             raise CheckpointError("; ".join(bad) + hint)
-        report = reshard(sources, destinations, group=group)
+        report = reshard(sources, mine, group=group)
         return LoadReport(manifest=reader.manifest, iteration=iteration, bytes_read=reader.bytes_read,
                           bytes_sent=report.bytes_sent, seconds=time.perf_counter() - start,
                           skipped=tuple(skipped))

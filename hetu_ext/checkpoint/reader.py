@@ -33,11 +33,18 @@ def latest_iteration(storage: Storage) -> int | None:
 
 
 def candidates(storage: Storage, *, fallback: bool) -> list[int]:
-    """Iterations to try, in order: the latest, then (with ``fallback``) older committed ones, newest first."""
-    latest = latest_iteration(storage)
-    if latest is None:
+    """Iterations to try, in order: the latest, then (with ``fallback``) older committed ones, newest first.
+
+    The latest is the newest committed directory, or the tracker's iteration if that is newer (its directory
+    then turns out missing: an error, or a fallback). The tracker moves right after the directory's rename, so
+    a crash between the two leaves it one checkpoint behind; the renamed directory is complete all the same.
+    """
+    tracked = latest_iteration(storage)
+    complete = complete_iterations(storage)
+    if tracked is None and not complete:
         return []
-    older = [it for it in reversed(complete_iterations(storage)) if it < latest]
+    latest = max(([tracked] if tracked is not None else []) + complete[-1:])
+    older = [it for it in reversed(complete) if it < latest]
     return [latest] + (older if fallback else [])
 
 

@@ -253,14 +253,17 @@ def complete_iterations(storage: Storage) -> list[int]:
 
 
 def retain(storage: Storage, keep: int, latest: int) -> None:
-    """Delete all but the ``keep`` newest complete checkpoints (never ``latest``) and leftover temporaries."""
+    """Delete all but the ``keep`` newest complete checkpoints (never ``latest``) and leftover temporaries of
+    iterations up to ``latest``."""
     complete = complete_iterations(storage)
     keep_set = set(complete[-keep:]) | {latest}
     for it in complete:
         if it not in keep_set:
             storage.remove(checkpoint_name(it))
     for name in storage.list(""):
-        if name.startswith((".tmp_iter_", ".old_iter_")) or (_ITER.match(name) and int(name[5:]) not in complete):
+        # a temporary directory of a later iteration may belong to a save in flight: leave it
+        stale = name.startswith((".tmp_iter_", ".old_iter_")) and int(name[10:17]) <= latest
+        if stale or (_ITER.match(name) and int(name[5:]) not in complete):
             storage.remove(name)
 
 

@@ -1,23 +1,270 @@
-"""``--save`` / ``--load`` through Megatron-core's ``dist_checkpointing`` (torch_dist format), Megatron-LM style.
+"""``--save`` / ``--load``: hetu_ext's layout-agnostic format (default) or Megatron-core's ``dist_checkpointing``.
 
-Layout: ``DIR/iter_0000004/`` holds the model and optimizer shards and a ``common.pt`` with the iteration,
-the LR scheduler and the RNG state; ``DIR/latest_checkpointed_iteration.txt`` names the newest complete one and
-is written last, after every rank has finished, through a temporary file and a rename. Because the shards carry
-global offsets, a checkpoint loads under another TP / PP / DP layout (Megatron's ShardedTensor reshard).
+**hetu** (``--hetu-ckpt-format hetu``, hetu_ext/checkpoint/): every rank's parameters, fp32 master weights (with
+``--bf16``) and Adam moments become pieces with global offsets; each unique element is written once, spread over
+its holders, after a short blocking copy to host memory, while training goes on; the commit is atomic and
+``latest_checkpointed_iteration.txt`` moves only after it. Loading reshards the stored pieces into the running
+plan, whatever it is (another TP / PP / DP, heterogeneous pipelines, another rank count), on either runtime.
+The manifest also keeps Adam's step, the LR schedule, the losses so far, the data position (consumed samples;
+the global batch must stay the same) and each rank's RNG states (restored when the plan is the same; under
+another plan ranks have no counterpart, so each keeps the RNG its seed gives).
+
+**torch_dist** (Megatron-LM's layout, uniform runtime only): ``DIR/iter_0000004/`` with Megatron's shards and
+``hetu_common.pt``; the tracker written last by rank 0 after every rank finished.
+
+``auto`` (the default) saves hetu, except with ``--use-distributed-optimizer`` (ZeRO-1's flat shards are not
+expressed as pieces yet), where it saves torch_dist. ``--load`` recognises either format by its files.
 """
 
 from __future__ import annotations
 
+import base64
 import logging
 import os
+import random
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
+
+from hetu_ext.checkpoint import CheckpointError, LocalStorage
+from hetu_ext.checkpoint.load import load_pieces
+from hetu_ext.checkpoint.manifest import MANIFEST, Manifest
+from hetu_ext.checkpoint.writer import Checkpointer, SaveConfig, checkpoint_name
+from hetu_ext.data.assign import global_batch_size
+from hetu_ext.plan import PlanError, plan_to_dict
+from hetu_ext.runtime.reshard import Piece
+
+from .weights import local_shards
 
 logger = logging.getLogger(__name__)
 
 TRACKER = "latest_checkpointed_iteration.txt"
+MOMENTS = ("exp_avg", "exp_avg_sq", "momentum_buffer")
+"""Optimizer state tensors shaped like their parameter (Adam's two moments, SGD's momentum)."""
+_CHECKPOINTERS: dict[str, Checkpointer] = {}
+"""One asynchronous checkpointer per save directory in this process (its background save outlives a call)."""
+
+
+def save_format(args) -> str:
+    """The format ``--save`` writes: ``hetu`` or ``torch_dist`` (``auto`` resolved)."""
+    fmt = getattr(args, "hetu_ckpt_format", "auto")
+    if fmt == "auto":
+        return "torch_dist" if args.use_distributed_optimizer else "hetu"
+    return fmt
+
+
+def check_plan_runtime(args) -> None:
+    """The plan runtime saves the hetu format only (dist_checkpointing needs parallel_state's uniform grid)."""
+    if args.save and save_format(args) == "torch_dist":
+        raise PlanError("--hetu-ckpt-format torch_dist runs on Megatron's uniform runtime only; this plan runs on "
+                        "the plan runtime, so save with --hetu-ckpt-format hetu (or auto)")
+
+
+# ---------------------------------------------------------------- pieces of the training state
+
+
+def _optimizers(optimizer) -> list:
+    return [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])]
+
+
+def state_pieces(placement, *, moments: set[str] | None = None, step: float | None = None) -> list[Piece]:
+    """This rank's parameters, fp32 master weights and optimizer moments as pieces (empty on idle ranks).
+
+    Names: ``param/KEY`` (model dtype), ``master/KEY`` (fp32 copy kept by the optimizer under --bf16),
+    ``exp_avg/KEY``, ``exp_avg_sq/KEY``. With ``moments`` given (loading), the optimizer state of every parameter
+    is first created with those moments (zeros, to be filled) and Adam's ``step``.
+    """
+    if not placement.active:
+        return []
+    states = {}
+    for opt in _optimizers(placement.optimizer):
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if moments is not None:
+                    state = {m: torch.zeros_like(p.data) for m in moments}
+                    if step is not None:
+                        state["step"] = torch.tensor(float(step), dtype=torch.float32)
+                    opt.state[p] = state
+                states[id(p)] = opt.state.get(p, {})
+    pieces = []
+    for s in local_shards(placement.model, **placement.shard_kwargs):
+        box = tuple((sl.start, sl.stop) for sl in s.slices)
+        pieces.append(Piece(f"param/{s.key}", s.index, box, s.data.data))
+        main = getattr(s.data, "main_param", None)
+        if main is not None:
+            pieces.append(Piece(f"master/{s.key}", s.index, box, main.data))
+        state = states.get(id(main if main is not None else s.data), {})
+        pieces.extend(Piece(f"{m}/{s.key}", s.index, box, state[m]) for m in MOMENTS if m in state)
+    return pieces
+
+
+def optimizer_step(placement) -> float | None:
+    """Adam's step count (the same for every parameter), or None before the first step / without Adam."""
+    steps = {float(st["step"]) for opt in _optimizers(placement.optimizer) for st in opt.state.values()
+             if "step" in st}
+    if len(steps) > 1:
+        raise AssertionError(f"parameters are at different optimizer steps {sorted(steps)}")
+    return steps.pop() if steps else None
+
+
+# ---------------------------------------------------------------- RNG states
+
+
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.contiguous().view(torch.uint8).numpy().tobytes()).decode()
+
+
+def _unb64(s: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8).clone()
+
+
+def rng_state(rank: int) -> dict[str, Any]:
+    """Python, NumPy, torch and Megatron's model-parallel RNG states of this rank, JSON-able."""
+    from megatron.core import tensor_parallel
+
+    version, state, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    tracker = tensor_parallel.get_cuda_rng_tracker().get_states()
+    return {"rank": rank, "python": [version, list(state), gauss],
+            "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+            "torch": _b64(torch.get_rng_state()),
+            "cuda": [_b64(s) for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else [],
+            "tracker": {k: _b64(v) for k, v in tracker.items() if isinstance(v, torch.Tensor)}}
+
+
+def set_rng_state(saved: dict[str, Any]) -> None:
+    from megatron.core import tensor_parallel
+
+    version, state, gauss = saved["python"]
+    random.setstate((version, tuple(state), gauss))
+    name, keys, pos, has_gauss, cached = saved["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(_unb64(saved["torch"]))
+    if saved["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([_unb64(s) for s in saved["cuda"]])
+    if saved["tracker"]:
+        tensor_parallel.get_cuda_rng_tracker().set_states({k: _unb64(v) for k, v in saved["tracker"].items()})
+
+
+# ---------------------------------------------------------------- hetu format
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    return str(value)
+
+
+def _checkpointer(trainer, directory: str) -> Checkpointer:
+    key = os.path.abspath(directory)
+    if key not in _CHECKPOINTERS:
+        Path(key).mkdir(parents=True, exist_ok=True)
+        keep = getattr(trainer.args, "hetu_ckpt_keep", 2)
+        _CHECKPOINTERS[key] = Checkpointer(LocalStorage(key), SaveConfig(keep=keep))
+    return _CHECKPOINTERS[key]
+
+
+def save_hetu(trainer, directory: str, *, blocking: bool | None = None) -> Checkpointer:
+    """Collective over the plan's used ranks: snapshot now, write in the background (blocking at the end of
+    training, so the last checkpoint is committed before the job exits)."""
+    placement = trainer.placement
+    gbs = global_batch_size(trainer.plan, trainer.args.micro_batch_size)
+    if blocking is None:
+        blocking = trainer.iteration >= trainer.args.train_iters
+    info = {"consumed_samples": trainer.iteration * gbs, "plan": plan_to_dict(trainer.plan),
+            "config": _json_safe(vars(trainer.args)),
+            "state": {"scheduler": _json_safe(trainer.scheduler.state_dict()), "losses": list(trainer.losses),
+                      "optimizer_step": optimizer_step(placement), "global_batch_size": gbs}}
+    ckpt = _checkpointer(trainer, directory)
+    ckpt.save(iteration=trainer.iteration, pieces=state_pieces(placement), rng=rng_state(trainer.host.rank),
+              info=info, group=placement.report_group, blocking=blocking)
+    if trainer.host.rank == trainer.log_rank:
+        logger.info("checkpoint of iteration %d: %.1f ms blocking, %.2f MiB on this rank (%s)", trainer.iteration,
+                    ckpt.last["blocking_s"] * 1e3, ckpt.last["bytes"] / 2**20,
+                    "committed" if blocking else "persisting in the background")
+    return ckpt
+
+
+def load_hetu(trainer, directory: str) -> Manifest:
+    """Collective over every rank (idle ones take part with nothing to fill)."""
+    storage = LocalStorage(directory)
+    placement = trainer.placement
+    fallback = bool(getattr(trainer.args, "hetu_ckpt_fallback", False))
+
+    def destinations(manifest: Manifest) -> list[Piece]:
+        kinds = {t.name.split("/", 1)[0] for t in manifest.tensors}
+        step = manifest.state.get("optimizer_step")
+        moments = {m for m in MOMENTS if m in kinds} if step is not None else None
+        return state_pieces(placement, moments=moments, step=step)
+
+    report = load_pieces(storage, destinations, fallback=fallback)
+    manifest = report.manifest
+    gbs = global_batch_size(trainer.plan, trainer.args.micro_batch_size)
+    if manifest.consumed_samples != manifest.iteration * gbs:
+        raise CheckpointError(f"checkpoint iteration {manifest.iteration} consumed {manifest.consumed_samples} "
+                              f"samples ({manifest.state.get('global_batch_size')} per step) but this run's global "
+                              f"batch is {gbs}; resume with --global-batch-size "
+                              f"{manifest.state.get('global_batch_size')} so that no sample is skipped or repeated")
+    trainer.iteration = manifest.iteration
+    trainer.losses = list(manifest.state.get("losses", []))
+    if trainer.scheduler is not None:
+        trainer.scheduler.load_state_dict(manifest.state["scheduler"])
+    if manifest.plan == plan_to_dict(trainer.plan):
+        mine = [r for r in manifest.rng.values() if r.get("rank") == trainer.host.rank]
+        if mine:
+            set_rng_state(mine[0])
+    elif trainer.host.rank == 0:
+        logger.info("the plan differs from the saved one: RNG states stay as the seed sets them")
+    if trainer.host.rank == 0:
+        logger.info("loaded checkpoint of iteration %d from %s (%.2f MiB read by rank 0, %.2f s)%s",
+                    manifest.iteration, directory, report.bytes_read / 2**20, report.seconds,
+                    "".join(f"; skipped: {s}" for s in report.skipped))
+    return manifest
+
+
+# ---------------------------------------------------------------- dispatch
+
+
+def save(trainer, directory: str) -> None:
+    """Save in the format of ``--hetu-ckpt-format`` (collective over the plan's used ranks)."""
+    if save_format(trainer.args) == "hetu":
+        save_hetu(trainer, directory)
+    else:
+        save_torch_dist(trainer, directory)
+
+
+def _is_hetu(directory: str) -> bool:
+    root = Path(directory)
+    tracker = root / TRACKER
+    text = tracker.read_text().strip() if tracker.exists() else ""
+    if text.isdigit() and (root / checkpoint_name(int(text)) / MANIFEST).exists():
+        return True
+    return any(root.glob(f"iter_*/{MANIFEST}"))
+
+
+def load(trainer, directory: str) -> bool:
+    """Load the latest checkpoint under ``directory`` (either format); False if there is none."""
+    if latest_iteration(directory) is None:
+        if trainer.host.rank == 0:
+            logger.warning("--load %s: no checkpoint found, starting from scratch", directory)
+        return False
+    if _is_hetu(directory):
+        load_hetu(trainer, directory)
+        return True
+    if trainer.placement.grad_sync is not None or not trainer.placement.active:
+        raise PlanError(f"--load {directory}: a torch_dist (dist_checkpointing) checkpoint loads on Megatron's "
+                        "uniform runtime only; resume with a uniform plan, or save in the hetu format")
+    return load_torch_dist(trainer, directory)
+
+
+# ---------------------------------------------------------------- torch_dist format (Megatron-core)
 
 
 def _state(trainer, is_loading: bool) -> dict:
@@ -26,7 +273,7 @@ def _state(trainer, is_loading: bool) -> dict:
             "optimizer": trainer.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)}
 
 
-def save(trainer, directory: str) -> Path:
+def save_torch_dist(trainer, directory: str) -> Path:
     from megatron.core import dist_checkpointing
 
     root = Path(directory)
@@ -58,7 +305,7 @@ def latest_iteration(directory: str) -> int | None:
     return int(text)
 
 
-def load(trainer, directory: str) -> bool:
+def load_torch_dist(trainer, directory: str) -> bool:
     """Load the latest checkpoint under ``directory`` into the trainer; False if there is none."""
     from megatron.core import dist_checkpointing
 

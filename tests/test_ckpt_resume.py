@@ -1,0 +1,153 @@
+"""Gold tests of --save/--load in the hetu format on Megatron-core's GPT, through pretrain_gpt.py's code path.
+
+For each (save plan, load plan) pair: a run trains 2 steps under the save plan and saves (every rank writes its
+share, async path with the final blocking commit); a run under the load plan (another rank count, TP / PP /
+DP, uniform or heterogeneous, either runtime) loads it. Right after loading, the gathered parameters, Adam
+moments, Adam's step, iteration, LR schedule, losses and data position must equal the saved ones bit for bit
+(a reshard moves bytes, it computes nothing). Then 2 more steps must match an uninterrupted run: exactly when
+the load plan is the save plan (the same floating-point sums in the same order), and otherwise within
+test_uniform_equivalence's tolerances (1e-6 relative on losses, 2e-6 absolute on weights: layouts differ only in
+the order of floating-point sums). A load that dropped Adam's moments or step, restarted the LR schedule or
+re-read consumed samples moves step-3 losses by > 1e-3 (see test_checkpointing.py) and fails here.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hetu_ext.testing.multiproc import run_ranks
+from test_uniform_equivalence import LOSS_RTOL, WEIGHT_ATOL, _argv
+
+SCHEDULE = ("--lr-decay-style", "linear", "--lr-decay-iters", "4")
+
+PLANS = {
+    # 8 ranks, Megatron's uniform TP2 x PP2 x DP2 grid (Megatron's own runtime)
+    "u8": (8, None, ("--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2")),
+    # 7 ranks: TP 2 -> 2 and TP 1 -> 2 pipelines with different layer splits
+    "h7": (7, "pipelines: [{num_microbatches: 2, stages: [{ranks: [0, 1], layers: [0, 1]}, {ranks: [2, 3], layers: "
+              "[1, 4]}]}, {num_microbatches: 2, stages: [{ranks: [4], layers: [0, 3]}, {ranks: [5, 6], layers: "
+              "[3, 4]}]}]", ()),
+    "h3": (3, "pipelines: [{num_microbatches: 3, stages: [{ranks: [0, 1], layers: [0, 4]}]}, {num_microbatches: 1, "
+              "stages: [{ranks: [2], layers: [0, 4]}]}]", ()),
+    "h6": (6, "pipelines: [{num_microbatches: 3, stages: [{ranks: [0, 1], layers: [0, 2]}, {ranks: [2], layers: [2, "
+              "4]}]}, {num_microbatches: 1, stages: [{ranks: [3], layers: [0, 1]}, {ranks: [4, 5], layers: [1, "
+              "4]}]}]", ()),
+    "u4": (4, None, ("--tensor-model-parallel-size", "2", "--hetu-runtime", "plan")),
+    "tp2": (2, None, ("--tensor-model-parallel-size", "2")),
+    "pp2": (2, None, ("--pipeline-model-parallel-size", "2")),
+    "one": (1, None, ()),
+    "idle": (3, "pipelines: [{num_microbatches: 4, stages: [{ranks: [2], layers: [0, 2]}, {ranks: [0], layers: [2, "
+                "4]}]}]\nunused_ranks: [1]", ()),
+}
+PAIRS = [("u8", "h7"), ("u8", "h3"), ("u8", "one"), ("h6", "u4"), ("h6", "pp2"), ("h6", "h6"), ("tp2", "tp2"),
+         ("tp2", "idle"), ("one", "h3"), ("idle", "tp2")]
+"""(save plan, load plan): 8->7, 8->3, 6->4 (heterogeneous -> uniform), uniform -> heterogeneous and back, the
+same plan (exact), an idle rank on either side."""
+
+
+def _plan_argv(name: str, data: str, tmp_path, extra: tuple[str, ...]) -> tuple[int, list[str]]:
+    world, yaml, flags = PLANS[name]
+    if yaml is not None:
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml)
+        flags = flags + ("--hetu-plan", str(path))
+    return world, _argv(1, 1, data, SCHEDULE + flags + extra)
+
+
+def _gather(pieces) -> dict:
+    """Full tensors by (name, layer index) from every rank's pieces; replicas must agree bit for bit."""
+    mine = [(p.key, p.index, p.box, p.tensor.detach().clone()) for p in pieces]
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    out: dict = {}
+    for key, index, box, data in sorted((p for part in everyone for p in part), key=lambda p: (p[0], p[1])):
+        shape = [b for _, b in box]
+        cur = out.get((key, index))
+        if cur is None or any(s > c for s, c in zip(shape, cur.shape)):
+            grown = torch.full([max(s, c) for s, c in zip(shape, cur.shape)] if cur is not None else shape, float("nan"),
+                               dtype=data.dtype)
+            if cur is not None:
+                grown[tuple(slice(0, c) for c in cur.shape)] = cur
+            out[(key, index)] = cur = grown
+        region = cur[tuple(slice(a, b) for a, b in box)]
+        seen = ~torch.isnan(region)
+        assert torch.equal(region[seen], data[seen]), f"replicas of {key}{index} differ"
+        region.copy_(data)
+    assert not any(bool(torch.isnan(t).any()) for t in out.values())
+    return out
+
+
+def _capture(trainer) -> dict:
+    from hetu_ext.megatron.checkpointing import optimizer_step, rng_state, state_pieces
+
+    placement = trainer.placement
+    steps: list = [None] * dist.get_world_size()
+    dist.all_gather_object(steps, optimizer_step(placement) if placement.active else None)
+    rngs: list = [None] * dist.get_world_size()
+    dist.all_gather_object(rngs, rng_state(trainer.host.rank)["torch"])
+    return {"tensors": _gather(state_pieces(placement)), "steps": {s for s in steps if s is not None},
+            "iteration": trainer.iteration, "losses": list(trainer.losses), "rng": rngs,
+            "scheduler": trainer.scheduler.state_dict() if trainer.scheduler is not None else None}
+
+
+def resume_body(rank: int, world: int, argv: list[str]) -> dict | None:
+    """Build (loading if --load is given), capture the state, train to --train-iters, capture again."""
+    from hetu_ext.megatron.args import build_parser, validate_args
+    from hetu_ext.megatron.trainer import build_trainer
+
+    args = build_parser().parse_args(argv)
+    validate_args(args)
+    trainer = build_trainer(args)
+    loaded = _capture(trainer)
+    trainer.train(log=lambda line: None)
+    final = _capture(trainer)
+    return {"loaded": loaded, "final": final} if rank == trainer.log_rank else None
+
+
+def _run(world: int, argv: list[str]) -> dict:
+    return next(r for r in run_ranks(resume_body, world, argv, timeout=300) if r is not None)
+
+
+@pytest.fixture(scope="module")
+def runs(sample_prefix, tmp_path_factory):
+    """Uninterrupted 4-step runs (single process, and each plan loaded into itself) and one checkpoint per save
+    plan (each saved once, loaded by several tests)."""
+    out = {"reference": _run(1, _argv(1, 1, sample_prefix, SCHEDULE + ("--train-iters", "4")))["final"]}
+    for name in sorted({s for s, load in PAIRS if s == load}):
+        tmp = tmp_path_factory.mktemp(f"full_{name}")
+        out[f"full_{name}"] = _run(*_plan_argv(name, sample_prefix, tmp, ("--train-iters", "4")))["final"]
+    for name in sorted({s for s, _ in PAIRS}):
+        tmp = tmp_path_factory.mktemp(f"save_{name}")
+        world, argv = _plan_argv(name, sample_prefix, tmp, ("--train-iters", "2", "--save", str(tmp / "ckpt")))
+        out[name] = (tmp / "ckpt", _run(world, argv)["final"])
+    return out
+
+
+@pytest.mark.parametrize("save,load", PAIRS, ids=[f"{s}-to-{l}" for s, l in PAIRS])
+def test_round_trip_is_bit_exact_and_training_continues(save, load, runs, tmp_path, sample_prefix):
+    ckpt, saved = runs[save]
+    world, argv = _plan_argv(load, sample_prefix, tmp_path, ("--train-iters", "4", "--load", str(ckpt)))
+    result = _run(world, argv)
+    loaded = result["loaded"]
+    assert loaded["tensors"].keys() == saved["tensors"].keys()
+    assert any(k[0].startswith("exp_avg_sq/") for k in saved["tensors"])
+    for key, want in saved["tensors"].items():
+        assert torch.equal(loaded["tensors"][key], want), key
+    assert loaded["steps"] == saved["steps"] == {2.0}
+    assert loaded["iteration"] == 2 and loaded["losses"] == saved["losses"]
+    assert loaded["scheduler"] == saved["scheduler"]
+    final = result["final"]
+    assert final["iteration"] == 4 and final["losses"][:2] == saved["losses"]
+    if save == load:  # the same layout: the resumed run is the uninterrupted one, bit for bit
+        assert loaded["rng"] == saved["rng"]
+        full = runs[f"full_{save}"]
+        assert final["losses"] == full["losses"] and final["tensors"].keys() == full["tensors"].keys()
+        assert all(torch.equal(v, full["tensors"][k]) for k, v in final["tensors"].items())
+    reference = runs["reference"]
+    loss = max(abs(a - b) / abs(b) for a, b in zip(final["losses"], reference["losses"]))
+    params = {k: v for k, v in final["tensors"].items() if k[0].startswith("param/")}
+    weight = max(float((v - reference["tensors"][k]).abs().max()) for k, v in params.items())
+    print(f"{save}->{load}: loss rel diff {loss:.2e}, weight abs diff {weight:.2e}")
+    assert loss <= LOSS_RTOL and weight <= WEIGHT_ATOL
