@@ -178,8 +178,12 @@ def test_cost_table_yaml_round_trip_and_strict_keys(tmp_path):
 
 
 def test_stored_cpu_calibration_loads():
+    """The measured table the planners read: attention must cost something, TP 2 is derived as a / 2, b / 2."""
     table = load_cost_table("configs/calibration/cpu.yaml")
-    assert table.for_tp(1).a > 0 and table.for_tp(1).b > 0
+    one, two = table.for_tp(1), table.for_tp(2)
+    assert one.a > 0 and one.document_s(4096) > one.document_s(1024) > 0
+    assert (two.a, two.b, two.c) == pytest.approx((one.a / 2, one.b / 2, one.c))
+    assert "max relative fit error" in table.note
 
 
 def test_fit_recovers_known_coefficients():

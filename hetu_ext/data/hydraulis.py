@@ -54,10 +54,9 @@ class _Replicas:
         rep = np.argmax(self.a * share_q + self.b * share_s + self.c, axis=1)
         rows = np.arange(r)
         self.ra, self.rb, self.rc = self.a[rows, rep], self.b[rows, rep], self.c[rows, rep]
-
-    def pack_times(self, r: int, q: np.ndarray, s: np.ndarray) -> np.ndarray:
-        """Seconds of microbatches with moments q, s (shape (M,)) on replica r's slowest stage."""
-        return (np.outer(q, self.a[r]) + np.outer(s, self.b[r]) + self.c[r]).max(axis=1)
+        self.stages = [[(c.a, c.b, c.c) for c in x.stage_costs] for x in replicas]
+        """Per replica, (a, b, c) of each stage as Python floats (stage 2 works on small lists)."""
+        self.lengths: list[int] = s.tolist()
 
 
 def lower_bound_s(s: np.ndarray, replicas: Sequence[ReplicaSpec]) -> float:
@@ -181,7 +180,7 @@ def assign_hetu(s: np.ndarray, replicas: Sequence[ReplicaSpec]) -> list[list[lis
     """[replica][microbatch] -> document indices: stage 1 across replicas, stage 2 within each."""
     rep = _Replicas(replicas, s)
     shares = _stage1(s, rep)
-    packed = [_stage2(s, np.asarray(share, dtype=np.int64), rep, r) for r, share in enumerate(shares)]
+    packed = [_stage2(s, share, rep, r) for r, share in enumerate(shares)]
     _refine(s, rep, shares, packed)
     return [packs for packs, _ in packed]
 
@@ -229,18 +228,19 @@ def _stage1(s: np.ndarray, rep: _Replicas) -> list[list[int]]:
     return shares
 
 
-def _stage2(s: np.ndarray, idx: np.ndarray, rep: _Replicas, r: int) -> tuple[list[list[int]], float]:
-    """Microbatches of replica r's documents ``idx`` and their predicted seconds."""
-    if idx.size == 0:
+def _stage2(s: np.ndarray, idx: Sequence[int], rep: _Replicas, r: int) -> tuple[list[list[int]], float]:
+    """Microbatches of replica r's documents ``idx`` and their predicted seconds (pure Python: shares are small)."""
+    if len(idx) == 0:
         return [], 0.0
     cap, pp, c = int(rep.cap[r]), float(rep.pp[r]), float(rep.rc[r])
-    order = idx[np.lexsort((idx, -s[idx]))]
-    lens = s[order].tolist()
-    weights = (rep.ra[r] * np.square(s[order], dtype=np.float64) + rep.rb[r] * s[order]).tolist()
-    best = _first_fit(order.tolist(), lens, cap)
-    best_t = _time(s, best, rep, r)
+    a, b, sl = float(rep.ra[r]), float(rep.rb[r]), rep.lengths
+    order = sorted(idx, key=lambda i: (-sl[i], i))
+    lens = [sl[i] for i in order]
+    best = _first_fit(order, lens, cap)
+    best_t = _time(best, rep, r)
     if pp == 1:
         return best, best_t
+    weights = [a * n * n + b * n for n in lens]
     total, top = sum(weights), weights[0]
     m_star = math.sqrt((pp - 1) * total / c) if c > 0 else float(len(lens))
     for m in range(len(best) + 1, min(len(lens), len(best) + _MAX_EXTRA_MICROBATCHES) + 1):
@@ -248,9 +248,9 @@ def _stage2(s: np.ndarray, idx: np.ndarray, rep: _Replicas, r: int) -> tuple[lis
             if m > m_star:
                 break
             continue
-        packs = _lpt(order.tolist(), lens, weights, cap, m)
+        packs = _lpt(order, lens, weights, cap, m)
         if packs is not None:
-            t = _time(s, packs, rep, r)
+            t = _time(packs, rep, r)
             if t < best_t:
                 best, best_t = packs, t
     return best, best_t
@@ -288,13 +288,20 @@ def _lpt(ids: list[int], lens: list[int], weights: list[float], cap: int, m: int
     return packs if all(packs) else None
 
 
-def _time(s: np.ndarray, packs: list[list[int]], rep: _Replicas, r: int) -> float:
+def _time(packs: list[list[int]], rep: _Replicas, r: int) -> float:
+    """Predicted 1F1B seconds of replica r running ``packs`` (packing.ReplicaSpec.time_s, on Python lists)."""
     if not packs:
         return 0.0
-    q = np.array([float(np.square(s[p], dtype=np.float64).sum()) for p in packs])
-    t = np.array([float(s[p].sum()) for p in packs])
-    times = rep.pack_times(r, q, t)
-    return float(times.sum() + (rep.pp[r] - 1) * times.max())
+    sl, stages = rep.lengths, rep.stages[r]
+    times = []
+    for pack in packs:
+        q = tok = 0
+        for i in pack:
+            n = sl[i]
+            q += n * n
+            tok += n
+        times.append(max(a * q + b * tok + c for a, b, c in stages))
+    return sum(times) + (len(stages) - 1) * max(times)
 
 
 def _refine(s: np.ndarray, rep: _Replicas, shares: list[list[int]],
@@ -314,8 +321,8 @@ def _refine(s: np.ndarray, rep: _Replicas, shares: list[list[int]],
             if trial is None:
                 continue
             new_r, new_q = trial
-            pr = _stage2(s, np.asarray(new_r, dtype=np.int64), rep, r)
-            pq = _stage2(s, np.asarray(new_q, dtype=np.int64), rep, q)
+            pr = _stage2(s, new_r, rep, r)
+            pq = _stage2(s, new_q, rep, q)
             if max(pr[1], pq[1]) < times[r] * (1 - 1e-9):
                 shares[r], shares[q], packed[r], packed[q] = new_r, new_q, pr, pq
                 improved = True
