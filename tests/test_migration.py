@@ -7,6 +7,7 @@ correction), restarted the LR schedule or re-read a consumed microbatch changes 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from hetu_ext.testing.multiproc import run_ranks
 from hetu_ext.testing.runs import train
@@ -104,3 +105,58 @@ def test_an_idle_rank_that_recovers_is_brought_back(sample_prefix, tmp_path):
     loss = max(abs(a - b) / abs(b) for a, b in zip(result["losses"], reference["losses"]))
     weight = max(float((result["weights"][k] - w).abs().max()) for k, w in reference["weights"].items())
     assert loss <= LOSS_RTOL and weight <= WEIGHT_ATOL
+
+
+def _plans(tmp_path, change: str) -> tuple[int, str, str]:
+    _, world, before, after = next(c for c in CHANGES if c[0] == change)
+    first, second = tmp_path / f"{change}0.yaml", tmp_path / f"{change}1.yaml"
+    first.write_text(before)
+    second.write_text(after)
+    return world, str(first), str(second)
+
+
+@pytest.mark.parametrize("change", ["layer_split", "tp_degree"])
+def test_sgd_momentum_moves(change, sample_prefix, tmp_path):
+    """--optimizer sgd: SGD's momentum buffers move like Adam's moments (dropping them changes step 3's loss
+    by >1e-3); same tolerances as the Adam runs, against the single-process reference."""
+    steps = STEPS + ("--optimizer", "sgd")
+    reference = run_ranks(train, 1, _argv(1, 1, sample_prefix, steps), timeout=120)[0]
+    world, first, second = _plans(tmp_path, change)
+    argv = _argv(1, 1, sample_prefix, steps + ("--hetu-plan", first, "--hetu-migrate", f"step=2:plan={second}"))
+    result = next(r for r in run_ranks(train, world, argv, timeout=240) if r is not None)
+    loss_diff, weight_diff = compare_k(result, reference)
+    assert loss_diff <= LOSS_RTOL and weight_diff <= WEIGHT_ATOL, (loss_diff, weight_diff)
+
+
+@pytest.mark.parametrize("change", ["layer_split", "tp_degree"])
+def test_bf16_migration_moves_the_fp32_masters_exactly(change, sample_prefix, tmp_path):
+    """--bf16: migrating after the last step leaves the gathered fp32 master weights (and the bf16 weights cast
+    from them) bit-identical to the run that did not migrate. A bf16 run on another layout is not comparable to
+    the single-process run at fp32 precision (bf16 gradient sums differ in order, e.g. of the tied embedding), so
+    the reference is the run that never changed plan."""
+    steps = ("--train-iters", "2", "--bf16")
+    world, first, second = _plans(tmp_path, change)
+    plain = next(r for r in run_ranks(train, world, _argv(1, 1, sample_prefix, steps + ("--hetu-plan", first)),
+                                      timeout=240) if r is not None)
+    moved = next(r for r in run_ranks(train, world, _argv(1, 1, sample_prefix, steps + (
+        "--hetu-plan", first, "--hetu-migrate", f"step=2:plan={second}")), timeout=240) if r is not None)
+    assert any(line.startswith("migrated to a new plan after step 2") for line in moved["log_lines"])
+    for kind in ("masters", "weights"):
+        assert plain[kind].keys() == moved[kind].keys()
+        for key, value in plain[kind].items():
+            assert torch.equal(moved[kind][key], value), (kind, key)
+
+
+def test_bf16_migration_continues_the_same_run(sample_prefix, tmp_path):
+    """--bf16, moving layers between stages after step 2: every sum keeps its order, so steps 3-4 (which need
+    Adam's moments and step count, moved with the masters) match the run that never changed plan to fp32
+    rounding; dropping the moments moves step 3's loss by >1e-3."""
+    steps = STEPS + ("--bf16",)
+    world, first, second = _plans(tmp_path, "layer_split")
+    plain = next(r for r in run_ranks(train, world, _argv(1, 1, sample_prefix, steps + ("--hetu-plan", first)),
+                                      timeout=240) if r is not None)
+    moved = next(r for r in run_ranks(train, world, _argv(1, 1, sample_prefix, steps + (
+        "--hetu-plan", first, "--hetu-migrate", f"step=2:plan={second}")), timeout=240) if r is not None)
+    loss_diff, master_diff = compare_k(dict(moved, weights=moved["masters"]), dict(plain, weights=plain["masters"]))
+    print(f"bf16 layer split: loss rel diff {loss_diff:.2e}, master abs diff {master_diff:.2e}")
+    assert loss_diff <= LOSS_RTOL and master_diff <= WEIGHT_ATOL

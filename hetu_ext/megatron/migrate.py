@@ -1,10 +1,11 @@
 """Online migration of a running job to a new plan: no restart, no disk.
 
 Every rank (idle ones too) builds its place in the new plan (groups, stage model, DDP, optimizer), then the
-reshard engine moves the parameters and Adam's moments from the old layout to the new one by point-to-point
-transfers, local copies first. Adam's step count, the LR schedule and the data position carry over, so the run
-continues exactly as it would have on the old plan (tests/test_migration.py). fp32 training: with --bf16 the
-fp32 master weights would move the same way, but that path is not wired yet.
+reshard engine moves the parameters and the optimizer's state from the old layout to the new one by
+point-to-point transfers, local copies first: with ``--bf16`` the fp32 master weights (the bf16 model weights are
+then cast from them, as after an optimizer step), Adam's moments or SGD's momentum. Adam's step count, the LR
+schedule and the data position carry over, so the run continues exactly as it would have on the old plan
+(tests/test_migration.py).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from hetu_ext.runtime.reshard import Piece, reshard
 from .placement import Placement
 from .weights import local_shards
 
-_MOMENTS = ("exp_avg", "exp_avg_sq")
+_MOMENTS = {"adam": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
 
 
 @dataclass(frozen=True)
@@ -29,29 +30,48 @@ class MigrationReport:
     seconds: float
 
 
-def _inner(optimizer):
-    return [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])]
+def _megatron_optimizers(optimizer) -> list:
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def master_weights(optimizer) -> dict[int, torch.Tensor]:
+    """Model parameter id -> its fp32 master copy in the optimizer (--bf16); fp32 parameters are their own."""
+    out = {}
+    for opt in _megatron_optimizers(optimizer):
+        for models, mains in zip(getattr(opt, "float16_groups", []), getattr(opt, "fp32_from_float16_groups", [])):
+            out.update((id(model), main) for model, main in zip(models, mains))
+    return out
+
+
+def _new_state(opt: torch.optim.Optimizer, param: torch.Tensor, step: int) -> dict:
+    """The state an optimizer has for ``param`` after ``step`` steps, zero-filled (the reshard fills it)."""
+    if isinstance(opt, torch.optim.SGD):
+        momentum = opt.param_groups[0].get("momentum", 0)
+        return {"momentum_buffer": torch.zeros_like(param.data)} if momentum else {}
+    return {"step": torch.tensor(float(step)), **{m: torch.zeros_like(param.data) for m in _MOMENTS["adam"]}}
 
 
 def _pieces(placement: Placement, *, create_state_at_step: int | None = None) -> list[Piece]:
-    """This rank's parameters and Adam moments as reshard pieces (empty on idle ranks)."""
+    """This rank's parameters (fp32 masters under --bf16) and optimizer state as reshard pieces (empty on idle
+    ranks)."""
     if not placement.active:
         return []
     states = {}
-    for opt in _inner(placement.optimizer):
+    for opt in (o.optimizer for o in _megatron_optimizers(placement.optimizer)):
         for group in opt.param_groups:
             for p in group["params"]:
                 if create_state_at_step is not None:
-                    opt.state[p] = {"step": torch.tensor(float(create_state_at_step)),
-                                    **{m: torch.zeros_like(p.data) for m in _MOMENTS}}
+                    opt.state[p] = _new_state(opt, p, create_state_at_step)
                 states[id(p)] = opt.state.get(p, {})
+    masters = master_weights(placement.optimizer)
     pieces = []
     for s in local_shards(placement.model, **placement.shard_kwargs):
         box = tuple((sl.start, sl.stop) for sl in s.slices)
-        pieces.append(Piece(f"param:{s.key}", s.index, box, s.data.data))
-        state = states.get(id(s.data), {})
-        for m in _MOMENTS:
-            if m in state:
+        master = masters.get(id(s.data), s.data)
+        pieces.append(Piece(f"param:{s.key}", s.index, box, master.data))
+        state = states.get(id(master), {})
+        for m in (*_MOMENTS["adam"], *_MOMENTS["sgd"]):
+            if state.get(m) is not None:
                 pieces.append(Piece(f"{m}:{s.key}", s.index, box, state[m]))
     return pieces
 
@@ -63,6 +83,10 @@ def migrate(old: Placement, build_new, iteration: int) -> tuple[Placement, Migra
     new = build_new()
     destinations = _pieces(new, create_state_at_step=iteration if iteration > 0 else None)
     report = reshard(sources, destinations)
+    if new.active:  # --bf16: the model's weights are the masters cast down, as after an optimizer step
+        for opt in _megatron_optimizers(new.optimizer):
+            if getattr(opt, "float16_groups", None):
+                opt._copy_main_params_to_model_params()
     return new, MigrationReport(bytes_sent=report.bytes_sent, bytes_kept=report.bytes_copied_locally,
                                 seconds=time.perf_counter() - start)
 

@@ -15,6 +15,7 @@ where tensors get their global identity (weights.local_shards(layer_offset=...))
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import torch
@@ -26,8 +27,9 @@ from hetu_ext.plan.plan import neighbours
 from hetu_ext.runtime.grad_sync import GradSync, LocalTensor
 from hetu_ext.runtime.groups import PlanGroups, add_lane_groups, build_groups
 
-from .placement import Placement
 from .model import TrainingNumerics, build_gpt_stage, optimizer_config, transformer_config, with_precision
+from .p2p import StagePosition
+from .placement import Placement
 from .weights import init_weights, local_shards
 
 
@@ -123,6 +125,12 @@ def build_plan_placement(args, spec: ModelSpec, plan: Plan, host, numerics: Trai
         shard_kwargs = {"layer_offset": stage.layer_start, "metadata": {"dp_cp_group": groups.single}}
         init_weights(model, seed=args.seed, std=args.init_method_std, num_layers=spec.num_layers, **shard_kwargs)
         model = with_precision(model, config, numerics)
+        if model is not None and numerics.bf16:
+            # Float16Module casts inputs on the first stage and outputs back to fp32 on the last, asking its
+            # pg_collection's pp group; the stage model's is a single rank, so tell it the plan's position
+            position = StagePosition(where[1], plan.pipelines[where[0]].pp)
+            model.pg_collection = copy.copy(model.pg_collection)
+            model.pg_collection.pp = position
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False)
         model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model, pg_collection=pgc)
         local = {}

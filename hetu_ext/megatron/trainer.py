@@ -274,9 +274,6 @@ def select_runtime(args: argparse.Namespace, plan: Plan) -> str:
         raise PlanError("changing plans online (--hetu-migrate, --hetu-straggler-replan online) needs the plan "
                         "runtime (Megatron's parallel_state cannot change layout in a running job); drop "
                         "--hetu-runtime megatron")
-    if online and (args.bf16 or args.optimizer != "adam"):
-        raise PlanError("changing plans online moves fp32 weights and Adam's moments; run with --optimizer adam and "
-                        "without --bf16")
     if args.hetu_runtime == "plan" or uniform_shape(plan) is None or online:
         checkpointing.check_plan_runtime(args)
         if args.use_distributed_optimizer:

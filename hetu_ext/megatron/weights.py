@@ -118,13 +118,16 @@ def init_weights(model: torch.nn.Module, *, seed: int, std: float, num_layers: i
     return count
 
 
-def gather_weights(model: torch.nn.Module | None, group=None, **shard_kwargs) -> dict[str, torch.Tensor]:
+def gather_weights(model: torch.nn.Module | None, group=None, values: dict | None = None,
+                   **shard_kwargs) -> dict[str, torch.Tensor]:
     """Full fp32 tensors by key (layer tensors stacked along their prepended axis), on every rank of ``group``.
 
     Every copy of every piece is gathered (ranks holding nothing, e.g. unused ones, pass ``model=None``), and
     copies of one element must agree bit for bit: replicas that drifted apart are an error, not an average.
+    ``values`` (parameter id -> tensor of its shape) gathers those instead, e.g. the optimizer's fp32 masters.
     """
-    mine = [(s.key, s.index, s.slices, s.shape, s.data.detach().float().cpu().clone())
+    values = values or {}
+    mine = [(s.key, s.index, s.slices, s.shape, values.get(id(s.data), s.data).detach().float().cpu().clone())
             for s in local_shards(model, **shard_kwargs)] if model is not None else []
     everyone: list = [None] * (dist.get_world_size(group) if dist.is_initialized() else 1)
     if dist.is_initialized():

@@ -10,6 +10,7 @@ def train(rank: int, world_size: int, argv: list[str], gather: bool = True) -> d
     """Parse ``argv`` as pretrain_gpt.py does, train; the plan's lowest used rank returns losses, log lines and
     the full gathered weights, every other rank None."""
     from hetu_ext.megatron.args import build_parser, validate_args
+    from hetu_ext.megatron.migrate import master_weights
     from hetu_ext.megatron.trainer import build_trainer
     from hetu_ext.megatron.weights import gather_weights
 
@@ -20,7 +21,12 @@ def train(rank: int, world_size: int, argv: list[str], gather: bool = True) -> d
     start = time.perf_counter()
     losses = trainer.train(log=lines.append)
     elapsed = time.perf_counter() - start
-    weights = gather_weights(trainer.model, **trainer.placement.shard_kwargs) if gather else None
+    weights = masters = None
+    if gather:
+        weights = gather_weights(trainer.model, **trainer.placement.shard_kwargs)
+        if args.bf16:  # the optimizer's fp32 master weights, gathered the same way
+            masters = gather_weights(trainer.model, values=master_weights(trainer.optimizer) if trainer.model
+                                     else None, **trainer.placement.shard_kwargs)
     if rank != trainer.log_rank:  # the plan's lowest used rank reports
         return None
-    return {"losses": losses, "weights": weights, "elapsed_s": elapsed, "log_lines": lines}
+    return {"losses": losses, "weights": weights, "masters": masters, "elapsed_s": elapsed, "log_lines": lines}
