@@ -27,9 +27,9 @@ from . import checkpointing, host
 from .data import DataSpec, build_train_dataset, make_tokenizer, microbatch_iterator
 from .memory import memory_table
 from .migrate import migrate, parse_migrations
-from .packed_data import PackedSteps, build_packed_steps, open_documents
-from .monitor import StragglerMonitor
 from .model import TrainingNumerics
+from .monitor import StragglerMonitor
+from .packed_data import PackedSteps, build_packed_steps, open_documents
 from .placement import Placement
 from .plan_runtime import build_plan_placement, check_runnable
 from .uniform_runtime import build_megatron_placement
@@ -362,7 +362,7 @@ def build_trainer(args: argparse.Namespace) -> Trainer:
     data_spec = DataSpec(mock=args.mock_data, data_path=tuple(args.data_path or ()), split=args.split,
                          seq_length=args.seq_length, seed=args.seed, cache_path=args.data_cache_path)
     dataset = None
-    if documents is None:  # every rank, idle ones included: Megatron's builder builds index caches on rank 0, then barriers
+    if documents is None:  # every rank, idle ones too: Megatron's builder makes index caches on rank 0, barriers
         dataset = build_train_dataset(data_spec, tokenizer, args.train_iters * gbs)
     where = plan.stage_of(h.rank)
     table = memory_table(placement.model, args.optimizer, args.bf16,
