@@ -22,7 +22,7 @@ Methods (all keep every document index exactly once and every microbatch within 
   ``sum + (pp - 1) max`` (first-fit-decreasing for pp = 1; capacity-aware longest-processing-time per count for
   pp > 1). Cost: O(N R) numpy for stage 1, O(n M) per replica for stage 2.
 
-:func:`lower_bound_s` certifies each result: no assignment of the same documents can make the slowest replica
+:func:`~hetu_ext.data.packing_bound.lower_bound_s` certifies each result: no assignment of the same documents can make the slowest replica
 faster than it (a fractional relaxation, see its docstring).
 """
 
@@ -38,7 +38,8 @@ from hetu_ext.plan.model_spec import ModelSpec
 from hetu_ext.plan.plan import Plan
 
 from .cost import CostTable, LengthCost
-from .hydraulis import assign_hetu, lower_bound_s
+from .hydraulis import assign_hetu
+from .packing_bound import lower_bound_s
 
 logger = logging.getLogger(__name__)
 
