@@ -30,6 +30,8 @@ def test_corrupt_latest_is_reported_and_fallback_resumes_exactly(sample_prefix, 
     load = common + ("--load", str(ckpt))
     with pytest.raises(RankError, match=r"shard_00001\.safetensors: entry .* checksum mismatch"):
         _run(2, _argv(2, 1, sample_prefix, load))
+    with pytest.raises(RankError, match=r"other data settings \(saved, now\): \{'global_batch_size': \(8, 4\)\}"):
+        _run(2, _argv(2, 1, sample_prefix, load + ("--hetu-ckpt-fallback", "--global-batch-size", "4")))
     resumed = _run(2, _argv(2, 1, sample_prefix, load + ("--hetu-ckpt-fallback",)))
     assert resumed["loaded"]["iteration"] == 2 and resumed["loaded"]["losses"] == full["losses"][:2]
     final = resumed["final"]

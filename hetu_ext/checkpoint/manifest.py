@@ -76,8 +76,9 @@ class Manifest:
 
     iteration: int
     """Training iterations completed."""
-    consumed_samples: int
-    """Samples of the training set consumed (iteration x global batch size): the data-loader position."""
+    consumed_samples: int | None
+    """Samples of the training set consumed (Megatron-LM's count); None where the run does not know it (packed
+    variable-length sequences: the data position is then the iteration and the data settings in ``state``)."""
     tensors: tuple[TensorRecord, ...]
     files: tuple[FileRecord, ...]
     world_size: int
@@ -92,7 +93,7 @@ class Manifest:
     """Per writing rank (its rank as a string): RNG states."""
 
     def __post_init__(self) -> None:
-        if self.iteration < 0 or self.consumed_samples < 0:
+        if self.iteration < 0 or (self.consumed_samples is not None and self.consumed_samples < 0):
             raise CheckpointError(f"manifest: iteration {self.iteration} and consumed_samples "
                                   f"{self.consumed_samples} must be >= 0")
         names = {f.name for f in self.files}
@@ -111,6 +112,10 @@ class Manifest:
 
 def _box(value: Any) -> Box:
     return tuple((int(a), int(b)) for a, b in value)
+
+
+def _optional_int(value: Any) -> int | None:
+    return None if value is None else int(value)
 
 
 def to_bytes(m: Manifest) -> bytes:
@@ -148,7 +153,7 @@ def from_bytes(data: bytes, where: str) -> Manifest:
             dtype=t["dtype"], shards=tuple(ShardRecord(file=s["file"], entry=s["entry"], box=_box(s["box"]),
                                                        crc32=int(s["crc32"])) for s in t["shards"]))
             for t in body["tensors"])
-        return Manifest(iteration=int(body["iteration"]), consumed_samples=int(body["consumed_samples"]),
+        return Manifest(iteration=int(body["iteration"]), consumed_samples=_optional_int(body["consumed_samples"]),
                         world_size=int(body["world_size"]), plan=body["plan"], config=body["config"],
                         state=body["state"], rng=body["rng"], files=files, tensors=tensors)
     except CheckpointError as e:

@@ -162,7 +162,9 @@ class Checkpointer:
             self._persist(snap)
             self.wait()
             return
-        self._thread = threading.Thread(target=self._persist, args=(snap,), name="hetu-ckpt-persist", daemon=False)
+        # a daemon: a crashed job must exit at once (the commit protocol leaves nothing half-written); the last
+        # save of a run is blocking, so a normal exit never cuts a write short
+        self._thread = threading.Thread(target=self._persist, args=(snap,), name="hetu-ckpt-persist", daemon=True)
         self._thread.start()
 
     def wait(self) -> None:

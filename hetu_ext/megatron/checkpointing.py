@@ -5,9 +5,11 @@
 its holders, after a short blocking copy to host memory, while training goes on; the commit is atomic and
 ``latest_checkpointed_iteration.txt`` moves only after it. Loading reshards the stored pieces into the running
 plan, whatever it is (another TP / PP / DP, heterogeneous pipelines, another rank count), on either runtime.
-The manifest also keeps Adam's step, the LR schedule, the losses so far, the data position (consumed samples;
-the global batch must stay the same) and each rank's RNG states (restored when the plan is the same; under
-another plan ranks have no counterpart, so each keeps the RNG its seed gives).
+The manifest also keeps Adam's step, the LR schedule, the losses so far, the data position (the iteration, from
+which both the unpacked and the packed data derive each step's samples, plus consumed samples and the settings
+that fix the samples: global batch, seed, sequence length, split, packing; a resume that changes them is refused)
+and each rank's RNG states (restored when the plan is the same; under another plan ranks have no counterpart, so
+each keeps the RNG its seed gives).
 
 **torch_dist** (Megatron-LM's layout, uniform runtime only): ``DIR/iter_0000004/`` with Megatron's shards and
 ``hetu_common.pt``; the tracker written last by rank 0 after every rank finished.
@@ -162,6 +164,16 @@ def _json_safe(value: Any) -> Any:
     return str(value)
 
 
+def data_settings(trainer) -> dict[str, Any]:
+    """What fixes the samples of step g (the data position is the iteration): changing any of them on resume
+    would skip or repeat samples."""
+    args = trainer.args
+    return {"global_batch_size": global_batch_size(trainer.plan, args.micro_batch_size), "seed": args.seed,
+            "seq_length": args.seq_length, "split": args.split,
+            "mock_data": bool(args.mock_data), "packing": getattr(args, "hetu_packing", None),
+            "global_batch_tokens": getattr(args, "hetu_global_batch_tokens", None)}
+
+
 def _checkpointer(trainer, directory: str) -> Checkpointer:
     key = os.path.abspath(directory)
     if key not in _CHECKPOINTERS:
@@ -175,13 +187,14 @@ def save_hetu(trainer, directory: str, *, blocking: bool | None = None) -> Check
     """Collective over the plan's used ranks: snapshot now, write in the background (blocking at the end of
     training, so the last checkpoint is committed before the job exits)."""
     placement = trainer.placement
-    gbs = global_batch_size(trainer.plan, trainer.args.micro_batch_size)
     if blocking is None:
         blocking = trainer.iteration >= trainer.args.train_iters
-    info = {"consumed_samples": trainer.iteration * gbs, "plan": plan_to_dict(trainer.plan),
-            "config": _json_safe(vars(trainer.args)),
+    data = data_settings(trainer)
+    packed = data["packing"] not in (None, "off")
+    info = {"consumed_samples": None if packed else trainer.iteration * data["global_batch_size"],
+            "plan": plan_to_dict(trainer.plan), "config": _json_safe(vars(trainer.args)),
             "state": {"scheduler": _json_safe(trainer.scheduler.state_dict()), "losses": list(trainer.losses),
-                      "optimizer_step": optimizer_step(placement), "global_batch_size": gbs}}
+                      "optimizer_step": optimizer_step(placement), "data": data}}
     ckpt = _checkpointer(trainer, directory)
     ckpt.save(iteration=trainer.iteration, pieces=state_pieces(placement), rng=rng_state(trainer.host.rank),
               info=info, group=placement.report_group, blocking=blocking)
@@ -206,12 +219,12 @@ def load_hetu(trainer, directory: str) -> Manifest:
 
     report = load_pieces(storage, destinations, fallback=fallback)
     manifest = report.manifest
-    gbs = global_batch_size(trainer.plan, trainer.args.micro_batch_size)
-    if manifest.consumed_samples != manifest.iteration * gbs:
-        raise CheckpointError(f"checkpoint iteration {manifest.iteration} consumed {manifest.consumed_samples} "
-                              f"samples ({manifest.state.get('global_batch_size')} per step) but this run's global "
-                              f"batch is {gbs}; resume with --global-batch-size "
-                              f"{manifest.state.get('global_batch_size')} so that no sample is skipped or repeated")
+    saved, now = manifest.state.get("data", {}), data_settings(trainer)
+    changed = {k: (saved.get(k), v) for k, v in now.items() if saved.get(k) != v}
+    if changed:
+        raise CheckpointError(f"checkpoint iteration {manifest.iteration} was trained with other data settings "
+                              f"(saved, now): {changed}; resume with the saved values so that step "
+                              f"{manifest.iteration + 1} reads the samples that follow, none skipped or repeated")
     trainer.iteration = manifest.iteration
     trainer.losses = list(manifest.state.get("losses", []))
     if trainer.scheduler is not None:

@@ -1,0 +1,124 @@
+"""Recovery from partial GPU loss (Elastor): 6 ranks train with periodic asynchronous saves; rank 4 is killed
+(SIGKILL, as a lost GPU's process would be) at the start of step 6; the survivors' collectives fail and the job
+stops. It comes back on the 5 GPUs left (two nodes of 3, one of which lost a GPU) with a Malleus plan made for
+them, loads the newest complete checkpoint (iteration 4, or 2 if the kill beat the asynchronous commit of 4) and
+trains to the end. Every step's sample ids, over the whole run, must be exactly those of an uninterrupted
+single-process run (none skipped, none repeated), and the resumed losses must match it within
+test_uniform_equivalence's tolerance (the layouts differ only in the order of floating-point sums).
+
+The relaunch is done here by the test harness (a fresh 5-rank process group), standing in for the launcher."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from hetu_ext.checkpoint.reader import candidates
+from hetu_ext.checkpoint.storage import LocalStorage
+from hetu_ext.testing.multiproc import RankError, run_ranks
+from test_ckpt_resume import PLANS, SCHEDULE
+from test_uniform_equivalence import LOSS_RTOL, _argv
+
+STEPS = 8
+KILLED_RANK, KILLED_AT_STEP = 4, 6
+
+
+class _Recorder:
+    """Wraps the training dataset: appends (step, sample id) of every sample read to a file."""
+
+    def __init__(self, dataset, trainer, path: Path) -> None:
+        self.dataset, self.trainer, self.path = dataset, trainer, path
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int):
+        with open(self.path, "a") as f:
+            f.write(f"{self.trainer.iteration + 1} {int(index)}\n")
+        return self.dataset[index]
+
+
+def recovery_body(rank: int, world: int, argv: list[str], out: str, kill: bool) -> list[float] | None:
+    from hetu_ext.megatron.args import build_parser, validate_args
+    from hetu_ext.megatron.trainer import build_trainer
+
+    args = build_parser().parse_args(argv)
+    validate_args(args)
+    trainer = build_trainer(args)
+    where = trainer.plan.stage_of(rank)
+    if where is not None and where[1] == 0 and trainer.placement.tp_rank == 0:  # one reader per pipeline
+        trainer.dataset = _Recorder(trainer.dataset, trainer, Path(out) / f"ids_{world}_{rank}.txt")
+    if kill and rank == KILLED_RANK:
+        step = trainer._step
+
+        def dying_step(*a, **kw):
+            if trainer.iteration + 1 == KILLED_AT_STEP:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return step(*a, **kw)
+
+        trainer._step = dying_step
+    losses = trainer.train(log=lambda line: None)
+    return losses if rank == trainer.log_rank else None
+
+
+def _ids(out: Path, world: int) -> dict[int, list[int]]:
+    by_step: dict[int, list[int]] = {}
+    for path in out.glob(f"ids_{world}_*.txt"):
+        for line in path.read_text().split("\n"):
+            if line:
+                step, sample = map(int, line.split())
+                by_step.setdefault(step, []).append(sample)
+    return {s: sorted(v) for s, v in by_step.items()}
+
+
+def _malleus_plan(argv: list[str], world: int) -> str:
+    from hetu_ext.megatron.args import build_parser
+    from hetu_ext.megatron.data import make_tokenizer
+    from hetu_ext.megatron.trainer import model_spec_from_args
+    from hetu_ext.plan import dump_plan
+    from hetu_ext.plan.cluster import Cluster
+    from hetu_ext.plan.malleus import plan_malleus
+
+    args = build_parser().parse_args(argv)
+    spec = model_spec_from_args(args, make_tokenizer(args.tokenizer_type, args.vocab_size).vocab_size)
+    cluster = Cluster(world_size=world, gpus_per_node=3, gpu_memory_bytes=80 * 2**30)
+    planned = plan_malleus(cluster, spec, micro_batch=args.micro_batch_size,
+                           num_microbatches=args.global_batch_size // args.micro_batch_size)
+    return dump_plan(planned.plan)
+
+
+def test_rank_lost_mid_run_resumes_on_the_survivors_with_the_same_samples(sample_prefix, tmp_path):
+    common = SCHEDULE + ("--train-iters", str(STEPS), "--distributed-timeout-minutes", "0.5")
+    reference_dir = tmp_path / "reference"
+    reference_dir.mkdir()
+    reference = run_ranks(recovery_body, 1, _argv(1, 1, sample_prefix, common), str(reference_dir), False)[0]
+    want = _ids(reference_dir, 1)
+    assert sorted(want) == list(range(1, STEPS + 1)) and all(len(v) == 8 for v in want.values())
+
+    ckpt = tmp_path / "ckpt"
+    plan6 = tmp_path / "plan6.yaml"
+    plan6.write_text(PLANS["h6"][1])
+    first = _argv(1, 1, sample_prefix, common + ("--hetu-plan", str(plan6), "--save", str(ckpt),
+                                                 "--save-interval", "2"))
+    with pytest.raises(RankError):
+        run_ranks(recovery_body, 6, first, str(tmp_path), True, timeout=120)
+    resumed_at = candidates(LocalStorage(ckpt), fallback=False)[0]
+    assert resumed_at in (2, 4), resumed_at
+
+    plan5 = tmp_path / "plan5.yaml"
+    plan5.write_text(_malleus_plan(first, 5))
+    second = _argv(1, 1, sample_prefix, common + ("--hetu-plan", str(plan5), "--load", str(ckpt), "--save",
+                                                  str(ckpt), "--save-interval", "2"))
+    losses = next(r for r in run_ranks(recovery_body, 5, second, str(tmp_path), False, timeout=180) if r is not None)
+
+    before, after = _ids(tmp_path, 6), _ids(tmp_path, 5)
+    trained = {s: v for s, v in before.items() if s <= resumed_at} | after
+    print(f"resumed at iteration {resumed_at} on 5 ranks under\n{plan5.read_text()}")
+    assert sorted(after) == list(range(resumed_at + 1, STEPS + 1))
+    assert trained == want, json.dumps({"resumed_at": resumed_at, "trained": trained, "want": want})
+    assert len(losses) == STEPS
+    assert max(abs(a - b) / abs(b) for a, b in zip(losses, reference)) <= LOSS_RTOL
