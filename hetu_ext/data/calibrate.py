@@ -4,10 +4,10 @@
         --num-attention-heads 8 --seq-lengths 128,256,512,1024,2048,4096 --repeats 5 --tp 1,2]
 
 Measured: forward + backward of one GPTModel stage holding one transformer layer (no embedding, no output
-layer; Megatron-core's local layer spec, built by :func:`hetu_ext.megatron.model.build_gpt_stage`) on one causal
-input of ``s`` tokens, the fastest of ``--repeats`` runs after a warm-up (lengths interleaved; on a shared machine
-the fastest run is the least disturbed one), for each ``s``. An ordinary causal
-``[s, 1, h]`` input costs what a pack holding one document of ``s`` tokens costs. The fit is linear least squares
+layer; Megatron-core's local layer spec, built by :func:`hetu_ext.megatron.model.build_gpt_stage`) on a THD pack
+holding one document of ``s`` tokens (the attention kernel packed training runs), the fastest of ``--repeats``
+runs after a warm-up (lengths interleaved; on a shared machine the fastest run is the least disturbed one), for
+each ``s``. The fit is linear least squares
 on ``(s^2, s, 1)`` weighted by ``1 / t`` (relative error); the table printed shows measured and fitted times.
 
 TP 1 is measured. TP t > 1 is *derived*, not measured: ``a / t`` and ``b / t`` (the work splits evenly over the
@@ -116,9 +116,15 @@ def measure(hidden: int, heads: int, ffn: int | None, seq_lengths: Sequence[int]
     model, device = _build_layer(hidden, heads, ffn)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     saved: list[int] = []
+    from megatron.core.packed_seq_params import PackedSeqParams
+
     def step(x: torch.Tensor) -> torch.Tensor:
+        # a THD pack of one document: the attention kernel packed training runs (hetu_ext/megatron/attention.py)
+        cu = torch.tensor([0, x.shape[0]], dtype=torch.int32, device=device)
+        pack = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=x.shape[0],
+                               max_seqlen_kv=x.shape[0])
         model.set_input_tensor(x)
-        return model(input_ids=None, position_ids=None, attention_mask=None)
+        return model(input_ids=None, position_ids=None, attention_mask=None, packed_seq_params=pack)
 
     inputs = [torch.randn(s, 1, hidden, device=device, requires_grad=True) for s in seq_lengths]  # (S, B, H)
     runs: list[list[float]] = [[] for _ in seq_lengths]
