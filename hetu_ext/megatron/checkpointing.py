@@ -271,10 +271,39 @@ def load(trainer, directory: str) -> bool:
     if _is_hetu(directory):
         load_hetu(trainer, directory)
         return True
-    if trainer.placement.grad_sync is not None or not trainer.placement.active:
-        raise PlanError(f"--load {directory}: a torch_dist (dist_checkpointing) checkpoint loads on Megatron's "
-                        "uniform runtime only; resume with a uniform plan, or save in the hetu format")
+    if trainer.placement.grad_sync is not None or not trainer.placement.active:  # the plan runtime
+        load_torch_dist_resharded(trainer, directory)
+        return True
     return load_torch_dist(trainer, directory)
+
+
+def load_torch_dist_resharded(trainer, directory: str) -> None:
+    """A dist_checkpointing checkpoint into any plan (collective over every rank): its global tensors are read
+    once each and resharded into this plan's layout (hetu_ext/checkpoint/torch_dist.py)."""
+    from hetu_ext.checkpoint.torch_dist import load_resharded
+
+    iteration = latest_iteration(directory)
+    path = Path(directory) / f"iter_{iteration:07d}"
+    common = torch.load(path / "common.pt", weights_only=False)
+    step = common.get("optimizer", {}).get("state", {}).get("common_step")
+    step = float(step) if step is not None else None
+
+    def destinations(names: set[str]) -> list[Piece]:
+        moments = {m for m in MOMENTS if any(n.startswith(m + "/") for n in names)} if step is not None else None
+        return state_pieces(trainer.placement, moments=moments, step=step)
+
+    report = load_resharded(str(path), destinations)
+    extra = path / "hetu_common.pt"  # written by hetu_ext's torch_dist save; Megatron-LM keeps these in common.pt
+    extra = torch.load(extra, weights_only=False) if extra.exists() else {
+        "iteration": common.get("iteration", iteration), "scheduler": common.get("opt_param_scheduler"),
+        "losses": []}
+    trainer.iteration = extra["iteration"]
+    trainer.losses = list(extra["losses"])
+    if trainer.scheduler is not None and extra["scheduler"] is not None:
+        trainer.scheduler.load_state_dict(extra["scheduler"])
+    if trainer.host.rank == 0:
+        logger.info("loaded dist_checkpointing checkpoint %s at iteration %d into the plan (%.2f MiB sent by rank "
+                    "0)", path, trainer.iteration, report.bytes_sent / 2**20)
 
 
 # ---------------------------------------------------------------- torch_dist format (Megatron-core)

@@ -1,0 +1,44 @@
+"""Megatron-core dist_checkpointing (torch_dist) checkpoints load into any plan with no offline step: a TP2 x PP2
+checkpoint written by Megatron's own save (uniform runtime) is read tensor by tensor and resharded into
+heterogeneous plans (plan runtime). Parameters, Adam moments and step, iteration, LR schedule and losses must
+equal the saved ones bit for bit, and 2 more steps must match the uninterrupted single-process run within
+test_uniform_equivalence's tolerances (other layout: other order of floating-point sums)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from test_ckpt_resume import SCHEDULE, _plan_argv, _run
+from test_uniform_equivalence import LOSS_RTOL, WEIGHT_ATOL, _argv
+
+
+@pytest.fixture(scope="module")
+def saved(sample_prefix, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("torch_dist")
+    argv = _argv(2, 2, sample_prefix, SCHEDULE + ("--train-iters", "2", "--save", str(tmp / "ckpt"),
+                                                  "--hetu-ckpt-format", "torch_dist"))
+    state = _run(4, argv)["final"]
+    assert (tmp / "ckpt" / "iter_0000002" / "metadata.json").exists()  # Megatron's format, not hetu's
+    reference = _run(1, _argv(1, 1, sample_prefix, SCHEDULE + ("--train-iters", "4")))["final"]
+    return tmp / "ckpt", state, reference
+
+
+@pytest.mark.parametrize("plan", ["h3", "idle"])
+def test_dist_checkpointing_tp2pp2_into_a_heterogeneous_plan(plan, saved, sample_prefix, tmp_path):
+    ckpt, state, reference = saved
+    world, argv = _plan_argv(plan, sample_prefix, tmp_path, ("--train-iters", "4", "--load", str(ckpt)))
+    result = _run(world, argv)
+    loaded = result["loaded"]
+    assert loaded["tensors"].keys() == state["tensors"].keys()
+    assert any(k[0].startswith("exp_avg/") for k in state["tensors"])
+    assert all(torch.equal(loaded["tensors"][k], v) for k, v in state["tensors"].items())
+    assert loaded["steps"] == state["steps"] == {2.0}
+    assert loaded["iteration"] == 2 and loaded["losses"] == state["losses"]
+    assert loaded["scheduler"] == state["scheduler"]
+    final = result["final"]
+    loss = max(abs(a - b) / abs(b) for a, b in zip(final["losses"], reference["losses"]))
+    weight = max(float((v - reference["tensors"][k]).abs().max()) for k, v in final["tensors"].items()
+                 if k[0].startswith("param/"))
+    print(f"torch_dist tp2pp2->{plan}: loss rel diff {loss:.2e}, weight abs diff {weight:.2e}")
+    assert len(final["losses"]) == 4 and loss <= LOSS_RTOL and weight <= WEIGHT_ATOL
