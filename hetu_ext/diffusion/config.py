@@ -8,6 +8,7 @@ from typing import Literal
 Threshold = Literal["otsu", "fixed"]
 KeyValues = Literal["active", "cached"]
 GroupNormStats = Literal["corrected", "cached"]
+ConvKernel = Literal["gemm", "conv"]
 
 
 @dataclass(kw_only=True)
@@ -32,11 +33,22 @@ class FISEditConfig:
     dilate_radius: int = 1
     """Dilation radius (latent pixels) that grows the cleaned mask to cover the edit's border; 0 = none."""
 
-    block_size: int = 8
-    """Side of a sparse block in pixels of each layer's own feature map (capped at the map side)."""
+    block_size: int = 1
+    """Side of a sparse block in pixels of each layer's own feature map (capped at the map side): the granularity
+    of what is recomputed. 1 (measured default on CPU: fewest MACs, and the GEMM kernel gathers per pixel anyway)."""
 
-    min_sparse_size: int = 16
-    """Feature maps with a side smaller than this run dense: there sparsity does not pay for its gathers."""
+    stats_block_size: int = 8
+    """Side of the blocks whose GroupNorm statistics are cached (pixels of the layer's map); a statistics block
+    containing any active pixel gets fresh statistics. Coarser = smaller cache, finer = fresher statistics."""
+
+    conv_kernel: ConvKernel = "gemm"
+    """Sparse convolution: "gemm" (im2col of the active pixels + one GEMM; fastest measured on CPU, equal to the
+    dense conv up to fp rounding) or "conv" (each active block's input window with its halo through F.conv2d as a
+    batch; bit-exact to torch's conv as measured, best with block_size >= 4)."""
+
+    min_sparse_size: int = 8
+    """Feature maps with a side smaller than this run dense (sparsity does not pay for its gathers there). 8 keeps
+    SD's 8x8 maps sparse: measured on CPU, their dense 1280-channel convs (weight-bound) took ~40% of a sparse step."""
 
     max_active_fraction: float = 0.6
     """A resolution whose active block fraction exceeds this runs dense for the edit (exact, no gather cost)."""
@@ -69,6 +81,11 @@ class FISEditConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1 pixel, got {self.block_size}")
+        if self.stats_block_size < 1 or self.stats_block_size % self.block_size:
+            raise ValueError(f"stats_block_size must be a positive multiple of block_size={self.block_size}, got "
+                             f"{self.stats_block_size}: a statistics block must hold whole compute blocks")
+        if self.conv_kernel not in ("gemm", "conv"):
+            raise ValueError(f"conv_kernel must be 'gemm' or 'conv', got {self.conv_kernel!r}")
         if self.min_sparse_size < 1:
             raise ValueError(f"min_sparse_size must be >= 1 pixel, got {self.min_sparse_size}")
         if not 0.0 < self.max_active_fraction <= 1.0:

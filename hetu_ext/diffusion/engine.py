@@ -63,7 +63,7 @@ class FISEditEngine:
         for name, module in list(unet.named_modules()):
             owner = next((t for t in transformers if name in (f"{t}.proj_in", f"{t}.proj_out")), None)
             if isinstance(module, nn.Conv2d) and self._conv_supported(module):
-                fill = "zeros" if owner and name.endswith("proj_in") else "cache"
+                fill = "none" if owner and name.endswith("proj_in") else "cache"
                 unit = owner or name
                 key = f"{unit}#out" if fill == "cache" else f"{name}#none"
                 self._swap(name, SparseConv2d(module, ctx=st, unit=unit, key=key, fill=fill))

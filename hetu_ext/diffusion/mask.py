@@ -79,6 +79,8 @@ class ActiveSet:
     tokens: torch.Tensor = field(init=False)
     """(nb * block * block,) flat pixel ids (row-major over H x W) of the active blocks, block-major."""
     _windows: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict, init=False, repr=False)
+    _taps: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict, init=False,
+                                                                                  repr=False)
 
     def __post_init__(self) -> None:
         gw = self.width // self.block
@@ -109,6 +111,24 @@ class ActiveSet:
             cols = left[:, None] + torch.arange(lw, device=dev)
             self._windows[key] = rows[:, :, None] * padded_w + cols[:, None, :]
         return self._windows[key]
+
+
+    def tap_index(self, in_height: int, in_width: int, kernel: tuple[int, int], stride: tuple[int, int],
+                  padding: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """For each active output pixel (token order) and kernel tap (row-major): the flat input pixel id, clamped
+        into the map, and a 0/1 validity (None when every tap is inside, i.e. no zero padding is read).
+        Returns ((n * kh * kw,) ids, (n * kh * kw,) validity or None)."""
+        key = (in_height, in_width, *kernel, *stride, *padding)
+        if key not in self._taps:
+            dev = self.tokens.device
+            rows = (self.tokens // self.width)[:, None] * stride[0] - padding[0] + torch.arange(kernel[0], device=dev)
+            cols = (self.tokens % self.width)[:, None] * stride[1] - padding[1] + torch.arange(kernel[1], device=dev)
+            rows, cols = rows[:, :, None], cols[:, None, :]
+            inside = (rows >= 0) & (rows < in_height) & (cols >= 0) & (cols < in_width)
+            ids = rows.clamp(0, in_height - 1) * in_width + cols.clamp(0, in_width - 1)
+            valid = None if bool(inside.all()) else inside.flatten()
+            self._taps[key] = (ids.flatten(), valid)
+        return self._taps[key]
 
 
 def block_grid(mask: torch.Tensor, height: int, width: int, block: int) -> torch.Tensor:

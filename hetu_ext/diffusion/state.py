@@ -20,6 +20,7 @@ class RunState:
     def __init__(self, config: FISEditConfig) -> None:
         self.config = config
         self.group_norm = config.group_norm
+        self.conv_kernel = config.conv_kernel
         self.phase: Phase = "off"
         self.step = 0
         self.cache = FeatureCache()
@@ -28,6 +29,7 @@ class RunState:
         self.timesteps: list[float] = []
         self._sizes: dict[str, tuple[int, int]] = {}  # unit -> (bytes, macs) seen at the first recorded step
         self._sets: dict[tuple[int, int], ActiveSet | None] = {}
+        self._stat_sets: dict[tuple[int, int], ActiveSet] = {}
 
     # ---- record (generation) -------------------------------------------------------------------------------
     def start_record(self) -> None:
@@ -84,13 +86,31 @@ class RunState:
     def set_mask(self, mask: torch.Tensor) -> None:
         self.mask = mask
         self._sets.clear()
+        self._stat_sets.clear()
 
-    def stats_block(self, height: int, width: int) -> int | None:
-        cfg = self.config
-        block = min(cfg.block_size, height, width)
-        if min(height, width) < cfg.min_sparse_size or height % block or width % block:
+    def _block(self, size: int, height: int, width: int) -> int | None:
+        block = min(size, height, width)
+        if min(height, width) < self.config.min_sparse_size or height % block or width % block:
             return None
         return block
+
+    def stats_block(self, height: int, width: int) -> int | None:
+        """Side of the GroupNorm statistics blocks of a map size, None if that size never runs sparse."""
+        if self._block(self.config.block_size, height, width) is None:
+            return None
+        return self._block(self.config.stats_block_size, height, width)
+
+    def stats_set(self, active: ActiveSet) -> ActiveSet:
+        """The statistics blocks that hold any active pixel of `active` (same map size)."""
+        key = (active.height, active.width)
+        if key not in self._stat_sets:
+            block = self.stats_block(*key)
+            assert block is not None, "a map that runs sparse has statistics blocks"
+            pixels = torch.zeros(active.height * active.width, dtype=torch.bool, device=active.tokens.device)
+            pixels[active.tokens] = True
+            grid = block_grid(pixels.view(key), *key, block)
+            self._stat_sets[key] = ActiveSet(height=key[0], width=key[1], block=block, grid=grid)
+        return self._stat_sets[key]
 
     def active(self, unit: str | None, height: int, width: int) -> ActiveSet | None:
         if self.phase != "sparse" or self.mask is None:
@@ -103,8 +123,8 @@ class RunState:
         return self._sets[key]
 
     def _make_set(self, height: int, width: int) -> ActiveSet | None:
-        block = self.stats_block(height, width)
-        if block is None:
+        block = self._block(self.config.block_size, height, width)
+        if block is None or self.stats_block(height, width) is None:
             return None
         grid = block_grid(self.mask, height, width, block)
         aset = ActiveSet(height=height, width=width, block=block, grid=grid)

@@ -56,10 +56,11 @@ def attach_transformer(name: str, module: nn.Module, st: RunState) -> list[Remov
         kwargs = dict(kwargs, hidden_states=kwargs["hidden_states"][:, cur.active.tokens])
         return args, kwargs
 
-    def scatter_zeros(mod: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
+    def scatter_tokens(mod: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
+        """Back to (B, N, C) for proj_out, which reads the active tokens only: the rest is left uninitialised."""
         if cur.active is None:
             return None
-        full = output.new_zeros(output.shape[0], cur.active.height * cur.active.width, output.shape[2])
+        full = output.new_empty(output.shape[0], cur.active.height * cur.active.width, output.shape[2])
         return full.index_copy_(1, cur.active.tokens, output)
 
     def scatter_cached(key: str) -> Any:
@@ -77,9 +78,9 @@ def attach_transformer(name: str, module: nn.Module, st: RunState) -> list[Remov
     if module.use_linear_projection:
         handles.append(module.proj_in.register_forward_pre_hook(gather_args, with_kwargs=True))
         handles.append(module.proj_out.register_forward_hook(scatter_cached(f"{name}#out")))
-    else:  # conv projections are SparseConv2d wrappers: proj_in leaves zeros, proj_out fills from the cache
+    else:  # conv projections are SparseConv2d wrappers: proj_in fills active tokens only, proj_out fills from the cache
         handles.append(blocks[0].register_forward_pre_hook(gather_args, with_kwargs=True))
-        handles.append(blocks[-1].register_forward_hook(scatter_zeros))
+        handles.append(blocks[-1].register_forward_hook(scatter_tokens))
     if st.config.key_values == "cached":
         for i, block in enumerate(blocks):
             handles.append(block.attn1.to_k.register_forward_hook(scatter_cached(f"{name}#k{i}")))

@@ -1,0 +1,102 @@
+"""FISEdit for a diffusers `StableDiffusionPipeline` loaded from a local folder: the pipeline's own loop runs; the
+engine on its UNet caches during `generate` and goes sparse during `edit`."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hetu_ext.diffusion.config import FISEditConfig
+from hetu_ext.diffusion.engine import FISEditEngine
+
+logger = logging.getLogger(__name__)
+
+_WEIGHT_FILES = ("diffusion_pytorch_model.safetensors", "diffusion_pytorch_model.bin", "model.safetensors",
+                 "pytorch_model.bin", "diffusion_pytorch_model.safetensors.index.json",
+                 "model.safetensors.index.json", "pytorch_model.bin.index.json")
+_PARTS = ("unet", "vae", "text_encoder")
+
+
+def check_model_dir(model_dir: str | Path) -> Path:
+    """A local StableDiffusionPipeline folder with weights, or ValueError naming what is missing (no downloads)."""
+    path = Path(model_dir)
+    fix = ("give a folder written by StableDiffusionPipeline.save_pretrained (or a downloaded snapshot) holding "
+           "model_index.json and unet/, vae/, text_encoder/ weights; nothing is downloaded")
+    if not path.is_dir():
+        raise ValueError(f"--model {model_dir}: not a directory; {fix}")
+    if not (path / "model_index.json").is_file():
+        raise ValueError(f"--model {model_dir}: no model_index.json; {fix}")
+    for part in _PARTS:
+        if not any((path / part / name).is_file() for name in _WEIGHT_FILES):
+            raise ValueError(f"--model {model_dir}: no weights in {part}/ (looked for {', '.join(_WEIGHT_FILES[:4])}"
+                             f", ...); {fix}")
+    if not (path / "tokenizer").is_dir():
+        raise ValueError(f"--model {model_dir}: no tokenizer/ folder; {fix}")
+    return path
+
+
+@dataclass
+class EditResult:
+    """One edit: the image and the latent-size mask that was recomputed."""
+
+    image: Any
+    mask: torch.Tensor
+    active_fractions: dict[str, float]
+
+
+class FISEditPipeline:
+    """`generate(prompt)` then any number of `edit(new_prompt)` calls reusing the generation's cache."""
+
+    def __init__(self, pipe: Any, config: FISEditConfig | None = None) -> None:
+        self.pipe = pipe
+        self.engine = FISEditEngine(pipe.unet, config)
+        self._run: dict[str, Any] | None = None
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path, config: FISEditConfig | None = None, *,
+                        device: str = "cpu", dtype: torch.dtype = torch.float32) -> FISEditPipeline:
+        from diffusers import StableDiffusionPipeline
+
+        path = check_model_dir(model_dir)
+        pipe = StableDiffusionPipeline.from_pretrained(str(path), local_files_only=True, safety_checker=None,
+                                                       requires_safety_checker=False, torch_dtype=dtype)
+        pipe = pipe.to(device)
+        pipe.set_progress_bar_config(disable=True)
+        return cls(pipe, config)
+
+    def generate(self, prompt: str, *, num_inference_steps: int = 50, guidance_scale: float = 7.5,
+                 height: int | None = None, width: int | None = None, seed: int = 0) -> Any:
+        """Dense generation that fills the cache; returns a PIL image."""
+        pipe = self.pipe
+        scale = pipe.vae_scale_factor
+        height = height or pipe.unet.config.sample_size * scale
+        width = width or pipe.unet.config.sample_size * scale
+        if height % (8 * scale) or width % (8 * scale):
+            raise ValueError(f"height and width must be multiples of {8 * scale} (the UNet downsamples the "
+                             f"{scale}x smaller latents 3 times), got {height}x{width}")
+        generator = torch.Generator(device="cpu").manual_seed(seed)
+        shape = (1, pipe.unet.config.in_channels, height // scale, width // scale)
+        latents = torch.randn(shape, generator=generator, dtype=torch.float32).to(pipe.device, pipe.unet.dtype)
+        self._run = dict(latents=latents, num_inference_steps=num_inference_steps, guidance_scale=guidance_scale,
+                         height=height, width=width)
+        with self.engine.recording(num_inference_steps):
+            image = pipe(prompt, output_type="pil", **self._run).images[0]
+        logger.info("FISEdit cache: %.1f MiB", self.engine.cache_bytes / 2**20)
+        return image
+
+    def edit(self, prompt: str, *, mask: torch.Tensor | None = None) -> EditResult:
+        """The generation's loop with a new prompt: dense steps, then the mask (given, or from the latents), then
+        sparse steps reusing the cache. `mask`: (H, W) bool at latent or image size."""
+        if self._run is None:
+            raise ValueError("edit before generate: call generate(prompt) first, it fills the cache the edit reuses")
+        with self.engine.editing(mask):
+            image = self.pipe(prompt, output_type="pil", **self._run).images[0]
+        last = self.engine.last_mask
+        if last is None:
+            raise ValueError(f"the edit ran no sparse step: num_inference_steps={self._run['num_inference_steps']} "
+                             f"<= dense_steps={self.engine.config.dense_steps}; lower dense_steps")
+        return EditResult(image=image, mask=last.cpu(), active_fractions=self.engine.active_fractions())
