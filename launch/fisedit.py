@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> dict[str, float]:
     start = time.perf_counter()
     result = pipe.edit(args.edit, mask=mask)
     edit_s = time.perf_counter() - start
-    mask_png = Image.fromarray((result.mask.numpy().astype("uint8") * 255))
+    mask_png = Image.fromarray(result.mask.numpy().astype("uint8") * 255).resize(result.image.size, Image.NEAREST)
     _write_atomically(Path(args.out), {"original.png": original, "edited.png": result.image, "mask.png": mask_png})
     shares = ", ".join(f"{k} {100 * v:.1f}%" for k, v in result.active_fractions.items())
     print(f"generate {generate_s:.2f} s (dense, caching {pipe.engine.cache_bytes / 2**20:.1f} MiB); edit "
