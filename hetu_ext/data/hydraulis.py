@@ -13,9 +13,14 @@ finishes first; replicas of identical shape share a heap, so a document costs O(
 helps, a document is moved or two swapped between the slowest replica and one of
 the fastest, the candidate chosen by the estimate and accepted only if stage 2 confirms a lower maximum.
 
-Stage 2 (inside a replica) picks the microbatch count M >= the first-fit-decreasing count and, for each M, packs
-documents longest first into the least loaded microbatch that has room (capacity-aware LPT); it keeps the M of
-lowest ``sum + (pp - 1) max``, stopping once ``W + c M + (pp - 1)(d + c)`` exceeds the best found.
+Stage 2 (inside a replica) starts from first-fit-decreasing (the fewest microbatches: optimal for pp = 1) and,
+for pp > 1, tries the counts M within 3 of the one its convex estimate ``W + c M + (pp - 1)(max(W / M, d) + c)``
+prefers (``sqrt((pp - 1) W / c)``, at most ``W / d + 1``), packing documents longest first into the least
+loaded microbatch that has room (capacity-aware LPT); it keeps the packing of lowest ``sum + (pp - 1) max``.
+
+With pipelines, stage 1 also runs level-based first-fit-decreasing (MULTIFIT, :func:`_stage1_levels`), which
+groups long documents together and short ones together so fewer replicas pay a long fill and drain; the better
+of the two stage-1 results (after stage 2) is refined.
 
 The lower bound that certifies results is in :mod:`hetu_ext.data.packing_bound`.
 """
@@ -32,7 +37,7 @@ import numpy as np
 if TYPE_CHECKING:
     from .packing import ReplicaSpec
 
-_MAX_EXTRA_MICROBATCHES = 32  # stage 2 tries at most this many counts above first-fit-decreasing's
+_WINDOW = 3  # stage 2 tries microbatch counts within this many of the one its convex estimate prefers
 
 
 class ReplicaArrays:
@@ -56,12 +61,69 @@ class ReplicaArrays:
 
 
 def assign_hetu(s: np.ndarray, replicas: Sequence[ReplicaSpec]) -> list[list[list[int]]]:
-    """[replica][microbatch] -> document indices: stage 1 across replicas, stage 2 within each."""
+    """[replica][microbatch] -> document indices: stage 1 across replicas, stage 2 within each.
+
+    With pipelines (some pp > 1) stage 1 also tries level-based first-fit-decreasing (:func:`_stage1_levels`)
+    and keeps whichever of the two gives the lower slowest replica after stage 2; then refines that one."""
     rep = ReplicaArrays(replicas, s)
     shares = _stage1(s, rep)
     packed = [_stage2(s, share, rep, r) for r, share in enumerate(shares)]
+    if np.any(rep.pp > 1) and s.size:
+        other = _stage1_levels(s, rep, max(t for _, t in packed))
+        if other is not None:
+            packed_other = [_stage2(s, share, rep, r) for r, share in enumerate(other)]
+            if max(t for _, t in packed_other) < max(t for _, t in packed):
+                shares, packed = other, packed_other
     _refine(s, rep, shares, packed)
     return [packs for packs, _ in packed]
+
+
+def _stage1_levels(s: np.ndarray, rep: ReplicaArrays, high: float, grid: int = 12, rounds: int = 2,
+                   low_fraction: float = 0.8) -> list[list[int]] | None:
+    """Pipelines pay ``pp - 1`` times their costliest microbatch, so spreading the longest documents one per
+    replica (what LPT does) makes every replica pay a long fill and drain. Instead, for a level T, documents
+    longest first go to the first replica (fastest first) where ``W + c n + (pp - 1)(d_max + c) <= T`` still
+    holds (each document its own microbatch: stage 2 can only do better): long documents share replicas and the
+    short ones end up together, paying a short fill (MULTIFIT). ``grid`` levels in [low_fraction x high, high]
+    are filled at once (vectorised), ``rounds`` times narrowing on the lowest that fits; its shares, or None."""
+    order = np.lexsort((np.arange(s.size), -s))
+    speed = np.argsort(rep.ra * 1024.0 ** 2 + rep.rb * 1024.0, kind="stable")  # fastest first
+    ra, rb, rc, pp, cap = rep.ra[speed], rep.rb[speed], rep.rc[speed], rep.pp[speed], rep.cap[speed]
+    lengths = s[order].astype(np.float64)
+    costs = np.outer(lengths * lengths, ra) + np.outer(lengths, rb) + rc  # (N, R): one document, one microbatch
+    fits_cap = lengths[:, None] <= cap[None, :]
+
+    def fill(levels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(L,) fits and (L, N) replica of each document, for every level at once."""
+        rows = np.arange(levels.size)
+        room = np.repeat(levels[:, None], speed.size, axis=1)
+        opened = np.zeros(room.shape, dtype=bool)
+        alive = np.ones(levels.size, dtype=bool)
+        where = np.zeros((levels.size, s.size), dtype=np.int64)
+        for k in range(s.size):
+            need = np.where(opened, costs[k], pp * costs[k])
+            ok = (need <= room) & fits_cap[k]
+            j = np.argmax(ok, axis=1)
+            alive &= ok[rows, j]
+            room[rows, j] -= need[rows, j]
+            opened[rows, j] = True
+            where[:, k] = j
+        return alive, where
+
+    lo, hi, found = low_fraction * high, high, None
+    for _ in range(rounds):
+        levels = np.linspace(lo, hi, grid + 1)[1:]
+        alive, where = fill(levels)
+        if not alive.any():
+            break
+        k = int(np.argmax(alive))
+        lo, hi, found = (levels[k - 1] if k else lo), levels[k], where[k]
+    if found is None:
+        return None
+    shares: list[list[int]] = [[] for _ in range(speed.size)]
+    for i, j in zip(order.tolist(), speed[found].tolist()):
+        shares[j].append(i)
+    return shares
 
 
 def _estimate(w: float, tokens: float, d: float, n: int, pp: float, c: float, cap: float) -> float:
@@ -121,11 +183,13 @@ def _stage2(s: np.ndarray, idx: Sequence[int], rep: ReplicaArrays, r: int) -> tu
         return best, best_t
     weights = [a * n * n + b * n for n in lens]
     total, top = sum(weights), weights[0]
+    # sum + (pp - 1) max >= W + c M + (pp - 1)(max(W / M, top) + c): convex in M, least near M* below; try a
+    # window of counts around it (the fill stops shrinking once W / M < top, so M* <= W / top + 1)
     m_star = math.sqrt((pp - 1) * total / c) if c > 0 else float(len(lens))
-    for m in range(len(best) + 1, min(len(lens), len(best) + _MAX_EXTRA_MICROBATCHES) + 1):
+    m_star = min(m_star, total / top + 1 if top > 0 else m_star)
+    first = max(len(best) + 1, int(m_star) - _WINDOW)
+    for m in range(first, min(len(lens), int(m_star) + _WINDOW + 1) + 1):
         if total + c * m + (pp - 1) * (max(total / m, top) + c) >= best_t:
-            if m > m_star:
-                break
             continue
         packs = _lpt(order, lens, weights, cap, m)
         if packs is not None:
@@ -151,19 +215,25 @@ def _first_fit(ids: list[int], lens: list[int], cap: int) -> list[list[int]]:
 
 
 def _lpt(ids: list[int], lens: list[int], weights: list[float], cap: int, m: int) -> list[list[int]] | None:
-    """Longest first into the least loaded of m microbatches with room; None if one does not fit anywhere."""
+    """Longest first into the least loaded of m microbatches with room; None if one does not fit anywhere.
+    A heap of (load, microbatch); only when the least loaded one is full are the others scanned."""
     packs: list[list[int]] = [[] for _ in range(m)]
-    load, used = [0.0] * m, [0] * m
+    used = [0] * m
+    heap = [(0.0, k) for k in range(m)]
     for i, n, w in zip(ids, lens, weights):
-        best = -1
-        for k in range(m):
-            if used[k] + n <= cap and (best < 0 or load[k] < load[best]):
-                best = k
-        if best < 0:
-            return None
-        packs[best].append(i)
-        load[best] += w
-        used[best] += n
+        load, k = heap[0]
+        if used[k] + n <= cap:
+            heapq.heapreplace(heap, (load + w, k))
+        else:
+            fits = [(ld, j) for ld, j in heap if used[j] + n <= cap]
+            if not fits:
+                return None
+            load, k = min(fits)
+            heap.remove((load, k))
+            heap.append((load + w, k))
+            heapq.heapify(heap)
+        packs[k].append(i)
+        used[k] += n
     return packs if all(packs) else None
 
 
