@@ -164,3 +164,50 @@ def test_packing_section_of_hetu_config(tmp_path):
     config.write_text("packing:\n  methods: balanced\n")
     with pytest.raises(ValueError, match=r"unknown key\(s\) \['methods'\] under packing; allowed keys are"):
         apply_hetu_config(build_parser().parse_args(_cli_argv("--mock-data", "--hetu-config", str(config))))
+
+
+@pytest.mark.parametrize("method", ["concat", "concat-causal"])
+def test_concat_baselines_cover_every_position_once(method):
+    """The Megatron-style baselines: packs of exactly --seq-length tokens (the last may be short) covering every
+    (input, label) position of the global batch once; ``concat`` attends per piece, ``concat-causal`` over the
+    whole pack with positions running through it."""
+    import numpy as np
+    import torch
+
+    from hetu_ext.data.cost import CostTable
+    from hetu_ext.data.lengths import parse_length_spec
+    from hetu_ext.data.packing import replica_specs
+    from hetu_ext.data.sequences import GlobalBatches, SequenceTable
+    from hetu_ext.megatron.packed_data import PackedSteps, SyntheticDocuments
+    from hetu_ext.plan import ModelSpec, uniform_plan
+
+    lengths = parse_length_spec(LENGTHS).sample(500, 3)
+    docs = SyntheticDocuments(np.asarray(lengths) + 1, 257, 3)
+    table = SequenceTable.from_documents(docs.token_counts, 64)
+    spec = ModelSpec(num_layers=4, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, vocab_size=257,
+                     seq_length=64)
+    replicas = replica_specs(uniform_plan(world_size=2, num_layers=4), spec, CostTable(), max_pack_tokens=64)
+    steps = [PackedSteps(docs, table, GlobalBatches(table, seed=3, tokens=600), method=method, replicas=replicas,
+                         pipeline=p, max_len=64, device=torch.device("cpu")) for p in (0, 1)]
+    try:
+        ids, per, _ = steps[0].plan_step(1)
+        covered = {}
+        for mb in (mb for rep in per for mb in rep):
+            for seq, offset, count in mb:
+                covered.setdefault(seq, []).append((offset, count))
+        assert sorted(covered) == sorted(ids.tolist())
+        for seq, parts in covered.items():  # consecutive pieces, no gap or overlap, the whole sequence
+            parts.sort()
+            assert parts[0][0] == 0 and all(a + n == b for (a, n), (b, _) in zip(parts, parts[1:]))
+            assert parts[-1][0] + parts[-1][1] == table.length[seq]
+        sizes = [sum(n for *_, n in mb) for rep in per for mb in rep]
+        assert all(n == 64 for n in sizes[:-1]) and 0 < sizes[-1] <= 64
+        batch = steps[0].step(1).microbatches[0]
+        cu = batch["packed_seq_params"].cu_seqlens_q.tolist()
+        if method == "concat-causal":
+            assert cu == [0, 64] and batch["position_ids"].tolist() == [list(range(64))]
+        else:
+            assert len(cu) > 2  # several pieces, each attending to itself
+    finally:
+        for s in steps:
+            s.close()

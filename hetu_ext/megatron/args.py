@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 
 from .data import TOKENIZER_TYPES
+from .packed_data import PACKING_METHODS
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 
@@ -108,11 +109,11 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
                    help="Megatron-core CPU patches: auto applies them only when no CUDA device is present")
 
     g = p.add_argument_group("hetu_ext packing (Hydraulis)")
-    g.add_argument("--hetu-packing", choices=["off", "unpacked", "concat", "ffd", "greedy", "balanced"],
-                   default="off",
+    g.add_argument("--hetu-packing", choices=PACKING_METHODS, default="off",
                    help="off: Megatron's fixed-length samples; else documents packed into THD microbatches of at "
-                        "most --seq-length tokens: unpacked (one per microbatch), concat (Megatron-style cut), ffd, "
-                        "greedy (DeepSpeed-style by tokens), balanced (two-stage, length-aware)")
+                        "most --seq-length tokens: unpacked (one per microbatch), concat (Megatron-style cut, "
+                        "per-document attention), concat-causal (the same packs, attention over the whole pack), "
+                        "ffd, greedy (DeepSpeed-style by tokens), balanced (two-stage, length-aware)")
     g.add_argument("--hetu-global-batch-tokens", type=int, default=None,
                    help="with --hetu-packing: a global batch is as many sequences as fit in this many tokens "
                         "(default: --global-batch-size sequences)")

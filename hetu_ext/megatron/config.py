@@ -6,7 +6,7 @@ Recognised keys (each also a ``--hetu-*`` flag; a flag given on the command line
     runtime: auto                    # auto | megatron | plan
     cpu_patches: auto                # auto | on | off
     packing:                         # Hydraulis (each key also a --hetu-* flag)
-      method: balanced               # --hetu-packing: off | unpacked | concat | ffd | greedy | balanced
+      method: balanced               # --hetu-packing: off | unpacked | concat | concat-causal | ffd | greedy | balanced
       global_batch_tokens: 65536     # --hetu-global-batch-tokens
       cost_model: calibration/cpu.yaml  # --hetu-cost-model (relative to the YAML file)
       varlen_mock: {mode: distribution, type: lognormal, min_seq_len: 16, max_seq_len: 8192,
@@ -20,13 +20,15 @@ from pathlib import Path
 
 import yaml
 
+from .packed_data import PACKING_METHODS
+
 import json
 
 _KEYS = {"plan": "hetu_plan", "runtime": "hetu_runtime", "cpu_patches": "hetu_cpu_patches", "packing": None}
 _DEFAULTS = {"hetu_plan": None, "hetu_runtime": "auto", "hetu_cpu_patches": "auto", "hetu_packing": "off",
              "hetu_global_batch_tokens": None, "hetu_cost_model": None, "hetu_varlen_mock": None}
 _CHOICES = {"runtime": ("auto", "megatron", "plan"), "cpu_patches": ("auto", "on", "off"),
-            "method": ("off", "unpacked", "concat", "ffd", "greedy", "balanced")}
+            "method": PACKING_METHODS}
 _PACKING_KEYS = {"method": "hetu_packing", "global_batch_tokens": "hetu_global_batch_tokens",
                  "cost_model": "hetu_cost_model", "varlen_mock": "hetu_varlen_mock"}
 

@@ -11,11 +11,14 @@ Methods (``--hetu-packing``):
 - ``unpacked``: one sequence per microbatch, no pack (ordinary ``(1, s)`` causal input): the reference.
 - ``concat``: Megatron-style: the batch's sequences concatenated and cut every ``--seq-length`` tokens, the
   pieces of a cut sequence attending to themselves only; packs dealt to pipelines in equal contiguous runs.
+- ``concat-causal``: Megatron-LM's default (GPTDataset without ``--reset-attention-mask``): the same packs, causal
+  attention over the whole pack (a document sees the ones before it), positions running through the pack.
 - ``ffd`` / ``greedy`` / ``balanced``: first-fit-decreasing by tokens, DeepSpeed-style greedy by tokens, and
   Hydraulis's two-stage length-aware assignment (``hetu`` in hetu_ext.data.packing).
 
-Every method except ``concat`` trains on exactly the (input, label) pairs and attention of the reference, so with
-the per-token loss the gradient is the reference's up to summation order (tests/test_packed_training.py).
+Every method except the two ``concat`` ones trains on exactly the (input, label) pairs and attention of the
+reference, so with the per-token loss the gradient is the reference's up to summation order
+(tests/test_packed_training.py).
 """
 
 from __future__ import annotations
@@ -37,8 +40,8 @@ from hetu_ext.plan import ModelSpec, Plan
 
 logger = logging.getLogger(__name__)
 
-PACKING_METHODS = ("off", "unpacked", "concat", "ffd", "greedy", "balanced")
-_ASSIGN_METHOD = {"concat": "megatron", "ffd": "ffd", "greedy": "greedy", "balanced": "hetu"}
+PACKING_METHODS = ("off", "unpacked", "concat", "concat-causal", "ffd", "greedy", "balanced")
+_ASSIGN_METHOD = {"ffd": "ffd", "greedy": "greedy", "balanced": "hetu"}
 
 Segment = tuple[int, int, int]
 """(sequence id, first position within the sequence, positions): a whole sequence, or a piece of one (concat)."""
@@ -137,7 +140,7 @@ class PackedSteps:
             runs = np.array_split(np.arange(ids.size), len(self.replicas))
             per = [[[(int(ids[i]), 0, int(lengths[i]))] for i in run] for run in runs]
             return ids, per, ()
-        if self.method == "concat":
+        if self.method in ("concat", "concat-causal"):
             pieces = _concat_cut(ids, lengths, self.max_len)
             piece_lengths = [p[2] for p in pieces]
             out = assign(piece_lengths, self.replicas, method="megatron")
@@ -162,6 +165,7 @@ class PackedSteps:
 
     def _collate(self, segments: list[Segment]) -> dict:
         tokens, labels, positions, lengths = [], [], [], []
+        causal_pack = self.method == "concat-causal"
         for seq, offset, count in segments:
             doc = int(self.table.doc[seq])
             first = int(self.table.start[seq]) + offset
@@ -170,6 +174,8 @@ class PackedSteps:
             labels.append(ids[1:])
             positions.append(np.arange(count))
             lengths.append(count)
+        if causal_pack:  # one attention span: the whole pack, positions through it
+            lengths, positions = [sum(lengths)], [np.arange(sum(lengths))]
         batch = {key: torch.from_numpy(np.concatenate(parts)).long()[None].to(self.device)
                  for key, parts in (("tokens", tokens), ("labels", labels), ("position_ids", positions))}
         batch["loss_mask"] = torch.ones_like(batch["tokens"], dtype=torch.float32)
