@@ -51,11 +51,45 @@ def rel_err(fis: torch.Tensor, dense: torch.Tensor, orig: torch.Tensor, where: t
     return float((fis - dense).abs()[..., where].max() / change.clamp_min(1e-12)) if where.any() else 0.0
 
 
+def measure_ratio(engine, sched, unet, ratio: float, edited: torch.Tensor, original: torch.Tensor, loop: dict,
+                  dense_step: int, args: argparse.Namespace) -> dict:
+    """One table row: MACs of a sparse step, interleaved latency of both edits, fidelity; returns the JSON row."""
+    from hetu_ext.diffusion.loop import denoise
+    from hetu_ext.diffusion.macs import count_macs
+
+    mask = square_mask(args.latent, ratio)
+    edit_macs = count_macs(lambda: engine.edit(sched, prompt_embeds=edited, mask=mask, **loop))
+    sparse_step = (edit_macs - args.dense_steps * dense_step) / (args.steps - args.dense_steps)
+    times: dict[str, list[float]] = {"dense": [], "fisedit": []}
+    outs: dict[str, torch.Tensor] = {}
+    for _ in range(args.repeats):
+        for kind in ("dense", "fisedit"):
+            start = time.perf_counter()
+            if kind == "dense":
+                outs[kind] = denoise(unet, sched, prompt_embeds=edited, **loop)
+            else:
+                outs[kind] = engine.edit(sched, prompt_embeds=edited, mask=mask, **loop)
+            times[kind].append(time.perf_counter() - start)
+    dense_s, fis_s = statistics.median(times["dense"]), statistics.median(times["fisedit"])
+    fractions = engine.active_fractions()
+    shares = "/".join(f"{100 * fractions.get(f'{s}x{s}', 1.0):.0f}" for s in
+                      (args.latent, args.latent // 2, args.latent // 4, args.latent // 8))
+    row = {"latent": args.latent, "mask_ratio": ratio, "dense_macs": 50 * dense_step,
+           "sparse_macs": int(10 * dense_step + 40 * sparse_step), "dense_s": round(dense_s, 3),
+           "fisedit_s": round(fis_s, 3), "speedup": round(dense_s / fis_s, 3)}
+    err_in = rel_err(outs["fisedit"], outs["dense"], original, mask)
+    err_out = rel_err(outs["fisedit"], outs["dense"], original, ~mask)
+    reduction = dense_step / max(sparse_step, 1)
+    print(f"{100 * ratio:>6.1f} {shares:>26} {row['dense_macs'] / 1e9:>12.0f} {row['sparse_macs'] / 1e9:>13.0f} "
+          f"{reduction:>10.1f}x {0.8 / ratio:>6.1f}x {dense_s:>8.2f} {fis_s:>9.2f} {row['speedup']:>7.2f}x "
+          f"{err_in:>7.3f} {err_out:>8.3f}", flush=True)
+    return row
+
+
 def main() -> None:
     from diffusers import DDIMScheduler
 
     from hetu_ext.diffusion import FISEditConfig, FISEditEngine
-    from hetu_ext.diffusion.loop import denoise
     from hetu_ext.diffusion.macs import count_macs
 
     parser = argparse.ArgumentParser()
@@ -97,40 +131,13 @@ def main() -> None:
 
     sample = torch.randn(1, 4, args.latent, args.latent)
     dense_step = count_macs(lambda: unet(sample, 500, encoder_hidden_states=edited))
-    sparse_steps = args.steps - args.dense_steps
-    header = (f"{'mask%':>6} {'active% (64/32/16/8 maps)':>26} {'dense_GMACs':>12} {'sparse_GMACs':>13} "
+    sizes = "/".join(str(args.latent // f) for f in (1, 2, 4, 8))
+    header = (f"{'mask%':>6} {f'active% ({sizes} maps)':>26} {'dense_GMACs':>12} {'sparse_GMACs':>13} "
               f"{'step_reduct':>11} {'target':>7} {'dense_s':>8} {'fisedit_s':>9} {'speedup':>8} "
               f"{'err_in':>7} {'err_out':>8}")
     print(header)
-    rows = []
-    for ratio in ratios:
-        mask = square_mask(args.latent, ratio)
-        edit_macs = count_macs(lambda: engine.edit(sched, prompt_embeds=edited, mask=mask, **loop))
-        sparse_step = (edit_macs - args.dense_steps * dense_step) / sparse_steps
-        times: dict[str, list[float]] = {"dense": [], "fisedit": []}
-        outs: dict[str, torch.Tensor] = {}
-        for _ in range(args.repeats):
-            for kind in ("dense", "fisedit"):
-                start = time.perf_counter()
-                if kind == "dense":
-                    outs[kind] = denoise(unet, sched, prompt_embeds=edited, **loop)
-                else:
-                    outs[kind] = engine.edit(sched, prompt_embeds=edited, mask=mask, **loop)
-                times[kind].append(time.perf_counter() - start)
-        dense_s, fis_s = statistics.median(times["dense"]), statistics.median(times["fisedit"])
-        fractions = engine.active_fractions()
-        shares = "/".join(f"{100 * fractions.get(f'{s}x{s}', 1.0):.0f}" for s in
-                          (args.latent, args.latent // 2, args.latent // 4, args.latent // 8))
-        row = {"latent": args.latent, "mask_ratio": ratio, "dense_macs": 50 * dense_step,
-               "sparse_macs": int(10 * dense_step + 40 * sparse_step), "dense_s": round(dense_s, 3),
-               "fisedit_s": round(fis_s, 3), "speedup": round(dense_s / fis_s, 3)}
-        rows.append(row)
-        err_in = rel_err(outs["fisedit"], outs["dense"], original, mask)
-        err_out = rel_err(outs["fisedit"], outs["dense"], original, ~mask)
-        reduction = dense_step / max(sparse_step, 1)
-        print(f"{100 * ratio:>6.1f} {shares:>26} {row['dense_macs'] / 1e9:>12.0f} {row['sparse_macs'] / 1e9:>13.0f} "
-              f"{reduction:>10.1f}x {0.8 / ratio:>6.1f}x {dense_s:>8.2f} {fis_s:>9.2f} {row['speedup']:>7.2f}x "
-              f"{err_in:>7.3f} {err_out:>8.3f}", flush=True)
+    rows = [measure_ratio(engine, sched, unet, ratio, edited, original, loop, dense_step, args)
+            for ratio in ratios]
     print(json.dumps({"rows": rows}))
 
 

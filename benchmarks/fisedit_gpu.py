@@ -18,6 +18,7 @@ import json
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -94,10 +95,11 @@ def bench_latent(latent: int, args: argparse.Namespace, device: str, dtype: torc
                 engine.generate(sched, prompt_embeds=prompt, **loop)
                 engine.edit(sched, prompt_embeds=edited, mask=mask, **loop)  # warm-up
                 times: dict[str, list[float]] = {"dense": [], "fisedit": []}
+                run_dense = partial(denoise, unet, sched, prompt_embeds=edited, **loop)
+                run_fisedit = partial(engine.edit, sched, prompt_embeds=edited, mask=mask, **loop)
                 for _ in range(args.repeats):
-                    times["dense"].append(timer(lambda: denoise(unet, sched, prompt_embeds=edited, **loop)))
-                    times["fisedit"].append(timer(lambda: engine.edit(sched, prompt_embeds=edited, mask=mask,
-                                                                      **loop)))
+                    times["dense"].append(timer(run_dense))
+                    times["fisedit"].append(timer(run_fisedit))
             shares = engine.active_fractions()
             engine.detach()
             dense_s, fis_s = statistics.median(times["dense"]), statistics.median(times["fisedit"])

@@ -19,7 +19,8 @@ class FISEditConfig:
     """Leading steps of an edit run densely (fresh, no cache). The mask is made after them; 0 needs a user mask."""
 
     mask_steps: int | None = None
-    """k: the mask is the latent difference (edit vs cached) summed over the edit's first k steps; None = dense_steps."""
+    """k: the mask is the latent difference (edit vs cached) summed over the edit's first k steps (None: all
+    dense steps)."""
 
     threshold: Threshold = "otsu"
     """How the normalised difference map becomes a mask: Otsu's between-class variance or `fixed_threshold`."""

@@ -160,7 +160,7 @@ class FISEditEngine:
         (replacing the previous generation's cache)."""
         if not self._swapped:
             raise HetuExtError("this FISEditEngine was detached; make a new one")
-        if num_inference_steps <= self.config.dense_steps and self._user_mask is None:
+        if num_inference_steps <= self.config.dense_steps:
             logger.warning("num_inference_steps %d <= dense_steps %d: edits will run fully dense",
                            num_inference_steps, self.config.dense_steps)
         st = self.state
@@ -188,8 +188,6 @@ class FISEditEngine:
         self._diffs = ([], [])
         st.start_edit()
         st.phase, st.step = "dense", 0
-        if self.config.dense_steps == 0:
-            st.phase = "dense"
         try:
             yield
         finally:

@@ -18,7 +18,7 @@ def difference_map(cached: list[torch.Tensor], new: list[torch.Tensor]) -> torch
     if len(cached) != len(new) or not cached:
         raise ValueError(f"need the same non-zero number of cached and new latents, got {len(cached)} and {len(new)}")
     total = torch.zeros(cached[0].shape[-2:], dtype=torch.float32, device=cached[0].device)
-    for old, cur in zip(cached, new):
+    for old, cur in zip(cached, new, strict=True):
         total += (cur.float() - old.float()).abs().mean(dim=(0, 1))
     return total
 

@@ -78,8 +78,7 @@ class RunState:
 
     # ---- edit ----------------------------------------------------------------------------------------------
     def start_edit(self) -> None:
-        if self.plan is None and self.config.dense_steps < len(self.timesteps):
-            raise RuntimeError("internal: a generation recorded steps but made no cache plan")
+        assert self.plan is not None or self.config.dense_steps >= len(self.timesteps), "recorded without a plan"
         self.mask = None
         self._sets.clear()
 
