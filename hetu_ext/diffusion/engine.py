@@ -170,6 +170,8 @@ class FISEditEngine:
             yield
         finally:
             st.phase = "off"
+            if torch.cuda.is_available() and next(self.unet.parameters()).is_cuda:
+                torch.cuda.synchronize()  # device-to-host copies into pinned memory are asynchronous
         if len(st.timesteps) != num_inference_steps:
             raise ValueError(f"recording() was told {num_inference_steps} steps but the UNet ran "
                              f"{len(st.timesteps)} times; pass the loop's number of UNet calls")
