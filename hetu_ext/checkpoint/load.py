@@ -10,6 +10,7 @@ checkpoint together; nothing is written into the model before the whole checkpoi
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from hetu_ext.runtime.reshard import Piece, reshard
 
 from .manifest import CheckpointError, Manifest
 from .reader import ShardReader, candidates, read_manifest
-from .selection import assign_reads
+from .selection import assign_reads, intersect
 from .shardfile import BY_NAME, DTYPES
 from .storage import Storage
 
@@ -36,6 +37,10 @@ class LoadReport:
     bytes_sent: int
     """Bytes this rank sent to other ranks in the reshard."""
     seconds: float
+    read_s: float = 0.0
+    """Seconds this rank spent reading and checking its shards."""
+    reshard_s: float = 0.0
+    """Seconds of the reshard (plan, exchange, copies)."""
     skipped: tuple[str, ...] = ()
     """Errors of newer checkpoints that were skipped (with fallback)."""
 
@@ -54,19 +59,33 @@ def _check_wanted(manifest: Manifest, destinations: list[Piece]) -> None:
                                   "configuration differs from the saved one")
 
 
-def _read_sources(reader: ShardReader, rank: int, wants_by_rank: dict[int, list]) -> list[Piece]:
+def _read_sources(reader: ShardReader, rank: int, wants_by_rank: dict[int, list],
+                  hosts: list[str] | None) -> list[Piece]:
+    """This rank's source pieces. ``hosts`` None ("once"): each shard is read, whole and checked, by one rank of
+    the job, which the reshard then sends to the others. ``hosts`` given ("node"): on each host the rank needing
+    most of a shard reads it whole and checks it; the host's other ranks read just the boxes they need from the
+    same file (served by the host's page cache), so the reshard only copies locally."""
     manifest = reader.manifest
     shards, where = [], {}
     for t in manifest.tensors:
         for s in t.shards:
             where[len(shards)] = (t, s)
             shards.append((len(shards), (t.name, t.index), s.box, BY_NAME[t.dtype].itemsize))
-    readers = assign_reads(shards, wants_by_rank)
+    if hosts is None:
+        checkers = assign_reads(shards, wants_by_rank)
+    else:
+        mine = {r: w for r, w in wants_by_rank.items() if hosts[r] == hosts[rank]}
+        checkers = assign_reads(shards, mine)
     sources = []
-    for shard_id, reader_rank in readers.items():
-        if reader_rank == rank:
-            t, s = where[shard_id]
+    for shard_id, checker in checkers.items():
+        t, s = where[shard_id]
+        if checker == rank:
             sources.append(Piece(t.name, t.index, s.box, reader.read(t, s)))
+        elif hosts is not None:
+            for tensor, box in wants_by_rank[rank]:
+                common = intersect(s.box, box) if tensor == (t.name, t.index) else None
+                if common is not None:
+                    sources.append(Piece(t.name, t.index, common, reader.read_box(t, s, common)))
     return sources
 
 
@@ -77,14 +96,21 @@ def _agree(error: str | None, world: int, group) -> list[str]:
     return sorted({e for e in errors if e})
 
 
+READ_POLICIES = ("node", "once")
+"""How shards are read on load: ``node`` (each host reads what its ranks need, no network traffic) or ``once``
+(each shard read by one rank of the job, then sent point to point: the least filesystem traffic)."""
+
+
 def load_pieces(storage: Storage, destinations: list[Piece] | Callable[[Manifest], list[Piece]], *,
-                fallback: bool = False, group=None) -> LoadReport:
+                fallback: bool = False, read: str = "node", group=None) -> LoadReport:
     """Fill this rank's destination pieces (its layout under its plan; [] on idle ranks) from the latest
     checkpoint. ``destinations`` may be a function of the manifest (to create optimizer state to fill).
 
     Collective over ``group``. Raises :class:`CheckpointError` (on every rank) if there is no checkpoint, or it
     is corrupt and no fallback is allowed or left.
     """
+    if read not in READ_POLICIES:
+        raise ValueError(f"read={read!r}: choose one of {READ_POLICIES}")
     start = time.perf_counter()
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     order = candidates(storage, fallback=fallback)
@@ -101,11 +127,14 @@ def load_pieces(storage: Storage, destinations: list[Piece] | Callable[[Manifest
         except CheckpointError as e:
             error = str(e)
         everyone: list = [None] * world
-        dist.all_gather_object(everyone, (error, [((p.key, p.index), p.box) for p in mine]), group=group)
-        bad = sorted({e for e, _ in everyone if e})
+        dist.all_gather_object(everyone, (error, [((p.key, p.index), p.box) for p in mine], socket.gethostname()),
+                               group=group)
+        bad = sorted({e for e, _, _ in everyone if e})
+        read_start = time.perf_counter()
         if not bad:
             try:
-                sources = _read_sources(reader, rank, {r: w for r, (_, w) in enumerate(everyone)})
+                hosts = [h for _, _, h in everyone] if read == "node" else None
+                sources = _read_sources(reader, rank, {r: w for r, (_, w, _) in enumerate(everyone)}, hosts)
             except CheckpointError as e:
                 error = str(e)
             bad = _agree(error, world, group)
@@ -117,8 +146,10 @@ def load_pieces(storage: Storage, destinations: list[Piece] | Callable[[Manifest
                 continue
             hint = "" if fallback else "; --hetu-ckpt-fallback loads the previous complete checkpoint"
             raise CheckpointError("; ".join(bad) + hint)
+        reshard_start = time.perf_counter()
         report = reshard(sources, mine, group=group)
+        end = time.perf_counter()
         return LoadReport(manifest=reader.manifest, iteration=iteration, bytes_read=reader.bytes_read,
-                          bytes_sent=report.bytes_sent, seconds=time.perf_counter() - start,
-                          skipped=tuple(skipped))
+                          bytes_sent=report.bytes_sent, seconds=end - start, read_s=reshard_start - read_start,
+                          reshard_s=end - reshard_start, skipped=tuple(skipped))
     raise AssertionError("unreachable")

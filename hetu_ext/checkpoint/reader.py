@@ -117,6 +117,20 @@ class ShardReader:
         self.bytes_read += data.numel() * data.element_size()
         return data
 
+    def read_box(self, tensor: TensorRecord, shard: ShardRecord, box: tuple[tuple[int, int], ...]) -> torch.Tensor:
+        """Just the elements ``box`` (global offsets, inside the shard) of one shard, through the memory map.
+
+        Not checksummed here: the shard's CRC covers the whole entry, so the caller has another rank read the
+        shard whole and check it (load.py's "node" policy)."""
+        handle = self.check_file(shard.file)
+        try:
+            local = tuple(slice(a - s0, b - s0) for (a, b), (s0, _) in zip(box, shard.box))
+            data = handle.get_slice(shard.entry)[local]
+        except Exception as e:  # noqa: BLE001 - safetensors' error types are not public
+            raise CheckpointError(f"{self._path(shard.file)}: entry {shard.entry!r} unreadable ({e})") from None
+        self.bytes_read += data.numel() * data.element_size()
+        return data
+
     def read_full(self, names: Iterable[str] | None = None) -> dict[TensorId, torch.Tensor]:
         """Whole global tensors (all of them, or those whose name is in ``names``), assembled in one process."""
         wanted = set(names) if names is not None else None

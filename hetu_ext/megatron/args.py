@@ -69,6 +69,9 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     g.add_argument("--hetu-ckpt-fallback", action="store_true",
                    help="if the latest checkpoint is corrupt or incomplete, load the previous complete one")
     g.add_argument("--hetu-ckpt-keep", type=int, default=2, help="complete hetu checkpoints kept (>= 1)")
+    g.add_argument("--hetu-ckpt-read", choices=["node", "once"], default="node",
+                   help="hetu --load: node (each host reads the shards its ranks need, through its page cache; no "
+                        "network traffic) or once (each shard read by one rank, sent point to point)")
 
     g = p.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=1)

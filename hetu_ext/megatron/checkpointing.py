@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from hetu_ext.checkpoint import CheckpointError, LocalStorage
-from hetu_ext.checkpoint.load import load_pieces
+from hetu_ext.checkpoint.load import LoadReport, load_pieces
 from hetu_ext.checkpoint.manifest import MANIFEST, Manifest
 from hetu_ext.checkpoint.writer import Checkpointer, SaveConfig, checkpoint_name
 from hetu_ext.data.assign import global_batch_size
@@ -205,8 +205,8 @@ def save_hetu(trainer, directory: str, *, blocking: bool | None = None) -> Check
     return ckpt
 
 
-def load_hetu(trainer, directory: str) -> Manifest:
-    """Collective over every rank (idle ones take part with nothing to fill)."""
+def load_hetu(trainer, directory: str) -> LoadReport:
+    """Collective over every rank (idle ones take part with nothing to fill); returns what was read."""
     storage = LocalStorage(directory)
     placement = trainer.placement
     fallback = bool(getattr(trainer.args, "hetu_ckpt_fallback", False))
@@ -217,7 +217,7 @@ def load_hetu(trainer, directory: str) -> Manifest:
         moments = {m for m in MOMENTS if m in kinds} if step is not None else None
         return state_pieces(placement, moments=moments, step=step)
 
-    report = load_pieces(storage, destinations, fallback=fallback)
+    report = load_pieces(storage, destinations, fallback=fallback, read=getattr(trainer.args, "hetu_ckpt_read", "node"))
     manifest = report.manifest
     saved, now = manifest.state.get("data", {}), data_settings(trainer)
     changed = {k: (saved.get(k), v) for k, v in now.items() if saved.get(k) != v}
@@ -239,7 +239,7 @@ def load_hetu(trainer, directory: str) -> Manifest:
         logger.info("loaded checkpoint of iteration %d from %s (%.2f MiB read by rank 0, %.2f s)%s",
                     manifest.iteration, directory, report.bytes_read / 2**20, report.seconds,
                     "".join(f"; skipped: {s}" for s in report.skipped))
-    return manifest
+    return report
 
 
 # ---------------------------------------------------------------- dispatch

@@ -1,0 +1,200 @@
+"""Checkpoint save and load-and-reshard: hetu_ext's format against Megatron-core's dist_checkpointing.
+
+    python benchmarks/checkpoint.py [--hidden-size 1024 --num-layers 8] [--save-ranks 2 --load-ranks 3]
+
+Same model (Megatron-core GPT after one Adam step: parameters and both moments, fp32), same disk, side by side:
+
+1. Disk bandwidth first: write a file with fsync (write), drop it from the page cache (posix_fadvise), read it.
+2. Save on N ranks (Megatron's uniform DP grid): hetu (blocking snapshot, then background write and commit;
+   beside it the time of a plain host copy of the same bytes) and Megatron's dist_checkpointing torch_dist with
+   its fully parallel save strategy (the write spread over data-parallel replicas).
+3. Load-and-reshard N -> M ranks (another DP degree): hetu (each shard read once, resharded point to point) and
+   Megatron's dist_checkpointing load (non-distributed optimizer: its format is already reshardable). Bytes read:
+   hetu counts what its ranks read; Megatron's are not measured (its reads go through PyTorch's reader).
+
+DeepSpeed rows (save_checkpoint; ds_to_universal + load_universal) are not measured by this version.
+Prints the configuration, a table, and a final JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def disk_bandwidth(directory: Path, nbytes: int) -> tuple[float, float]:
+    """(write, read) bytes per second of one file, written with fsync and read back from the disk."""
+    path = directory / "bandwidth.bin"
+    block = os.urandom(16 * 2**20)
+    start = time.perf_counter()
+    with open(path, "wb") as f:
+        for _ in range(max(nbytes // len(block), 1)):
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+    write = path.stat().st_size / (time.perf_counter() - start)
+    fd = os.open(path, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    start = time.perf_counter()
+    while os.read(fd, 16 * 2**20):
+        pass
+    os.close(fd)
+    read = path.stat().st_size / (time.perf_counter() - start)
+    path.unlink()
+    return write, read
+
+
+def _trainer(argv: list[str]):
+    from hetu_ext.megatron.args import build_parser, validate_args
+    from hetu_ext.megatron.trainer import build_trainer
+
+    args = build_parser().parse_args(argv)
+    validate_args(args)
+    return build_trainer(args)
+
+
+def save_body(rank: int, world: int, argv: list[str], directory: str, system: str) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from hetu_ext.megatron import checkpointing
+
+    trainer = _trainer(argv)
+    trainer.train(log=lambda line: None)  # one step: Adam's moments exist
+    pieces = checkpointing.state_pieces(trainer.placement)
+    dist.barrier()
+    start = time.perf_counter()
+    if system == "hetu":
+        ckpt = checkpointing.save_hetu(trainer, directory, blocking=False)
+        blocking = ckpt.last["blocking_s"]
+        ckpt.wait()
+        written = ckpt.last["bytes"]
+        total = time.perf_counter() - start
+        flat = torch.cat([p.tensor.reshape(-1) for p in pieces])[: int(written) // 4]
+        copy_start = time.perf_counter()  # a plain host copy of as many bytes as this rank snapshotted
+        torch.empty_like(flat).copy_(flat)
+        host_copy = time.perf_counter() - copy_start
+    else:
+        _save_megatron_fully_parallel(trainer, directory)
+        blocking = total = time.perf_counter() - start
+        host_copy = None
+    dist.barrier()
+    return {"blocking_s": blocking, "total_s": total, "host_copy_s": host_copy,
+            "state_bytes": sum(p.tensor.numel() * p.tensor.element_size() for p in pieces)}
+
+
+def _save_megatron_fully_parallel(trainer, directory: str) -> None:
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+
+    path = Path(directory) / "iter_0000001"
+    if trainer.host.rank == 0:
+        path.mkdir(parents=True, exist_ok=True)
+    import torch.distributed as dist
+
+    dist.barrier()
+    strategy = FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy(),
+                                                parallel_state.get_data_parallel_group(with_context_parallel=True))
+    model_sd = trainer.model.module.sharded_state_dict()
+    state = {"model": model_sd, "optimizer": trainer.optimizer.sharded_state_dict(model_sd, is_loading=False)}
+    dist_checkpointing.save(state, str(path), sharded_strategy=strategy)
+    dist.barrier()
+    if trainer.host.rank == 0:
+        torch_save_common(trainer, path)
+        (Path(directory) / "latest_checkpointed_iteration.txt").write_text("1")
+
+
+def torch_save_common(trainer, path: Path) -> None:
+    import torch
+
+    torch.save({"iteration": trainer.iteration, "scheduler": trainer.scheduler.state_dict(),
+                "losses": trainer.losses}, path / "hetu_common.pt")
+
+
+def load_body(rank: int, world: int, argv: list[str], directory: str, system: str) -> dict:
+    import torch.distributed as dist
+
+    from hetu_ext.checkpoint.shardfile import BY_NAME
+    from hetu_ext.megatron import checkpointing
+
+    trainer = _trainer(argv)
+    dist.barrier()
+    start = time.perf_counter()
+    if system == "hetu":
+        report = checkpointing.load_hetu(trainer, directory)
+        read = report.bytes_read
+        phases = {"read_s": report.read_s, "reshard_s": report.reshard_s}
+        needed = sum(math.prod(t.shape) * BY_NAME[t.dtype].itemsize for t in report.manifest.tensors)
+    else:
+        checkpointing.load_torch_dist(trainer, directory)
+        read, needed, phases = None, None, {}
+    dist.barrier()
+    return {"total_s": time.perf_counter() - start, "bytes_read": read, "bytes_needed": needed, **phases}
+
+
+def model_argv(args, ranks: int, extra: tuple[str, ...] = ()) -> list[str]:
+    return ["--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size), "--num-attention-heads",
+            "8", "--seq-length", "32", "--micro-batch-size", "1", "--global-batch-size", str(args.global_batch),
+            "--train-iters", "1", "--lr", "1e-4", "--mock-data", "--hidden-dropout", "0", "--attention-dropout", "0",
+            "--hetu-runtime", "megatron", *extra]
+
+
+def main() -> None:
+    from hetu_ext.testing.multiproc import run_ranks
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hidden-size", type=int, default=1024)
+    p.add_argument("--num-layers", type=int, default=8)
+    p.add_argument("--save-ranks", type=int, default=2)
+    p.add_argument("--load-ranks", type=int, default=3)
+    p.add_argument("--global-batch", type=int, default=6, help="divisible by both rank counts")
+    p.add_argument("--dir", default=None, help="where checkpoints go (default: a temporary directory)")
+    args = p.parse_args()
+    root = Path(args.dir or tempfile.mkdtemp(prefix="hetu_ckpt_bench_"))
+    root.mkdir(parents=True, exist_ok=True)
+    write_bps, read_bps = disk_bandwidth(root, 1 << 30)
+    print(f"model: {args.num_layers} layers, hidden {args.hidden_size}; save on {args.save_ranks} ranks, load on "
+          f"{args.load_ranks}; dir {root}\ndisk: write {write_bps / 1e9:.2f} GB/s, read {read_bps / 1e9:.2f} GB/s")
+    rows = []
+    for system in ("hetu", "megatron"):
+        directory = str(root / system)
+        saved = run_ranks(save_body, args.save_ranks, model_argv(args, args.save_ranks), directory, system,
+                          timeout=1800)
+        rows.append({"system": system, "op": "save", "from": args.save_ranks, "to": args.save_ranks,
+                     "blocking_s": max(r["blocking_s"] for r in saved), "total_s": max(r["total_s"] for r in saved),
+                     "host_copy_s": max((r["host_copy_s"] or 0.0) for r in saved) or None, "bytes_read": None,
+                     "bytes_needed": None, "state_bytes": saved[0]["state_bytes"]})
+        loaded = run_ranks(load_body, args.load_ranks, model_argv(args, args.load_ranks), directory, system,
+                           timeout=1800)
+        needed = loaded[0]["bytes_needed"]
+        if system == "hetu":
+            print("hetu load phases per rank: " + ", ".join(f"read {r['read_s']:.2f} s + reshard {r['reshard_s']:.2f} s"
+                                                            for r in loaded))
+        rows.append({"system": system, "op": "reshard_load", "from": args.save_ranks, "to": args.load_ranks,
+                     "blocking_s": max(r["total_s"] for r in loaded), "total_s": max(r["total_s"] for r in loaded),
+                     "bytes_read": sum(r["bytes_read"] for r in loaded) if system == "hetu" else None,
+                     "bytes_needed": needed})
+        shutil.rmtree(directory, ignore_errors=True)
+    print(f"\n{'system':<9} {'op':<13} {'from->to':<9} {'blocking s':>10} {'total s':>8} {'host copy s':>11} "
+          f"{'GB read':>8} {'GB needed':>9}")
+    for r in rows:
+        gb = lambda v: f"{v / 1e9:.3f}" if v else "-"  # noqa: E731
+        copy = f"{r['host_copy_s']:.3f}" if r.get("host_copy_s") else "-"
+        print(f"{r['system']:<9} {r['op']:<13} {str(r['from']) + '->' + str(r['to']):<9} {r['blocking_s']:>10.3f} "
+              f"{r['total_s']:>8.3f} {copy:>11} {gb(r['bytes_read']):>8} {gb(r['bytes_needed']):>9}")
+    print(json.dumps({"disk_write_bps": write_bps, "disk_read_bps": read_bps, "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()
