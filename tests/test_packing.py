@@ -122,6 +122,27 @@ def test_hetu_within_4_percent_of_the_milp_optimum_and_bound_below_it(seed):
     assert max(a.predicted_s) <= optimum * 1.04
 
 
+def _identical_instance(seed: int) -> tuple[list[int], list[ReplicaSpec]]:
+    rng = np.random.default_rng(100 + seed)
+    n, r, pp = int(rng.integers(5, 8)), int(rng.integers(2, 4)), 2 + seed % 3
+    lengths = np.minimum(np.rint(rng.lognormal(6.5, 1.3, n)).astype(int) + 1, 4096).tolist()
+    cost = LengthCost(a=float(rng.choice([1e-10, 1e-9, 1e-8])), b=1e-5, c=(0.0, 1e-3, 1e-2)[seed % 3])
+    return lengths, [ReplicaSpec(stage_costs=(cost,) * pp, token_capacity=4096)] * r
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_identical_pipelines_within_2_percent_of_the_milp_and_anchored_bound_valid(seed):
+    """Identical replicas of 2-4 stages (where the anchored bound applies, c = 0 included: a 0 x inf there once
+    made the bound 8-28x the optimum): the bound must stay at or below the HiGHS optimum and the heuristic within
+    2% of it (worst of 40 such random instances measured: 1.3%)."""
+    lengths, replicas = _identical_instance(seed)
+    optimum = optimal_max_time(lengths, replicas)
+    a = assign(lengths, replicas)
+    _check_invariants(a, lengths, replicas)
+    assert a.lower_bound_s <= optimum * (1 + 1e-6)
+    assert max(a.predicted_s) <= optimum * 1.02
+
+
 def _hetero_plan() -> Plan:
     def stage(ranks, start, stop, j, p):
         return Stage(ranks=tuple(ranks), layer_start=start, layer_stop=stop, has_embedding=j == 0,

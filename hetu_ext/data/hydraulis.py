@@ -55,21 +55,22 @@ class ReplicaArrays:
         rep = np.argmax(self.a * share_q + self.b * share_s + self.c, axis=1)
         rows = np.arange(r)
         self.ra, self.rb, self.rc = self.a[rows, rep], self.b[rows, rep], self.c[rows, rep]
-        self.stages = [[(c.a, c.b, c.c) for c in x.stage_costs] for x in replicas]
-        """Per replica, (a, b, c) of each stage as Python floats (stage 2 works on small lists)."""
+        self.stages = [sorted({(c.a, c.b, c.c) for c in x.stage_costs}) for x in replicas]
+        """Per replica, the distinct (a, b, c) of its stages as Python floats (stage 2 works on small lists)."""
         self.lengths: list[int] = s.tolist()
 
 
-def assign_hetu(s: np.ndarray, replicas: Sequence[ReplicaSpec]) -> list[list[list[int]]]:
+def assign_hetu(s: np.ndarray, replicas: Sequence[ReplicaSpec], *, bound_s: float = 0.0) -> list[list[list[int]]]:
     """[replica][microbatch] -> document indices: stage 1 across replicas, stage 2 within each.
 
     With pipelines (some pp > 1) stage 1 also tries level-based first-fit-decreasing (:func:`_stage1_levels`)
-    and keeps whichever of the two gives the lower slowest replica after stage 2; then refines that one."""
+    and keeps whichever of the two gives the lower slowest replica after stage 2; then refines that one.
+    ``bound_s``: a lower bound on the slowest replica (seconds), where the level search starts."""
     rep = ReplicaArrays(replicas, s)
     shares = _stage1(s, rep)
     packed = [_stage2(s, share, rep, r) for r, share in enumerate(shares)]
     if np.any(rep.pp > 1) and s.size:
-        other = _stage1_levels(s, rep, max(t for _, t in packed))
+        other = _stage1_levels(s, rep, max(t for _, t in packed), bound_s)
         if other is not None:
             packed_other = [_stage2(s, share, rep, r) for r, share in enumerate(other)]
             if max(t for _, t in packed_other) < max(t for _, t in packed):
@@ -78,14 +79,15 @@ def assign_hetu(s: np.ndarray, replicas: Sequence[ReplicaSpec]) -> list[list[lis
     return [packs for packs, _ in packed]
 
 
-def _stage1_levels(s: np.ndarray, rep: ReplicaArrays, high: float, grid: int = 12, rounds: int = 2,
+def _stage1_levels(s: np.ndarray, rep: ReplicaArrays, high: float, low: float, grid: int = 16,
                    low_fraction: float = 0.8) -> list[list[int]] | None:
     """Pipelines pay ``pp - 1`` times their costliest microbatch, so spreading the longest documents one per
     replica (what LPT does) makes every replica pay a long fill and drain. Instead, for a level T, documents
     longest first go to the first replica (fastest first) where ``W + c n + (pp - 1)(d_max + c) <= T`` still
     holds (each document its own microbatch: stage 2 can only do better): long documents share replicas and the
-    short ones end up together, paying a short fill (MULTIFIT). ``grid`` levels in [low_fraction x high, high]
-    are filled at once (vectorised), ``rounds`` times narrowing on the lowest that fits; its shares, or None."""
+    short ones end up together, paying a short fill (MULTIFIT). ``grid`` levels between ``low`` (a lower bound;
+    at least low_fraction x high) and ``high`` are filled at once (vectorised), once more on the narrowed range
+    if that was wider than 6%; the shares of the lowest level that fits, or None."""
     order = np.lexsort((np.arange(s.size), -s))
     speed = np.argsort(rep.ra * 1024.0 ** 2 + rep.rb * 1024.0, kind="stable")  # fastest first
     ra, rb, rc, pp, cap = rep.ra[speed], rep.rb[speed], rep.rc[speed], rep.pp[speed], rep.cap[speed]
@@ -110,8 +112,8 @@ def _stage1_levels(s: np.ndarray, rep: ReplicaArrays, high: float, grid: int = 1
             where[:, k] = j
         return alive, where
 
-    lo, hi, found = low_fraction * high, high, None
-    for _ in range(rounds):
+    lo, hi, found = max(low, low_fraction * high), high, None
+    for _ in range(1 if hi - lo <= 0.06 * hi else 2):
         levels = np.linspace(lo, hi, grid + 1)[1:]
         alive, where = fill(levels)
         if not alive.any():
@@ -187,7 +189,7 @@ def _stage2(s: np.ndarray, idx: Sequence[int], rep: ReplicaArrays, r: int) -> tu
     # window of counts around it (the fill stops shrinking once W / M < top, so M* <= W / top + 1)
     m_star = math.sqrt((pp - 1) * total / c) if c > 0 else float(len(lens))
     m_star = min(m_star, total / top + 1 if top > 0 else m_star)
-    first = max(len(best) + 1, int(m_star) - _WINDOW)
+    first = max(len(best), int(m_star) - _WINDOW)  # at the first-fit count too: LPT may balance it better
     for m in range(first, min(len(lens), int(m_star) + _WINDOW + 1) + 1):
         if total + c * m + (pp - 1) * (max(total / m, top) + c) >= best_t:
             continue
@@ -249,15 +251,19 @@ def _time(packs: list[list[int]], rep: ReplicaArrays, r: int) -> float:
             n = sl[i]
             q += n * n
             tok += n
-        times.append(max(a * q + b * tok + c for a, b, c in stages))
-    return sum(times) + (len(stages) - 1) * max(times)
+        if len(stages) == 1:
+            a, b, c = stages[0]
+            times.append(a * q + b * tok + c)
+        else:
+            times.append(max(a * q + b * tok + c for a, b, c in stages))
+    return sum(times) + (rep.pp[r] - 1) * max(times)
 
 
 def _refine(s: np.ndarray, rep: ReplicaArrays, shares: list[list[int]],
             packed: list[tuple[list[list[int]], float]], max_steps: int | None = None,
-            candidates: int = 4) -> None:
+            candidates: int = 4, tries: int = 3) -> None:
     """Move one document, or swap two, between the slowest replica and one of the ``candidates`` fastest while
-    stage 2 confirms the pair's maximum drops (in place)."""
+    stage 2 confirms the pair's maximum drops (in place); per pair, the ``tries`` best exchanges by estimate."""
     r_count = len(shares)
     for _ in range(max_steps if max_steps is not None else 2 * r_count):
         times = np.array([t for _, t in packed])
@@ -266,45 +272,40 @@ def _refine(s: np.ndarray, rep: ReplicaArrays, shares: list[list[int]],
         for q in np.argsort(times, kind="stable")[:candidates].tolist():
             if q == r:
                 continue
-            trial = _best_exchange(s, rep, shares, times, r, q)
-            if trial is None:
-                continue
-            new_r, new_q = trial
-            pr = _stage2(s, new_r, rep, r)
-            pq = _stage2(s, new_q, rep, q)
-            if max(pr[1], pq[1]) < times[r] * (1 - 1e-9):
-                shares[r], shares[q], packed[r], packed[q] = new_r, new_q, pr, pq
-                improved = True
+            for new_r, new_q in _exchanges(s, rep, shares, times, r, q, tries):
+                pr = _stage2(s, new_r, rep, r)
+                pq = _stage2(s, new_q, rep, q)
+                if max(pr[1], pq[1]) < times[r] * (1 - 1e-9):
+                    shares[r], shares[q], packed[r], packed[q] = new_r, new_q, pr, pq
+                    improved = True
+                    break
+            if improved:
                 break
         if not improved:
             return
 
 
-def _best_exchange(s: np.ndarray, rep: ReplicaArrays, shares: list[list[int]], times: np.ndarray, r: int,
-                   q: int) -> tuple[list[int], list[int]] | None:
-    """The move (r -> q) or swap whose estimated pair maximum is lowest, if below replica r's time."""
+def _exchanges(s: np.ndarray, rep: ReplicaArrays, shares: list[list[int]], times: np.ndarray, r: int, q: int,
+               top: int) -> list[tuple[list[int], list[int]]]:
+    """Up to ``top`` moves (r -> q) or swaps whose estimated pair maximum is lowest and below replica r's time,
+    best first, as the two new shares. The estimate prices documents without fill, drain or c."""
     dr, dq = np.asarray(shares[r], dtype=np.int64), np.asarray(shares[q], dtype=np.int64)
     if dr.size == 0:
-        return None
+        return []
     lr, lq = s[dr].astype(np.float64), s[dq].astype(np.float64)
-    on_r = lambda x: rep.ra[r] * x * x + rep.rb[r] * x
-    on_q = lambda x: rep.ra[q] * x * x + rep.rb[q] * x
-    gain_r, cost_q = on_r(lr), on_q(lr)
+    gain_r, cost_q = rep.ra[r] * lr * lr + rep.rb[r] * lr, rep.ra[q] * lr * lr + rep.rb[q] * lr
     moves = np.maximum(times[r] - gain_r, times[q] + cost_q)
     moves[lr > rep.cap[q]] = np.inf
-    best_move = int(np.argmin(moves))
-    best, pick = moves[best_move], (best_move, -1)
-    if dq.size:
-        swap = np.maximum(times[r] - gain_r[:, None] + on_r(lq)[None, :],
-                          times[q] - on_q(lq)[None, :] + cost_q[:, None])
-        swap[(lr[:, None] > rep.cap[q]) | (lq[None, :] > rep.cap[r])] = np.inf
-        swap[lr[:, None] == lq[None, :]] = np.inf
-        flat = int(np.argmin(swap))
-        if swap.flat[flat] < best:
-            best, pick = swap.flat[flat], divmod(flat, dq.size)
-    if not best < times[r]:
-        return None
-    i, j = pick
-    new_r = [x for k, x in enumerate(shares[r]) if k != i] + ([int(dq[j])] if j >= 0 else [])
-    new_q = [x for k, x in enumerate(shares[q]) if k != j] + [int(dr[i])]
-    return new_r, new_q
+    swap = np.maximum(times[r] - gain_r[:, None] + (rep.ra[r] * lq * lq + rep.rb[r] * lq)[None, :],
+                      times[q] - (rep.ra[q] * lq * lq + rep.rb[q] * lq)[None, :] + cost_q[:, None])
+    swap[(lr[:, None] > rep.cap[q]) | (lq[None, :] > rep.cap[r]) | (lr[:, None] == lq[None, :])] = np.inf
+    scores = np.concatenate([moves, swap.ravel()])  # move i, then swap (i, j) at dr.size + i * dq.size + j
+    out = []
+    for k in np.argsort(scores, kind="stable")[:top].tolist():
+        if not scores[k] < times[r]:
+            break
+        i, j = (k, -1) if k < dr.size else divmod(k - dr.size, dq.size)
+        new_r = [x for n, x in enumerate(shares[r]) if n != i] + ([int(dq[j])] if j >= 0 else [])
+        new_q = [x for n, x in enumerate(shares[q]) if n != j] + [int(dr[i])]
+        out.append((new_r, new_q))
+    return out

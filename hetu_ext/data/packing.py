@@ -151,6 +151,7 @@ def assign(lengths: Sequence[int], replicas: Sequence[ReplicaSpec], *, method: s
         raise ValueError(f"assign({method}): document {int(s.argmax())} has {int(s.max())} tokens, more than the "
                          f"token capacity {limit}; split documents longer than the capacity first "
                          "(hetu_ext.data.lengths.split_long)")
+    bound = lower_bound_s(s, replicas)
     if method == "megatron":
         packs = _in_order(s, limit)
         per = _deal_contiguous(packs, len(replicas))
@@ -159,11 +160,11 @@ def assign(lengths: Sequence[int], replicas: Sequence[ReplicaSpec], *, method: s
     elif method == "greedy":
         per = _greedy_tokens(s, replicas)
     else:
-        per = assign_hetu(s, replicas)
+        per = assign_hetu(s, replicas, bound_s=bound)
     lengths_list = s.tolist()
     times = tuple(r.time_s(p, lengths_list) for r, p in zip(replicas, per))
     out = Assignment(microbatches=tuple(tuple(tuple(int(i) for i in p) for p in rep) for rep in per),
-                     predicted_s=times, lower_bound_s=lower_bound_s(s, replicas))
+                     predicted_s=times, lower_bound_s=bound)
     _check(out, s, replicas)
     logger.debug("assign(%s): %d documents, %d replicas, max %.4g s, bound %.4g s, gap %.3f", method, s.size,
                  len(replicas), max(times), out.lower_bound_s, out.gap)

@@ -74,8 +74,9 @@ def _work_capacity(levels: np.ndarray, m: np.ndarray, pp: float, c: float, steps
 
     def f(w: np.ndarray) -> np.ndarray:
         m_hi = np.maximum(1.0, np.divide(w, m, out=np.full_like(w, np.inf), where=m > 0))
-        m_star = np.sqrt((pp - 1) * w / c) if c > 0 else m_hi
-        mm = np.clip(m_star, 1.0, m_hi)
+        if c <= 0:  # microbatches are free: as many as it takes for the fill to reach m (w / inf = 0)
+            return w + (pp - 1) * np.maximum(w / m_hi, m)
+        mm = np.clip(np.sqrt((pp - 1) * w / c), 1.0, m_hi)
         return w + (pp - 1) * c + c * mm + (pp - 1) * np.maximum(w / mm, m)
 
     lo, hi = m.copy(), np.broadcast_to(levels, m.shape).astype(np.float64)
