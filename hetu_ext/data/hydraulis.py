@@ -69,7 +69,7 @@ def assign_hetu(s: np.ndarray, replicas: Sequence[ReplicaSpec], *, bound_s: floa
     rep = ReplicaArrays(replicas, s)
     shares = _stage1(s, rep)
     packed = [_stage2(s, share, rep, r) for r, share in enumerate(shares)]
-    if np.any(rep.pp > 1) and s.size:
+    if np.any(rep.pp > 1) and s.size and max(t for _, t in packed) > bound_s * (1 + 1e-3):  # else optimal
         other = _stage1_levels(s, rep, max(t for _, t in packed), bound_s)
         if other is not None:
             packed_other = [_stage2(s, share, rep, r) for r, share in enumerate(other)]
