@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -37,7 +39,8 @@ from hetu_ext.plan.plan import uniform_plan
 NUM_LAYERS = 32
 
 
-def balance_rows(args: argparse.Namespace, log=print) -> list[dict]:
+def balance_rows(args: argparse.Namespace, log: Callable[[str], None] = print) -> list[dict]:
+    """One row per (max_len, replicas, method): medians over ``args.steps`` global batches; prints a table."""
     lengths = read_lengths(args.lengths)
     lengths = lengths[np.random.default_rng(args.seed).permutation(lengths.size)]
     cost = load_cost_table(args.cost) if args.cost else CostTable()
@@ -96,9 +99,8 @@ def main() -> None:
     import scipy
 
     cost = args.cost or "built-in A100 FLOP model (hetu_ext.data.cost)"
-    print(f"# date {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.machine()} "
-          f"{platform.processor() or ''}, Python {platform.python_version()}, numpy {np.__version__}, "
-          f"scipy {scipy.__version__}")
+    print(f"# date {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.machine()}, {os.cpu_count()} "
+          f"CPUs, Python {platform.python_version()}, numpy {np.__version__}, scipy {scipy.__version__}")
     print(f"config: lengths {args.lengths} (seed {args.seed} order), max_len {args.max_lens}, replicas "
           f"{args.replicas}, global batch = replicas x {args.tokens_per_replica} x max_len tokens, uniform plan "
           f"TP 1 x PP {args.pp}, {NUM_LAYERS} layers, cost {cost}, {args.steps} steps per row (medians; gap_max = "
