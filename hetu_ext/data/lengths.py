@@ -207,7 +207,8 @@ def batch_bounds(lengths: np.ndarray, *, tokens: int | None = None, samples: int
 
     Exactly one definition: ``samples`` documents per batch, or ``tokens``: consecutive documents while their sum
     stays within the budget (a document longer than the budget forms a batch alone). The final batch, if it
-    holds fewer documents (tokens) than the batch size, is kept unless ``drop_last``. Deterministic; every document in exactly one batch (dropped ones excepted).
+    holds fewer documents (tokens) than the batch size, is kept unless ``drop_last``. Deterministic; every
+    document in exactly one batch (dropped ones excepted).
     """
     if (tokens is None) == (samples is None):
         raise ValueError("a global batch is defined by a token budget or by a sample count: give exactly one of "

@@ -16,14 +16,16 @@ Methods (all keep every document index exactly once and every microbatch within 
 * ``ffd``: first-fit-decreasing by tokens into the fewest packs, dealt round-robin (equal microbatch counts).
 * ``greedy``: DeepSpeed-style: documents, longest first, to the replica with the fewest tokens; each replica's
   share packed first-fit in that order.
-* ``hetu``: ours, two stages (Hydraulis). Stage 1 spreads documents, most expensive first, to the replica whose
-  estimated time after taking it is lowest (speed, depth and capacity aware), then moves or swaps documents from
-  the slowest replica while that lowers it. Stage 2 packs each share into the microbatch count that minimises
-  ``sum + (pp - 1) max`` (first-fit-decreasing for pp = 1; capacity-aware longest-processing-time per count for
-  pp > 1). Cost: O(N R) numpy for stage 1, O(n M) per replica for stage 2.
+* ``hetu``: ours, two stages (Hydraulis, :mod:`hetu_ext.data.hydraulis`). Stage 1 spreads documents, most
+  expensive first, to the replica whose estimated time after taking it is lowest (speed, depth and capacity
+  aware; O(classes + log R) per document); with pipelines it also tries level-based first-fit-decreasing, which
+  keeps long documents together so fewer replicas pay a long fill and drain (O(N R) numpy per level grid).
+  Stage 2 packs each share into the microbatch count that minimises ``sum + (pp - 1) max`` (first-fit-decreasing
+  for pp = 1; capacity-aware longest-processing-time for counts near the best estimate when pp > 1). Then
+  documents are moved or swapped from the slowest replica while stage 2 confirms it helps.
 
-:func:`~hetu_ext.data.packing_bound.lower_bound_s` certifies each result: no assignment of the same documents can make the slowest replica
-faster than it (a fractional relaxation, see its docstring).
+:func:`~hetu_ext.data.packing_bound.lower_bound_s` certifies each result: no assignment of the same documents can
+make the slowest replica faster than it (relaxations, see its docstring).
 """
 
 from __future__ import annotations

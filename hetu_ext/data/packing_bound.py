@@ -90,13 +90,17 @@ def _work_capacity(levels: np.ndarray, m: np.ndarray, pp: float, c: float, steps
 
 def _anchored_bound(s: np.ndarray, rep: ReplicaArrays, start: float, grid: int = 24, rounds: int = 2) -> float:
     """Identical replicas: a level T is feasible only if the replicas' capacities, each lowered by the costliest
-    document it must hold, cover the work. If the k costliest documents (costs d_1 >= .. >= d_k) do not fit in
-    fewer than J_k replicas (by volume: the forced anchors below hold C_T of their own, any other replica at most
-    C_T(d_k); or by count, a replica
-    holding at most ``floor(C_T(d_k) / d_k)`` of them), at least J_k replicas hold a document costing >= d_k, so the
-    j-th costliest replica maximum is >= d_k for the first k with J_k >= j; and a document d_k larger than the
-    spare room ``C_T(d_{k-1}) - d_{k-1}`` of any bigger anchor is itself the maximum of its replica, so the j-th
-    costliest maximum is also >= the j-th such document. The total capacity is at most sum_j C_T(that anchor). Levels are tested ``grid`` at a time (vectorised) from ``start`` (a valid bound) up."""
+    document it must hold, cover the work.
+
+    * J_k: if the k costliest documents (costs d_1 >= .. >= d_k) do not fit in fewer than J_k replicas (by
+      volume: the forced anchors below hold C_T of their own, any other replica at most C_T(d_k); or by count: a
+      replica holds at most ``floor(C_T(d_k) / d_k)`` of them), at least J_k replicas hold a document costing
+      >= d_k, so the j-th costliest replica maximum is >= d_k for the first k with J_k >= j;
+    * forced anchors: a document d_k larger than the spare room ``C_T(d_{k-1}) - d_{k-1}`` of any bigger anchor is
+      itself the maximum of its replica, so the j-th costliest maximum is also >= the j-th such document.
+
+    The total capacity is then at most sum_j C_T(that anchor). Levels are tested ``grid`` at a time (vectorised)
+    from ``start`` (a valid bound) up; the returned level is one that failed, so the bound stays valid."""
     r = rep.pp.size
     pp, c = float(rep.pp[0]), float(rep.rc[0])
     d = np.sort(rep.ra[0] * np.square(s, dtype=np.float64) + rep.rb[0] * s)[::-1]
