@@ -33,7 +33,7 @@ class SequenceTable:
     """(N,) int64: its training positions (tokens of input), 1..max_len."""
 
     @classmethod
-    def from_documents(cls, token_counts: np.ndarray, max_len: int) -> "SequenceTable":
+    def from_documents(cls, token_counts: np.ndarray, max_len: int) -> SequenceTable:
         """Cut documents of ``token_counts`` tokens into sequences of at most ``max_len`` positions; documents of
         fewer than 2 tokens have no training position and give none."""
         positions = np.asarray(token_counts, dtype=np.int64) - 1
