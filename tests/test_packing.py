@@ -124,7 +124,7 @@ def test_hetu_within_4_percent_of_the_milp_optimum_and_bound_below_it(seed):
 
 def _identical_instance(seed: int) -> tuple[list[int], list[ReplicaSpec]]:
     rng = np.random.default_rng(100 + seed)
-    n, r, pp = int(rng.integers(5, 8)), int(rng.integers(2, 4)), 2 + seed % 3
+    n, r, pp = int(rng.integers(5, 7)), int(rng.integers(2, 4)), 2 + seed % 3
     lengths = np.minimum(np.rint(rng.lognormal(6.5, 1.3, n)).astype(int) + 1, 4096).tolist()
     cost = LengthCost(a=float(rng.choice([1e-10, 1e-9, 1e-8])), b=1e-5, c=(0.0, 1e-3, 1e-2)[seed % 3])
     return lengths, [ReplicaSpec(stage_costs=(cost,) * pp, token_capacity=4096)] * r
