@@ -91,9 +91,7 @@ def _stage1_levels(s: np.ndarray, rep: ReplicaArrays, high: float, low: float, g
     order = np.lexsort((np.arange(s.size), -s))
     speed = np.argsort(rep.ra * 1024.0 ** 2 + rep.rb * 1024.0, kind="stable")  # fastest first
     ra, rb, rc, pp, cap = rep.ra[speed], rep.rb[speed], rep.rc[speed], rep.pp[speed], rep.cap[speed]
-    lengths = s[order].astype(np.float64)
-    costs = np.outer(lengths * lengths, ra) + np.outer(lengths, rb) + rc  # (N, R): one document, one microbatch
-    fits_cap = lengths[:, None] <= cap[None, :]
+    lengths = s[order].astype(np.float64).tolist()
 
     def fill(levels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(L,) fits and (L, N) replica of each document, for every level at once."""
@@ -102,9 +100,10 @@ def _stage1_levels(s: np.ndarray, rep: ReplicaArrays, high: float, low: float, g
         opened = np.zeros(room.shape, dtype=bool)
         alive = np.ones(levels.size, dtype=bool)
         where = np.zeros((levels.size, s.size), dtype=np.int64)
-        for k in range(s.size):
-            need = np.where(opened, costs[k], pp * costs[k])
-            ok = (need <= room) & fits_cap[k]
+        for k, n in enumerate(lengths):
+            cost = ra * (n * n) + rb * n + rc  # (R,): the document alone in a microbatch
+            need = np.where(opened, cost, pp * cost)
+            ok = (need <= room) & (cap >= n)
             j = np.argmax(ok, axis=1)
             alive &= ok[rows, j]
             room[rows, j] -= need[rows, j]
