@@ -24,6 +24,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -74,11 +75,16 @@ def balance_rows(args: argparse.Namespace, log: Callable[[str], None] = print) -
 
 
 def real_rows(args: argparse.Namespace) -> list[dict]:
-    """Real CPU training with 2 ranks (DP 2, then PP 2): tokens/s per packing method. Filled in by the training
-    integration; returns [] unless ``--real``."""
+    """Real CPU training with 2 ranks (DP 2, then PP 2): tokens/s per packing method (benchmarks/packing_real.py);
+    [] unless ``--real``."""
     if not args.real:
         return []
-    raise NotImplementedError("the real-training part of benchmarks/packing.py is not written yet")
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import packing_real
+
+    return packing_real.real_rows(argparse.Namespace(
+        max_len=args.real_max_len, batch_tokens=args.real_batch_tokens, steps=args.real_steps,
+        rounds=args.real_rounds, lengths=Path(args.lengths)))
 
 
 def main() -> None:
@@ -95,6 +101,10 @@ def main() -> None:
     parser.add_argument("--cost", default=None, help="cost table YAML (default: built-in A100 FLOP model)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--real", action="store_true", help="also train for real on CPU (2 ranks)")
+    parser.add_argument("--real-max-len", type=int, default=4096)
+    parser.add_argument("--real-batch-tokens", type=int, default=32768)
+    parser.add_argument("--real-steps", type=int, default=6)
+    parser.add_argument("--real-rounds", type=int, default=2)
     args = parser.parse_args()
     import scipy
 

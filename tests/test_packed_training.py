@@ -211,3 +211,12 @@ def test_concat_baselines_cover_every_position_once(method):
     finally:
         for s in steps:
             s.close()
+
+
+def test_a_pipeline_the_packer_leaves_empty_gets_a_sequence():
+    """Each pipeline's schedule and gradient sync take part in every step, so a pipeline with no document (fewer
+    documents than pipelines, or a far slower pipeline) receives the shortest sequence of the fullest one."""
+    from hetu_ext.megatron.packed_data import _fill_empty
+
+    per = [[[(1, 0, 30), (2, 0, 5)], [(3, 0, 9)]], [], [[(4, 0, 7)]]]
+    assert _fill_empty(per) == [[[(1, 0, 30)], [(3, 0, 9)]], [[(2, 0, 5)]], [[(4, 0, 7)]]]

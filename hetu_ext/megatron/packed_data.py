@@ -154,11 +154,11 @@ class PackedSteps:
         future = self._ahead.pop(g, None)
         ids, per, predicted = future.result() if future is not None else self.plan_step(g)
         self._ahead = {g + 1: self._pool.submit(self.plan_step, g + 1)}
-        mine = per[self.pipeline]
-        if not mine:
+        if sum(len(mb) for rep in per for mb in rep) < len(per):
             raise ValueError(f"step {g + 1}: the global batch has too few sequences ({ids.size}) to give each of "
                              f"the plan's {len(per)} pipelines a microbatch; raise --global-batch-size or "
                              "--hetu-global-batch-tokens")
+        mine = _fill_empty(per)[self.pipeline]
         return StepData(microbatches=[self._collate(mb) for mb in mine], sequences=int(ids.size),
                         tokens=int(self.table.length[ids].sum()), predicted_s=predicted,
                         shapes=[(sum(n for *_, n in mb), sum(n * n for *_, n in mb)) for mb in mine])
@@ -186,6 +186,21 @@ class PackedSteps:
             batch["packed_seq_params"] = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                                                          max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
         return batch
+
+
+def _fill_empty(per: list[list[list[Segment]]]) -> list[list[list[Segment]]]:
+    """Every pipeline must run a microbatch (its schedule and gradient sync take part in the step): a pipeline the
+    packer left empty (documents fewer than pipelines, or one pipeline far slower) gets the shortest segment of
+    the pipeline holding the most. Deterministic, so every rank agrees."""
+    for empty in [r for r, rep in enumerate(per) if not rep]:
+        donor = max(range(len(per)), key=lambda r: (sum(len(mb) for mb in per[r]), -r))
+        m, k = min(((m, k) for m, mb in enumerate(per[donor]) for k in range(len(mb))),
+                   key=lambda mk: (per[donor][mk[0]][mk[1]][2], mk))
+        segment = per[donor][m].pop(k)
+        if not per[donor][m]:
+            per[donor].pop(m)
+        per[empty].append([segment])
+    return per
 
 
 def _concat_cut(ids: np.ndarray, lengths: np.ndarray, max_len: int) -> list[Segment]:
