@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hetu_ext.checkpoint.reader import latest_iteration
+from hetu_ext.checkpoint.reader import ShardReader, latest_iteration, read_manifest
 from hetu_ext.checkpoint.storage import LocalStorage
 from hetu_ext.testing.multiproc import RankError
 from test_ckpt_resume import SCHEDULE, _run
@@ -22,6 +22,10 @@ def test_corrupt_latest_is_reported_and_fallback_resumes_exactly(sample_prefix, 
     full = _run(2, _argv(2, 1, sample_prefix, common + ("--save", str(ckpt), "--save-interval", "2")))["final"]
     assert latest_iteration(LocalStorage(ckpt)) == 4
     assert sorted(p.name for p in ckpt.glob("iter_*")) == ["iter_0000002", "iter_0000004"]
+    # the second save reused the first one's host buffers: it must still hold step 4's state exactly
+    stored = ShardReader(LocalStorage(ckpt), read_manifest(LocalStorage(ckpt), 4)).read_full()
+    assert stored.keys() == full["tensors"].keys()
+    assert all(torch.equal(stored[k], v) for k, v in full["tensors"].items())
     shard = ckpt / "iter_0000004" / "shard_00001.safetensors"
     data = bytearray(shard.read_bytes())
     data[len(data) - 100] ^= 0x01  # one bit of tensor data

@@ -99,8 +99,12 @@ def piece_meta(pieces: list[Piece]) -> list[tuple[TensorId, tuple, str, int]]:
 
 
 def take_snapshot(*, iteration: int, rank: int, world: int, token: str, pieces: list[Piece],
-                  metas: list[list[tuple]], rng: dict[str, Any], info: dict[str, Any] | None = None) -> Snapshot:
-    """Copy the cells this rank writes to host memory. ``metas[r]``: :func:`piece_meta` of rank r."""
+                  metas: list[list[tuple]], rng: dict[str, Any], info: dict[str, Any] | None = None,
+                  buffers: dict[str, torch.Tensor] | None = None) -> Snapshot:
+    """Copy the cells this rank writes to host memory. ``metas[r]``: :func:`piece_meta` of rank r.
+
+    ``buffers``: host tensors of a previous, fully persisted snapshot, reused where an entry has the same name,
+    shape and dtype (periodic saves of one layout then copy into memory that is already mapped)."""
     writes = assign_writes({r: [(t, box, size) for t, box, _, size in m] for r, m in enumerate(metas)})[rank]
     mine: dict[TensorId, list[Piece]] = defaultdict(list)
     for p in pieces:
@@ -109,9 +113,11 @@ def take_snapshot(*, iteration: int, rank: int, world: int, token: str, pieces: 
     for tensor, cell in writes:
         src = next(p for p in mine[tensor] if intersect(p.box, cell) == cell)
         view = src.tensor.detach()[tuple(slice(a - s0, b - s0) for (a, b), (s0, _) in zip(cell, src.box))]
-        host = torch.empty(view.shape, dtype=view.dtype, device="cpu")
-        host.copy_(view)
         name = _entry_name(tensor, cell)
+        host = (buffers or {}).get(name)
+        if host is None or host.shape != view.shape or host.dtype != view.dtype:
+            host = torch.empty(view.shape, dtype=view.dtype, device="cpu")
+        host.copy_(view)
         tensors[name] = host
         cells.append((tensor, cell, name))
     snap = Snapshot(iteration=iteration, rank=rank, world=world, token=token, tensors=tensors, cells=cells, rng=rng)
@@ -136,6 +142,8 @@ class Checkpointer:
         self.config = config or SaveConfig()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._buffers: dict[str, torch.Tensor] = {}
+        """Host memory of the last snapshot, reused by the next one once it is persisted."""
         self.last: dict[str, float] = {}
         """Timings of the latest save: blocking_s, persist_s (this rank), bytes written by this rank."""
 
@@ -151,7 +159,9 @@ class Checkpointer:
         everyone: list = [None] * world
         dist.all_gather_object(everyone, (piece_meta(pieces), uuid.uuid4().hex[:12]), group=group)
         snap = take_snapshot(iteration=iteration, rank=dist.get_rank(group), world=world, token=everyone[0][1],
-                             pieces=pieces, metas=[e[0] for e in everyone], rng=rng, info=info)
+                             pieces=pieces, metas=[e[0] for e in everyone], rng=rng, info=info,
+                             buffers=self._buffers)
+        self._buffers = snap.tensors  # reused after this snapshot is persisted (the next save waits for that)
         self.last = {"blocking_s": time.perf_counter() - start, "bytes": float(snap.nbytes)}
         self.persist(snap, blocking=blocking)
 
