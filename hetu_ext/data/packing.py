@@ -197,20 +197,10 @@ def _in_order(s: np.ndarray, capacity: int) -> list[list[int]]:
 
 def _first_fit_decreasing(s: np.ndarray, idx: np.ndarray, capacity: int) -> list[list[int]]:
     """First-fit-decreasing by tokens of documents ``idx`` (ties: lower index first)."""
+    from .hydraulis import _first_fit
+
     order = idx[np.lexsort((idx, -s[idx]))]
-    packs: list[list[int]] = []
-    free: list[int] = []
-    for i in order.tolist():
-        n = int(s[i])
-        for k, room in enumerate(free):
-            if room >= n:
-                packs[k].append(i)
-                free[k] -= n
-                break
-        else:
-            packs.append([i])
-            free.append(capacity - n)
-    return packs
+    return _first_fit(order.tolist(), s[order].tolist(), capacity)
 
 
 def _deal_contiguous(packs: list[list[int]], r: int) -> list[list[list[int]]]:
