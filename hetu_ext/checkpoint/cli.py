@@ -5,6 +5,8 @@
   ``--all`` every committed checkpoint under the directory. Prints one ``OK`` line per checkpoint.
 * ``convert PATH OUT.safetensors [--kind param]``: one plain safetensors file of full tensors (one kind:
   ``param``, ``master``, ``exp_avg``, ``exp_avg_sq``), per-layer names ``decoder.layers.3.mlp...``.
+* ``convert PATH OUTDIR --to hf-gpt2``: a Hugging Face GPT-2 directory (config.json, model.safetensors) that
+  ``GPT2LMHeadModel.from_pretrained`` loads.
 
 PATH is a ``--save`` directory (its latest checkpoint) or one ``iter_NNNNNNN`` directory in it. Bad input
 (missing path, corrupt checkpoint, unknown kind) ends with one ``error:`` line and exit code 2.
@@ -77,6 +79,16 @@ def run(args: argparse.Namespace) -> list[str]:
             checked = reader.verify()
             out.append(f"OK: iteration {iteration}: manifest, {len(manifest.files)} file(s) and "
                        f"{sum(len(t.shards) for t in manifest.tensors)} shard(s) ({checked / 2**20:.2f} MiB) verified")
+        elif args.to == "hf-gpt2":
+            from .hf import write_gpt2
+
+            heads = manifest.config.get("num_attention_heads")
+            if not heads:
+                raise CheckpointError(f"{args.path}: the manifest records no num_attention_heads; it was not saved "
+                                      "by pretrain_gpt.py, so the GPT-2 layout is unknown")
+            params = reader.read_full({t.name for t in manifest.tensors if t.name.startswith("param/")})
+            count = write_gpt2(args.output, params, num_attention_heads=int(heads))
+            out.append(f"wrote a GPT-2 model ({count} tensors, iteration {iteration}) to {args.output}")
         else:
             kinds = sorted({t.name.split("/", 1)[0] for t in manifest.tensors})
             if args.kind not in kinds:
@@ -102,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     convert.add_argument("path")
     convert.add_argument("output")
     convert.add_argument("--kind", default="param", help="param (default), master, exp_avg or exp_avg_sq")
+    convert.add_argument("--to", choices=["safetensors", "hf-gpt2"], default="safetensors",
+                         help="safetensors: one file of full tensors; hf-gpt2: a Hugging Face GPT-2 directory")
     args = parser.parse_args(argv)
     try:
         lines = run(args)
