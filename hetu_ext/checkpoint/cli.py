@@ -5,6 +5,7 @@
   ``--all`` every committed checkpoint under the directory. Prints one ``OK`` line per checkpoint.
 * ``convert PATH OUT.safetensors [--kind param]``: one plain safetensors file of full tensors (one kind:
   ``param``, ``master``, ``exp_avg``, ``exp_avg_sq``), per-layer names ``decoder.layers.3.mlp...``.
+* ``convert PATH OUTDIR --to torch_dist``: a Megatron-core dist_checkpointing checkpoint (``OUTDIR/iter_N``).
 * ``convert PATH OUTDIR --to hf-gpt2``: a Hugging Face GPT-2 directory (config.json, model.safetensors) that
   ``GPT2LMHeadModel.from_pretrained`` loads.
 
@@ -79,6 +80,13 @@ def run(args: argparse.Namespace) -> list[str]:
             checked = reader.verify()
             out.append(f"OK: iteration {iteration}: manifest, {len(manifest.files)} file(s) and "
                        f"{sum(len(t.shards) for t in manifest.tensors)} shard(s) ({checked / 2**20:.2f} MiB) verified")
+        elif args.to == "torch_dist":
+            from .torch_dist import export
+
+            count = export(reader.read_full(), args.output, iteration=iteration,
+                           optimizer_step=manifest.state.get("optimizer_step"))
+            out.append(f"wrote a dist_checkpointing checkpoint ({count} tensors, iteration {iteration}) to "
+                       f"{args.output}")
         elif args.to == "hf-gpt2":
             from .hf import write_gpt2
 
@@ -114,8 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     convert.add_argument("path")
     convert.add_argument("output")
     convert.add_argument("--kind", default="param", help="param (default), master, exp_avg or exp_avg_sq")
-    convert.add_argument("--to", choices=["safetensors", "hf-gpt2"], default="safetensors",
-                         help="safetensors: one file of full tensors; hf-gpt2: a Hugging Face GPT-2 directory")
+    convert.add_argument("--to", choices=["safetensors", "torch_dist", "hf-gpt2"], default="safetensors",
+                         help="safetensors: one file of full tensors; torch_dist: Megatron's dist_checkpointing; "
+                              "hf-gpt2: a Hugging Face GPT-2 directory")
     args = parser.parse_args(argv)
     try:
         lines = run(args)

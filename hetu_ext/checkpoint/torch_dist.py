@@ -11,8 +11,10 @@ imported (no Megatron).
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -98,3 +100,47 @@ def load_resharded(path: str, destinations: list[Piece] | Callable[[set[str]], l
         load(reading, storage_reader=FileSystemReader(path), no_dist=True)
     sources = [p for key, full in reading.items() for p in _split(tensors[key][0], full)]
     return reshard(sources, mine, group=group)
+
+
+_EXPORT_KINDS = {"param": "", "exp_avg": "optimizer.state.exp_avg.", "exp_avg_sq": "optimizer.state.exp_avg_sq.",
+                 "master": "optimizer.state.fp32_param."}
+
+
+def export(full: dict[tuple[str, tuple[int, ...]], torch.Tensor], directory: str, *, iteration: int,
+           optimizer_step: float | None) -> int:
+    """Write full hetu tensors as a dist_checkpointing (torch_dist) checkpoint ``directory/iter_NNNNNNN``.
+
+    Per-layer tensors are stacked along the leading layer axis under Megatron's keys; the tracker file is
+    written last. Megatron-core's own loader reads the model weights from it (load the model's ShardedTensors: the
+    layers' ``_extra_state`` objects, empty for the local layer spec, are not written; its optimizer loader also
+    needs Megatron's parameter groups, which are not recorded: load those through hetu_ext). Returns tensors.
+    """
+    from torch.distributed.checkpoint import FileSystemWriter, save
+
+    stacked: dict[str, dict[int, torch.Tensor]] = {}
+    state: dict[str, torch.Tensor] = {}
+    for (name, index), t in full.items():
+        kind, key = name.split("/", 1)
+        if kind not in _EXPORT_KINDS:
+            raise CheckpointError(f"{name}: no dist_checkpointing counterpart for kind {kind!r}")
+        target = _EXPORT_KINDS[kind] + key
+        if index:
+            stacked.setdefault(target, {})[index[0]] = t
+        else:
+            state[target] = t.contiguous()
+    for target, layers in stacked.items():
+        if sorted(layers) != list(range(len(layers))):
+            raise CheckpointError(f"{target}: layers {sorted(layers)} are not 0..{len(layers) - 1}")
+        state[target] = torch.stack([layers[i] for i in range(len(layers))])
+    path = Path(directory) / f"iter_{iteration:07d}"
+    path.mkdir(parents=True, exist_ok=True)
+    save(state, storage_writer=FileSystemWriter(str(path)), no_dist=True)
+    common = {"optimizer": {"state": {"common_step": torch.tensor(optimizer_step)}}} \
+        if optimizer_step is not None else {}
+    torch.save(common, path / "common.pt")
+    (path / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+                                                    "common_backend": "torch", "common_backend_version": 1}))
+    tracker = Path(directory) / "latest_checkpointed_iteration.txt"
+    tracker.with_suffix(".tmp").write_text(str(iteration))
+    tracker.with_suffix(".tmp").replace(tracker)
+    return len(state)
