@@ -10,8 +10,9 @@ runs after a warm-up (lengths interleaved; on a shared machine the fastest run i
 each ``s``. The fit is linear least squares
 on ``(s^2, s, 1)`` weighted by ``1 / t`` (relative error); the table printed shows measured and fitted times.
 
-TP 1 is measured. TP t > 1 is *derived*, not measured: ``a / t`` and ``b / t`` (the work splits evenly over the
-TP group) and the same ``c``; the all-reduces of TP are not in it. Memory per token: bytes of the tensors the
+TP 1 is measured in this process. Each TP degree t > 1 is measured too, on t ranks started by the project's
+multi-process harness (hetu_ext.testing.multiproc: gloo on CPU), the layer split over them by Megatron's own
+tensor parallelism, all-reduces included, and fitted on its own. Memory per token: bytes of the tensors the
 layer saves for backward at the longest measured length, divided by it (so it includes the s x s attention
 scores the local spec keeps at that length); fixed memory: parameters x (weight + gradient + two Adam moments).
 
@@ -76,8 +77,8 @@ def fit_length_cost(lengths: Sequence[int], seconds: Sequence[float]) -> Fit:
                max_rel_error=float(np.max(np.abs(fitted - t) / t)))
 
 
-def _build_layer(hidden: int, heads: int, ffn: int | None):
-    """One-layer GPTModel stage (no embedding, no output) on this process; single-rank groups."""
+def _build_layer(hidden: int, heads: int, ffn: int | None, tp: int = 1):
+    """One-layer GPTModel stage (no embedding, no output), split over ``tp`` ranks (the whole process group)."""
     import os
     import tempfile
 
@@ -98,22 +99,23 @@ def _build_layer(hidden: int, heads: int, ffn: int | None):
         store = dist.FileStore(os.path.join(tempfile.mkdtemp(prefix="hetu_calib_"), "store"), 1)
         dist.init_process_group("gloo" if on_cpu else "nccl", store=store, rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
     spec = ModelSpec(num_layers=1, hidden_size=hidden, num_attention_heads=heads, ffn_hidden_size=ffn,
                      seq_length=8, max_position_embeddings=8)
     numerics = TrainingNumerics(hidden_dropout=0.0, attention_dropout=0.0)
-    config = transformer_config(spec, numerics, tp=1, pp=1, on_cpu=on_cpu)
+    config = transformer_config(spec, numerics, tp=tp, pp=1, on_cpu=on_cpu)
     model = build_gpt_stage(spec, config, pre_process=False, post_process=False)
     device = torch.device("cpu") if on_cpu else torch.device("cuda", torch.cuda.current_device())
     return model.to(device), device
 
 
-def measure(hidden: int, heads: int, ffn: int | None, seq_lengths: Sequence[int], repeats: int) -> dict:
-    """Fastest forward+backward seconds of one layer at each length, saved-activation bytes, parameter count."""
+def measure(hidden: int, heads: int, ffn: int | None, seq_lengths: Sequence[int], repeats: int, tp: int = 1) -> dict:
+    """Fastest forward+backward seconds of one layer at each length, saved-activation bytes, parameter count (of
+    this rank's share when ``tp`` > 1)."""
     import torch
 
-    model, device = _build_layer(hidden, heads, ffn)
+    model, device = _build_layer(hidden, heads, ffn, tp)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     saved: list[int] = []
     from megatron.core.packed_seq_params import PackedSeqParams
@@ -150,22 +152,36 @@ def measure(hidden: int, heads: int, ffn: int | None, seq_lengths: Sequence[int]
             "dtype_bytes": 4}
 
 
-def calibrate(args: argparse.Namespace) -> tuple[CostTable, Fit, dict]:
+def _measure_rank(rank: int, world_size: int, *args) -> dict | None:
+    """Rank body for TP > 1 (hetu_ext.testing.multiproc.run_ranks): every rank measures, rank 0 reports."""
+    m = measure(*args, tp=world_size)
+    return m if rank == 0 else None
+
+
+def calibrate(args: argparse.Namespace) -> tuple[CostTable, dict[int, Fit], dict[int, dict]]:
+    """Measure and fit every TP degree of ``--tp``; returns the table, and the fit and measurements per degree."""
     lengths = [int(x) for x in args.seq_lengths.split(",")]
-    m = measure(args.hidden_size, args.num_attention_heads, args.ffn_hidden_size, lengths, args.repeats)
-    fit = fit_length_cost(lengths, m["seconds"])
-    per_token = m["saved_bytes"][-1] / lengths[-1]
-    fixed = m["params"] * m["dtype_bytes"] * 4  # weight, gradient, two Adam moments (fp32)
-    per_tp = {}
+    what = (args.hidden_size, args.num_attention_heads, args.ffn_hidden_size, lengths, args.repeats)
+    per_tp, fits, measured = {}, {}, {}
     for tp in sorted({1, *[int(x) for x in args.tp.split(",")]}):
-        per_tp[tp] = LengthCost(a=fit.a / tp, b=fit.b / tp, c=fit.c, memory_per_token_bytes=per_token / tp,
-                                memory_fixed_bytes=fixed / tp)
+        if tp == 1:
+            m = measure(*what)
+        else:
+            from hetu_ext.testing.multiproc import run_ranks
+
+            m = run_ranks(_measure_rank, tp, *what, timeout=3600)[0]
+        fit = fit_length_cost(lengths, m["seconds"])
+        per_token = m["saved_bytes"][-1] / lengths[-1]
+        fixed = m["params"] * m["dtype_bytes"] * 4  # weight, gradient, two Adam moments (fp32)
+        per_tp[tp] = LengthCost(a=fit.a, b=fit.b, c=fit.c, memory_per_token_bytes=per_token,
+                                memory_fixed_bytes=fixed)
+        fits[tp], measured[tp] = fit, m
     device = m["device"] if m["device"] != "cpu" else f"cpu ({platform.processor() or platform.machine()})"
-    note = (f"one Megatron-core layer (local spec, fp32), hidden {args.hidden_size}, heads "
+    errors = ", ".join(f"TP {tp}: {fit.max_rel_error:.3f}" for tp, fit in fits.items())
+    note = (f"one Megatron-core layer (local spec, fp32, packed attention), hidden {args.hidden_size}, heads "
             f"{args.num_attention_heads}, ffn {args.ffn_hidden_size or 4 * args.hidden_size}; lengths {lengths}; "
-            f"fastest of {args.repeats}; max relative fit error {fit.max_rel_error:.3f}; TP>1 derived as a/t, b/t, c "
-            "(not measured)")
-    return CostTable(per_tp=per_tp, device=device, note=note), fit, m
+            f"fastest of {args.repeats}; every TP degree measured; max relative fit error {errors}")
+    return CostTable(per_tp=per_tp, device=device, note=note), fits, measured
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -177,20 +193,21 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--seq-lengths", default="128,256,512,1024,2048,3072,4096",
                         help="comma-separated document lengths (tokens) to measure")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--tp", default="1", help="TP degrees to write (TP > 1 derived from TP 1, see --help)")
+    parser.add_argument("--tp", default="1", help="comma-separated TP degrees to measure (t > 1 starts t ranks)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
     args = parser.parse_args(argv)
     if args.threads:
         import torch
         torch.set_num_threads(args.threads)
-    table, fit, m = calibrate(args)
+    table, fits, measured = calibrate(args)
     lengths = [int(x) for x in args.seq_lengths.split(",")]
     print(f"device: {table.device}")
-    print(f"fit: a={fit.a:.4g} s/token^2  b={fit.b:.4g} s/token  c={fit.c:.4g} s")
-    print(f"{'tokens':>8} {'measured_s':>12} {'fitted_s':>12} {'rel_err':>8}")
-    for s, t, f in zip(lengths, m["seconds"], fit.fitted_s):
-        print(f"{s:>8} {t:>12.5f} {f:>12.5f} {(f - t) / t:>+8.3f}")
-    print(f"max relative error {fit.max_rel_error:.3f}")
+    for tp, fit in fits.items():
+        print(f"TP {tp} fit: a={fit.a:.4g} s/token^2  b={fit.b:.4g} s/token  c={fit.c:.4g} s")
+        print(f"{'tokens':>8} {'measured_s':>12} {'fitted_s':>12} {'rel_err':>8}")
+        for s, t, f in zip(lengths, measured[tp]["seconds"], fit.fitted_s):
+            print(f"{s:>8} {t:>12.5f} {f:>12.5f} {(f - t) / t:>+8.3f}")
+        print(f"max relative error {fit.max_rel_error:.3f}")
     save_cost_table(table, args.out)
     print(f"wrote {args.out}")
 
