@@ -1,8 +1,12 @@
 """Load a checkpoint into any layout: the file layout is the source of a reshard (collective).
 
-Every rank states the pieces it wants (its layout under the new plan: any TP / PP / DP, any rank count); each
-stored shard is read by one rank (:func:`selection.assign_reads`), checked, and becomes a source piece of the
-reshard engine, which sends every rank its boxes point to point (local copies first). Ranks agree on failure:
+Every rank states the pieces it wants (its layout under the new plan: any TP / PP / DP, any rank count). Each
+stored shard is read whole and checked by one rank (:func:`selection.assign_reads`): one per job (policy
+``once``: the reshard engine then sends every rank its boxes point to point) or one per host (policy ``node``,
+the default: the host's other ranks read just the byte ranges they need from the memory-mapped file, which the
+host's page cache serves, and the reshard only copies locally). Measured on 2 -> 3 CPU ranks sharing one host
+(benchmarks/results/checkpoint_cpu_2026-12-02.txt), ``node`` loads 1.2 GB in 2.4 s, ``once`` in 12.7 s (gloo over
+loopback), Megatron's dist_checkpointing in 7.6 s; ``once`` reads each byte from the files once. Ranks agree on failure:
 if any rank finds a corrupt file, every rank learns it, and with ``fallback`` all move to the previous complete
 checkpoint together; nothing is written into the model before the whole checkpoint has read cleanly.
 """

@@ -60,6 +60,7 @@ class TensorRecord:
     dtype: str
     """safetensors dtype name."""
     shards: tuple[ShardRecord, ...]
+    """Disjoint boxes that together cover the tensor exactly once."""
 
     def __post_init__(self) -> None:
         if self.dtype not in BY_NAME:
@@ -80,7 +81,9 @@ class Manifest:
     """Samples of the training set consumed (Megatron-LM's count); None where the run does not know it (packed
     variable-length sequences: the data position is then the iteration and the data settings in ``state``)."""
     tensors: tuple[TensorRecord, ...]
+    """Every global tensor and its shards."""
     files: tuple[FileRecord, ...]
+    """Every shard file, with its size and header checksum."""
     world_size: int
     """Ranks that wrote the checkpoint (the saving plan's used ranks)."""
     plan: dict[str, Any] | None = None
