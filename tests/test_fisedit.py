@@ -300,6 +300,8 @@ def test_bad_input_errors_name_the_rule_and_the_fix() -> None:
     with pytest.raises(ValueError, match="stats_block_size must be a positive multiple"):
         FISEditConfig(block_size=3, stats_block_size=8)
     engine = FISEditEngine(unet, config())
+    with pytest.raises(ValueError, match="already has a FISEditEngine attached"):
+        FISEditEngine(unet, config())
     with pytest.raises(ValueError, match="edit before generate"):
         engine.edit(scheduler(), prompt_embeds=data["edited"], **loop_kwargs(data))
     engine.generate(scheduler(), prompt_embeds=data["prompt"], **loop_kwargs(data))

@@ -59,6 +59,9 @@ class FISEditEngine:
         from diffusers.models.transformers.transformer_2d import Transformer2DModel
 
         unet, st = self.unet, self.state
+        if any(isinstance(m, (SparseConv2d, SparseGroupNorm)) for m in unet.modules()):
+            raise ValueError("this UNet already has a FISEditEngine attached (two engines would wrap and hook it "
+                             "twice); call detach() on the first engine before attaching another")
         transformers = {n: m for n, m in unet.named_modules() if isinstance(m, Transformer2DModel)}
         for name, module in list(unet.named_modules()):
             owner = next((t for t in transformers if name in (f"{t}.proj_in", f"{t}.proj_out")), None)
