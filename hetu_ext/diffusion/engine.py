@@ -189,6 +189,8 @@ class FISEditEngine:
         if mask is None and self.config.dense_steps < 1:
             raise ValueError("dense_steps=0 leaves no dense step to make the mask from; pass a mask or set "
                              "dense_steps >= 1")
+        if mask is not None:  # fail before any step runs, not at the first sparse one
+            resize_mask(mask, *st.cache.get(0, "latent", torch.device("cpu")).shape[-2:])
         self._user_mask = mask
         self._diffs = ([], [])
         st.start_edit()
