@@ -22,5 +22,6 @@ setup(
         "diffusion": [TORCH, "diffusers>=0.30", "transformers>=4.40"],
         "plot": ["matplotlib>=3.7"],
     },
-    entry_points={"console_scripts": ["hetu-plan=hetu_ext.plan.__main__:main"]},
+    entry_points={"console_scripts": ["hetu-plan=hetu_ext.plan.__main__:main",
+                                      "hetu-ckpt=hetu_ext.checkpoint.cli:main"]},
 )
