@@ -263,7 +263,15 @@ def _is_hetu(directory: str) -> bool:
 
 
 def load(trainer, directory: str) -> bool:
-    """Load the latest checkpoint under ``directory`` (either format); False if there is none."""
+    """Load the latest checkpoint under ``directory`` (hetu, torch_dist or DeepSpeed ZeRO); False if there is
+    none."""
+    from hetu_ext.checkpoint.deepspeed_zero import is_deepspeed
+
+    if is_deepspeed(directory):
+        from hetu_ext.deepspeed.resume import load_deepspeed
+
+        load_deepspeed(trainer, directory)
+        return True
     if latest_iteration(directory) is None:
         if trainer.host.rank == 0:
             logger.warning("--load %s: no checkpoint found, starting from scratch", directory)

@@ -1,0 +1,233 @@
+"""DeepSpeed ZeRO-1/2/3 checkpoints as a reshard source, with no offline step (no ``ds_to_universal``).
+
+A DeepSpeed checkpoint ``DIR/<tag>/`` (``DIR/latest`` names the tag) holds the model states (the module's
+weights for ZeRO-1/2, placeholders for ZeRO-3; ``param_shapes``: parameter names and shapes in flattening order;
+``global_steps``; the client state) and one ``*_optim_states.pt`` per data-parallel rank with that rank's
+partition of each flattened fp32 parameter group and of Adam's moments. DeepSpeed's own reconstruction
+(``deepspeed.utils.zero_to_fp32``: concatenate the ZeRO-1/2 partitions and cut them by ``param_shapes`` and
+the alignment paddings; zip the ZeRO-3 per-parameter partitions) is applied here to the fp32 groups and, in the
+same way, to the ``exp_avg`` / ``exp_avg_sq`` flat groups, in-process. Each kind (``param``, ``master``,
+``exp_avg``, ``exp_avg_sq``) is rebuilt by one rank (the optimizer files are memory-mapped, so a rank reads
+only the kind it rebuilds), cut into per-layer pieces named as the hetu format names them
+(``decoder.layers.3.X`` -> ``decoder.layers.X`` at index (3,)), and handed to the reshard engine, which
+delivers every rank the boxes its plan holds. Rebuilding moves bytes only: values are bit-exact, except
+``param`` of ZeRO-3 with a 16-bit model, which is the fp32 master rounded to the model dtype.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import io
+import logging
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hetu_ext.runtime.reshard import Piece, ReshardReport, reshard
+
+from .manifest import CheckpointError
+
+logger = logging.getLogger(__name__)
+
+LATEST = "latest"
+KINDS = ("param", "master", "exp_avg", "exp_avg_sq")
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+
+@dataclass(frozen=True)
+class DeepSpeedInfo:
+    """What the model states of a DeepSpeed checkpoint say (rank 0's model states file)."""
+
+    path: Path
+    """The tag directory (``DIR/global_stepN``)."""
+    zero_stage: int
+    world_size: int
+    global_steps: int
+    shapes: dict[str, torch.Size]
+    """Trainable parameter name -> shape, in DeepSpeed's flattening order."""
+    client_state: dict[str, Any] = field(default_factory=dict)
+    """Entries saved through ``save_checkpoint(client_state=...)`` (hetu_ext's DeepSpeed path: ``hetu_ext``)."""
+    optimizer_step: float | None = None
+
+
+def is_deepspeed(directory: str) -> bool:
+    """A ``DIR`` whose ``latest`` names a tag directory holding DeepSpeed's ``*_optim_states.pt`` files."""
+    root = Path(directory)
+    latest = root / LATEST
+    if not latest.is_file():
+        return False
+    tag = latest.read_text().strip()
+    return bool(tag) and any((root / tag).glob("*_optim_states.pt"))
+
+
+def tag_path(directory: str) -> Path:
+    """``DIR/<latest tag>``, or ``DIR`` itself when given a tag directory."""
+    root = Path(directory)
+    if any(root.glob("*_optim_states.pt")):
+        return root
+    latest = root / LATEST
+    if not latest.is_file():
+        raise CheckpointError(f"{directory}: no DeepSpeed checkpoint (no '{LATEST}' file and no *_optim_states.pt); "
+                              "give the save_checkpoint directory or one of its tag directories")
+    path = root / latest.read_text().strip()
+    if not any(path.glob("*_optim_states.pt")):
+        raise CheckpointError(f"{path}: named by {latest} but holds no *_optim_states.pt; the save did not finish "
+                              "or the files were moved; point 'latest' at a complete tag")
+    return path
+
+
+@functools.cache
+def layer_keys_map() -> tuple[tuple[str, str], ...]:
+    """Megatron-core's renaming of a layer's parameter names into its checkpoint keys for the local layer spec
+    (``input_layernorm.`` -> ``self_attention.linear_qkv.layer_norm_``, ...): hetu keys are those keys."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return tuple(get_gpt_layer_local_spec().submodules.sharded_state_dict_keys_map.items())
+
+
+def hetu_name(kind: str, name: str) -> tuple[str, tuple[int, ...]]:
+    """A GPTModel parameter name as a hetu (name, index): ``decoder.layers.3.X`` -> (``KIND/decoder.layers.X'``,
+    (3,)) with X' the key Megatron's checkpoints use; other names -> (``KIND/NAME``, ())."""
+    m = _LAYER.match(name)
+    if m:
+        rest = m.group(2)
+        for old, new in layer_keys_map():
+            if rest.startswith(old):
+                rest = new + rest[len(old):]
+                break
+        return f"{kind}/decoder.layers.{rest}", (int(m.group(1)),)
+    return f"{kind}/{name}", ()
+
+
+def _zero_to_fp32():
+    import os
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from deepspeed.utils import zero_to_fp32
+
+    return zero_to_fp32
+
+
+def _optim_files(path: Path) -> list[str]:
+    return _zero_to_fp32().get_optim_files(str(path))
+
+
+def read_info(directory: str) -> DeepSpeedInfo:
+    """Parse the model states and the optimizer files' headers (memory-mapped; no partition is read)."""
+    z = _zero_to_fp32()
+    path = tag_path(directory)
+    try:
+        model_files = z.get_model_state_files(str(path))
+        states = torch.load(model_files[0], map_location="cpu", mmap=True, weights_only=False)
+        optim = torch.load(_optim_files(path)[0], map_location="cpu", mmap=True, weights_only=False)
+    except (FileNotFoundError, RuntimeError, ValueError) as e:
+        raise CheckpointError(f"{path}: not a readable DeepSpeed ZeRO checkpoint ({e})") from None
+    osd = optim["optimizer_state_dict"]
+    if "zero_stage" not in osd:
+        raise CheckpointError(f"{path}: the optimizer files hold no ZeRO state (zero_stage); only ZeRO-1/2/3 "
+                              "checkpoints load (a stage-0 checkpoint is a plain state dict: load it as such)")
+    world = osd["partition_count"]
+    world = max(world) if isinstance(world, list) else int(world)
+    inner = osd.get("base_optimizer_state", osd.get("optimizer_state_dict", {}))
+    steps = {float(s["step"]) for s in inner.get("state", {}).values() if "step" in s}
+    if len(steps) > 1:
+        raise CheckpointError(f"{path}: parameter groups are at different Adam steps {sorted(steps)}")
+    shapes = {name: torch.Size(shape) for group in states["param_shapes"] for name, shape in group.items()}
+    client = {k: v for k, v in states.items() if k == "hetu_ext"}
+    return DeepSpeedInfo(path=path, zero_stage=int(osd["zero_stage"]), world_size=world,
+                         global_steps=int(states.get("global_steps", 0)), shapes=shapes, client_state=client,
+                         optimizer_step=steps.pop() if steps else None)
+
+
+def names_of(info: DeepSpeedInfo) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """(kind, parameter name) joined as ``KIND:NAME`` -> (hetu name, index), for every tensor the checkpoint has."""
+    kinds = KINDS if info.optimizer_step is not None else KINDS[:2]
+    return {f"{k}:{n}": hetu_name(k, n) for k in kinds for n in info.shapes}
+
+
+def rebuild(info: DeepSpeedInfo, kind: str) -> dict[str, torch.Tensor]:
+    """Full tensors of one kind by DeepSpeed parameter name, through DeepSpeed's own reconstruction."""
+    z = _zero_to_fp32()
+    path = str(info.path)
+    quiet = contextlib.redirect_stdout(io.StringIO())  # zero_to_fp32 reports with print()
+    with quiet:
+        model_states = z.parse_model_states(z.get_model_state_files(path))
+    if kind == "param" and info.zero_stage <= 2:
+        module = torch.load(z.get_model_state_files(path)[0], map_location="cpu", mmap=True,
+                            weights_only=False)["module"]
+        return {n: module[n].clone() for n in info.shapes}
+    files = _optim_files(info.path)
+    if len(files) != info.world_size:
+        raise CheckpointError(f"{path}: {len(files)} *_optim_states.pt files for a ZeRO world size of "
+                              f"{info.world_size}; a rank's file is missing or left over from another save")
+    optims = [torch.load(f, map_location="cpu", mmap=True, weights_only=False)["optimizer_state_dict"]
+              for f in files]
+    fp32_key = "single_partition_of_fp32_groups" if info.zero_stage <= 2 else "fp32_flat_groups"
+    if kind in ("param", "master"):
+        flat = [o[fp32_key] for o in optims]
+    else:
+        inner = "base_optimizer_state" if info.zero_stage <= 2 else "optimizer_state_dict"
+        flat = [[o[inner]["state"][g][kind] for g in sorted(o[inner]["state"])] for o in optims]
+    out: dict[str, Any] = {}
+    with quiet:
+        if info.zero_stage <= 2:
+            z._zero2_merge_trainable_params(out, info.world_size, flat, model_states,
+                                            optims[0].get("param_alignment_paddings"))
+        else:
+            z._zero3_merge_trainable_params(out, info.world_size, flat, model_states)
+            out = z.to_torch_tensor(out)
+    return {n: out[n].detach().clone() for n in info.shapes}
+
+
+def _pieces(kind: str, full: dict[str, torch.Tensor]) -> list[Piece]:
+    pieces = []
+    for name, t in full.items():
+        key, index = hetu_name(kind, name)
+        pieces.append(Piece(key, index, tuple((0, d) for d in t.shape), t))
+    return pieces
+
+
+def load_resharded(directory: str, destinations: list[Piece] | Callable[[set[str]], list[Piece]], *,
+                   group=None) -> tuple[DeepSpeedInfo, ReshardReport]:
+    """Fill this rank's destination pieces from the DeepSpeed checkpoint under ``directory`` (collective).
+
+    ``destinations`` may be a function of the set of hetu names the checkpoint holds. Raises
+    :class:`CheckpointError` on every rank if some rank wants a tensor the checkpoint lacks.
+    """
+    info = read_info(directory)
+    names = {n for n, _ in names_of(info).values()}
+    mine = destinations(names) if callable(destinations) else destinations
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    missing = sorted({p.key for p in mine} - names)
+    error = (f"{info.path}: the DeepSpeed checkpoint has no {missing[:3]} ({len(missing)} missing; it holds e.g. "
+             f"{sorted(names)[:3]}); it was saved from another model or optimizer") if missing else None
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, (sorted({p.key.split('/', 1)[0] for p in mine}), error), group=group)
+    errors = sorted({e for _, e in everyone if e})
+    if errors:
+        raise CheckpointError("; ".join(errors))
+    wanted = sorted({kind for kinds, _ in everyone for kind in kinds}, key=KINDS.index)
+    sources: list[Piece] = []
+    for i, kind in enumerate(wanted):
+        if i % world == rank:
+            sources += _pieces(kind, rebuild(info, kind))
+    report = reshard(sources, mine, group=group)
+    if rank == 0:
+        logger.info("loaded DeepSpeed ZeRO-%d checkpoint %s (world size %d, step %d): %s", info.zero_stage,
+                    info.path, info.world_size, info.global_steps, ", ".join(wanted))
+    return info, report
+
+
+def read_full(directory: str, kinds: tuple[str, ...] = KINDS) -> dict[tuple[str, tuple[int, ...]], torch.Tensor]:
+    """Every tensor of the given kinds, by (hetu name, index), in this process (no process group): the CLI."""
+    info = read_info(directory)
+    if info.optimizer_step is None:
+        kinds = tuple(k for k in kinds if k in KINDS[:2])
+    return {(p.key, p.index): p.tensor for kind in kinds for p in _pieces(kind, rebuild(info, kind))}

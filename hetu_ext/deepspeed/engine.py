@@ -1,0 +1,197 @@
+"""Train Megatron-core's GPTModel (TP 1, PP 1) with DeepSpeed's engine and ZeRO stage 1/2/3, and save with
+``engine.save_checkpoint``: the same model, initial weights, samples, loss normalisation, Adam, clipping and LR
+schedule as hetu_ext's Megatron path with the same flags, so its checkpoints can be checked against that path.
+
+What matches and why:
+
+* Model: :func:`hetu_ext.megatron.model.build_gpt_stage` with weights from :func:`init_weights` (seed, key, layer).
+* Data: Megatron-core's GPTDataset, sample ids of step g from the uniform plan of the DP ranks (rank = pipeline).
+* Loss: each microbatch's per-token mean; DeepSpeed divides by the accumulation steps and averages gradients over
+  the DP ranks, which equals Megatron's token sum over the global batch's token count (every sample has
+  ``seq_length`` loss tokens here), up to the order of floating-point sums.
+* Optimizer: torch's AdamW (the class Megatron-core uses without Apex/TE) as a client optimizer with Megatron's
+  parameter groups (no weight decay for biases and 1-D tensors, ``wd_mult`` 0); Megatron's
+  OptimizerParamScheduler sets LR and weight decay per step; DeepSpeed clips by the global norm
+  (``gradient_clipping``): grads / ((norm + 1e-6) / clip) where Megatron multiplies by clip / (norm + 1e-6).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+ZERO_STAGES = (1, 2, 3)
+CLIENT_STATE_KEY = "hetu_ext"
+"""Key of ``client_state`` in the saved model states: iteration, losses and the data settings."""
+
+
+def add_deepspeed_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    g = parser.add_argument_group("deepspeed")
+    g.add_argument("--zero-stage", type=int, choices=ZERO_STAGES, default=2, help="ZeRO stage (default 2)")
+    g.add_argument("--deepspeed-config", default=None,
+                   help="a DeepSpeed JSON config merged over the one built from the flags (its batch sizes, "
+                        "optimizer and precision must agree with the flags)")
+    g.add_argument("--local_rank", "--local-rank", type=int, default=None, help="set by the deepspeed launcher")
+    return parser
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZeroConfig:
+    """What DeepSpeed is asked for beyond the Megatron-LM flags."""
+
+    stage: int = 2
+    """ZeRO stage: 1 (optimizer state partitioned), 2 (+ gradients), 3 (+ parameters)."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Entries of a user's DeepSpeed config, merged over the built one."""
+
+    def __post_init__(self) -> None:
+        if self.stage not in ZERO_STAGES:
+            raise ValueError(f"ZeRO stage {self.stage} is not one of {ZERO_STAGES}; pass --zero-stage 1, 2 or 3")
+
+
+def deepspeed_config(args: argparse.Namespace, zero: ZeroConfig, world_size: int) -> dict[str, Any]:
+    """The DeepSpeed config of the flags: fp32, ZeRO stage, batch sizes, clipping."""
+    gbs = args.global_batch_size or args.micro_batch_size * world_size
+    if gbs % (args.micro_batch_size * world_size):
+        raise ValueError(f"--global-batch-size {gbs} must be a multiple of --micro-batch-size "
+                         f"{args.micro_batch_size} x world size {world_size}")
+    config = {"train_batch_size": gbs, "train_micro_batch_size_per_gpu": args.micro_batch_size,
+              "gradient_accumulation_steps": gbs // (args.micro_batch_size * world_size),
+              "gradient_clipping": args.clip_grad, "zero_optimization": {"stage": zero.stage},
+              "zero_allow_untested_optimizer": True, "steps_per_print": 2**31 - 1, "wall_clock_breakdown": False}
+    for key, value in zero.extra.items():
+        if key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+                   "optimizer", "fp16", "bf16") and config.get(key, value) != value:
+            raise ValueError(f"--deepspeed-config sets {key}={value!r} but the flags give {config.get(key)!r}; "
+                             "set it through the Megatron-LM flags (fp16/bf16/optimizer are not supported here)")
+        config[key] = value
+    return config
+
+
+def param_groups(model: torch.nn.Module) -> list[dict[str, Any]]:
+    """Megatron-core's default groups: weight decay except on biases and 1-D tensors (``wd_mult`` 0)."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            (no_decay if name.endswith(".bias") or p.dim() == 1 else decay).append(p)
+    return [{"params": decay, "wd_mult": 1.0, "lr_mult": 1.0},
+            {"params": no_decay, "wd_mult": 0.0, "lr_mult": 1.0}]
+
+
+@dataclass
+class DeepSpeedGPT:
+    """A DeepSpeed engine around GPTModel, with Megatron's LR schedule and dataset."""
+
+    args: argparse.Namespace
+    engine: Any
+    scheduler: Any
+    dataset: Any
+    plan: Any
+    iteration: int = 0
+    losses: list[float] = field(default_factory=list)
+
+    def train(self) -> list[float]:
+        """Train to ``--train-iters``; returns the global per-step losses (the same on every rank)."""
+        from hetu_ext.data.assign import global_batch_size
+        from hetu_ext.megatron.data import microbatch_iterator
+
+        args, rank = self.args, dist.get_rank()
+        data = microbatch_iterator(self.dataset, self.plan, rank, args.micro_batch_size,
+                                   start_iteration=self.iteration, num_iterations=args.train_iters - self.iteration,
+                                   device=torch.device("cpu"))
+        gbs = global_batch_size(self.plan, args.micro_batch_size)
+        while self.iteration < args.train_iters:
+            total = torch.zeros(2, dtype=torch.float64)
+            for _ in range(self.plan.pipelines[rank].num_microbatches):
+                batch = next(data)
+                per_token = self.engine(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+                mask = batch["loss_mask"].view(-1).float()
+                loss_sum = torch.sum(per_token.view(-1).float() * mask)
+                self.engine.backward(loss_sum / mask.sum())
+                self.engine.step()
+                total += torch.stack([loss_sum.detach(), mask.sum()]).double()
+            self.scheduler.step(increment=gbs)
+            dist.all_reduce(total)
+            self.iteration += 1
+            self.losses.append(float(total[0] / total[1]))
+            if rank == 0:
+                logger.info("iteration %d/%d | lm loss: %.6e | lr: %.3e", self.iteration, args.train_iters,
+                            self.losses[-1], self.engine.optimizer.param_groups[0]["lr"])
+        return self.losses
+
+    def save(self, directory: str) -> str:
+        """``engine.save_checkpoint`` (collective) with hetu_ext's client state; returns the tag."""
+        tag = f"global_step{self.engine.global_steps}"
+        state = {CLIENT_STATE_KEY: {"iteration": self.iteration, "losses": list(self.losses),
+                                    "scheduler": self.scheduler.state_dict(),
+                                    "data": {"global_batch_size": self.engine.train_batch_size(), "seed": self.args.seed, "seq_length": self.args.seq_length,
+                                             "split": self.args.split, "mock_data": bool(self.args.mock_data)}}}
+        self.engine.save_checkpoint(directory, tag=tag, client_state=state)
+        return tag
+
+
+def _import_deepspeed():
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+
+    return deepspeed
+
+
+def build(args: argparse.Namespace, zero: ZeroConfig) -> DeepSpeedGPT:
+    """Start gloo/NCCL (or reuse a started process group), build the model and wrap it in DeepSpeed."""
+    deepspeed = _import_deepspeed()
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from hetu_ext.megatron import host
+    from hetu_ext.megatron.data import DataSpec, build_train_dataset, make_tokenizer
+    from hetu_ext.megatron.model import TrainingNumerics, build_gpt_stage, transformer_config
+    from hetu_ext.megatron.trainer import model_spec_from_args
+    from hetu_ext.megatron.weights import init_weights
+    from hetu_ext.plan import uniform_plan
+
+    if args.bf16 or args.optimizer != "adam" or args.tensor_model_parallel_size != 1 \
+            or args.pipeline_model_parallel_size != 1:
+        raise ValueError("the DeepSpeed path trains fp32 Adam with TP 1 and PP 1 (ZeRO shards over data parallel "
+                         f"ranks); got --bf16={args.bf16} --optimizer {args.optimizer} TP "
+                         f"{args.tensor_model_parallel_size} PP {args.pipeline_model_parallel_size}: drop those flags")
+    tokenizer = make_tokenizer(args.tokenizer_type, args.vocab_size)
+    spec = model_spec_from_args(args, tokenizer.vocab_size)
+    h = host.init_distributed(force_cpu=not torch.cuda.is_available(),
+                              timeout_minutes=args.distributed_timeout_minutes, backend=args.distributed_backend)
+    deepspeed.init_distributed(dist_backend=h.backend)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1, create_gloo_process_groups=False)
+    tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
+    numerics = TrainingNumerics(hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
+                                init_method_std=args.init_method_std)
+    config = transformer_config(spec, numerics, tp=1, pp=1, on_cpu=h.device.type == "cpu")
+    model = build_gpt_stage(spec, config, pre_process=True, post_process=True).to(h.device)
+    init_weights(model, seed=args.seed, std=args.init_method_std, num_layers=spec.num_layers)
+    ds_config = deepspeed_config(args, zero, h.world_size)
+    optimizer = torch.optim.AdamW(param_groups(model), lr=args.lr, betas=(args.adam_beta1, args.adam_beta2),
+                                  eps=args.adam_eps, weight_decay=args.weight_decay)
+    engine, ds_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    gbs = ds_config["train_batch_size"]
+    decay_iters = args.lr_decay_iters or args.train_iters
+    scheduler = OptimizerParamScheduler(
+        ds_optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr, lr_warmup_steps=args.lr_warmup_iters * gbs,
+        lr_decay_steps=decay_iters * gbs, lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay,
+        end_wd=args.weight_decay, wd_incr_steps=decay_iters * gbs, wd_incr_style="constant")
+    plan = uniform_plan(world_size=h.world_size, num_layers=spec.num_layers,
+                        num_microbatches=ds_config["gradient_accumulation_steps"])
+    data_spec = DataSpec(mock=args.mock_data, data_path=tuple(args.data_path or ()), split=args.split,
+                         seq_length=args.seq_length, seed=args.seed, cache_path=args.data_cache_path)
+    dataset = build_train_dataset(data_spec, tokenizer, args.train_iters * gbs)
+    if h.rank == 0:
+        logger.info("DeepSpeed ZeRO-%d on %d %s rank(s): %s", zero.stage, h.world_size, h.device.type, ds_config)
+    return DeepSpeedGPT(args=args, engine=engine, scheduler=scheduler, dataset=dataset, plan=plan)

@@ -1,0 +1,55 @@
+"""``--load`` of a DeepSpeed ZeRO-1/2/3 checkpoint into hetu_ext's Megatron trainer, under any plan.
+
+The tensors go through hetu_ext/checkpoint/deepspeed_zero.py (DeepSpeed's reconstruction, then the reshard
+engine); this module sets the trainer's iteration, losses, LR schedule and checks the data settings. DeepSpeed
+itself is imported only for its ``zero_to_fp32`` helpers.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from hetu_ext.checkpoint import CheckpointError
+from hetu_ext.megatron.checkpointing import MOMENTS, data_settings, state_pieces
+from hetu_ext.runtime.reshard import Piece
+
+logger = logging.getLogger(__name__)
+
+
+def load_deepspeed(trainer, directory: str) -> None:
+    """A DeepSpeed ZeRO-1/2/3 checkpoint (``DIR/latest`` -> ``DIR/global_stepN``) into any plan (collective over
+    every rank): DeepSpeed's flat partitions are rebuilt into full tensors and resharded into this plan's layout
+    (hetu_ext/checkpoint/deepspeed_zero.py). The iteration is DeepSpeed's ``global_steps``; losses, LR schedule
+    and data settings come from hetu_ext's client state when the DeepSpeed path of hetu_ext saved it, else the
+    schedule is replayed to the iteration."""
+    from hetu_ext.checkpoint.deepspeed_zero import read_info
+    from hetu_ext.checkpoint.deepspeed_zero import load_resharded as load_ds
+
+    step = read_info(directory).optimizer_step
+
+    def destinations(names: set[str]) -> list[Piece]:
+        moments = {m for m in MOMENTS if any(n.startswith(m + "/") for n in names)} if step is not None else None
+        return state_pieces(trainer.placement, moments=moments, step=step)
+
+    info, report = load_ds(directory, destinations)
+    client = info.client_state.get("hetu_ext", {})
+    saved, now = client.get("data", {}), data_settings(trainer)
+    changed = {k: (v, now[k]) for k, v in saved.items() if k in now and now[k] != v}
+    if changed:
+        raise CheckpointError(f"{info.path} was trained with other data settings (saved, now): {changed}; resume "
+                              "with the saved values so that no sample is skipped or repeated")
+    trainer.iteration = int(client.get("iteration", info.global_steps))
+    trainer.losses = list(client.get("losses", []))
+    if trainer.scheduler is not None:
+        if "scheduler" in client:
+            trainer.scheduler.load_state_dict(client["scheduler"])
+        else:
+            from hetu_ext.megatron.trainer import _scheduler_unit
+
+            trainer.scheduler.step(increment=trainer.iteration * _scheduler_unit(trainer.args, trainer.plan))
+    if trainer.host.rank == 0:
+        logger.info("loaded DeepSpeed ZeRO-%d checkpoint %s (saved by %d rank(s)) at iteration %d into the plan "
+                    "(%.2f MiB sent by rank 0)", info.zero_stage, info.path, info.world_size, trainer.iteration,
+                    report.bytes_sent / 2**20)
+
+

@@ -1,0 +1,137 @@
+"""DeepSpeed ZeRO checkpoints load into any plan with no offline step (no ds_to_universal).
+
+DeepSpeed's own engine (ZeRO-1/2/3, CPU accelerator, gloo) trains Megatron-core's GPTModel with hetu_ext's
+layout-agnostic initial weights on the shipped sample for 2 steps at world size 2 and calls
+``engine.save_checkpoint``. Before saving, each rank records DeepSpeed's own view of the full state through its
+public API (``safe_get_full_fp32_param``, ``safe_get_full_optimizer_state``): that view, not our parser, is the
+truth the loads are compared with.
+
+* State (bit-exact): rebuilding full tensors from DeepSpeed's flat partitions and resharding them only moves
+  bytes, so gathered weights, Adam moments and step must equal DeepSpeed's bit for bit.
+* Continuation (tolerance): the DeepSpeed path uses torch's AdamW (the class Megatron-core runs without
+  Apex/TE, as a DeepSpeed client optimizer) with Megatron's parameter groups and LR schedule, so no Adam
+  implementation differs; what differs is the order of floating-point sums (DeepSpeed averages gradients over
+  its 2 ranks and scales the loss per microbatch; its clip divides by (norm + 1e-6) / clip where Megatron
+  multiplies by clip / (norm + 1e-6)). So the losses of steps 1-4 (2 under DeepSpeed, 2 under the loaded plan)
+  and the final weights must match the uninterrupted single-process Megatron run within
+  test_uniform_equivalence's tolerances (1e-6 relative, 2e-6 absolute). A dropped moment or step, a restarted
+  LR schedule or a shifted data position moves step-3 losses by > 1e-3 (test_checkpointing.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hetu_ext.testing.multiproc import run_ranks
+from test_ckpt_resume import SCHEDULE, _plan_argv, _run
+from test_uniform_equivalence import LOSS_RTOL, WEIGHT_ATOL, _argv
+
+
+def deepspeed_save_body(rank: int, world: int, argv: list[str], stage: int, directory: str) -> dict | None:
+    """Train with DeepSpeed, record DeepSpeed's own full view of the state, save; rank 0 returns it."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    from hetu_ext.checkpoint.deepspeed_zero import hetu_name
+    from hetu_ext.deepspeed.engine import ZeroConfig, add_deepspeed_args, build
+    from hetu_ext.megatron.args import build_parser, validate_args
+
+    args = add_deepspeed_args(build_parser()).parse_args(argv)
+    validate_args(args)
+    run = build(args, ZeroConfig(stage=stage))
+    losses = run.train()
+    optimizer = run.engine.optimizer
+    if stage <= 2:
+        # DeepSpeed 0.19.8 links each parameter to its Adam state fragments after the first optimizer.step() of
+        # parameter group 0, before torch's AdamW has created group 1's state: group 1's links stay empty and
+        # safe_get_full_optimizer_state raises "exp_avg not found". Link again now that every state exists.
+        optimizer._hp_optimizer_states_linked = False
+        optimizer._lazy_init_hp_params_optimizer_state()
+    state = {}
+    for name, p in run.engine.module.named_parameters():
+        state[hetu_name("master", name)] = safe_get_full_fp32_param(p).detach().clone()
+        for kind in ("exp_avg", "exp_avg_sq"):
+            state[hetu_name(kind, name)] = safe_get_full_optimizer_state(p, kind).detach().clone()
+        if stage <= 2:
+            state[hetu_name("param", name)] = p.detach().clone()
+    steps = {float(s["step"]) for s in optimizer.optimizer.state.values() if "step" in s}
+    scheduler = run.scheduler.state_dict()
+    run.save(directory)
+    return {"state": state, "losses": losses, "steps": steps, "scheduler": scheduler} if rank == 0 else None
+
+
+def _deepspeed(stage: int, sample_prefix: str, directory) -> dict:
+    argv = _argv(1, 1, sample_prefix, SCHEDULE + ("--train-iters", "2"))
+    return run_ranks(deepspeed_save_body, 2, argv, stage, str(directory), timeout=180)[0]
+
+
+@pytest.fixture(scope="module")
+def zero2(sample_prefix, tmp_path_factory):
+    directory = tmp_path_factory.mktemp("zero2") / "ckpt"
+    saved = _deepspeed(2, sample_prefix, directory)
+    reference = _run(1, _argv(1, 1, sample_prefix, SCHEDULE + ("--train-iters", "4")))["final"]
+    return directory, saved, reference
+
+
+def test_deepspeed_path_trains_like_megatron(zero2):
+    """The DeepSpeed run is the same training as hetu_ext's (else the continuation checks below mean nothing):
+    its 2 losses match the single-process Megatron run, and its fp32 masters equal its module weights."""
+    directory, saved, reference = zero2
+    assert (directory / "latest").read_text().strip() == "global_step2"
+    loss = max(abs(a - b) / abs(b) for a, b in zip(saved["losses"], reference["losses"][:2]))
+    print(f"DeepSpeed ZeRO-2 vs Megatron, steps 1-2: loss rel diff {loss:.2e}")
+    assert len(saved["losses"]) == 2 and loss <= LOSS_RTOL
+    params = {k: v for k, v in saved["state"].items() if k[0].startswith("param/")}
+    assert params and all(torch.equal(v, saved["state"][("master/" + k[0][6:], k[1])]) for k, v in params.items())
+
+
+@pytest.mark.parametrize("plan", ["one", "h3"])
+def test_zero2_world2_into_another_plan(plan, zero2, sample_prefix, tmp_path):
+    """ZeRO-2 at world size 2 into 1 rank and into a heterogeneous plan of 3 ranks (TP2 pipeline + TP1 one)."""
+    directory, saved, reference = zero2
+    world, argv = _plan_argv(plan, sample_prefix, tmp_path, ("--train-iters", "4", "--load", str(directory)))
+    result = _run(world, argv)
+    loaded = result["loaded"]
+    want = {k: v for k, v in saved["state"].items() if not k[0].startswith("master/")}  # fp32 model: no masters
+    assert loaded["tensors"].keys() == want.keys()
+    assert any(k[0].startswith("exp_avg_sq/") for k in want)
+    for key, value in want.items():
+        assert torch.equal(loaded["tensors"][key], value), key
+    assert loaded["steps"] == saved["steps"] == {2.0}
+    assert loaded["iteration"] == 2 and loaded["losses"] == saved["losses"]
+    assert loaded["scheduler"] == saved["scheduler"]
+    final = result["final"]
+    assert final["iteration"] == 4 and final["losses"][:2] == saved["losses"]
+    loss = max(abs(a - b) / abs(b) for a, b in zip(final["losses"], reference["losses"]))
+    weight = max(float((v - reference["tensors"][k]).abs().max()) for k, v in final["tensors"].items()
+                 if k[0].startswith("param/"))
+    print(f"DeepSpeed ZeRO-2 (2 ranks) -> {plan}: loss rel diff {loss:.2e}, weight abs diff {weight:.2e}")
+    assert len(final["losses"]) == 4 and loss <= LOSS_RTOL and weight <= WEIGHT_ATOL
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_zero1_and_zero3_state_reads_bit_exact(stage, sample_prefix, tmp_path):
+    """ZeRO-1 (optimizer state partitioned) and ZeRO-3 (parameters too, one partition per parameter): every
+    tensor rebuilt from the files equals DeepSpeed's in-engine full view bit for bit, and Adam's step is 2."""
+    from hetu_ext.checkpoint.deepspeed_zero import read_full, read_info
+
+    saved = _deepspeed(stage, sample_prefix, tmp_path / "ckpt")
+    info = read_info(str(tmp_path / "ckpt"))
+    assert (info.zero_stage, info.world_size, info.global_steps, info.optimizer_step) == (stage, 2, 2, 2.0)
+    full = read_full(str(tmp_path / "ckpt"))
+    for key, value in saved["state"].items():
+        assert torch.equal(full[key], value), key
+    if stage == 3:  # ZeRO-3 keeps no module weights: param is the fp32 master (fp32 model: the same bytes)
+        masters = {k for k in full if k[0].startswith("master/")}
+        assert all(torch.equal(full[("param/" + k[0][7:], k[1])], full[k]) for k in masters)
+    assert saved["steps"] == {2.0}
+
+
+def test_bad_directory_is_one_clear_error(tmp_path):
+    from hetu_ext.checkpoint import CheckpointError
+    from hetu_ext.checkpoint.deepspeed_zero import is_deepspeed, read_info
+
+    (tmp_path / "latest").write_text("global_step9")
+    assert not is_deepspeed(str(tmp_path))
+    with pytest.raises(CheckpointError, match="global_step9.*holds no \\*_optim_states.pt"):
+        read_info(str(tmp_path))
