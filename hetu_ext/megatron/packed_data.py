@@ -159,6 +159,8 @@ class PackedSteps:
                              f"the plan's {len(per)} pipelines a microbatch; raise --global-batch-size or "
                              "--hetu-global-batch-tokens")
         mine = _fill_empty(per)[self.pipeline]
+        if self.method == "balanced" and self.replicas[self.pipeline].pp > 1:
+            mine = _fill_drain_order(mine, self.replicas[self.pipeline])
         return StepData(microbatches=[self._collate(mb) for mb in mine], sequences=int(ids.size),
                         tokens=int(self.table.length[ids].sum()), predicted_s=predicted,
                         shapes=[(sum(n for *_, n in mb), sum(n * n for *_, n in mb)) for mb in mine])
@@ -186,6 +188,18 @@ class PackedSteps:
             batch["packed_seq_params"] = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                                                          max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
         return batch
+
+
+def _fill_drain_order(microbatches: list[list[Segment]], replica: ReplicaSpec) -> list[list[Segment]]:
+    """1F1B's fill is the first microbatch's forward through the stages, its drain the last one's backward: the
+    cheapest microbatch goes first, the next cheapest last, the rest (most expensive first) in between."""
+    def seconds(mb: list[Segment]) -> float:
+        return replica.microbatch_s(sum(n * n for *_, n in mb), sum(n for *_, n in mb))
+
+    order = sorted(microbatches, key=seconds)
+    if len(order) < 3:
+        return order
+    return [order[0], *reversed(order[2:]), order[1]]
 
 
 def _fill_empty(per: list[list[list[Segment]]]) -> list[list[list[Segment]]]:
