@@ -109,10 +109,11 @@ def test_zero2_world2_into_another_plan(plan, zero2, sample_prefix, tmp_path):
     assert len(final["losses"]) == 4 and loss <= LOSS_RTOL and weight <= WEIGHT_ATOL
 
 
-@pytest.mark.parametrize("stage", [1, 3])
-def test_zero1_and_zero3_state_reads_bit_exact(stage, sample_prefix, tmp_path):
+@pytest.mark.parametrize("stage,plan", [(1, "one"), (3, "h3")])
+def test_zero1_and_zero3_state_reads_bit_exact(stage, plan, sample_prefix, tmp_path):
     """ZeRO-1 (optimizer state partitioned) and ZeRO-3 (parameters too, one partition per parameter): every
-    tensor rebuilt from the files equals DeepSpeed's in-engine full view bit for bit, and Adam's step is 2."""
+    tensor rebuilt from the files equals DeepSpeed's in-engine full view bit for bit, and Adam's step is 2; then
+    ``--load`` into a plan (1 rank; the heterogeneous 3-rank plan) gathers the same bytes again."""
     from hetu_ext.checkpoint.deepspeed_zero import read_full, read_info
 
     saved = _deepspeed(stage, sample_prefix, tmp_path / "ckpt")
@@ -125,13 +126,19 @@ def test_zero1_and_zero3_state_reads_bit_exact(stage, sample_prefix, tmp_path):
         masters = {k for k in full if k[0].startswith("master/")}
         assert all(torch.equal(full[("param/" + k[0][7:], k[1])], full[k]) for k in masters)
     assert saved["steps"] == {2.0}
+    world, argv = _plan_argv(plan, sample_prefix, tmp_path, ("--train-iters", "2", "--load", str(tmp_path / "ckpt")))
+    loaded = _run(world, argv)["loaded"]
+    assert loaded["tensors"].keys() == {k for k in full if not k[0].startswith("master/")}
+    assert all(torch.equal(v, full[k]) for k, v in loaded["tensors"].items())
+    assert loaded["steps"] == {2.0} and loaded["iteration"] == 2 and loaded["losses"] == saved["losses"]
 
 
 def test_bad_directory_is_one_clear_error(tmp_path):
     from hetu_ext.checkpoint import CheckpointError
     from hetu_ext.checkpoint.deepspeed_zero import is_deepspeed, read_info
 
-    (tmp_path / "latest").write_text("global_step9")
     assert not is_deepspeed(str(tmp_path))
+    (tmp_path / "latest").write_text("global_step9")
+    assert is_deepspeed(str(tmp_path))  # --load takes the DeepSpeed route and fails there, not "from scratch"
     with pytest.raises(CheckpointError, match="global_step9.*holds no \\*_optim_states.pt"):
         read_info(str(tmp_path))

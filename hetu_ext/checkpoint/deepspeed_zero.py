@@ -57,13 +57,12 @@ class DeepSpeedInfo:
 
 
 def is_deepspeed(directory: str) -> bool:
-    """A ``DIR`` whose ``latest`` names a tag directory holding DeepSpeed's ``*_optim_states.pt`` files."""
+    """A ``DIR`` with DeepSpeed's ``latest`` tag file and no hetu / Megatron tracker (whether the tag it names is
+    complete is checked on reading, with an error naming the missing files), or a DeepSpeed tag directory."""
     root = Path(directory)
-    latest = root / LATEST
-    if not latest.is_file():
-        return False
-    tag = latest.read_text().strip()
-    return bool(tag) and any((root / tag).glob("*_optim_states.pt"))
+    if any(root.glob("*_optim_states.pt")):
+        return True
+    return (root / LATEST).is_file() and not (root / "latest_checkpointed_iteration.txt").exists()
 
 
 def tag_path(directory: str) -> Path:
