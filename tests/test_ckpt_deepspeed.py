@@ -142,3 +142,33 @@ def test_bad_directory_is_one_clear_error(tmp_path):
     assert is_deepspeed(str(tmp_path))  # --load takes the DeepSpeed route and fails there, not "from scratch"
     with pytest.raises(CheckpointError, match="global_step9.*holds no \\*_optim_states.pt"):
         read_info(str(tmp_path))
+
+
+def test_cli_inspects_and_converts_a_deepspeed_checkpoint(zero2, sample_prefix, tmp_path, capsys):
+    """``python -m hetu_ext.checkpoint`` reads a DeepSpeed directory directly: ``inspect`` names stage, world
+    size and steps; ``convert --kind exp_avg`` writes DeepSpeed's moments bit for bit; ``convert --to torch_dist``
+    writes a Megatron dist_checkpointing checkpoint that loads into a heterogeneous plan with the same bytes."""
+    from safetensors.torch import load_file
+
+    from hetu_ext.checkpoint.cli import main
+
+    directory, saved, _ = zero2
+    assert main(["inspect", str(directory)]) == 0
+    out = capsys.readouterr().out
+    assert "ZeRO-2" in out and "saved by 2 rank(s), global step 2, Adam step 2.0" in out
+    assert main(["convert", str(directory), str(tmp_path / "m.safetensors"), "--kind", "exp_avg"]) == 0
+    exported = load_file(str(tmp_path / "m.safetensors"))
+    moments = {k: v for k, v in saved["state"].items() if k[0].startswith("exp_avg/")}
+    assert len(exported) == len(moments)
+    for (name, index), value in moments.items():
+        key = name[len("exp_avg/"):]
+        key = f"decoder.layers.{index[0]}.{key[len('decoder.layers.'):]}" if index else key
+        assert torch.equal(exported[key], value), key
+    assert main(["verify", str(directory)]) == 2
+    assert "carries no checksums" in capsys.readouterr().err
+    assert main(["convert", str(directory), str(tmp_path / "td"), "--to", "torch_dist"]) == 0
+    world, argv = _plan_argv("h3", sample_prefix, tmp_path, ("--train-iters", "2", "--load", str(tmp_path / "td")))
+    loaded = _run(world, argv)["loaded"]
+    want = {k: v for k, v in saved["state"].items() if not k[0].startswith("master/")}
+    assert loaded["tensors"].keys() == want.keys()
+    assert all(torch.equal(loaded["tensors"][k], v) for k, v in want.items()) and loaded["steps"] == {2.0}

@@ -9,7 +9,9 @@
 * ``convert PATH OUTDIR --to hf-gpt2``: a Hugging Face GPT-2 directory (config.json, model.safetensors) that
   ``GPT2LMHeadModel.from_pretrained`` loads.
 
-PATH is a ``--save`` directory (its latest checkpoint) or one ``iter_NNNNNNN`` directory in it. Bad input
+PATH is a ``--save`` directory (its latest checkpoint) or one ``iter_NNNNNNN`` directory in it, or a DeepSpeed
+ZeRO-1/2/3 ``save_checkpoint`` directory (or one of its tags): ``inspect`` and ``convert`` (safetensors, torch_dist)
+read it directly. Bad input
 (missing path, corrupt checkpoint, unknown kind) ends with one ``error:`` line and exit code 2.
 """
 
@@ -62,6 +64,11 @@ def _export_name(name: str, index: tuple[int, ...]) -> str:
 
 
 def run(args: argparse.Namespace) -> list[str]:
+    from .deepspeed_zero import cli_lines, is_deepspeed
+
+    if Path(args.path).is_dir() and is_deepspeed(args.path):  # DeepSpeed ZeRO: no offline step either
+        return cli_lines(args.command, args.path, getattr(args, "output", None), getattr(args, "kind", "param"),
+                         getattr(args, "to", "safetensors"))
     if args.command == "verify" and args.all:
         storage = LocalStorage(args.path)
         iterations = complete_iterations(storage)

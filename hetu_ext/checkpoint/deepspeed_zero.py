@@ -230,3 +230,39 @@ def read_full(directory: str, kinds: tuple[str, ...] = KINDS) -> dict[tuple[str,
     if info.optimizer_step is None:
         kinds = tuple(k for k in kinds if k in KINDS[:2])
     return {(p.key, p.index): p.tensor for kind in kinds for p in _pieces(kind, rebuild(info, kind))}
+
+
+def cli_lines(command: str, path: str, output: str | None = None, kind: str = "param",
+              to: str = "safetensors") -> list[str]:
+    """``python -m hetu_ext.checkpoint inspect|convert`` on a DeepSpeed checkpoint (cli.py dispatches here)."""
+    info = read_info(path)
+    if command == "inspect":
+        lines = [f"DeepSpeed ZeRO-{info.zero_stage} checkpoint {info.path}: saved by {info.world_size} rank(s), "
+                 f"global step {info.global_steps}, Adam step {info.optimizer_step}, {len(info.shapes)} parameters",
+                 "", f"{'tensor (hetu name)':<60} {'index':<6} shape"]
+        for name, shape in info.shapes.items():
+            key, index = hetu_name("param", name)
+            lines.append(f"{key:<60} {','.join(map(str, index)):<6} {'x'.join(map(str, shape))}")
+        return lines
+    if command == "verify":
+        raise CheckpointError(f"{path}: a DeepSpeed checkpoint carries no checksums to verify; 'inspect' reads "
+                              "its structure, 'convert' rebuilds every tensor")
+    if to == "torch_dist":
+        from .torch_dist import export
+
+        full = read_full(path, ("param", "exp_avg", "exp_avg_sq"))
+        count = export(full, output, iteration=info.global_steps, optimizer_step=info.optimizer_step)
+        return [f"wrote a dist_checkpointing checkpoint ({count} tensors, iteration {info.global_steps}) to {output}"]
+    if to != "safetensors":
+        raise CheckpointError(f"--to {to}: DeepSpeed checkpoints convert to safetensors or torch_dist (the GPT-2 "
+                              "layout needs the attention head count, which DeepSpeed does not record)")
+    if kind not in KINDS:
+        raise CheckpointError(f"--kind {kind}: a DeepSpeed checkpoint holds {list(KINDS)}; pick one of them")
+    from safetensors.torch import save_file
+
+    tensors = {}
+    for (key, index), t in read_full(path, (kind,)).items():
+        name = key.split("/", 1)[1]
+        tensors[f"decoder.layers.{index[0]}.{name[len('decoder.layers.'):]}" if index else name] = t.contiguous()
+    save_file(tensors, output, metadata={"iteration": str(info.global_steps), "kind": kind})
+    return [f"wrote {len(tensors)} tensors ({kind}, iteration {info.global_steps}) to {output}"]
