@@ -222,13 +222,13 @@ def test_a_pipeline_the_packer_leaves_empty_gets_a_sequence():
     assert _fill_empty(per) == [[[(1, 0, 30)], [(3, 0, 9)]], [[(2, 0, 5)]], [[(4, 0, 7)]]]
 
 
-def test_pipelines_run_their_cheapest_microbatches_first_and_last():
-    """Under 1F1B the first microbatch's forward fills the pipeline and the last one's backward drains it, so the
-    balanced packer's pipelines run the cheapest first and the next cheapest last."""
+def test_pipelines_run_microbatches_most_expensive_first():
+    """Under 1F1B a stage runs microbatch k's backward while its predecessor runs k + 1's forward; decreasing
+    costs keep the predecessor from making it wait, and the drain is the cheapest microbatch's backward."""
     from hetu_ext.data.cost import LengthCost
     from hetu_ext.data.packing import ReplicaSpec
     from hetu_ext.megatron.packed_data import _fill_drain_order
 
     replica = ReplicaSpec(stage_costs=(LengthCost(a=1e-6, b=1e-4),) * 2, token_capacity=64)
     mbs = [[(0, 0, 40)], [(1, 0, 10)], [(2, 0, 64)], [(3, 0, 20)], [(4, 0, 30)]]
-    assert _fill_drain_order(mbs, replica) == [[(1, 0, 10)], [(2, 0, 64)], [(0, 0, 40)], [(4, 0, 30)], [(3, 0, 20)]]
+    assert _fill_drain_order(mbs, replica) == [[(2, 0, 64)], [(0, 0, 40)], [(4, 0, 30)], [(3, 0, 20)], [(1, 0, 10)]]

@@ -191,15 +191,13 @@ class PackedSteps:
 
 
 def _fill_drain_order(microbatches: list[list[Segment]], replica: ReplicaSpec) -> list[list[Segment]]:
-    """1F1B's fill is the first microbatch's forward through the stages, its drain the last one's backward: the
-    cheapest microbatch goes first, the next cheapest last, the rest (most expensive first) in between."""
+    """Most expensive microbatch first, cheapest last, for 1F1B: in the steady state a stage runs the backward of
+    microbatch k while the stage before it runs the forward of k + 1, so decreasing costs never make a stage wait
+    for its predecessor, and the drain (the last microbatch's backward down the pipeline) is the cheapest."""
     def seconds(mb: list[Segment]) -> float:
         return replica.microbatch_s(sum(n * n for *_, n in mb), sum(n for *_, n in mb))
 
-    order = sorted(microbatches, key=seconds)
-    if len(order) < 3:
-        return order
-    return [order[0], *reversed(order[2:]), order[1]]
+    return sorted(microbatches, key=seconds, reverse=True)
 
 
 def _fill_empty(per: list[list[list[Segment]]]) -> list[list[list[Segment]]]:
