@@ -184,3 +184,32 @@ def test_cli_inspects_and_converts_a_deepspeed_checkpoint(zero2, sample_prefix, 
     want = {k: v for k, v in saved["state"].items() if not k[0].startswith("master/")}
     assert loaded["tensors"].keys() == want.keys()
     assert all(torch.equal(loaded["tensors"][k], v) for k, v in want.items()) and loaded["steps"] == {2.0}
+
+
+def test_plain_deepspeed_checkpoint_and_wrong_model(zero2, sample_prefix, tmp_path):
+    """A checkpoint of a user's own DeepSpeed script carries no hetu_ext client state: the iteration comes from
+    DeepSpeed's global_steps and the LR schedule is replayed to it, so training continues as the uninterrupted
+    run does (same tolerances). A model of another shape is refused with one error naming tensor and shapes."""
+    import shutil
+
+    from hetu_ext.testing.multiproc import RankError
+
+    directory, saved, reference = zero2
+    plain = tmp_path / "plain"
+    shutil.copytree(directory, plain)
+    states = plain / "global_step2" / "mp_rank_00_model_states.pt"
+    content = torch.load(states, weights_only=False)
+    del content["hetu_ext"]
+    torch.save(content, states)
+    world, argv = _plan_argv("one", sample_prefix, tmp_path, ("--train-iters", "4", "--load", str(plain)))
+    result = _run(world, argv)
+    assert result["loaded"]["iteration"] == 2 and result["loaded"]["losses"] == []
+    assert result["loaded"]["scheduler"] == saved["scheduler"]
+    final = result["final"]
+    loss = max(abs(a - b) / abs(b) for a, b in zip(final["losses"], reference["losses"][2:]))
+    assert len(final["losses"]) == 2 and loss <= LOSS_RTOL
+    argv = _argv(1, 1, sample_prefix, SCHEDULE + ("--train-iters", "4", "--load", str(plain)))
+    argv[argv.index("--ffn-hidden-size") + 1] = "96"
+    with pytest.raises(RankError, match=r"linear_fc1.weight\[0\]: the model holds box .* but the DeepSpeed "
+                                        r"checkpoint stores \[64, 32\]; the model configuration differs"):
+        _run(1, argv)

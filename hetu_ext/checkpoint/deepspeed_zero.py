@@ -193,6 +193,20 @@ def _pieces(kind: str, full: dict[str, torch.Tensor]) -> list[Piece]:
     return pieces
 
 
+def _shape_error(info: DeepSpeedInfo, mine: list[Piece]) -> str | None:
+    """The first destination piece that does not fit the stored tensor's shape (another model configuration)."""
+    shapes = {}
+    for name, shape in info.shapes.items():
+        key, index = hetu_name("param", name)
+        shapes[(key.split("/", 1)[1], index)] = tuple(shape)
+    for p in mine:
+        shape = shapes.get((p.key.split("/", 1)[1], p.index))
+        if shape is not None and (len(shape) != len(p.box) or any(b > s for (_, b), s in zip(p.box, shape))):
+            return (f"{p.key}{list(p.index)}: the model holds box {p.box} but the DeepSpeed checkpoint stores "
+                    f"{list(shape)}; the model configuration differs from the saved one")
+    return None
+
+
 def load_resharded(directory: str, destinations: list[Piece] | Callable[[set[str]], list[Piece]], *,
                    group=None) -> tuple[DeepSpeedInfo, ReshardReport]:
     """Fill this rank's destination pieces from the DeepSpeed checkpoint under ``directory`` (collective).
@@ -207,6 +221,7 @@ def load_resharded(directory: str, destinations: list[Piece] | Callable[[set[str
     missing = sorted({p.key for p in mine} - names)
     error = (f"{info.path}: the DeepSpeed checkpoint has no {missing[:3]} ({len(missing)} missing; it holds e.g. "
              f"{sorted(names)[:3]}); it was saved from another model or optimizer") if missing else None
+    error = error or _shape_error(info, mine)
     everyone: list = [None] * world
     dist.all_gather_object(everyone, (sorted({p.key.split('/', 1)[0] for p in mine}), error), group=group)
     errors = sorted({e for _, e in everyone if e})
