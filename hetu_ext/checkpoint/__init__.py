@@ -3,7 +3,8 @@
 Saving writes each unique element once, spread over the ranks that hold it, through a short snapshot and a
 background persist with an atomic commit (writer.py); loading reads and checks each shard once (per job or per
 host) and reshards it into any plan (load.py). Megatron's dist_checkpointing checkpoints load the same way and
-can be exported to (torch_dist.py); full tensors export to a Hugging Face GPT-2 directory (hf.py);
+can be exported to (torch_dist.py), and so do DeepSpeed ZeRO-1/2/3 checkpoints (deepspeed_zero.py, no
+ds_to_universal step); full tensors export to a Hugging Face GPT-2 directory (hf.py);
 ``python -m hetu_ext.checkpoint inspect|verify|convert`` (cli.py). Pure parts (manifest, shard selection,
 reading) need no process group. Importing this package imports torch and safetensors, not Megatron or DeepSpeed.
 """

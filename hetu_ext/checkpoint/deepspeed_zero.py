@@ -114,6 +114,14 @@ def _zero_to_fp32():
     return zero_to_fp32
 
 
+def _quiet() -> contextlib.ExitStack:
+    """zero_to_fp32 reports with print() and tqdm bars: keep them out of the training log."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(contextlib.redirect_stdout(io.StringIO()))
+    stack.enter_context(contextlib.redirect_stderr(io.StringIO()))
+    return stack
+
+
 def _optim_files(path: Path) -> list[str]:
     return _zero_to_fp32().get_optim_files(str(path))
 
@@ -139,7 +147,7 @@ def read_info(directory: str) -> DeepSpeedInfo:
     if len(steps) > 1:
         raise CheckpointError(f"{path}: parameter groups are at different Adam steps {sorted(steps)}")
     shapes = {name: torch.Size(shape) for group in states["param_shapes"] for name, shape in group.items()}
-    client = {k: v for k, v in states.items() if k == "hetu_ext"}
+    client = {"hetu_ext": states["hetu_ext"]} if "hetu_ext" in states else {}  # hetu_ext.deepspeed.engine's
     return DeepSpeedInfo(path=path, zero_stage=int(osd["zero_stage"]), world_size=world,
                          global_steps=int(states.get("global_steps", 0)), shapes=shapes, client_state=client,
                          optimizer_step=steps.pop() if steps else None)
@@ -155,8 +163,7 @@ def rebuild(info: DeepSpeedInfo, kind: str) -> dict[str, torch.Tensor]:
     """Full tensors of one kind by DeepSpeed parameter name, through DeepSpeed's own reconstruction."""
     z = _zero_to_fp32()
     path = str(info.path)
-    quiet = contextlib.redirect_stdout(io.StringIO())  # zero_to_fp32 reports with print()
-    with quiet:
+    with _quiet():
         model_states = z.parse_model_states(z.get_model_state_files(path))
     if kind == "param" and info.zero_stage <= 2:
         module = torch.load(z.get_model_state_files(path)[0], map_location="cpu", mmap=True,
@@ -175,7 +182,7 @@ def rebuild(info: DeepSpeedInfo, kind: str) -> dict[str, torch.Tensor]:
         inner = "base_optimizer_state" if info.zero_stage <= 2 else "optimizer_state_dict"
         flat = [[o[inner]["state"][g][kind] for g in sorted(o[inner]["state"])] for o in optims]
     out: dict[str, Any] = {}
-    with quiet:
+    with _quiet():
         if info.zero_stage <= 2:
             z._zero2_merge_trainable_params(out, info.world_size, flat, model_states,
                                             optims[0].get("param_alignment_paddings"))
