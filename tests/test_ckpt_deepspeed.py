@@ -145,9 +145,21 @@ def test_zero1_and_zero3_state_reads_bit_exact(stage, plan, sample_prefix, tmp_p
     assert loaded["steps"] == {2.0} and loaded["iteration"] == 2 and loaded["losses"] == saved["losses"]
 
 
-def test_bad_directory_is_one_clear_error(tmp_path):
+def test_bad_directory_is_one_clear_error(zero2, tmp_path):
+    """A 'latest' naming no tag, and a tag missing one rank's optimizer file, each end in one error naming
+    the path and what is missing (never a silent start from scratch or a partial load)."""
+    import shutil
+
     from hetu_ext.checkpoint import CheckpointError
-    from hetu_ext.checkpoint.deepspeed_zero import is_deepspeed, read_info
+    from hetu_ext.checkpoint.deepspeed_zero import is_deepspeed, read_full, read_info
+
+    partial = tmp_path / "partial"
+    shutil.copytree(zero2[0], partial)
+    (partial / "global_step2" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    with pytest.raises(CheckpointError, match="1 \\*_optim_states.pt files for a ZeRO world size of 2"):
+        read_full(str(partial), ("exp_avg",))
+    tmp_path = tmp_path / "empty"
+    tmp_path.mkdir()
 
     assert not is_deepspeed(str(tmp_path))
     (tmp_path / "latest").write_text("global_step9")

@@ -153,10 +153,10 @@ def read_info(directory: str) -> DeepSpeedInfo:
                          optimizer_step=steps.pop() if steps else None)
 
 
-def names_of(info: DeepSpeedInfo) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """(kind, parameter name) joined as ``KIND:NAME`` -> (hetu name, index), for every tensor the checkpoint has."""
+def hetu_names(info: DeepSpeedInfo) -> set[str]:
+    """The hetu names (``KIND/KEY``) of every tensor the checkpoint holds (moments only after a step)."""
     kinds = KINDS if info.optimizer_step is not None else KINDS[:2]
-    return {f"{k}:{n}": hetu_name(k, n) for k in kinds for n in info.shapes}
+    return {hetu_name(k, n)[0] for k in kinds for n in info.shapes}
 
 
 def rebuild(info: DeepSpeedInfo, kind: str) -> dict[str, torch.Tensor]:
@@ -165,9 +165,9 @@ def rebuild(info: DeepSpeedInfo, kind: str) -> dict[str, torch.Tensor]:
     path = str(info.path)
     with _quiet():
         model_states = z.parse_model_states(z.get_model_state_files(path))
+    module = torch.load(z.get_model_state_files(path)[0], map_location="cpu", mmap=True,
+                        weights_only=False)["module"]
     if kind == "param" and info.zero_stage <= 2:
-        module = torch.load(z.get_model_state_files(path)[0], map_location="cpu", mmap=True,
-                            weights_only=False)["module"]
         return {n: module[n].clone() for n in info.shapes}
     files = _optim_files(info.path)
     if len(files) != info.world_size:
@@ -189,6 +189,8 @@ def rebuild(info: DeepSpeedInfo, kind: str) -> dict[str, torch.Tensor]:
         else:
             z._zero3_merge_trainable_params(out, info.world_size, flat, model_states)
             out = z.to_torch_tensor(out)
+    if kind == "param":  # ZeRO-3 keeps placeholders of the model's dtype: the fp32 master in that dtype
+        return {n: out[n].detach().to(module[n].dtype) for n in info.shapes}
     return {n: out[n].detach().clone() for n in info.shapes}
 
 
@@ -222,7 +224,7 @@ def load_resharded(directory: str, destinations: list[Piece] | Callable[[set[str
     :class:`CheckpointError` on every rank if some rank wants a tensor the checkpoint lacks.
     """
     info = read_info(directory)
-    names = {n for n, _ in names_of(info).values()}
+    names = hetu_names(info)
     mine = destinations(names) if callable(destinations) else destinations
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     missing = sorted({p.key for p in mine} - names)
