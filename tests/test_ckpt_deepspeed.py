@@ -158,14 +158,13 @@ def test_bad_directory_is_one_clear_error(zero2, tmp_path):
     (partial / "global_step2" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
     with pytest.raises(CheckpointError, match="1 \\*_optim_states.pt files for a ZeRO world size of 2"):
         read_full(str(partial), ("exp_avg",))
-    tmp_path = tmp_path / "empty"
-    tmp_path.mkdir()
-
-    assert not is_deepspeed(str(tmp_path))
-    (tmp_path / "latest").write_text("global_step9")
-    assert is_deepspeed(str(tmp_path))  # --load takes the DeepSpeed route and fails there, not "from scratch"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert not is_deepspeed(str(empty))
+    (empty / "latest").write_text("global_step9")
+    assert is_deepspeed(str(empty))  # --load takes the DeepSpeed route and fails there, not "from scratch"
     with pytest.raises(CheckpointError, match="global_step9.*holds no \\*_optim_states.pt"):
-        read_info(str(tmp_path))
+        read_info(str(empty))
 
 
 def test_cli_inspects_and_converts_a_deepspeed_checkpoint(zero2, sample_prefix, tmp_path, capsys):
