@@ -224,3 +224,28 @@ def test_plain_deepspeed_checkpoint_and_wrong_model(zero2, sample_prefix, tmp_pa
     with pytest.raises(RankError, match=r"linear_fc1.weight\[0\]: the model holds box .* but the DeepSpeed "
                                         r"checkpoint stores \[64, 32\]; the model configuration differs"):
         _run(1, argv)
+
+
+def test_deepspeed_config_from_flags_and_its_errors():
+    """Pure: the DeepSpeed config the Megatron-LM flags give, and one error naming rule, values and fix for a
+    batch that does not split over the ranks, a user config contradicting the flags, or an unknown stage."""
+    from hetu_ext.deepspeed.engine import ZeroConfig, add_deepspeed_args, deepspeed_config
+    from hetu_ext.megatron.args import build_parser
+
+    args = add_deepspeed_args(build_parser()).parse_args(_argv(1, 1, "unused"))
+    config = deepspeed_config(args, ZeroConfig(stage=3, extra={"zero_optimization": {"sub_group_size": 10**6},
+                                                               "steps_per_print": 10}), 2)
+    assert (config["train_batch_size"], config["gradient_accumulation_steps"], config["gradient_clipping"]) == \
+        (8, 2, 1.0)
+    assert config["zero_optimization"] == {"stage": 3, "sub_group_size": 10**6} and config["steps_per_print"] == 10
+    with pytest.raises(ValueError, match="--global-batch-size 8 must be a multiple of --micro-batch-size 2 x "
+                                         "world size 3"):
+        deepspeed_config(args, ZeroConfig(stage=2), 3)
+    with pytest.raises(ValueError, match="--deepspeed-config sets train_batch_size=16 but the flags give 8"):
+        deepspeed_config(args, ZeroConfig(stage=2, extra={"train_batch_size": 16}), 2)
+    with pytest.raises(ValueError, match="sets zero_optimization=.*'stage': 1.*make them agree"):
+        deepspeed_config(args, ZeroConfig(stage=2, extra={"zero_optimization": {"stage": 1}}), 2)
+    with pytest.raises(ValueError, match="sets bf16=.* this path trains fp32"):
+        deepspeed_config(args, ZeroConfig(stage=2, extra={"bf16": {"enabled": True}}), 2)
+    with pytest.raises(ValueError, match="ZeRO stage 4 is not one of"):
+        ZeroConfig(stage=4)

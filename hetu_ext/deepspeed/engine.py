@@ -57,6 +57,10 @@ class ZeroConfig:
             raise ValueError(f"ZeRO stage {self.stage} is not one of {ZERO_STAGES}; pass --zero-stage 1, 2 or 3")
 
 
+_FROM_FLAGS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+               "gradient_clipping")
+
+
 def deepspeed_config(args: argparse.Namespace, zero: ZeroConfig, world_size: int) -> dict[str, Any]:
     """The DeepSpeed config of the flags: fp32, ZeRO stage, batch sizes, clipping."""
     gbs = args.global_batch_size or args.micro_batch_size * world_size
@@ -68,11 +72,15 @@ def deepspeed_config(args: argparse.Namespace, zero: ZeroConfig, world_size: int
               "gradient_clipping": args.clip_grad, "zero_optimization": {"stage": zero.stage},
               "zero_allow_untested_optimizer": True, "steps_per_print": 2**31 - 1, "wall_clock_breakdown": False}
     for key, value in zero.extra.items():
-        if key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-                   "optimizer", "fp16", "bf16") and config.get(key, value) != value:
+        if key in ("optimizer", "scheduler") or (key in ("fp16", "bf16") and dict(value).get("enabled", False)):
+            raise ValueError(f"--deepspeed-config sets {key}={value!r}; this path trains fp32 with torch's AdamW "
+                             "and Megatron's LR schedule from the flags: remove it and use --lr, --lr-decay-style, "
+                             "--adam-* instead")
+        stage = dict(value).get("stage", zero.stage) if key == "zero_optimization" else zero.stage
+        if (key in _FROM_FLAGS and config[key] != value) or stage != zero.stage:
             raise ValueError(f"--deepspeed-config sets {key}={value!r} but the flags give {config.get(key)!r}; "
-                             "set it through the Megatron-LM flags (fp16/bf16/optimizer are not supported here)")
-        config[key] = value
+                             "make them agree (set batch sizes, clipping and --zero-stage through the flags)")
+        config[key] = {**config[key], **value} if key == "zero_optimization" else value
     return config
 
 
