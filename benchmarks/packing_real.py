@@ -13,7 +13,8 @@ per-document attention"), ``megatron_causal`` the same packs with causal attenti
 (Megatron-LM's default GPTDataset, no --reset-attention-mask), ``greedy`` is DeepSpeed-style greedy by tokens,
 ``hetu`` is our two-stage length-aware assignment (``--hetu-packing balanced``), whose cost model is calibrated first on this CPU
 for this model (``python -m hetu_ext.data.calibrate``). Methods run interleaved, ``--rounds`` times each;
-tokens/s is the total tokens over the total time of steps 2..N of every round (step 1 warms up).
+tokens/s is the total tokens over the total time of steps 2..N of every round (step 1 warms up); each round
+starts with the next method, so that no method always runs first or last on a shared machine.
 """
 
 from __future__ import annotations
@@ -74,9 +75,11 @@ def real_rows(args: argparse.Namespace, log=print) -> list[dict]:
         calibrate(args.max_len, cost)
         log(f"calibrated {cost}: " + Path(cost).read_text().split("per_tp")[0].replace("\n", " "))
         totals = {(layout, m): [0.0, 0.0] for layout in LAYOUTS for m in METHODS}
+        names = list(METHODS)
         for layout in LAYOUTS:
-            for _ in range(args.rounds):
-                for name, method in METHODS.items():
+            for r in range(args.rounds):  # each round starts with another method: no method always runs last
+                for name in names[r % len(names):] + names[:r % len(names)]:
+                    method = METHODS[name]
                     out = run_ranks(train, 2, _argv(method, layout, args, cost), timeout=900)[0]
                     tokens, seconds = _tokens_and_seconds(out["log_lines"])
                     totals[layout, name][0] += tokens
