@@ -81,6 +81,21 @@ def tag_path(directory: str) -> Path:
     return path
 
 
+def _unwrapped(name: str) -> str:
+    while name.startswith("module."):
+        name = name[len("module."):]
+    return name
+
+
+def _module_weight(module: dict[str, torch.Tensor], name: str, path: str) -> torch.Tensor:
+    """A parameter's entry in the saved module state (a wrapper's state_dict may drop its ``module.``)."""
+    for key in (name, _unwrapped(name)):
+        if key in module:
+            return module[key]
+    raise CheckpointError(f"{path}: the model states hold no weight for parameter {name!r} (param_shapes names it); "
+                          "the files come from different saves")
+
+
 @functools.cache
 def layer_keys_map() -> tuple[tuple[str, str], ...]:
     """Megatron-core's renaming of a layer's parameter names into its checkpoint keys for the local layer spec
@@ -92,7 +107,9 @@ def layer_keys_map() -> tuple[tuple[str, str], ...]:
 
 def hetu_name(kind: str, name: str) -> tuple[str, tuple[int, ...]]:
     """A GPTModel parameter name as a hetu (name, index): ``decoder.layers.3.X`` -> (``KIND/decoder.layers.X'``,
-    (3,)) with X' the key Megatron's checkpoints use; other names -> (``KIND/NAME``, ())."""
+    (3,)) with X' the key Megatron's checkpoints use; other names -> (``KIND/NAME``, ()). Wrappers' ``module.``
+    prefixes (Megatron's Float16Module under --bf16, DDP) are dropped."""
+    name = _unwrapped(name)
     m = _LAYER.match(name)
     if m:
         rest = m.group(2)
@@ -168,7 +185,7 @@ def rebuild(info: DeepSpeedInfo, kind: str) -> dict[str, torch.Tensor]:
     module = torch.load(z.get_model_state_files(path)[0], map_location="cpu", mmap=True,
                         weights_only=False)["module"]
     if kind == "param" and info.zero_stage <= 2:
-        return {n: module[n].clone() for n in info.shapes}
+        return {n: _module_weight(module, n, path).clone() for n in info.shapes}
     files = _optim_files(info.path)
     if len(files) != info.world_size:
         raise CheckpointError(f"{path}: {len(files)} *_optim_states.pt files for a ZeRO world size of "
@@ -190,7 +207,7 @@ def rebuild(info: DeepSpeedInfo, kind: str) -> dict[str, torch.Tensor]:
             z._zero3_merge_trainable_params(out, info.world_size, flat, model_states)
             out = z.to_torch_tensor(out)
     if kind == "param":  # ZeRO-3 keeps placeholders of the model's dtype: the fp32 master in that dtype
-        return {n: out[n].detach().to(module[n].dtype) for n in info.shapes}
+        return {n: out[n].detach().to(_module_weight(module, n, path).dtype) for n in info.shapes}
     return {n: out[n].detach().clone() for n in info.shapes}
 
 

@@ -4,7 +4,9 @@ schedule as hetu_ext's Megatron path with the same flags, so its checkpoints can
 
 What matches and why:
 
-* Model: :func:`hetu_ext.megatron.model.build_gpt_stage` with weights from :func:`init_weights` (seed, key, layer).
+* Model: :func:`hetu_ext.megatron.model.build_gpt_stage` with weights from :func:`init_weights` (seed, key, layer);
+  with ``--bf16`` wrapped in Megatron's Float16Module as hetu_ext's path does, and DeepSpeed's ``bf16`` mode
+  (bf16 weights, fp32 partitions of the master weights and moments).
 * Data: Megatron-core's GPTDataset, sample ids of step g from the uniform plan of the DP ranks (rank = pipeline).
 * Loss: each microbatch's per-token mean; DeepSpeed divides by the accumulation steps and averages gradients over
   the DP ranks, which equals Megatron's token sum over the global batch's token count (every sample has
@@ -62,7 +64,7 @@ _FROM_FLAGS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_a
 
 
 def deepspeed_config(args: argparse.Namespace, zero: ZeroConfig, world_size: int) -> dict[str, Any]:
-    """The DeepSpeed config of the flags: fp32, ZeRO stage, batch sizes, clipping."""
+    """The DeepSpeed config of the flags: ZeRO stage, batch sizes, clipping (``bf16`` is added by ``--bf16``)."""
     gbs = args.global_batch_size or args.micro_batch_size * world_size
     if gbs % (args.micro_batch_size * world_size):
         raise ValueError(f"--global-batch-size {gbs} must be a multiple of --micro-batch-size "
@@ -73,9 +75,9 @@ def deepspeed_config(args: argparse.Namespace, zero: ZeroConfig, world_size: int
               "zero_allow_untested_optimizer": True, "steps_per_print": 2**31 - 1, "wall_clock_breakdown": False}
     for key, value in zero.extra.items():
         if key in ("optimizer", "scheduler") or (key in ("fp16", "bf16") and dict(value).get("enabled", False)):
-            raise ValueError(f"--deepspeed-config sets {key}={value!r}; this path trains fp32 with torch's AdamW "
-                             "and Megatron's LR schedule from the flags: remove it and use --lr, --lr-decay-style, "
-                             "--adam-* instead")
+            raise ValueError(f"--deepspeed-config sets {key}={value!r}; this path takes precision, torch's AdamW "
+                             "and Megatron's LR schedule from the flags: remove it and use --bf16, --lr, "
+                             "--lr-decay-style, --adam-* instead")
         stage = dict(value).get("stage", zero.stage) if key == "zero_optimization" else zero.stage
         if (key in _FROM_FLAGS and config[key] != value) or stage != zero.stage:
             raise ValueError(f"--deepspeed-config sets {key}={value!r} but the flags give {config.get(key)!r}; "
@@ -162,15 +164,15 @@ def build(args: argparse.Namespace, zero: ZeroConfig) -> DeepSpeedGPT:
 
     from hetu_ext.megatron import host
     from hetu_ext.megatron.data import DataSpec, build_train_dataset, make_tokenizer
-    from hetu_ext.megatron.model import TrainingNumerics, build_gpt_stage, transformer_config
+    from hetu_ext.megatron.model import TrainingNumerics, build_gpt_stage, transformer_config, with_precision
     from hetu_ext.megatron.trainer import model_spec_from_args
     from hetu_ext.megatron.weights import init_weights
     from hetu_ext.plan import uniform_plan
 
-    if args.bf16 or args.optimizer != "adam" or args.tensor_model_parallel_size != 1 \
+    if args.optimizer != "adam" or args.tensor_model_parallel_size != 1 \
             or args.pipeline_model_parallel_size != 1:
-        raise ValueError("the DeepSpeed path trains fp32 Adam with TP 1 and PP 1 (ZeRO shards over data parallel "
-                         f"ranks); got --bf16={args.bf16} --optimizer {args.optimizer} TP "
+        raise ValueError("the DeepSpeed path trains Adam with TP 1 and PP 1 (ZeRO shards over data parallel "
+                         f"ranks); got --optimizer {args.optimizer} TP "
                          f"{args.tensor_model_parallel_size} PP {args.pipeline_model_parallel_size}: drop those flags")
     tokenizer = make_tokenizer(args.tokenizer_type, args.vocab_size)
     spec = model_spec_from_args(args, tokenizer.vocab_size)
@@ -180,12 +182,15 @@ def build(args: argparse.Namespace, zero: ZeroConfig) -> DeepSpeedGPT:
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1, create_gloo_process_groups=False)
     tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
-    numerics = TrainingNumerics(hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
+    numerics = TrainingNumerics(bf16=args.bf16, hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
                                 init_method_std=args.init_method_std)
     config = transformer_config(spec, numerics, tp=1, pp=1, on_cpu=h.device.type == "cpu")
     model = build_gpt_stage(spec, config, pre_process=True, post_process=True).to(h.device)
     init_weights(model, seed=args.seed, std=args.init_method_std, num_layers=spec.num_layers)
+    model = with_precision(model, config, numerics)  # --bf16: Megatron's Float16Module, as hetu_ext's path
     ds_config = deepspeed_config(args, zero, h.world_size)
+    if args.bf16:
+        ds_config["bf16"] = {"enabled": True}
     optimizer = torch.optim.AdamW(param_groups(model), lr=args.lr, betas=(args.adam_beta1, args.adam_beta2),
                                   eps=args.adam_eps, weight_decay=args.weight_decay)
     engine, ds_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
