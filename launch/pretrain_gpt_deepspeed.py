@@ -5,7 +5,7 @@
     torchrun --nproc-per-node 2 launch/pretrain_gpt_deepspeed.py --zero-stage 2 --num-layers 4 \
         --hidden-size 64 --num-attention-heads 4 --seq-length 128 --micro-batch-size 2 --global-batch-size 8 \
         --train-iters 20 --lr 1e-3 --mock-data --save /tmp/ds_ckpt
-    deepspeed --num_gpus 2 launch/pretrain_gpt_deepspeed.py ...   # the same flags
+    DS_ACCELERATOR=cpu deepspeed --num_gpus 2 launch/pretrain_gpt_deepspeed.py ...   # the same flags, on CPU
 """
 
 import json

@@ -105,6 +105,7 @@ class DeepSpeedGPT:
     scheduler: Any
     dataset: Any
     plan: Any
+    device: torch.device
     iteration: int = 0
     losses: list[float] = field(default_factory=list)
 
@@ -116,7 +117,7 @@ class DeepSpeedGPT:
         args, rank = self.args, dist.get_rank()
         data = microbatch_iterator(self.dataset, self.plan, rank, args.micro_batch_size,
                                    start_iteration=self.iteration, num_iterations=args.train_iters - self.iteration,
-                                   device=torch.device("cpu"))
+                                   device=self.device)
         gbs = global_batch_size(self.plan, args.micro_batch_size)
         while self.iteration < args.train_iters:
             total = torch.zeros(2, dtype=torch.float64)
@@ -207,4 +208,4 @@ def build(args: argparse.Namespace, zero: ZeroConfig) -> DeepSpeedGPT:
     dataset = build_train_dataset(data_spec, tokenizer, args.train_iters * gbs)
     if h.rank == 0:
         logger.info("DeepSpeed ZeRO-%d on %d %s rank(s): %s", zero.stage, h.world_size, h.device.type, ds_config)
-    return DeepSpeedGPT(args=args, engine=engine, scheduler=scheduler, dataset=dataset, plan=plan)
+    return DeepSpeedGPT(args=args, engine=engine, scheduler=scheduler, dataset=dataset, plan=plan, device=h.device)
