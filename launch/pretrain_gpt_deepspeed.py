@@ -13,6 +13,7 @@ import logging
 import os
 import sys
 import warnings
+from pathlib import Path
 
 from hetu_ext.deepspeed.engine import ZeroConfig, add_deepspeed_args, build
 from hetu_ext.megatron.args import build_parser, validate_args
@@ -23,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         validate_args(args)
-        extra = json.loads(open(args.deepspeed_config).read()) if args.deepspeed_config else {}
+        extra = json.loads(Path(args.deepspeed_config).read_text()) if args.deepspeed_config else {}
         zero = ZeroConfig(stage=args.zero_stage, extra=extra)
     except (ValueError, OSError) as exc:
         parser.error(str(exc))  # one line, exit code 2

@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from hetu_ext.testing.multiproc import run_ranks
 from test_ckpt_resume import BF16_LOSS_RTOL, SCHEDULE, _plan_argv, _run
 from test_uniform_equivalence import LOSS_RTOL, WEIGHT_ATOL, _argv
+
+from hetu_ext.testing.multiproc import run_ranks
 
 
 def deepspeed_save_body(rank: int, world: int, argv: list[str], stage: int, directory: str) -> dict | None:
@@ -229,7 +229,11 @@ def test_plain_deepspeed_checkpoint_and_wrong_model(zero2, sample_prefix, tmp_pa
 def test_deepspeed_config_from_flags_and_its_errors():
     """Pure: the DeepSpeed config the Megatron-LM flags give, and one error naming rule, values and fix for a
     batch that does not split over the ranks, a user config contradicting the flags, or an unknown stage."""
-    from hetu_ext.deepspeed.engine import ZeroConfig, add_deepspeed_args, deepspeed_config
+    from hetu_ext.deepspeed.engine import (
+        ZeroConfig,
+        add_deepspeed_args,
+        deepspeed_config,
+    )
     from hetu_ext.megatron.args import build_parser
 
     args = add_deepspeed_args(build_parser()).parse_args(_argv(1, 1, "unused"))

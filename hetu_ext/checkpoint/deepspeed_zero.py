@@ -278,8 +278,8 @@ def cli_lines(command: str, path: str, output: str | None = None, kind: str = "p
     """``python -m hetu_ext.checkpoint inspect|convert`` on a DeepSpeed checkpoint (cli.py dispatches here)."""
     info = read_info(path)
     if command == "inspect":
-        lines = [f"DeepSpeed ZeRO-{info.zero_stage} checkpoint {info.path}: saved by {info.world_size} rank(s), "
-                 f"global step {info.global_steps}, Adam step {info.optimizer_step}, {len(info.shapes)} parameters",
+        lines = [(f"DeepSpeed ZeRO-{info.zero_stage} checkpoint {info.path}: saved by {info.world_size} rank(s), "
+                  f"global step {info.global_steps}, Adam step {info.optimizer_step}, {len(info.shapes)} parameters"),
                  "", f"{'tensor (hetu name)':<60} {'index':<6} shape"]
         for name, shape in info.shapes.items():
             key, index = hetu_name("param", name)

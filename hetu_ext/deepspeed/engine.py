@@ -165,7 +165,12 @@ def build(args: argparse.Namespace, zero: ZeroConfig) -> DeepSpeedGPT:
 
     from hetu_ext.megatron import host
     from hetu_ext.megatron.data import DataSpec, build_train_dataset, make_tokenizer
-    from hetu_ext.megatron.model import TrainingNumerics, build_gpt_stage, transformer_config, with_precision
+    from hetu_ext.megatron.model import (
+        TrainingNumerics,
+        build_gpt_stage,
+        transformer_config,
+        with_precision,
+    )
     from hetu_ext.megatron.trainer import model_spec_from_args
     from hetu_ext.megatron.weights import init_weights
     from hetu_ext.plan import uniform_plan

@@ -22,8 +22,8 @@ def load_deepspeed(trainer, directory: str) -> None:
     (hetu_ext/checkpoint/deepspeed_zero.py). The iteration is DeepSpeed's ``global_steps``; losses, LR schedule
     and data settings come from hetu_ext's client state when the DeepSpeed path of hetu_ext saved it, else the
     schedule is replayed to the iteration."""
-    from hetu_ext.checkpoint.deepspeed_zero import read_info
     from hetu_ext.checkpoint.deepspeed_zero import load_resharded as load_ds
+    from hetu_ext.checkpoint.deepspeed_zero import read_info
 
     step = read_info(directory).optimizer_step
 
