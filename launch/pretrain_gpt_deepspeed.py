@@ -15,7 +15,12 @@ import sys
 import warnings
 from pathlib import Path
 
-from hetu_ext.deepspeed.engine import ZeroConfig, add_deepspeed_args, build
+from hetu_ext.deepspeed.engine import (
+    ZeroConfig,
+    add_deepspeed_args,
+    build,
+    deepspeed_config,
+)
 from hetu_ext.megatron.args import build_parser, validate_args
 
 
@@ -26,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
         validate_args(args)
         extra = json.loads(Path(args.deepspeed_config).read_text()) if args.deepspeed_config else {}
         zero = ZeroConfig(stage=args.zero_stage, extra=extra)
+        deepspeed_config(args, zero, int(os.environ.get("WORLD_SIZE", "1")))  # contradictions fail before launch
     except (ValueError, OSError) as exc:
         parser.error(str(exc))  # one line, exit code 2
     rank = int(os.environ.get("RANK", "0"))
