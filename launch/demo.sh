@@ -18,8 +18,11 @@ COMMON=(--num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 12
         --lr-decay-style cosine --lr-warmup-iters 3 --clip-grad 1.0 --hidden-dropout 0 --attention-dropout 0
         --data-path "$OUT/pyref_text_document" --split 98,2,0 --data-cache-path "$OUT/cache" --log-interval 1
         --hetu-emulate-slowdown step=12:rank=3:x=4 --hetu-straggler-interval 2 --hetu-straggler-window 3
-        --hetu-straggler-threshold 2.0 --hetu-straggler-min-change 0.5 --hetu-gpus-per-node "$NPROC")
-# (threshold and min-change above the defaults: 4 ranks sharing 2 cores time each other's work with ~30% noise)
+        --hetu-straggler-threshold 2.0 --hetu-straggler-min-change 0.5 --hetu-gpus-per-node "$NPROC"
+        --hetu-emulate-layer-ms 4)
+# (threshold and min-change above the defaults: 4 ranks sharing 2 cores time each other's work with ~30% noise;
+# --hetu-emulate-layer-ms gives every layer an emulated device time, so a sleeping straggler does not free the
+# shared cores for the others: without it the estimate drifted from x2.9 to x13 for a 4x straggler)
 run() {
     $PY -m torch.distributed.run --nproc-per-node "$NPROC" --rdzv-backend c10d --rdzv-endpoint localhost:0 \
         launch/pretrain_gpt.py "${COMMON[@]}" "$@"
