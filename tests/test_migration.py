@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_uniform_equivalence import LOSS_RTOL, WEIGHT_ATOL, _argv
 
 from hetu_ext.testing.multiproc import run_ranks
 from hetu_ext.testing.runs import train
-from test_uniform_equivalence import LOSS_RTOL, WEIGHT_ATOL, _argv
 
 STEPS = ("--train-iters", "4", "--lr-decay-style", "linear")
 CHANGES = [

@@ -28,7 +28,7 @@ def _body(rank: int, world_size: int) -> dict:
     from hetu_ext.plan import ModelSpec, uniform_plan
     from hetu_ext.runtime.groups import build_groups
 
-    h = host.init_distributed(force_cpu=True)
+    host.init_distributed(force_cpu=True)
     if parallel_state._GLOBAL_MEMORY_BUFFER is None:
         parallel_state._set_global_memory_buffer()
     tensor_parallel.model_parallel_cuda_manual_seed(3, tp_rank=0, ep_rank=0, etp_rank=0, force_reset_rng=True)

@@ -18,11 +18,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from test_uniform_equivalence import LOSS_RTOL, WEIGHT_ATOL, compare
 
 from hetu_ext.testing.multiproc import run_ranks
 from hetu_ext.testing.runs import train
-
-from test_uniform_equivalence import LOSS_RTOL, WEIGHT_ATOL, compare
 
 K_STEPS = 3
 # real-looking length skew: log-normal document lengths, many longer than the 64-token pack (they are split)
@@ -82,15 +81,15 @@ def test_packed_training_matches_unpacked_reference(case, reference, tmp_path):
 def test_packing_packs_several_sequences_per_microbatch(reference):
     """The reference runs one sequence per microbatch; balanced packing must actually pack (else the gold test
     above would compare the reference with itself)."""
+    import numpy as np
+    import torch
+
     from hetu_ext.data.cost import CostTable
     from hetu_ext.data.lengths import parse_length_spec
     from hetu_ext.data.packing import replica_specs
     from hetu_ext.data.sequences import GlobalBatches, SequenceTable
     from hetu_ext.megatron.packed_data import PackedSteps, SyntheticDocuments
     from hetu_ext.plan import ModelSpec, uniform_plan
-
-    import numpy as np
-    import torch
 
     lengths = parse_length_spec(LENGTHS).sample(2000, 7)
     docs = SyntheticDocuments(np.asarray(lengths) + 1, 257, 7)
@@ -102,7 +101,7 @@ def test_packing_packs_several_sequences_per_microbatch(reference):
                         replicas=replica_specs(plan, spec, CostTable(), max_pack_tokens=64), pipeline=0, max_len=64,
                         device=torch.device("cpu"))
     try:
-        ids, per, predicted = steps.plan_step(0)
+        ids, per, _ = steps.plan_step(0)
         packs = [mb for rep in per for mb in rep]
         assert sum(len(mb) for mb in packs) == ids.size  # every sequence once
         assert len(packs) < ids.size  # several sequences share a pack

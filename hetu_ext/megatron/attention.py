@@ -15,6 +15,8 @@ loss (tests/test_packed_training.py).
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
@@ -58,7 +60,7 @@ class PackedDotProductAttention(DotProductAttention):
         # (t, np, hn) -> per document (1, np, s_i, hn) -> causal SDPA -> (s_i, np, hn)
         bounds = cu_seqlens.tolist()
         outputs = []
-        for start, end in zip(bounds[:-1], bounds[1:]):
+        for start, end in itertools.pairwise(bounds):
             q, k, v = (x[start:end].transpose(0, 1).unsqueeze(0) for x in (query, key, value))
             out = torch.nn.functional.scaled_dot_product_attention(
                 q, k, v, dropout_p=dropout, is_causal=True, scale=self._net_scale)

@@ -16,13 +16,12 @@ Recognised keys (each also a ``--hetu-*`` flag; a flag given on the command line
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import yaml
 
 from .packed_data import PACKING_METHODS
-
-import json
 
 _KEYS = {"plan": "hetu_plan", "runtime": "hetu_runtime", "cpu_patches": "hetu_cpu_patches", "packing": None}
 _DEFAULTS = {"hetu_plan": None, "hetu_runtime": "auto", "hetu_cpu_patches": "auto", "hetu_packing": "off",
