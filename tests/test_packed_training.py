@@ -78,9 +78,9 @@ def test_packed_training_matches_unpacked_reference(case, reference, tmp_path):
         [l.split("consumed samples:")[1].split("|")[0] for l in reference["log_lines"]]
 
 
-def test_packing_packs_several_sequences_per_microbatch(reference):
-    """The reference runs one sequence per microbatch; balanced packing must actually pack (else the gold test
-    above would compare the reference with itself)."""
+def _packed_steps(method: str, *, documents: int, seed: int):
+    """Pipeline 0's packed steps over ``documents`` lognormal documents (LENGTHS) split at 64 tokens, 600-token
+    global batches, a uniform 2-pipeline plan of the gold tests' model, default cost table."""
     import numpy as np
     import torch
 
@@ -91,15 +91,20 @@ def test_packing_packs_several_sequences_per_microbatch(reference):
     from hetu_ext.megatron.packed_data import PackedSteps, SyntheticDocuments
     from hetu_ext.plan import ModelSpec, uniform_plan
 
-    lengths = parse_length_spec(LENGTHS).sample(2000, 7)
-    docs = SyntheticDocuments(np.asarray(lengths) + 1, 257, 7)
+    lengths = parse_length_spec(LENGTHS).sample(documents, seed)
+    docs = SyntheticDocuments(np.asarray(lengths) + 1, 257, seed)
     table = SequenceTable.from_documents(docs.token_counts, 64)
     spec = ModelSpec(num_layers=4, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, vocab_size=257,
                      seq_length=64)
-    plan = uniform_plan(world_size=2, num_layers=4)
-    steps = PackedSteps(docs, table, GlobalBatches(table, seed=7, tokens=600), method="balanced",
-                        replicas=replica_specs(plan, spec, CostTable(), max_pack_tokens=64), pipeline=0, max_len=64,
-                        device=torch.device("cpu"))
+    replicas = replica_specs(uniform_plan(world_size=2, num_layers=4), spec, CostTable(), max_pack_tokens=64)
+    return PackedSteps(docs, table, GlobalBatches(table, seed=seed, tokens=600), method=method, replicas=replicas,
+                       pipeline=0, max_len=64, device=torch.device("cpu"))
+
+
+def test_packing_packs_several_sequences_per_microbatch(reference):
+    """The reference runs one sequence per microbatch; balanced packing must actually pack (else the gold test
+    above would compare the reference with itself)."""
+    steps = _packed_steps("balanced", documents=2000, seed=7)
     try:
         ids, per, _ = steps.plan_step(0)
         packs = [mb for rep in per for mb in rep]
@@ -170,26 +175,10 @@ def test_concat_baselines_cover_every_position_once(method):
     """The Megatron-style baselines: packs of exactly --seq-length tokens (the last may be short) covering every
     (input, label) position of the global batch once; ``concat`` attends per piece, ``concat-causal`` over the
     whole pack with positions running through it."""
-    import numpy as np
-    import torch
-
-    from hetu_ext.data.cost import CostTable
-    from hetu_ext.data.lengths import parse_length_spec
-    from hetu_ext.data.packing import replica_specs
-    from hetu_ext.data.sequences import GlobalBatches, SequenceTable
-    from hetu_ext.megatron.packed_data import PackedSteps, SyntheticDocuments
-    from hetu_ext.plan import ModelSpec, uniform_plan
-
-    lengths = parse_length_spec(LENGTHS).sample(500, 3)
-    docs = SyntheticDocuments(np.asarray(lengths) + 1, 257, 3)
-    table = SequenceTable.from_documents(docs.token_counts, 64)
-    spec = ModelSpec(num_layers=4, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, vocab_size=257,
-                     seq_length=64)
-    replicas = replica_specs(uniform_plan(world_size=2, num_layers=4), spec, CostTable(), max_pack_tokens=64)
-    steps = [PackedSteps(docs, table, GlobalBatches(table, seed=3, tokens=600), method=method, replicas=replicas,
-                         pipeline=p, max_len=64, device=torch.device("cpu")) for p in (0, 1)]
+    steps = _packed_steps(method, documents=500, seed=3)
+    table = steps.table
     try:
-        ids, per, _ = steps[0].plan_step(1)
+        ids, per, _ = steps.plan_step(1)
         covered = {}
         for mb in (mb for rep in per for mb in rep):
             for seq, offset, count in mb:
@@ -201,15 +190,14 @@ def test_concat_baselines_cover_every_position_once(method):
             assert parts[-1][0] + parts[-1][1] == table.length[seq]
         sizes = [sum(n for *_, n in mb) for rep in per for mb in rep]
         assert all(n == 64 for n in sizes[:-1]) and 0 < sizes[-1] <= 64
-        batch = steps[0].step(1).microbatches[0]
+        batch = steps.step(1).microbatches[0]
         cu = batch["packed_seq_params"].cu_seqlens_q.tolist()
         if method == "concat-causal":
             assert cu == [0, 64] and batch["position_ids"].tolist() == [list(range(64))]
         else:
             assert len(cu) > 2  # several pieces, each attending to itself
     finally:
-        for s in steps:
-            s.close()
+        steps.close()
 
 
 def test_a_pipeline_the_packer_leaves_empty_gets_a_sequence():

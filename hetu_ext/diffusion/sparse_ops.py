@@ -49,6 +49,14 @@ def conv_output_size(conv: nn.Conv2d, height: int, width: int) -> tuple[int, int
     return (height + 2 * ph - kh) // sh + 1, (width + 2 * pw - kw) // sw + 1
 
 
+def _output_buffer(x: torch.Tensor, base: torch.Tensor | None, cout: int, active: ActiveSet) -> torch.Tensor:
+    """A copy of ``base`` on ``x``'s device and dtype (the sparse result is scattered into it), or an
+    uninitialised (B, Cout, Ho, Wo) tensor when there is no base."""
+    if base is None:
+        return x.new_empty(x.shape[0], cout, active.height, active.width)
+    return base.to(device=x.device, dtype=x.dtype, copy=True)
+
+
 def sparse_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, stride: tuple[int, int],
                   padding: tuple[int, int], active: ActiveSet, base: torch.Tensor | None) -> torch.Tensor:
     """Convolve only the active output blocks: gather each block's input window with its halo from the zero-padded
@@ -59,10 +67,7 @@ def sparse_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     backend sums in the same order for both batch shapes)."""
     batch, channels, height, width = x.shape
     cout = weight.shape[0]
-    if base is None:
-        out = x.new_empty(batch, cout, active.height, active.width)
-    else:
-        out = base.to(device=x.device, dtype=x.dtype, copy=True)
+    out = _output_buffer(x, base, cout, active)
     nb = active.blocks.numel()
     if nb == 0:
         return out
@@ -88,10 +93,7 @@ def sparse_conv2d_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     equal to it up to fp rounding (~1e-6 relative in fp32). Shapes as `sparse_conv2d`."""
     batch, channels, height, width = x.shape
     cout, _, kh, kw = weight.shape
-    if base is None:
-        out = x.new_empty(batch, cout, active.height, active.width)
-    else:
-        out = base.to(device=x.device, dtype=x.dtype, copy=True)
+    out = _output_buffer(x, base, cout, active)
     count = active.tokens.numel()
     if count == 0:
         return out

@@ -180,11 +180,11 @@ class Trainer:
         if isinstance(data, PackedSteps):
             step = data.step(self.iteration)
             microbatches, num_microbatches = iter(step.microbatches), len(step.microbatches)
-            samples, tokens, increment = step.sequences, step.tokens, 1
+            samples, tokens = step.sequences, step.tokens
         else:
             num_microbatches = self.plan.pipelines[placement.pipeline_index].num_microbatches
             microbatches, samples = data, global_batch_size(self.plan, args.micro_batch_size)
-            tokens, increment = samples * args.seq_length, samples
+            tokens = samples * args.seq_length
         if self.monitor:
             self.monitor.before_step(self.iteration + 1)
             if isinstance(data, PackedSteps):
@@ -196,7 +196,7 @@ class Trainer:
             num_microbatches=num_microbatches, seq_length=args.seq_length,
             micro_batch_size=args.micro_batch_size, forward_only=False, **placement.schedule_kwargs)
         _, grad_norm, _ = self.optimizer.step()
-        self.scheduler.step(increment=increment)
+        self.scheduler.step(increment=_scheduler_unit(args, self.plan))
         self.iteration += 1
         loss = self._global_loss(reports)
         self.losses.append(loss)
