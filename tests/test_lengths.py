@@ -153,6 +153,20 @@ def test_token_batches_never_skip_or_repeat():
     assert np.array_equal(batch_bounds(lengths, tokens=budget), bounds)  # deterministic
 
 
+def test_training_stream_batches_follow_the_same_budget_rule():
+    """GlobalBatches (the trainer's endless, reshuffled stream) cuts its first epoch exactly where batch_bounds
+    cuts the same sequences."""
+    from hetu_ext.data.sequences import GlobalBatches, SequenceTable
+
+    rng = np.random.default_rng(5)
+    table = SequenceTable.from_documents(rng.integers(2, 9000, 400), 4096)
+    batches = GlobalBatches(table, seed=3, tokens=20000)
+    order = np.random.default_rng([3, 0]).permutation(len(table))
+    bounds = batch_bounds(table.length[order], tokens=20000)
+    for g in range(bounds.size - 2):  # the last batch of the epoch continues into the next one
+        assert np.array_equal(batches[g], order[bounds[g]:bounds[g + 1]])
+
+
 def test_over_budget_document_is_a_batch_alone():
     assert batch_bounds(np.array([3, 50, 2, 2]), tokens=10).tolist() == [0, 1, 2, 4]
 

@@ -220,12 +220,10 @@ def batch_bounds(lengths: np.ndarray, *, tokens: int | None = None, samples: int
     if samples is not None:
         bounds = np.minimum(np.arange(0, s.size + samples, samples, dtype=np.int64), s.size)
     else:
-        ends = np.cumsum(s)
-        out, start = [0], 0
-        while start < s.size:
-            base = int(ends[start - 1]) if start else 0
-            start = max(start + 1, int(np.searchsorted(ends, base + tokens, side="right")))
-            out.append(start)
+        cum = np.concatenate([[0], np.cumsum(s)])
+        out = [0]
+        while out[-1] < s.size:
+            out.append(budget_end(cum, out[-1], tokens))
         bounds = np.array(out, dtype=np.int64)
     bounds = np.unique(bounds)
     if drop_last and bounds.size > 1:
@@ -233,6 +231,14 @@ def batch_bounds(lengths: np.ndarray, *, tokens: int | None = None, samples: int
         if (last.size if samples is not None else int(last.sum())) < size:
             bounds = bounds[:-1]
     return bounds
+
+
+def budget_end(cum: np.ndarray, begin: int, tokens: int) -> int:
+    """The token-budget rule of a global batch: it starts at item ``begin`` and takes the next items while their
+    token sum stays within ``tokens``, at least one (an item longer than the budget is a batch alone). ``cum[i]``:
+    tokens before item i (``cum[0] = 0``). Returns the end (exclusive); ``len(cum) - 1`` may mean that the budget
+    is not used up by the items ``cum`` knows."""
+    return max(begin + 1, int(np.searchsorted(cum, cum[begin] + tokens, side="right")) - 1)
 
 
 def global_batch(lengths: np.ndarray, g: int, *, tokens: int | None = None, samples: int | None = None) -> range:

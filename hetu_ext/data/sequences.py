@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .lengths import split_long
+from .lengths import budget_end, split_long
 
 
 @dataclass(frozen=True, eq=False)
@@ -78,9 +78,9 @@ class GlobalBatches:
             return begin + self.samples
         while True:
             self._ensure(begin + 1)
-            end = int(np.searchsorted(self._cum, self._cum[begin] + self.tokens, side="right")) - 1
+            end = budget_end(self._cum, begin, self.tokens)
             if end < self._order.size:  # the budget ends inside the stream known so far
-                return max(end, begin + 1)
+                return end
             self._ensure(self._order.size + 1)
 
     def _ensure(self, size: int) -> None:
