@@ -4,30 +4,54 @@
 
 Same model (Megatron-core GPT after one Adam step: parameters and both moments, fp32), same disk, side by side:
 
-1. Disk bandwidth first: write a file with fsync (write), drop it from the page cache (posix_fadvise), read it.
-2. Save on N ranks (Megatron's uniform DP grid): hetu (blocking snapshot, then background write and commit;
-   beside it the time of a plain host copy of the same bytes; two saves, the table shows the second, the steady
-   state of periodic saving, the first is printed above it; the same for Megatron) and Megatron's dist_checkpointing torch_dist with
-   its fully parallel save strategy (the write spread over data-parallel replicas).
-3. Load-and-reshard N -> M ranks (another DP degree): hetu with --hetu-ckpt-read node (each host reads what its
-   ranks need through its page cache, the disk is read once per host) and once (each shard read by one rank, then
-   sent point to point over gloo), and Megatron's dist_checkpointing load (non-distributed optimizer: its
-   format is already reshardable). Bytes read: what hetu's ranks read from the files (under "node", replicas on
-   one host each read their copy, from the page cache); Megatron's are not measured.
+1. Disk bandwidth first: write a 1 GiB file with fsync (write), drop it from the page cache (posix_fadvise), read it.
+2. Save on N ranks (Megatron's uniform DP grid). hetu: a blocking snapshot to host memory, then a background
+   write and commit; six saves of one layout, the first printed apart (it gathers every rank's piece metadata,
+   assigns the writes and allocates the host buffers), the table shows the median of the five after it (the
+   steady state of periodic saving: the write plan is reused after one int64 all-gather, the host buffers are
+   reused), every one printed with Checkpointer.save's phases per rank (agree, gather, assign, copy). "blocking
+   s" is the wall time of the whole ``save_hetu`` call on the slowest rank (what the training loop waits for:
+   collecting the pieces, RNG states and manifest fields, then Checkpointer.save); "total s" is until the commit.
+   "host copy s": a plain ``copy_`` of as many bytes as each rank snapshots, into already mapped memory, all ranks
+   at once after a barrier (as in a save, they share the memory bandwidth), timed right before each steady save
+   (the same moment's load of a shared machine), slowest rank, median of five. The
+   background write rate printed below the save (bytes of the committed checkpoint's files / median of total -
+   blocking) is the one to hold against the measured disk write bandwidth. Megatron: dist_checkpointing torch_dist
+   with its fully parallel save strategy (the write spread over data-parallel replicas), two saves, the table
+   shows the second (Megatron caches its save plan).
+3. Load-and-reshard N -> M ranks (another DP degree), every load cold: before each one the checkpoint's files are
+   fsynced and dropped from the page cache (posix_fadvise DONTNEED), and what mincore(2) still finds resident is
+   printed. hetu with --hetu-ckpt-read node (each host reads what its ranks need through its page cache) and
+   once (each shard read by one rank, then sent point to point over gloo), and Megatron's dist_checkpointing load
+   (non-distributed optimizer: its format is already reshardable).
+   Bytes, for every load row:
+   * "GB read" (``bytes_read``): bytes fetched from the storage layer, i.e. the disk: the delta of ``read_bytes``
+     in /proc/self/io over the load (from the barrier after the model is built to the barrier after the load),
+     summed over the loading processes (and, for DeepSpeed's converter, its child processes). Page-cache hits
+     add nothing; the readahead of the kernel, file headers, metadata files and any other file the processes
+     read during the load (first imports) are included.
+   * "GB needed" (``bytes_needed``): the unique bytes of state the M ranks of the new plan hold on each host
+     (the union of their boxes of every tensor; data-parallel replicas on one host counted once), summed over
+     hosts; one host here, so the whole state. DeepSpeed's route gets the figure of the same model and M-rank plan.
+   * "GB mapped" (``bytes_mapped``, hetu only): the bytes hetu's ranks read through their memory maps of the shard
+     files (LoadReport.bytes_read: whole shards a rank checks plus the boxes it reads; page-cache hits included):
+     under "node" the data-parallel replicas of one host each read the whole state, but the disk serves it once.
 
 4. DeepSpeed, the same model through hetu_ext/deepspeed/engine.py (ZeRO-2: fp32 module weights, fp32 partitions
    of the master weights and both Adam moments), same N ranks, same disk: ``engine.save_checkpoint`` (synchronous:
    blocking = total; two saves, the table shows the second). Load-and-reshard N -> M the DeepSpeed way: its
    universal-checkpoint conversion (``python -m deepspeed.checkpoint.ds_to_universal --inject_missing_state``,
-   a subprocess, timed with its interpreter start) then ``engine.load_checkpoint`` into an M-rank engine with
-   ``"checkpoint": {"load_universal": true}``; its total is conversion + load. If a step of that route fails,
+   a subprocess, timed with its interpreter start, started cold) then ``engine.load_checkpoint`` into an M-rank
+   engine with ``"checkpoint": {"load_universal": true}`` (started cold: the converted files are dropped from the
+   page cache first); its total is conversion + load, its bytes read those of both. If a step of that route fails,
    the error text is printed and no number is made up. DeepSpeed 0.19.8's converter fails on this model: it
    saves every entry of the module's state dict as a tensor, and Megatron-core's state dict holds ``_extra_state``
    entries that are None. The script then applies a workaround and says so ("universal + workaround": drop those
-   entries from the model states file, convert again, load with ``load_module_strict=False``; the rewrite and the
-   second conversion are timed, the failed first attempt is printed but not counted), and checks the load
-   against the saving engine (sums of |module weights|, |fp32 partitions|, |Adam moments|, Adam's step). Beside it, hetu_ext's direct load
-   of the same DeepSpeed checkpoint into M ranks (``--load`` route, hetu_ext/deepspeed/resume.py): system "hetu",
+   entries from the model states file, convert again, load with ``load_module_strict=False``; the rewrite (load,
+   filter, save of the model states file) and the second conversion are timed, from a cold page cache; the failed
+   first attempt is printed but not counted), and checks the load against the saving engine (sums of |module
+   weights|, |fp32 partitions|, |Adam moments|, Adam's step). Beside it, hetu_ext's direct load of the same
+   DeepSpeed checkpoint into M ranks (``--load`` route, hetu_ext/deepspeed/resume.py), cold: system "hetu",
    from "deepspeed".
 Prints the configuration, a table, and a final JSON line.
 """
@@ -36,9 +60,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -54,8 +78,7 @@ def disk_bandwidth(directory: Path, nbytes: int) -> tuple[float, float]:
     block = os.urandom(16 * 2**20)
     start = time.perf_counter()
     with open(path, "wb") as f:
-        for _ in range(max(nbytes // len(block), 1)):
-            f.write(block)
+        f.writelines(block for _ in range(max(nbytes // len(block), 1)))
         f.flush()
         os.fsync(f.fileno())
     write = path.stat().st_size / (time.perf_counter() - start)
@@ -70,6 +93,101 @@ def disk_bandwidth(directory: Path, nbytes: int) -> tuple[float, float]:
     return write, read
 
 
+def storage_read_bytes() -> int:
+    """``read_bytes`` of /proc/self/io: bytes this process (all its threads, and its children once reaped) made
+    the kernel fetch from the storage layer (disk reads; page-cache hits add nothing)."""
+    with open("/proc/self/io") as f:
+        for line in f:
+            if line.startswith("read_bytes:"):
+                return int(line.split()[1])
+    raise RuntimeError("/proc/self/io has no read_bytes line")
+
+
+def _files(directory: Path) -> list[Path]:
+    return [f for f in Path(directory).rglob("*") if f.is_file()] if Path(directory).exists() else []
+
+
+def drop_page_cache(directory: Path) -> None:
+    """Evict every file under ``directory`` from the page cache (fsync first: dirty pages cannot be dropped),
+    so that the next load reads from the disk (cold), whichever system wrote the files."""
+    for path in _files(directory):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def resident_bytes(directory: Path) -> tuple[int, int]:
+    """(bytes of the files under ``directory`` in the page cache, bytes of those files), by mincore(2)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    page = os.sysconf("SC_PAGE_SIZE")
+    resident = total = 0
+    for path in _files(directory):
+        size = path.stat().st_size
+        total += size
+        if not size:
+            continue
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            addr = libc.mmap(None, size, 1, 1, fd, 0)  # PROT_READ, MAP_SHARED
+            if addr in (None, ctypes.c_void_p(-1).value):
+                continue
+            pages = (size + page - 1) // page
+            vec = (ctypes.c_ubyte * pages)()
+            if libc.mincore(addr, size, vec) == 0:
+                resident += min(sum(b & 1 for b in vec) * page, size)
+            libc.munmap(addr, size)
+        finally:
+            os.close(fd)
+    return resident, total
+
+
+def cold(directory: Path, what: str) -> None:
+    """Drop ``directory`` from the page cache and print what is left resident (expected: nothing)."""
+    drop_page_cache(directory)
+    resident, total = resident_bytes(directory)
+    print(f"{what}: page cache dropped for {Path(directory).name} ({total / 1e9:.3f} GB of files, "
+          f"{resident / 1e6:.1f} MB still resident)")
+
+
+def needed_per_host(held: list[tuple[str, list[tuple]]]) -> int:
+    """``held``: (host, [(tensor name, index, box, bytes per element)]) per loading rank. The unique bytes of
+    state the ranks of each host hold (replicas on one host counted once), summed over hosts."""
+    from collections import defaultdict
+
+    from hetu_ext.checkpoint.selection import extent, intersect, numel
+    from hetu_ext.plan.layout import split_box
+
+    boxes: dict[tuple, list] = defaultdict(list)
+    for host, pieces in held:
+        for name, index, box, itemsize in pieces:
+            boxes[(host, name, tuple(index), itemsize)].append(tuple(tuple(b) for b in box))
+    total = 0
+    for (_, _, _, itemsize), bs in boxes.items():
+        bs = list(set(bs))
+        cells = [bs[0]] if len(bs) == 1 else split_box(extent(bs), bs)
+        total += itemsize * sum(numel(c) for c in cells if any(intersect(b, c) == c for b in bs))
+    return total
+
+
+def held_state(trainer) -> tuple[str, list[tuple]]:
+    """This rank's host and the state it holds after a load (its pieces under the new plan)."""
+    import socket
+
+    from hetu_ext.megatron import checkpointing
+
+    return socket.gethostname(), [(p.key, p.index, p.box, p.tensor.element_size())
+                                  for p in checkpointing.state_pieces(trainer.placement)]
+
+
 def _trainer(argv: list[str]):
     from hetu_ext.megatron.args import build_parser, validate_args
     from hetu_ext.megatron.trainer import build_trainer
@@ -77,6 +195,12 @@ def _trainer(argv: list[str]):
     args = build_parser().parse_args(argv)
     validate_args(args)
     return build_trainer(args)
+
+
+HETU_STEADY_SAVES = 5
+"""hetu saves after the first (the steady state of periodic saving: cached write plan, reused host buffers); the
+table shows their median, every one is printed; a plain host copy is timed right before each (median in the
+table)."""
 
 
 def save_body(rank: int, world: int, argv: list[str], directory: str, system: str) -> dict:
@@ -91,24 +215,35 @@ def save_body(rank: int, world: int, argv: list[str], directory: str, system: st
     dist.barrier()
     start = time.perf_counter()
     if system == "hetu":
-        first = None
-        for _ in range(2):  # the second save is the steady state of periodic saving (host buffers reused)
+        first, steady, copies, flat, target = None, [], [], None, None
+        for _ in range(1 + HETU_STEADY_SAVES):  # the first save, then periodic saves of one layout
+            if first is not None:
+                # the baseline, right before each steady save (the same moment's load on a shared machine): a
+                # plain host copy of as many bytes as this rank snapshots, into mapped memory (like a reused
+                # buffer), all ranks at once (as in a save, they share the memory bandwidth)
+                dist.barrier()
+                copy_start = time.perf_counter()
+                target.copy_(flat)
+                copies.append(time.perf_counter() - copy_start)
+                dist.barrier()
             start = time.perf_counter()
             ckpt = checkpointing.save_hetu(trainer, directory, blocking=False)
-            blocking = ckpt.last["blocking_s"]
+            blocking = time.perf_counter() - start  # what the training loop waits for: the whole call
+            phases = dict(ckpt.last)
             ckpt.wait()
             total = time.perf_counter() - start
-            first = first or {"first_blocking_s": blocking, "first_total_s": total}
+            if first is None:
+                first = {"first_blocking_s": blocking, "first_total_s": total, "first_phases": phases}
+                flat = torch.cat([p.tensor.reshape(-1) for p in pieces])[: int(phases["bytes"]) // 4]
+                target = torch.empty_like(flat)
+                target.copy_(flat)  # map the memory first
+            else:
+                steady.append({"blocking_s": blocking, "total_s": total, "phases": phases})
             dist.barrier()
-        written = ckpt.last["bytes"]
-        flat = torch.cat([p.tensor.reshape(-1) for p in pieces])[: int(written) // 4]
-        target = torch.empty_like(flat)
-        target.copy_(flat)  # map the memory first: the baseline is a copy into mapped memory, like a reused buffer
-        copy_start = time.perf_counter()  # a plain host copy of as many bytes as this rank snapshotted
-        target.copy_(flat)
-        host_copy = time.perf_counter() - copy_start
+        return {"steady": steady, "host_copies": copies, **first,
+                "state_bytes": sum(p.tensor.numel() * p.tensor.element_size() for p in pieces)}
     else:
-        first, host_copy = None, None
+        first = None
         for it in (1, 2):  # the second save as for hetu (Megatron caches its save plan)
             dist.barrier()
             start = time.perf_counter()
@@ -116,14 +251,18 @@ def save_body(rank: int, world: int, argv: list[str], directory: str, system: st
             blocking = total = time.perf_counter() - start
             first = first or {"first_blocking_s": blocking, "first_total_s": total}
     dist.barrier()
-    return {"blocking_s": blocking, "total_s": total, "host_copy_s": host_copy, **(first or {}),
+    return {"blocking_s": blocking, "total_s": total, **first,
             "state_bytes": sum(p.tensor.numel() * p.tensor.element_size() for p in pieces)}
 
 
 def _save_megatron_fully_parallel(trainer, directory: str, iteration: int) -> None:
     from megatron.core import dist_checkpointing, parallel_state
-    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
-    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+    from megatron.core.dist_checkpointing.serialization import (
+        get_default_save_sharded_strategy,
+    )
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+        FullyParallelSaveStrategyWrapper,
+    )
 
     path = Path(directory) / f"iter_{iteration:07d}"
     if trainer.host.rank == 0:
@@ -152,22 +291,23 @@ def torch_save_common(trainer, path: Path) -> None:
 def load_body(rank: int, world: int, argv: list[str], directory: str, system: str) -> dict:
     import torch.distributed as dist
 
-    from hetu_ext.checkpoint.shardfile import BY_NAME
     from hetu_ext.megatron import checkpointing
 
     trainer = _trainer(argv)
     dist.barrier()
+    io_start = storage_read_bytes()
     start = time.perf_counter()
     if system == "hetu":
         report = checkpointing.load_hetu(trainer, directory)
-        read = report.bytes_read
+        mapped = report.bytes_read
         phases = {"read_s": report.read_s, "reshard_s": report.reshard_s}
-        needed = sum(math.prod(t.shape) * BY_NAME[t.dtype].itemsize for t in report.manifest.tensors)
     else:
         checkpointing.load_torch_dist(trainer, directory)
-        read, needed, phases = None, None, {}
+        mapped, phases = None, {}
     dist.barrier()
-    return {"total_s": time.perf_counter() - start, "bytes_read": read, "bytes_needed": needed, **phases}
+    took = time.perf_counter() - start
+    return {"total_s": took, "bytes_read": storage_read_bytes() - io_start, "bytes_mapped": mapped,
+            "held": held_state(trainer), **phases}
 
 
 def _ds_run(argv: list[str], extra: dict | None = None):
@@ -227,13 +367,16 @@ def ds_universal_load_body(rank: int, world: int, argv: list[str], directory: st
 
     run = _ds_run(argv, {"checkpoint": {"load_universal": True}})
     dist.barrier()
+    io_start = storage_read_bytes()
     start = time.perf_counter()
     path, _ = run.engine.load_checkpoint(directory, load_optimizer_states=True, load_lr_scheduler_states=False,
                                          load_module_strict=strict)
     dist.barrier()
     if path is None:
         raise RuntimeError(f"engine.load_checkpoint({directory!r}) with load_universal found no checkpoint")
-    return {"total_s": time.perf_counter() - start, "path": path, "fp": _ds_fingerprint(run.engine)}
+    took = time.perf_counter() - start
+    return {"total_s": took, "bytes_read": storage_read_bytes() - io_start, "path": path,
+            "fp": _ds_fingerprint(run.engine)}
 
 
 def hetu_from_ds_load_body(rank: int, world: int, argv: list[str], directory: str) -> dict:
@@ -243,10 +386,12 @@ def hetu_from_ds_load_body(rank: int, world: int, argv: list[str], directory: st
 
     trainer = _trainer(argv)
     dist.barrier()
+    io_start = storage_read_bytes()
     start = time.perf_counter()
     load_deepspeed(trainer, directory)
     dist.barrier()
-    return {"total_s": time.perf_counter() - start}
+    return {"total_s": time.perf_counter() - start, "bytes_read": storage_read_bytes() - io_start,
+            "held": held_state(trainer)}
 
 
 def _deepspeed_rows(args, root: Path) -> list[dict]:
@@ -268,20 +413,26 @@ def _deepspeed_rows(args, root: Path) -> list[dict]:
     rows = [{"system": "deepspeed", "op": "save", "from": args.save_ranks, "to": args.save_ranks,
              "blocking_s": total, "total_s": total, "host_copy_s": None, "bytes_read": None, "bytes_needed": None,
              "bytes_written": written}]
+    cold(directory, "hetu load (from deepspeed)")
     loaded = run_ranks(hetu_from_ds_load_body, args.load_ranks, model_argv(args, args.load_ranks), str(directory),
                        timeout=1800)
     took = max(r["total_s"] for r in loaded)
+    needed = needed_per_host([r["held"] for r in loaded])  # the same model and M-rank plan as DeepSpeed's load
     rows.append({"system": "hetu", "op": "reshard_load", "read": "from deepspeed", "from": args.save_ranks,
-                 "to": args.load_ranks, "blocking_s": took, "total_s": took, "bytes_read": None,
-                 "bytes_needed": None, "source": "deepspeed"})
+                 "to": args.load_ranks, "blocking_s": took, "total_s": took,
+                 "bytes_read": sum(r["bytes_read"] for r in loaded), "bytes_mapped": None, "bytes_needed": needed,
+                 "source": "deepspeed"})
     universal = directory / f"{tag}_universal"
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(ROOT)}
     command = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
                str(directory / tag), "--output_folder", str(universal), "--inject_missing_state",
                "--num_extract_workers", str(args.ds_workers), "--num_merge_workers", str(args.ds_workers)]
+    cold(directory, "deepspeed ds_to_universal")
+    io_start = storage_read_bytes()  # the converter is a child process: its reads count here once it is reaped
     start = time.perf_counter()
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
     convert = time.perf_counter() - start
+    convert_read = storage_read_bytes() - io_start
     workaround = None
     if done.returncode:
         print(f"deepspeed ds_to_universal FAILED (exit {done.returncode}) after {convert:.3f} s: "
@@ -296,13 +447,18 @@ def _deepspeed_rows(args, root: Path) -> list[dict]:
             shutil.rmtree(directory, ignore_errors=True)
             return rows
         # Workaround (not DeepSpeed's route as shipped): drop those entries from the model states and convert
-        # again; the universal load then runs with load_module_strict=False. Timed and added to the route's total.
+        # again; the universal load then runs with load_module_strict=False. Timed and added to the route's total,
+        # cold as the first attempt (which read the checkpoint into the page cache).
+        shutil.rmtree(universal, ignore_errors=True)
+        cold(directory, "deepspeed ds_to_universal after the workaround")
+        io_start = storage_read_bytes()
         start = time.perf_counter()
+        content = torch.load(states, map_location="cpu", weights_only=False)
         content["module"] = {k: v for k, v in content["module"].items() if k not in odd}
         torch.save(content, states)
-        shutil.rmtree(universal, ignore_errors=True)
         done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
         convert = time.perf_counter() - start
+        convert_read = storage_read_bytes() - io_start
         workaround = f"{len(odd)} non-tensor module entries dropped"
         if done.returncode:
             print(f"deepspeed ds_to_universal FAILED again after the workaround (exit {done.returncode}):\n"
@@ -312,6 +468,7 @@ def _deepspeed_rows(args, root: Path) -> list[dict]:
     size = sum(f.stat().st_size for f in universal.rglob("*") if f.is_file())
     print(f"deepspeed ds_to_universal {args.save_ranks} ranks -> {universal.name}: {convert:.3f} s, "
           f"{size / 1e9:.3f} GB written")
+    cold(directory, "deepspeed load_universal")
     try:
         loaded = run_ranks(ds_universal_load_body, args.load_ranks, model_argv(args, args.load_ranks),
                            str(directory), workaround is None, timeout=1800)
@@ -322,11 +479,15 @@ def _deepspeed_rows(args, root: Path) -> list[dict]:
         return rows
     load = max(r["total_s"] for r in loaded)
     print(f"deepspeed universal load check against the saving engine: {_same_state(saved, loaded)}")
-    print(f"deepspeed universal load phases: ds_to_universal {convert:.3f} s + load_checkpoint {load:.3f} s")
+    load_read = sum(r["bytes_read"] for r in loaded)
+    print(f"deepspeed universal load phases: ds_to_universal {convert:.3f} s, {convert_read / 1e9:.3f} GB read "
+          f"from the disk + load_checkpoint {load:.3f} s, {load_read / 1e9:.3f} GB read from the disk")
     rows.append({"system": "deepspeed", "op": "reshard_load",
                  "read": "universal" + (" + workaround" if workaround else ""), "workaround": workaround, "from": args.save_ranks,
                  "to": args.load_ranks, "blocking_s": convert + load, "total_s": convert + load,
-                 "convert_s": convert, "load_s": load, "bytes_read": None, "bytes_needed": None})
+                 "convert_s": convert, "load_s": load, "bytes_read": convert_read + load_read,
+                 "convert_bytes_read": convert_read, "load_bytes_read": load_read, "bytes_mapped": None,
+                 "bytes_needed": needed})
     shutil.rmtree(directory, ignore_errors=True)
     return rows
 
@@ -338,31 +499,75 @@ def model_argv(args, ranks: int, extra: tuple[str, ...] = ()) -> list[str]:
             "--hetu-runtime", "megatron", *extra]
 
 
-def _system_rows(args, root: Path, system: str) -> list[dict]:
-    """Save on N ranks, then load into M ranks (hetu: with both read policies)."""
+def _hetu_save_row(args, saved: list[dict], directory: str, write_bps: float) -> dict:
+    """The steady-state save (median over the saves after the first of the slowest rank) and what it wrote."""
+    n = len(saved[0]["steady"])
+    blocking = [max(r["steady"][i]["blocking_s"] for r in saved) for i in range(n)]
+    total = [max(r["steady"][i]["total_s"] for r in saved) for i in range(n)]
+    copies = [max(r["host_copies"][i] for r in saved) for i in range(len(saved[0]["host_copies"]))]
+    written = sum(f.stat().st_size for f in Path(directory).glob("iter_*/*") if f.is_file())
+    background = [t - b for t, b in zip(total, blocking)]
+    print(f"hetu first save: blocking {max(r['first_blocking_s'] for r in saved):.3f} s, total "
+          f"{max(r['first_total_s'] for r in saved):.3f} s (write plan gathered and assigned)")
+    for i in range(n):
+        print(f"hetu steady save {i + 1}: blocking {blocking[i]:.3f} s, total {total[i]:.3f} s; Checkpointer.save "
+              "phases per rank: " + ", ".join(
+                  "agree {agree_s:.4f} + gather {gather_s:.4f} + assign {assign_s:.4f} + copy {copy_s:.4f} = "
+                  "{blocking_s:.4f} s (plan {how})".format(**r["steady"][i]["phases"],
+                                                           how="cached" if r["steady"][i]["phases"]["cached"]
+                                                           else "gathered") for r in saved))
+    for r, rank in zip(saved, range(len(saved))):
+        ph = r["first_phases"]
+        print(f"hetu first save, rank {rank}: agree {ph['agree_s']:.4f} + gather {ph['gather_s']:.4f} + assign "
+              f"{ph['assign_s']:.4f} + copy {ph['copy_s']:.4f} = {ph['blocking_s']:.4f} s")
+    print("hetu plain host copy of the same bytes right before each steady save (all ranks at once, slowest rank): "
+          + ", ".join(f"{c:.3f} s" for c in copies) + "; blocking / host copy per save: "
+          + ", ".join(f"{b / c:.2f}" for b, c in zip(blocking, copies))
+          + f"; medians: {statistics.median(blocking) / statistics.median(copies):.2f}")
+    bps = written / statistics.median(background)
+    print(f"hetu background write (total - blocking, median): {written / 1e9:.3f} GB in {statistics.median(background):.3f} s "
+          f"= {bps / 1e9:.2f} GB/s, {100 * bps / write_bps:.0f}% of the measured disk write bandwidth "
+          f"({', '.join(f'{b:.3f}' for b in background)} s)")
+    return {"system": "hetu", "op": "save", "from": args.save_ranks, "to": args.save_ranks,
+            "blocking_s": statistics.median(blocking), "total_s": statistics.median(total), "host_copy_s": statistics.median(copies),
+            "bytes_read": None, "bytes_needed": None, "state_bytes": saved[0]["state_bytes"],
+            "bytes_written": written, "write_bps": bps, "blocking_all_s": blocking, "total_all_s": total,
+            "host_copy_all_s": copies}
+
+
+def _system_rows(args, root: Path, system: str, write_bps: float) -> list[dict]:
+    """Save on N ranks, then load into M ranks (hetu: with both read policies), each load cold."""
     from hetu_ext.testing.multiproc import run_ranks
 
     directory = str(root / system)
     saved = run_ranks(save_body, args.save_ranks, model_argv(args, args.save_ranks), directory, system,
                       timeout=1800)
-    rows = [{"system": system, "op": "save", "from": args.save_ranks, "to": args.save_ranks,
-             "blocking_s": max(r["blocking_s"] for r in saved), "total_s": max(r["total_s"] for r in saved),
-             "host_copy_s": max((r["host_copy_s"] or 0.0) for r in saved) or None, "bytes_read": None,
-             "bytes_needed": None, "state_bytes": saved[0]["state_bytes"]}]
-    print(f"{system} first save: blocking {max(r['first_blocking_s'] for r in saved):.3f} s, total "
-          f"{max(r['first_total_s'] for r in saved):.3f} s; the table shows the second (steady state)")
+    if system == "hetu":
+        rows = [_hetu_save_row(args, saved, directory, write_bps)]
+    else:
+        written = sum(f.stat().st_size for f in Path(directory).glob("iter_0000002/**/*") if f.is_file())
+        rows = [{"system": system, "op": "save", "from": args.save_ranks, "to": args.save_ranks,
+                 "blocking_s": max(r["blocking_s"] for r in saved), "total_s": max(r["total_s"] for r in saved),
+                 "host_copy_s": None, "bytes_read": None, "bytes_needed": None,
+                 "state_bytes": saved[0]["state_bytes"], "bytes_written": written}]
+        print(f"{system} first save: blocking {max(r['first_blocking_s'] for r in saved):.3f} s, total "
+              f"{max(r['first_total_s'] for r in saved):.3f} s; the table shows the second (steady state); "
+              f"{written / 1e9:.3f} GB written")
     for read in ("node", "once") if system == "hetu" else (None,):
         extra = ("--hetu-ckpt-read", read) if read else ()
+        cold(Path(directory), f"{system} load" + (f" ({read})" if read else ""))
         loaded = run_ranks(load_body, args.load_ranks, model_argv(args, args.load_ranks, extra), directory, system,
                            timeout=1800)
         if system == "hetu":
-            print(f"hetu load ({read}) phases per rank: " + ", ".join(
-                f"read {r['read_s']:.2f} s + reshard {r['reshard_s']:.2f} s" for r in loaded))
+            print(f"hetu load ({read}) per rank: " + ", ".join(
+                f"read {r['read_s']:.2f} s + reshard {r['reshard_s']:.2f} s, {r['bytes_read'] / 1e9:.3f} GB from "
+                f"the disk, {r['bytes_mapped'] / 1e9:.3f} GB through the maps" for r in loaded))
         rows.append({"system": system, "op": "reshard_load", "read": read, "from": args.save_ranks,
                      "to": args.load_ranks, "blocking_s": max(r["total_s"] for r in loaded),
                      "total_s": max(r["total_s"] for r in loaded),
-                     "bytes_read": sum(r["bytes_read"] for r in loaded) if system == "hetu" else None,
-                     "bytes_needed": loaded[0]["bytes_needed"]})
+                     "bytes_read": sum(r["bytes_read"] for r in loaded),
+                     "bytes_mapped": sum(r["bytes_mapped"] for r in loaded) if system == "hetu" else None,
+                     "bytes_needed": needed_per_host([r["held"] for r in loaded])})
     shutil.rmtree(directory, ignore_errors=True)
     return rows
 
@@ -384,17 +589,19 @@ def main() -> None:
     print(f"model: {args.num_layers} layers, hidden {args.hidden_size}; save on {args.save_ranks} ranks, load on "
           f"{args.load_ranks}; dir {root}\ndisk: write {write_bps / 1e9:.2f} GB/s, read {read_bps / 1e9:.2f} GB/s")
     systems = args.systems.split(",")
-    rows = [row for system in ("hetu", "megatron") if system in systems for row in _system_rows(args, root, system)]
+    rows = [row for system in ("hetu", "megatron") if system in systems
+            for row in _system_rows(args, root, system, write_bps)]
     if "deepspeed" in systems:
         rows += _deepspeed_rows(args, root)
     print(f"\n{'system':<9} {'op':<40} {'from->to':<9} {'blocking s':>10} {'total s':>8} {'host copy s':>11} "
-          f"{'GB read':>8} {'GB needed':>9}")
+          f"{'GB read':>8} {'GB needed':>9} {'GB mapped':>9}")
     for r in rows:
-        gb = lambda v: f"{v / 1e9:.3f}" if v else "-"  # noqa: E731
+        gb = lambda v: f"{v / 1e9:.3f}" if v is not None else "-"
         copy = f"{r['host_copy_s']:.3f}" if r.get("host_copy_s") else "-"
         op = r["op"] + (f" ({r['read']})" if r.get("read") else "")
         print(f"{r['system']:<9} {op:<40} {str(r['from']) + '->' + str(r['to']):<9} {r['blocking_s']:>10.3f} "
-              f"{r['total_s']:>8.3f} {copy:>11} {gb(r['bytes_read']):>8} {gb(r['bytes_needed']):>9}")
+              f"{r['total_s']:>8.3f} {copy:>11} {gb(r['bytes_read']):>8} {gb(r['bytes_needed']):>9} "
+              f"{gb(r.get('bytes_mapped')):>9}")
     print(json.dumps({"disk_write_bps": write_bps, "disk_read_bps": read_bps, "rows": rows}))
 
 

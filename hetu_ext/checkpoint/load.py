@@ -4,9 +4,12 @@ Every rank states the pieces it wants (its layout under the new plan: any TP / P
 stored shard is read whole and checked by one rank (:func:`selection.assign_reads`): one per job (policy
 ``once``: the reshard engine then sends every rank its boxes point to point) or one per host (policy ``node``,
 the default: the host's other ranks read just the byte ranges they need from the memory-mapped file, which the
-host's page cache serves, and the reshard only copies locally). Measured on 2 -> 3 CPU ranks sharing one host
-(benchmarks/results/checkpoint_cpu_2026-12-02.txt), ``node`` loads 1.2 GB in 2.4 s, ``once`` in 12.7 s (gloo over
-loopback), Megatron's dist_checkpointing in 7.6 s; ``once`` reads each byte from the files once. Ranks agree on failure:
+host's page cache serves, and the reshard only copies locally). Measured on 2 -> 3 CPU ranks sharing one host,
+each load from a cold page cache (benchmarks/results/checkpoint_cpu_2026-12-02.txt, a 1.214 GB state), ``node``
+loads in 2.5 s, ``once`` in 6.6 s (gloo over loopback), Megatron's dist_checkpointing in 4.0 s and DeepSpeed's
+ds_to_universal + load_universal route in 13.2 s; both policies fetch 1.215 GB from the disk (/proc/self/io);
+under ``node`` the three replicas each read the whole state through their memory maps (3.6 GB, the page cache
+serving all but the first). Ranks agree on failure:
 if any rank finds a corrupt file, every rank learns it, and with ``fallback`` all move to the previous complete
 checkpoint together; nothing is written into the model before the whole checkpoint has read cleanly.
 """
@@ -37,7 +40,10 @@ class LoadReport:
     manifest: Manifest
     iteration: int
     bytes_read: int
-    """Bytes of shard data this rank read from disk."""
+    """Bytes of shard data this rank read through its memory maps of the shard files (whole shards it checks,
+    plus the boxes it reads under ``node``): logical bytes, page-cache hits included, not what the disk served.
+    Under ``node`` every data-parallel replica on a host counts its copy, though the host's page cache fetches
+    the file from the disk once; benchmarks/checkpoint.py measures the disk's bytes (/proc/self/io) beside it."""
     bytes_sent: int
     """Bytes this rank sent to other ranks in the reshard."""
     seconds: float

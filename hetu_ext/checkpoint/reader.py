@@ -70,7 +70,8 @@ class ShardReader:
         self.files = {f.name: f for f in manifest.files}
         self._open: dict[str, object] = {}
         self.bytes_read = 0
-        """Bytes of shard data read so far."""
+        """Bytes of shard data read so far through the memory maps (logical: page-cache hits count too, so this
+        is not the bytes fetched from the disk; file headers are not counted)."""
 
     def _path(self, file: str) -> str:
         return self.storage.local_path(f"{self.directory}/{file}")
@@ -92,7 +93,7 @@ class ShardReader:
                                       "--hetu-ckpt-fallback")
             try:
                 self._open[file] = safe_open(path, framework="pt")
-            except Exception as e:  # safetensors raises its own error types
+            except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
                 raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
         return self._open[file]
 

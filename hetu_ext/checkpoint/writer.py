@@ -2,8 +2,13 @@
 
 Per save, on every rank of the saving group:
 
-1. (collective, blocking) every rank's piece metadata is gathered; :func:`selection.assign_writes` gives each
-   unique element to one holder; the rank copies its cells to host memory (the only time training waits).
+1. (collective, blocking: the only time training waits) the ranks agree on the layout and a token, then each
+   copies the cells it writes to host memory. Agreeing: every rank all-gathers one small int64 tensor (a digest
+   of its piece metadata, the key of the layout it cached from the previous save, rank 0's random token). If
+   every rank's cached key is the digest of exactly the gathered digests, each rank reuses its write assignment
+   (and rank 0 the manifest's tensor table) from that save. Otherwise (the first save, any rank's pieces
+   changed, a rank without a cache) every rank's piece metadata is gathered (``all_gather_object``) and
+   :func:`selection.assign_writes` gives each unique element to one holder, deterministically, as before.
 2. (background thread) the rank writes ``.tmp_iter_NNNNNNN_<token>/shard_RRRRR.safetensors`` (fsynced), then its
    part record ``part_RRRRR.json`` (entries, checksums, RNG) through a temporary name and a rename.
 3. (background, rank 0 of the group) once every part record is there: the manifest is written (last, fsynced),
@@ -17,6 +22,7 @@ for part files, so the training thread owns the process group.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import re
@@ -98,29 +104,43 @@ def piece_meta(pieces: list[Piece]) -> list[tuple[TensorId, tuple, str, int]]:
     return [((p.key, p.index), p.box, DTYPES[p.tensor.dtype], p.tensor.element_size()) for p in pieces]
 
 
-def take_snapshot(*, iteration: int, rank: int, world: int, token: str, pieces: list[Piece],
-                  metas: list[list[tuple]], rng: dict[str, Any], info: dict[str, Any] | None = None,
-                  buffers: dict[str, torch.Tensor] | None = None) -> Snapshot:
-    """Copy the cells this rank writes to host memory. ``metas[r]``: :func:`piece_meta` of rank r.
+def meta_digest(meta: list[tuple]) -> int:
+    """A 63-bit digest of one rank's :func:`piece_meta` (the same on every process for the same metadata)."""
+    return int.from_bytes(hashlib.blake2b(repr(meta).encode(), digest_size=8).digest(), "little") >> 1
 
-    ``buffers``: host tensors of a previous, fully persisted snapshot, reused where an entry has the same name,
-    shape and dtype (periodic saves of one layout then copy into memory that is already mapped)."""
+
+def layout_key(digests: list[int]) -> int:
+    """The key of a group's layout: a digest of every rank's metadata digest, in rank order (never 0)."""
+    return meta_digest([len(digests), *digests]) or 1
+
+
+@dataclass
+class WritePlan:
+    """What one rank derives from every rank's piece metadata: the cells it writes, and where each comes from."""
+
+    key: int
+    """:func:`layout_key` of the metadata it was made from."""
+    rank: int
+    """The rank it was made for (a process that changed rank cannot reuse it)."""
+    copies: list[tuple[int, tuple[slice, ...], TensorId, tuple[tuple[int, int], ...], str]]
+    """(index of the source piece in this rank's piece list, slices of that piece, tensor, cell, entry name)."""
+    tensors: dict[TensorId, tuple[tuple[int, ...], str]] | None = None
+    """Rank 0 only: every tensor's global (shape, dtype), for the manifest."""
+
+
+def plan_writes(rank: int, pieces: list[Piece], metas: list[list[tuple]], key: int = 0) -> WritePlan:
+    """This rank's :class:`WritePlan` (``metas[r]``: :func:`piece_meta` of rank r; ``pieces`` this rank's;
+    ``key``: the :func:`layout_key` of ``metas`` where the caller computed it)."""
     writes = assign_writes({r: [(t, box, size) for t, box, _, size in m] for r, m in enumerate(metas)})[rank]
-    mine: dict[TensorId, list[Piece]] = defaultdict(list)
-    for p in pieces:
-        mine[(p.key, p.index)].append(p)
-    tensors, cells = {}, []
+    mine: dict[TensorId, list[int]] = defaultdict(list)
+    for i, p in enumerate(pieces):
+        mine[(p.key, p.index)].append(i)
+    copies = []
     for tensor, cell in writes:
-        src = next(p for p in mine[tensor] if intersect(p.box, cell) == cell)
-        view = src.tensor.detach()[tuple(slice(a - s0, b - s0) for (a, b), (s0, _) in zip(cell, src.box))]
-        name = _entry_name(tensor, cell)
-        host = (buffers or {}).get(name)
-        if host is None or host.shape != view.shape or host.dtype != view.dtype:
-            host = torch.empty(view.shape, dtype=view.dtype, device="cpu")
-        host.copy_(view)
-        tensors[name] = host
-        cells.append((tensor, cell, name))
-    snap = Snapshot(iteration=iteration, rank=rank, world=world, token=token, tensors=tensors, cells=cells, rng=rng)
+        i = next(i for i in mine[tensor] if intersect(pieces[i].box, cell) == cell)
+        slices = tuple(slice(a - s0, b - s0) for (a, b), (s0, _) in zip(cell, pieces[i].box))
+        copies.append((i, slices, tensor, cell, _entry_name(tensor, cell)))
+    plan = WritePlan(key=key or layout_key([meta_digest(m) for m in metas]), rank=rank, copies=copies)
     if rank == 0:
         shapes: dict[TensorId, list] = defaultdict(list)
         dtypes: dict[TensorId, str] = {}
@@ -129,9 +149,49 @@ def take_snapshot(*, iteration: int, rank: int, world: int, token: str, pieces: 
                 shapes[t].append(box)
                 if dtypes.setdefault(t, dtype) != dtype:
                     raise HetuExtError(f"{t[0]}{list(t[1])}: ranks hold it as {dtypes[t]} and {dtype}")
-        snap.info = {**(info or {}), "tensors": {t: (tuple(b for _, b in extent(boxes)), dtypes[t])
-                                                 for t, boxes in shapes.items()}}
+        plan.tensors = {t: (tuple(b for _, b in extent(boxes)), dtypes[t]) for t, boxes in shapes.items()}
+    return plan
+
+
+def copy_cells(plan: WritePlan, pieces: list[Piece], buffers: dict[str, torch.Tensor] | None = None
+               ) -> tuple[dict[str, torch.Tensor], list[tuple[TensorId, tuple[tuple[int, int], ...], str]]]:
+    """Host copies of the cells ``plan`` gives this rank: (entry name -> tensor, [(tensor, cell, entry)]).
+
+    ``buffers``: host tensors of a previous, fully persisted snapshot, reused where an entry has the same name,
+    shape and dtype (periodic saves of one layout then copy into memory that is already mapped)."""
+    tensors, cells = {}, []
+    for i, slices, tensor, cell, name in plan.copies:
+        view = pieces[i].tensor.detach()[slices]
+        host = (buffers or {}).get(name)
+        if host is None or host.shape != view.shape or host.dtype != view.dtype:
+            host = torch.empty(view.shape, dtype=view.dtype, device="cpu")
+        host.copy_(view)
+        tensors[name] = host
+        cells.append((tensor, cell, name))
+    return tensors, cells
+
+
+def take_snapshot(*, iteration: int, rank: int, world: int, token: str, pieces: list[Piece],
+                  metas: list[list[tuple]] | None = None, rng: dict[str, Any], info: dict[str, Any] | None = None,
+                  buffers: dict[str, torch.Tensor] | None = None, plan: WritePlan | None = None) -> Snapshot:
+    """Copy the cells this rank writes to host memory. ``metas[r]``: :func:`piece_meta` of rank r, or ``plan``
+    made from them earlier (:func:`plan_writes`); ``buffers`` as in :func:`copy_cells`."""
+    if plan is None:
+        if metas is None:
+            raise ValueError("take_snapshot needs every rank's piece metadata (metas) or a write plan")
+        plan = plan_writes(rank, pieces, metas)
+    tensors, cells = copy_cells(plan, pieces, buffers)
+    snap = Snapshot(iteration=iteration, rank=rank, world=world, token=token, tensors=tensors, cells=cells, rng=rng)
+    if rank == 0:
+        snap.info = {**(info or {}), "tensors": plan.tensors}
     return snap
+
+
+def _probe_device(group) -> torch.device:
+    """Where the agreement tensor lives: NCCL groups exchange CUDA tensors only."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 class Checkpointer:
@@ -144,8 +204,14 @@ class Checkpointer:
         self._error: BaseException | None = None
         self._buffers: dict[str, torch.Tensor] = {}
         """Host memory of the last snapshot, reused by the next one once it is persisted."""
+        self._plan: WritePlan | None = None
+        """The write plan of the last save, reused while every rank's piece metadata stays the same."""
         self.last: dict[str, float] = {}
-        """Timings of the latest save: blocking_s, persist_s (this rank), bytes written by this rank."""
+        """The latest save on this rank: blocking_s (= agree_s + gather_s + assign_s + copy_s, plus a little
+        bookkeeping), its phases (agree_s: the int64 all-gather; gather_s, assign_s: the metadata all-gather and
+        the write assignment, 0 when the cached plan was reused; copy_s: the host copies), cached (1.0 if the
+        plan was reused, else 0.0), bytes (copied to host memory, written by this rank), then persist_s (the
+        background write and, on rank 0, the commit) once persisted."""
 
     def save(self, *, iteration: int, pieces: list[Piece], rng: dict[str, Any], info: dict[str, Any],
              group=None, blocking: bool = False) -> None:
@@ -155,14 +221,37 @@ class Checkpointer:
         """
         self.wait()
         start = time.perf_counter()
-        world = dist.get_world_size(group)
-        everyone: list = [None] * world
-        dist.all_gather_object(everyone, (piece_meta(pieces), uuid.uuid4().hex[:12]), group=group)
-        snap = take_snapshot(iteration=iteration, rank=dist.get_rank(group), world=world, token=everyone[0][1],
-                             pieces=pieces, metas=[e[0] for e in everyone], rng=rng, info=info,
-                             buffers=self._buffers)
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        meta = piece_meta(pieces)
+        cached = self._plan.key if self._plan is not None and self._plan.rank == rank else 0
+        token = uuid.uuid4().int >> 80 if rank == 0 else 0  # 48 random bits, as uuid4().hex[:12] gave
+        device = _probe_device(group)
+        probe = torch.tensor([meta_digest(meta), cached, token], dtype=torch.int64, device=device)
+        rows = [torch.empty_like(probe) for _ in range(world)]
+        dist.all_gather(rows, probe, group=group)
+        rows = [r.tolist() for r in rows]
+        key = layout_key([r[0] for r in rows])
+        agreed = time.perf_counter()
+        gathered = assigned = agreed
+        # the same decision on every rank (it depends on the gathered rows only): reuse the plans only if every
+        # rank's cached plan was made from metadata with exactly these digests
+        reuse = all(r[1] == key for r in rows)
+        if reuse:
+            plan = self._plan
+        else:
+            everyone: list = [None] * world
+            dist.all_gather_object(everyone, meta, group=group)
+            gathered = time.perf_counter()
+            plan = plan_writes(rank, pieces, everyone, key)
+            assigned = time.perf_counter()
+        self._plan = plan
+        snap = take_snapshot(iteration=iteration, rank=rank, world=world, token=f"{rows[0][2]:012x}",
+                             pieces=pieces, plan=plan, rng=rng, info=info, buffers=self._buffers)
         self._buffers = snap.tensors  # reused after this snapshot is persisted (the next save waits for that)
-        self.last = {"blocking_s": time.perf_counter() - start, "bytes": float(snap.nbytes)}
+        end = time.perf_counter()
+        self.last = {"blocking_s": end - start, "agree_s": agreed - start, "gather_s": gathered - agreed,
+                     "assign_s": assigned - gathered, "copy_s": end - assigned,
+                     "cached": float(reuse), "bytes": float(snap.nbytes)}
         self.persist(snap, blocking=blocking)
 
     def persist(self, snap: Snapshot, *, blocking: bool = False) -> None:
