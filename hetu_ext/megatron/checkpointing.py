@@ -236,7 +236,7 @@ def load_hetu(trainer, directory: str) -> LoadReport:
     elif trainer.host.rank == 0:
         logger.info("the plan differs from the saved one: RNG states stay as the seed sets them")
     if trainer.host.rank == 0:
-        logger.info("loaded checkpoint of iteration %d from %s (%.2f MiB read by rank 0, %.2f s)%s",
+        logger.info("loaded checkpoint of iteration %d from %s (%.2f MiB mapped by rank 0, %.2f s)%s",
                     manifest.iteration, directory, report.bytes_read / 2**20, report.seconds,
                     "".join(f"; skipped: {s}" for s in report.skipped))
     return report
