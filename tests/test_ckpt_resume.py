@@ -118,6 +118,25 @@ def _run(world: int, argv: list[str]) -> dict:
     return next(r for r in run_ranks(resume_body, world, argv, timeout=300) if r is not None)
 
 
+def _assert_restored(loaded: dict, want: dict, saved: dict) -> None:
+    """The state a run loaded is the one saved after 2 steps: the tensors ``want`` bit for bit (and no other),
+    Adam's step, the iteration, the losses so far and the LR schedule."""
+    assert loaded["tensors"].keys() == want.keys()
+    for key, value in want.items():
+        assert torch.equal(loaded["tensors"][key], value), key
+    assert loaded["steps"] == saved["steps"] == {2.0}
+    assert loaded["iteration"] == 2 and loaded["losses"] == saved["losses"]
+    assert loaded["scheduler"] == saved["scheduler"]
+
+
+def _continuation_diffs(final: dict, reference: dict) -> tuple[float, float]:
+    """(largest relative loss difference, largest absolute parameter difference) of a run against a reference."""
+    loss = max(abs(a - b) / abs(b) for a, b in zip(final["losses"], reference["losses"]))
+    weight = max(float((v - reference["tensors"][k]).abs().max()) for k, v in final["tensors"].items()
+                 if k[0].startswith("param/"))
+    return loss, weight
+
+
 @pytest.fixture(scope="module")
 def runs(sample_prefix, tmp_path_factory):
     """Uninterrupted 4-step runs (single process, and each plan loaded into itself) and one checkpoint per save
@@ -139,14 +158,9 @@ def test_round_trip_is_bit_exact_and_training_continues(save, load, runs, tmp_pa
     world, argv = _plan_argv(load, sample_prefix, tmp_path, ("--train-iters", "4", "--load", str(ckpt)))
     result = _run(world, argv)
     loaded = result["loaded"]
-    assert loaded["tensors"].keys() == saved["tensors"].keys()
     assert any(k[0].startswith("exp_avg_sq/") for k in saved["tensors"])
     assert any(k[0].startswith("master/") for k in saved["tensors"]) == save.endswith("b")
-    for key, want in saved["tensors"].items():
-        assert torch.equal(loaded["tensors"][key], want), key
-    assert loaded["steps"] == saved["steps"] == {2.0}
-    assert loaded["iteration"] == 2 and loaded["losses"] == saved["losses"]
-    assert loaded["scheduler"] == saved["scheduler"]
+    _assert_restored(loaded, saved["tensors"], saved)
     final = result["final"]
     assert final["iteration"] == 4 and final["losses"][:2] == saved["losses"]
     if save == load:  # the same layout: the resumed run is the uninterrupted one, bit for bit
@@ -159,9 +173,6 @@ def test_round_trip_is_bit_exact_and_training_continues(save, load, runs, tmp_pa
         print(f"{save}->{load}: loss rel diff {loss:.2e}")
         assert loss <= BF16_LOSS_RTOL
         return
-    reference = runs["reference"]
-    loss = max(abs(a - b) / abs(b) for a, b in zip(final["losses"], reference["losses"]))
-    params = {k: v for k, v in final["tensors"].items() if k[0].startswith("param/")}
-    weight = max(float((v - reference["tensors"][k]).abs().max()) for k, v in params.items())
+    loss, weight = _continuation_diffs(final, runs["reference"])
     print(f"{save}->{load}: loss rel diff {loss:.2e}, weight abs diff {weight:.2e}")
     assert loss <= LOSS_RTOL and weight <= WEIGHT_ATOL
