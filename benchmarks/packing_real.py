@@ -29,6 +29,7 @@ backward of the costliest document on one stage). ``--predict-only`` prints thes
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
 import subprocess
@@ -75,6 +76,16 @@ def _tokens_and_seconds(log_lines: list[str]) -> tuple[float, float]:
     return tokens, seconds
 
 
+@functools.cache
+def _documents(lengths: str):
+    """The training run's corpus (--hetu-varlen-mock file form, its seed and count): read once per length file
+    (--predict-only prices a whole grid on it)."""
+    from hetu_ext.megatron.packed_data import varlen_mock_documents
+
+    return varlen_mock_documents(json.dumps({"mode": "file", "path": lengths}), vocab_size=2, seed=SEED,
+                                 count=MOCK_DOCUMENTS)
+
+
 def predicted(args: argparse.Namespace, cost_path: str) -> dict[tuple[str, str], dict]:
     """(layout, method) -> the calibrated cost model's view of the steps the real run takes: ``step_s`` (sum over
     steps 2..N of the slowest pipeline's predicted 1F1B time), ``work_s`` (the same steps' total predicted work,
@@ -85,12 +96,11 @@ def predicted(args: argparse.Namespace, cost_path: str) -> dict[tuple[str, str],
     from hetu_ext.data.cost import load_cost_table
     from hetu_ext.data.packing import replica_specs
     from hetu_ext.data.sequences import GlobalBatches, SequenceTable
-    from hetu_ext.megatron.packed_data import PackedSteps, varlen_mock_documents
+    from hetu_ext.megatron.packed_data import PackedSteps
     from hetu_ext.plan.model_spec import ModelSpec
     from hetu_ext.plan.plan import uniform_plan
 
-    docs = varlen_mock_documents(json.dumps({"mode": "file", "path": str(args.lengths)}), vocab_size=2,
-                                 seed=SEED, count=MOCK_DOCUMENTS)
+    docs = _documents(str(args.lengths))
     table = SequenceTable.from_documents(docs.token_counts, args.max_len)
     spec = ModelSpec(**MODEL, seq_length=args.max_len)
     cost = load_cost_table(cost_path)
