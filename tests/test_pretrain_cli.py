@@ -51,6 +51,93 @@ def test_bad_flags_exit_2_with_one_line(args, needle):
     assert_one_error_line(run(MODEL + args), needle)
 
 
+@pytest.mark.parametrize("args,needle", [
+    # issue 12 item 7: each of these was an uncaught traceback (114 lines for the data path), raised after the
+    # process group (and, for the cost model, after the model was built)
+    (["--data-path", "/nonexistent/corpus_text_document"], "--data-path /nonexistent/corpus_text_document: "
+     "/nonexistent/corpus_text_document.bin and /nonexistent/corpus_text_document.idx not found"),
+    (["--mock-data", "--micro-batch-size", "1", "--global-batch-size", "2", "--hetu-packing", "balanced",
+      "--hetu-varlen-mock", "[1,2]"], "--hetu-varlen-mock [1,2]: length spec: expected a JSON object"),
+    (["--mock-data", "--micro-batch-size", "1", "--global-batch-size", "2", "--hetu-packing", "balanced",
+      "--hetu-varlen-mock", '{"mode": "file", "path": "/nonexistent.txt"}'], "length file '/nonexistent.txt' not "
+     "found"),
+    (["--mock-data", "--micro-batch-size", "1", "--global-batch-size", "2", "--hetu-packing", "balanced",
+      "--hetu-varlen-mock", '{"mode": "file", "path": "hetu_ext/data/samples/wikipedia_lengths_20k.txt.gz"}',
+      "--hetu-cost-model", "/nonexistent.yaml"], "--hetu-cost-model: cost table file '/nonexistent.yaml' cannot be "
+     "read"),
+    # item 5: a --load path that does not exist trained from scratch (exit 0, one INFO line)
+    (["--mock-data", "--load", "/nonexistent/ckpt"], "--load /nonexistent/ckpt: no such directory"),
+])
+def test_missing_files_exit_2_before_any_process_group(args, needle):
+    assert_one_error_line(run(MODEL + ["--train-iters", "2", *args]), needle)
+
+
+README_LAUNCH = ["--nproc-per-node", "4", "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                 "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "128",
+                 "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "20", "--lr", "1e-3",
+                 "--mock-data"]
+"""The README's launch line (python launch/pretrain_gpt.py --nproc-per-node 4 ...)."""
+
+
+@pytest.mark.parametrize("change,needle", [
+    (("--num-layers", "--num-layer"), "unrecognized arguments: --num-layer; did you mean --num-layers?"),
+    (("--mock-data", "--mock_data"), "did you mean --mock-data?"),
+    (("1e-3", "fast"), "argument --lr: invalid float value: 'fast'"),
+    (("--train-iters", "--lr-warmup-iters"), "the following arguments are required: --train-iters"),
+])
+def test_readme_launch_line_with_a_typo_is_one_line(change, needle):
+    """Issue 12 items 6 and acceptance 2: a misspelled flag printed the 54-line usage block once per rank (276
+    lines) and torchrun's 40-line ChildFailedError traceback; now: exit 2, at most 3 stderr lines, no traceback,
+    the closest valid flag named, and no rank started."""
+    argv = [change[1] if a == change[0] else a for a in README_LAUNCH]
+    proc = run(argv, timeout=60)
+    assert_one_error_line(proc, needle)
+    assert len(proc.stderr.strip().splitlines()) <= 3, proc.stderr
+    assert "usage:" not in proc.stderr
+
+
+def test_readme_launch_line_bad_plan_value_is_one_line():
+    """A value that only the plan check rejects (TP 3 of 4 heads, 4 ranks) stops before torchrun starts."""
+    argv = [("3" if a == "2" and prev == "--tensor-model-parallel-size" else a)
+            for prev, a in zip([""] + README_LAUNCH, README_LAUNCH)]
+    proc = run(argv, timeout=60)
+    assert_one_error_line(proc, "world size 4 is not divisible by --tensor-model-parallel-size 3")
+    assert len(proc.stderr.strip().splitlines()) <= 3, proc.stderr
+
+
+def test_rank_errors_under_torchrun_are_printed_once():
+    """Under torchrun itself each rank parses the flags: only rank 0 prints, one line, no usage block (torchrun's
+    own failure report after it is torchrun's)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+           "--rdzv-endpoint", "localhost:0", str(LAUNCH), *MODEL, "--train-iters", "2", "--mock-data",
+           "--lr-decay-style", "cosin"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    assert proc.returncode != 0
+    assert proc.stderr.count("pretrain_gpt.py: error:") == 1, proc.stderr
+    assert "usage:" not in proc.stderr
+
+
+def test_without_torchrun_one_rank_trains_in_process(tmp_path):
+    """Item 8: python launch/pretrain_gpt.py without torchrun failed with "environment variable RANK expected";
+    it runs one rank. Item 5: an existing --load folder without a checkpoint starts fresh with a warning."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    proc = run(MODEL + ["--train-iters", "3", "--mock-data", "--global-batch-size", "2", "--load", str(empty)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(_losses(proc.stdout)) == 3, proc.stdout
+    assert "no checkpoint found, starting from scratch" in proc.stderr
+
+
+def test_launcher_trains_two_ranks(tmp_path):
+    """The README's launcher path: python launch/pretrain_gpt.py --nproc-per-node 2 starts torchrun's agent."""
+    proc = run(["--nproc-per-node", "2", *MODEL, "--train-iters", "3", "--mock-data", "--global-batch-size", "4"],
+               timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(_losses(proc.stdout)) == 3, proc.stdout
+    assert "data-parallel" in proc.stderr or "plan" in proc.stderr
+
+
 def test_bad_plan_files_exit_2_before_any_process_group(tmp_path):
     two_stages = write(tmp_path, "twice.yaml",
                        "pipelines: [{stages: [{ranks: [0], layers: [0, 2]}, {ranks: [0], layers: [2, 4]}]}]")

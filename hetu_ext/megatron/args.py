@@ -7,6 +7,10 @@ ValueError naming the rule, the values and the fix; the launcher turns that into
 from __future__ import annotations
 
 import argparse
+import difflib
+import os
+import sys
+from pathlib import Path
 
 from .data import TOKENIZER_TYPES
 from .packed_data import PACKING_METHODS
@@ -14,9 +18,55 @@ from .packed_data import PACKING_METHODS
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 
 
+class UsageError(ValueError):
+    """Bad command-line input: one ``error:`` line on rank 0, exit code 2."""
+
+
+def report_error(prog: str, message: str) -> None:
+    """Print ``prog: error: message`` once per job (rank 0 of a torchrun job; other ranks stay silent)."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
+
+
+class FlagParser(argparse.ArgumentParser):
+    """argparse with one-line errors: no usage block, the closest valid flag for an unknown one, rank 0 only
+    (torchrun starts one parser per rank; 4 ranks printed the 54-line usage block 4 times)."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        # an unknown flag first: a typo of a required flag (--num-layer) would else read "--num-layers is required"
+        tokens = sys.argv[1:] if args is None else list(args)
+        known = {s for a in self._actions for s in a.option_strings}
+        unknown = [t for t in tokens if t.startswith("--") and t != "--" and t.split("=", 1)[0] not in known]
+        if unknown:
+            self.error(f"unrecognized arguments: {' '.join(unknown)}")
+        return super().parse_known_args(args, namespace)
+
+    def error(self, message: str):  # argparse's hook for every parse error
+        if message.startswith("unrecognized arguments:"):
+            message += self._suggestion(message.split(":", 1)[1].split())
+        report_error(self.prog, message)
+        sys.exit(2)
+
+    def _suggestion(self, unknown: list[str]) -> str:
+        flags = [s for a in self._actions for s in a.option_strings if s.startswith("--")]
+        for token in unknown:
+            if token.startswith("--"):
+                close = difflib.get_close_matches(token.split("=", 1)[0], flags, n=1, cutoff=0.6)
+                if close:
+                    return f"; did you mean {close[0]}? ({self.prog} --help lists every flag)"
+        return f" ({self.prog} --help lists every flag)"
+
+
 def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description="Train Megatron-core's GPTModel under a hetu_ext plan.",
-                                allow_abbrev=False)
+    p = FlagParser(prog=prog, description="Train Megatron-core's GPTModel under a hetu_ext plan.",
+                   allow_abbrev=False)
+    g = p.add_argument_group("launcher (without torchrun: this script starts torchrun's agent itself)")
+    g.add_argument("--nproc-per-node", type=int, default=None,
+                   help="ranks on this machine (default 1); under torchrun this flag is torchrun's, not ours")
+    g.add_argument("--nnodes", type=int, default=1, help="machines of the job (torchrun's flag)")
+    g.add_argument("--node-rank", type=int, default=0, help="this machine's index (torchrun's flag)")
+    g.add_argument("--master-addr", default="127.0.0.1", help="rank 0's machine (torchrun's flag)")
+    g.add_argument("--master-port", type=int, default=None, help="default: a free port (single node)")
     g = p.add_argument_group("model")
     g.add_argument("--num-layers", type=int, required=True)
     g.add_argument("--hidden-size", type=int, required=True)
@@ -162,9 +212,51 @@ def _validate_packing(args: argparse.Namespace) -> None:
                          "(sequences) or --hetu-global-batch-tokens (tokens)")
 
 
+def _validate_files(args: argparse.Namespace) -> None:
+    """Every file a flag names exists and parses, before any process group (a missing --data-path gave 114 lines
+    of three ranks' tracebacks)."""
+    if args.load is not None and not Path(args.load).is_dir():
+        raise ValueError(f"--load {args.load}: no such directory; give the --save directory of an earlier run (a "
+                         "folder without a checkpoint yet starts from scratch), or drop --load")
+    for prefix in args.data_path or ():
+        if _is_number(prefix):  # a blend's weight: --data-path 0.3 A 0.7 B
+            continue
+        missing = [suffix for suffix in (".bin", ".idx") if not Path(prefix + suffix).is_file()]
+        if missing:
+            raise ValueError(f"--data-path {prefix}: {' and '.join(prefix + s for s in missing)} not found; give the "
+                             "prefix python -m hetu_ext.megatron.preprocess_data wrote (--output-prefix P makes "
+                             "P_text_document.bin/.idx: pass P_text_document)")
+    if args.hetu_cost_model is not None:
+        from hetu_ext.data.cost import load_cost_table
+
+        try:
+            load_cost_table(args.hetu_cost_model)
+        except ValueError as exc:
+            raise ValueError(f"--hetu-cost-model: {exc}") from exc
+    if args.hetu_varlen_mock is not None:
+        from hetu_ext.data.lengths import parse_length_spec
+
+        try:
+            spec = parse_length_spec(args.hetu_varlen_mock)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"--hetu-varlen-mock {args.hetu_varlen_mock}: {exc}") from exc
+        path = getattr(spec, "path", None)
+        if path is not None and not Path(path).is_file():
+            raise ValueError(f"--hetu-varlen-mock: length file {path!r} not found; give a file of one token count "
+                             "a line (e.g. hetu_ext/data/samples/wikipedia_lengths_20k.txt.gz)")
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
 def validate_args(args: argparse.Namespace) -> None:
     """Checks that need no process group; plan-dependent checks happen when the plan is built."""
-    _positive(args, "num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
+    _positive(args, "nproc_per_node", "nnodes", "num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
               "global_batch_size", "train_iters", "tensor_model_parallel_size", "pipeline_model_parallel_size",
               "log_interval", "save_interval", "lr_decay_iters")
     if args.lr_warmup_iters < 0:
@@ -181,6 +273,7 @@ def validate_args(args: argparse.Namespace) -> None:
         raise ValueError("give exactly one data source: --mock-data or --data-path PREFIX "
                          f"(got --mock-data={args.mock_data}, --data-path={args.data_path})")
     _validate_packing(args)
+    _validate_files(args)
     if args.hetu_emulate_layer_ms is not None and (args.hetu_emulate_layer_ms <= 0 or
                                                     not args.hetu_straggler_interval):
         raise ValueError(f"--hetu-emulate-layer-ms must be > 0 and needs --hetu-straggler-interval N (got "

@@ -1,33 +1,132 @@
-"""Entry point behind ``launch/pretrain_gpt.py``: parse flags, train, turn bad input into exit code 2."""
+"""Entry point behind ``launch/pretrain_gpt.py``: check every flag, launch the ranks, train; bad input is one
+``error:`` line and exit code 2.
+
+Two ways in:
+
+* ``python launch/pretrain_gpt.py --nproc-per-node 4 <flags>`` (the README's): this process checks the flags, the
+  files they name and the plan against the world size first, then starts torchrun's agent in-process with
+  ``--nproc-per-node`` ranks of this script. A bad flag never starts a rank; a rank that fails on bad input prints
+  its one line and the launcher exits 2 quietly (torchrun itself would print a 40-line ChildFailedError
+  traceback). One rank (no ``--nproc-per-node``) runs in this process.
+* ``torchrun --nproc-per-node 4 launch/pretrain_gpt.py <flags>``: as Megatron-LM users launch; each rank checks
+  the flags, rank 0 prints any error once.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
+import socket
 import sys
-import warnings
 
 from hetu_ext.plan import PlanError
 
-from .args import build_parser, validate_args
+from .args import build_parser, report_error, validate_args
 from .config import apply_hetu_config
+
+PROG = "pretrain_gpt.py"
+LAUNCHER_FLAGS = ("nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port")
+"""torchrun's flags, which this script takes when it is its own launcher."""
+
+
+def _under_launcher() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(PROG)
     args = parser.parse_args(argv)
+    launched = _under_launcher()
+    if launched and args.nproc_per_node is not None:
+        report_error(PROG, "--nproc-per-node is the launcher's flag: give it to torchrun, or run python "
+                           f"launch/{PROG} --nproc-per-node N without torchrun")
+        return 2
+    world_size = int(os.environ["WORLD_SIZE"]) if launched else (args.nproc_per_node or 1) * args.nnodes
     try:
         apply_hetu_config(args)
         validate_args(args)
-    except (ValueError, OSError) as exc:
-        parser.error(str(exc))  # one line, exit code 2
+        from hetu_ext.hostlog import quiet_host_frameworks
+
+        quiet_host_frameworks()
+        from .trainer import check_launch
+
+        check_launch(args, world_size)  # the plan against the model and the world size, no process group
+    except (PlanError, ValueError, OSError) as exc:
+        report_error(PROG, str(exc))
+        return 2
+    if not launched:
+        if world_size > 1:
+            return _launch(argv, args)
+        _single_rank_env(args)
+    return _train(args)
+
+
+def _single_rank_env(args) -> None:
+    """One rank in this process: the environment torchrun would give it."""
+    port = args.master_port or _free_port()
+    os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                       "MASTER_ADDR": args.master_addr, "MASTER_PORT": str(port)})
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(argv: list[str], args) -> int:
+    """torchrun's agent, in this process, running ``nproc_per_node`` ranks of this script with the same flags
+    (less the launcher's). Returns 2 when a rank exited 2 (it printed its one error line), else the job's code."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    for name in ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)  # its failure report repeats the rank's error
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # what torchrun sets (and warns about setting)
+    rest = _strip_launcher_flags(argv)
+    torchrun = ["--nproc-per-node", str(args.nproc_per_node), "--nnodes", str(args.nnodes)]
+    if args.nnodes == 1:
+        torchrun += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{args.master_port or 0}"]
+    else:
+        torchrun += ["--node-rank", str(args.node_rank), "--master-addr", args.master_addr,
+                     "--master-port", str(args.master_port or 29500)]
+    if sys.argv[0].endswith(".py"):  # launch/pretrain_gpt.py
+        entry = [os.path.abspath(sys.argv[0])]
+    else:  # python -m hetu_ext.megatron.cli
+        entry = ["--no-python", sys.executable, "-m", "hetu_ext.megatron.cli"]
+    try:
+        run(parse_args(torchrun + entry + rest))
+    except ChildFailedError as exc:
+        codes = {failure.exitcode for failure in exc.failures.values()}
+        if 2 in codes:
+            return 2
+        rank, failure = exc.get_first_failure()
+        report_error(PROG, f"rank {failure.rank if failure.rank is not None else rank} exited with code "
+                           f"{failure.exitcode}; its output is above")
+        return 1
+    return 0
+
+
+def _strip_launcher_flags(argv: list[str]) -> list[str]:
+    """``argv`` without the launcher's flags (both ``--flag value`` and ``--flag=value``)."""
+    flags = {"--" + name.replace("_", "-") for name in LAUNCHER_FLAGS}
+    out, skip = [], False
+    for token in argv:
+        if skip:
+            skip = False
+        elif token in flags:
+            skip = True
+        elif token.split("=", 1)[0] not in flags:
+            out.append(token)
+    return out
+
+
+def _train(args) -> int:
     rank = int(os.environ.get("RANK", "0"))
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format="[%(asctime)s] [rank %(rank)s] %(name)s: %(message)s".replace("%(rank)s", str(rank)))
     logging.getLogger("megatron").setLevel(logging.WARNING)  # its INFO lists every parameter and config field
-    # Megatron-core warns at import about optional CUDA packages (Apex, Transformer Engine) and deprecations
-    for category in (UserWarning, DeprecationWarning, FutureWarning):
-        warnings.filterwarnings("ignore", category=category, module=r"megatron\..*")
 
     from . import host
     from .trainer import build_trainer
@@ -35,8 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         trainer = build_trainer(args)
     except (PlanError, ValueError) as exc:
-        if rank == 0:
-            print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        report_error(PROG, str(exc))
         host.shutdown()
         return 2
     try:
@@ -44,3 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         host.shutdown()
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -328,12 +328,24 @@ def _straggler_monitor(args, spec: ModelSpec, plan: Plan, h: host.Host, placemen
     return monitor
 
 
-def build_trainer(args: argparse.Namespace) -> Trainer:
-    """Check the plan, start the process group, then place this rank and build its scheduler and dataset."""
-    # the plan is checked against the model before any process group exists
+@dataclass(frozen=True)
+class LaunchCheck:
+    """What a launch is, decided from the flags alone (no process group): the launcher checks it before it
+    starts any rank, and every rank builds on it."""
+
+    tokenizer: object
+    spec: ModelSpec
+    plan: Plan
+    migrations: list[tuple[int, Plan]]
+    runtime: str
+    """``megatron`` or ``plan`` (select_runtime)."""
+
+
+def check_launch(args: argparse.Namespace, world_size: int) -> LaunchCheck:
+    """The model, the plan (validated against the model and ``world_size``), pending migrations and the runtime;
+    PlanError / ValueError naming the rule, the values and the fix for anything that cannot run."""
     tokenizer = make_tokenizer(args.tokenizer_type, args.vocab_size)
     spec = model_spec_from_args(args, tokenizer.vocab_size)
-    world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     plan = plan_from_args(args, spec, world_size)
     migrations = []
     for step, path in parse_migrations(args.hetu_migrate or ""):
@@ -346,6 +358,16 @@ def build_trainer(args: argparse.Namespace) -> Trainer:
     runtime = select_runtime(args, plan)
     if runtime == "plan":
         check_runnable(plan)
+    return LaunchCheck(tokenizer=tokenizer, spec=spec, plan=plan, migrations=migrations, runtime=runtime)
+
+
+def build_trainer(args: argparse.Namespace) -> Trainer:
+    """Check the plan, start the process group, then place this rank and build its scheduler and dataset."""
+    # the plan is checked against the model before any process group exists
+    world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    launch = check_launch(args, world_size)
+    tokenizer, spec, plan, migrations, runtime = (launch.tokenizer, launch.spec, launch.plan, launch.migrations,
+                                                  launch.runtime)
     # packed documents are read (and checked) before any process group exists
     documents = open_documents(args, tokenizer) if args.hetu_packing != "off" else None
     force = {"auto": None, "on": True, "off": False}[args.hetu_cpu_patches]
