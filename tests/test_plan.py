@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -152,3 +153,46 @@ def test_show_command_as_module_exits_2_without_traceback(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "hetu_ext.plan", "show", str(path)], capture_output=True, text=True)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr and "rank 0 is already in" in proc.stderr
+
+
+def test_show_checks_a_tp2_plan_against_layers_and_the_training_vocabulary(tmp_path, capsys):
+    """``show FILE --num-layers N`` refused every plan with TP > 1: the heads defaulted to 1, which TP 2 does not
+    divide. Now only the given sizes are checked, and the vocabulary is padded as training pads it (tokenizer,
+    --vocab-size, --make-vocab-size-divisible-by)."""
+    path = tmp_path / "plan.yaml"
+    path.write_text(dump_plan(HETERO))  # pipeline 0 stage 0 is TP 2
+    assert plan_main(["show", str(path), "--num-layers", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "checked against the model: 4 layers, padded vocabulary 384" in out  # ByteLevel 257 -> 384
+    assert plan_main(["show", str(path), "--num-layers", "3"]) == 2
+    assert "the model has num_layers=3" in capsys.readouterr().err
+    # training's padding: 257 tokens padded to a multiple of 1 is 257, which TP 2 does not divide
+    assert plan_main(["show", str(path), "--num-layers", "4", "--make-vocab-size-divisible-by", "1"]) == 2
+    assert "TP degree 2 must divide padded vocab size (257)" in capsys.readouterr().err
+    assert plan_main(["show", str(path), "--num-layers", "4", "--make-vocab-size-divisible-by", "1",
+                      "--tokenizer-type", "NullTokenizer", "--vocab-size", "127"]) == 0  # 127 ids + EOD = 128
+    assert "padded vocabulary 128" in capsys.readouterr().out
+    assert plan_main(["show", str(path), "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads",
+                      "6"]) == 2  # 6 heads do not divide 64
+    assert capsys.readouterr().err.count("\n") == 1
+    assert plan_main(["show", str(path), "--num-layers", "4", "--hidden-size", "64"]) == 2
+    assert "give --hidden-size and --num-attention-heads together" in capsys.readouterr().err
+
+
+def test_malleus_writes_the_plan_before_printing(tmp_path):
+    """``plan malleus ... -o FILE | head`` lost the file: the table was printed first, the reader had gone, and
+    the BrokenPipeError ended the command before the write. Here the reader is gone before the command writes
+    anything: the file must exist and be the whole plan, and no traceback."""
+    path = tmp_path / "malleus.yaml"
+    argv = ["malleus", "--world-size", "4", "--gpus-per-node", "4", "--slowdown", "1=3", "--num-layers", "4",
+            "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2",
+            "--global-batch-size", "8", "--vocab-size", "257", "-o", str(path)]
+    read, write = os.pipe()
+    os.close(read)  # the pipe's reader stopped (as head does after 10 lines)
+    proc = subprocess.run([sys.executable, "-m", "hetu_ext.plan", *argv], stdout=write, stderr=subprocess.PIPE,
+                          text=True, timeout=60)
+    os.close(write)
+    assert path.exists(), proc.stderr
+    plan = load_plan(path)
+    plan.validate(ModelSpec(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=257), 4)
+    assert "Traceback" not in proc.stderr and proc.returncode == 0, proc.stderr

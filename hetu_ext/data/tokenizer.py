@@ -23,3 +23,19 @@ class ByteLevelTokenizer:
 
     def detokenize(self, ids) -> str:
         return bytes(int(i) for i in np.asarray(ids).ravel() if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+
+
+TOKENIZER_TYPES = ("ByteLevelTokenizer", "NullTokenizer")
+"""``--tokenizer-type`` choices: both work offline."""
+
+
+def tokenizer_vocab_size(tokenizer_type: str, vocab_size: int | None = None) -> int:
+    """The vocabulary size (before padding) the tokenizer gives the model, in token ids: 257 for
+    ByteLevelTokenizer; ``vocab_size + 1`` for NullTokenizer (Megatron-LM's: ids 0..vocab_size-1, EOD = vocab_size)."""
+    if tokenizer_type == "ByteLevelTokenizer":
+        return ByteLevelTokenizer.vocab_size
+    if tokenizer_type == "NullTokenizer":
+        if vocab_size is None or vocab_size < 1:
+            raise ValueError(f"--tokenizer-type NullTokenizer needs --vocab-size >= 1, got {vocab_size!r}")
+        return vocab_size + 1
+    raise ValueError(f"--tokenizer-type must be one of {list(TOKENIZER_TYPES)}, got {tokenizer_type!r}")

@@ -10,13 +10,10 @@ import numpy as np
 import torch
 
 from hetu_ext.data.assign import microbatch_samples
-from hetu_ext.data.tokenizer import ByteLevelTokenizer
+from hetu_ext.data.tokenizer import TOKENIZER_TYPES, ByteLevelTokenizer, tokenizer_vocab_size
 from hetu_ext.plan import Plan
 
 logger = logging.getLogger(__name__)
-
-TOKENIZER_TYPES = ("ByteLevelTokenizer", "NullTokenizer")
-
 
 def make_tokenizer(tokenizer_type: str, vocab_size: int | None = None):
     """A Megatron tokenizer object (``MegatronLegacyTokenizer``) that works offline.
@@ -26,18 +23,14 @@ def make_tokenizer(tokenizer_type: str, vocab_size: int | None = None):
     """
     from megatron.core.datasets.megatron_tokenizer import MegatronLegacyTokenizer
 
+    size = tokenizer_vocab_size(tokenizer_type, vocab_size)  # ValueError for a bad type or size
     if tokenizer_type == "ByteLevelTokenizer":
         inner = ByteLevelTokenizer()
-        size, eod = inner.vocab_size, inner.eod
-        encode, decode = inner.tokenize, inner.detokenize
-    elif tokenizer_type == "NullTokenizer":
-        if vocab_size is None or vocab_size < 1:
-            raise ValueError(f"--tokenizer-type NullTokenizer needs --vocab-size >= 1, got {vocab_size!r}")
-        size, eod = vocab_size + 1, vocab_size
+        eod, encode, decode = inner.eod, inner.tokenize, inner.detokenize
+    else:  # NullTokenizer
+        eod = vocab_size
         encode = lambda text: [int(t) for t in text.split()]  # noqa: E731
         decode = lambda ids: " ".join(str(int(i)) for i in ids)  # noqa: E731
-    else:
-        raise ValueError(f"--tokenizer-type must be one of {list(TOKENIZER_TYPES)}, got {tokenizer_type!r}")
 
     class _Tokenizer(MegatronLegacyTokenizer):
         def __init__(self) -> None:

@@ -4,8 +4,12 @@
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import sys
 from pathlib import Path
+
+from hetu_ext.data.tokenizer import TOKENIZER_TYPES, tokenizer_vocab_size
 
 from .cluster import Cluster
 from .io import dump_plan, format_plan, load_plan
@@ -20,10 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     show = sub.add_parser("show", help="print a plan file as a table of stages and of each rank's layers")
     show.add_argument("file")
     show.add_argument("--world-size", type=int, default=None, help="also check the plan covers exactly these ranks")
-    show.add_argument("--num-layers", type=int, default=None, help="also check against this model shape")
-    show.add_argument("--hidden-size", type=int, default=None)
-    show.add_argument("--num-attention-heads", type=int, default=None)
-    show.add_argument("--ffn-hidden-size", type=int, default=None)
+    _add_model_flags(show)
     mal = sub.add_parser("malleus", help="plan around stragglers and write the plan (YAML) for --hetu-plan")
     mal.add_argument("--world-size", type=int, required=True)
     mal.add_argument("--gpus-per-node", type=int, default=8)
@@ -34,24 +35,61 @@ def main(argv: list[str] | None = None) -> int:
                  "--global-batch-size"):
         mal.add_argument(flag, type=int, required=True)
     mal.add_argument("--ffn-hidden-size", type=int, default=None)
-    mal.add_argument("--vocab-size", type=int, default=50257)
+    mal.add_argument("--vocab-size", type=int, default=50257, help="the tokenizer's vocabulary, before padding")
+    mal.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     mal.add_argument("--output", "-o", default=None, help="write the plan here (default: print only)")
     args = parser.parse_args(argv)
     if args.command == "malleus":
         return _malleus(args, parser)
     try:
         plan = load_plan(args.file)
-        model = None
-        if args.num_layers is not None:
-            heads = args.num_attention_heads or 1
-            model = ModelSpec(num_layers=args.num_layers, hidden_size=args.hidden_size or heads,
-                              num_attention_heads=heads, ffn_hidden_size=args.ffn_hidden_size)
+        model, checked = _model_to_check(args, plan)
         plan.validate(model, args.world_size)
     except (PlanError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(format_plan(plan))
+    if checked:
+        print(f"\nchecked against the model: {checked}")
     return 0
+
+
+def _add_model_flags(show: argparse.ArgumentParser) -> None:
+    """The model flags training takes that a plan is checked against (Megatron-LM's names and defaults)."""
+    g = show.add_argument_group("model (as given to training; each check needs the flags it names)")
+    g.add_argument("--num-layers", type=int, default=None, help="check the layer count and the padded vocabulary")
+    g.add_argument("--hidden-size", type=int, default=None, help="with --num-attention-heads: check TP degrees")
+    g.add_argument("--num-attention-heads", type=int, default=None)
+    g.add_argument("--ffn-hidden-size", type=int, default=None, help="default: 4 x hidden size")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--tokenizer-type", default="ByteLevelTokenizer", choices=TOKENIZER_TYPES)
+    g.add_argument("--vocab-size", type=int, default=None, help="for NullTokenizer")
+
+
+def _model_to_check(args: argparse.Namespace, plan) -> tuple[ModelSpec | None, str]:
+    """The model the plan is checked against, and what is checked. Only ``--num-layers``: the layer count and the
+    padded vocabulary (the sizes not given are set so that they check nothing); with ``--hidden-size`` and
+    ``--num-attention-heads`` also: every TP degree divides the heads and the MLP width, as training checks."""
+    if args.num_layers is None:
+        given = [f for f in ("hidden_size", "num_attention_heads", "ffn_hidden_size") if getattr(args, f) is not None]
+        if given:
+            raise ValueError(f"--{given[0].replace('_', '-')} is checked only with the model's --num-layers; "
+                             "give --num-layers too")
+        return None, ""
+    if (args.hidden_size is None) != (args.num_attention_heads is None):
+        raise ValueError("give --hidden-size and --num-attention-heads together (the TP degrees must divide the "
+                         "heads and the MLP width), or neither to check only layers and vocabulary")
+    vocab = tokenizer_vocab_size(args.tokenizer_type, args.vocab_size)
+    shape = dict(vocab_size=vocab, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
+    if args.num_attention_heads is not None:
+        spec = ModelSpec(num_layers=args.num_layers, hidden_size=args.hidden_size,
+                         num_attention_heads=args.num_attention_heads, ffn_hidden_size=args.ffn_hidden_size, **shape)
+        return spec, (f"{args.num_layers} layers, {spec.num_attention_heads} heads, ffn {spec.ffn_hidden_size}, "
+                      f"padded vocabulary {spec.padded_vocab_size}")
+    tp = math.lcm(*(stage.tp for pipeline in plan.pipelines for stage in pipeline.stages))
+    spec = ModelSpec(num_layers=args.num_layers, hidden_size=tp, num_attention_heads=tp, **shape)
+    return spec, (f"{args.num_layers} layers, padded vocabulary {spec.padded_vocab_size} (heads and MLP width "
+                  "not checked: give --hidden-size and --num-attention-heads)")
 
 
 def _malleus(args, parser) -> int:
@@ -64,7 +102,8 @@ def _malleus(args, parser) -> int:
             slowdowns[int(rank)] = float(x)
         spec = ModelSpec(num_layers=args.num_layers, hidden_size=args.hidden_size,
                          num_attention_heads=args.num_attention_heads, ffn_hidden_size=args.ffn_hidden_size,
-                         vocab_size=args.vocab_size, seq_length=args.seq_length)
+                         vocab_size=args.vocab_size, seq_length=args.seq_length,
+                         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
         cluster = Cluster(world_size=args.world_size, gpus_per_node=args.gpus_per_node,
                           gpu_memory_bytes=int(args.gpu_memory_gib * 2**30), slowdowns=slowdowns)
         if args.global_batch_size % args.micro_batch_size:
@@ -75,12 +114,24 @@ def _malleus(args, parser) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(format_plan(planned.plan))
-    print(f"\npredicted step time {planned.predicted_step_s:.4g} s ({planned.template})")
-    if args.output:
-        Path(args.output).write_text(dump_plan(planned.plan))
-        print(f"wrote {args.output} (train with --hetu-plan {args.output})")
+    if args.output:  # before anything is printed: `... -o plan.yaml | head` must not lose the file
+        _write_atomically(Path(args.output), dump_plan(planned.plan))
+    try:
+        print(format_plan(planned.plan))
+        print(f"\npredicted step time {planned.predicted_step_s:.4g} s ({planned.template})")
+        if args.output:
+            print(f"wrote {args.output} (train with --hetu-plan {args.output})")
+        sys.stdout.flush()
+    except BrokenPipeError:  # the reader stopped early (| head): the plan is written, the rest is not wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at interpreter exit
     return 0
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Write ``text`` under a temporary name and rename: the file is whole or absent, never a prefix."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 if __name__ == "__main__":
