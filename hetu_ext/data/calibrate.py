@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hetu_ext.hostlog import quiet_host_frameworks
+
 from .cost import CostTable, LengthCost, save_cost_table
 
 logger = logging.getLogger(__name__)
@@ -196,6 +198,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--tp", default="1", help="comma-separated TP degrees to measure (t > 1 starts t ranks)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
     args = parser.parse_args(argv)
+    try:
+        lengths = sorted({int(x) for x in args.seq_lengths.split(",")})
+        [int(x) for x in args.tp.split(",")]
+    except ValueError:
+        parser.error(f"--seq-lengths {args.seq_lengths!r} / --tp {args.tp!r}: give comma-separated integers")
+    if len(lengths) < 3 or lengths[0] < 1:
+        parser.error(f"--seq-lengths {args.seq_lengths!r}: the fit a s^2 + b s + c needs at least 3 distinct "
+                     "positive lengths; give e.g. 128,256,512")
+    quiet_host_frameworks()
     if args.threads:
         import torch
         torch.set_num_threads(args.threads)

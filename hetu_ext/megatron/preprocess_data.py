@@ -17,6 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
+from hetu_ext.hostlog import quiet_host_frameworks
+
 from .data import TOKENIZER_TYPES, make_tokenizer
 
 
@@ -70,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--append-eod", action="store_true")
     parser.add_argument("--workers", type=int, default=1, help="accepted for Megatron-LM compatibility")
     args = parser.parse_args(argv)
+    quiet_host_frameworks()
     if not Path(args.input).is_file():
         parser.error(f"--input {args.input!r} does not exist; give a jsonl file")
     try:
