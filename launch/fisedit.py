@@ -37,6 +37,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--cache-budget-mib", type=float, default=None)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--fp16", action="store_true", help="half precision (GPU)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars (one per denoising loop)")
     return parser.parse_args(argv)
 
 
@@ -78,8 +79,10 @@ def run(args: argparse.Namespace) -> dict[str, float]:
     if args.steps <= args.dense_steps:
         raise ValueError(f"--steps {args.steps} <= --dense-steps {args.dense_steps} leaves no sparse step; "
                          "lower --dense-steps")
+    print(f"loading the pipeline from {args.model} ...", flush=True)
     pipe = FISEditPipeline.from_pretrained(args.model, config, device=args.device,
                                            dtype=torch.float16 if args.fp16 else torch.float32)
+    pipe.set_progress_bar_config(disable=args.no_progress)
     start = time.perf_counter()
     original = pipe.generate(args.prompt, num_inference_steps=args.steps, guidance_scale=args.guidance,
                              height=args.height, width=args.width, seed=args.seed)

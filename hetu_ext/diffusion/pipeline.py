@@ -55,6 +55,18 @@ class FISEditPipeline:
         self.pipe = pipe
         self.engine = FISEditEngine(pipe.unet, config)
         self._run: dict[str, Any] | None = None
+        self._progress_bar: dict[str, Any] = {}
+
+    def set_progress_bar_config(self, **kwargs: Any) -> None:
+        """tqdm arguments for the denoising loops' progress bars, as diffusers' pipelines take them
+        (``disable=True`` hides them); each loop's bar is labelled "FISEdit generate" / "FISEdit edit" unless
+        ``desc`` is given."""
+        self._progress_bar = dict(kwargs)
+
+    def _denoise(self, what: str, prompt: str) -> Any:
+        """The pipeline's own loop (one tqdm bar per loop, diffusers' own) under the engine's current mode."""
+        self.pipe.set_progress_bar_config(**{"desc": f"FISEdit {what}", **self._progress_bar})
+        return self.pipe(prompt, output_type="pil", **self._run).images[0]
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, config: FISEditConfig | None = None, *,
@@ -64,9 +76,7 @@ class FISEditPipeline:
         path = check_model_dir(model_dir)
         pipe = StableDiffusionPipeline.from_pretrained(str(path), local_files_only=True, safety_checker=None,
                                                        requires_safety_checker=False, torch_dtype=dtype)
-        pipe = pipe.to(device)
-        pipe.set_progress_bar_config(disable=True)
-        return cls(pipe, config)
+        return cls(pipe.to(device), config)
 
     def generate(self, prompt: str, *, num_inference_steps: int = 50, guidance_scale: float = 7.5,
                  height: int | None = None, width: int | None = None, seed: int = 0) -> Any:
@@ -84,7 +94,7 @@ class FISEditPipeline:
         self._run = dict(latents=latents, num_inference_steps=num_inference_steps, guidance_scale=guidance_scale,
                          height=height, width=width)
         with self.engine.recording(num_inference_steps):
-            image = pipe(prompt, output_type="pil", **self._run).images[0]
+            image = self._denoise("generate", prompt)
         logger.info("FISEdit cache: %.1f MiB", self.engine.cache_bytes / 2**20)
         return image
 
@@ -94,7 +104,7 @@ class FISEditPipeline:
         if self._run is None:
             raise ValueError("edit before generate: call generate(prompt) first, it fills the cache the edit reuses")
         with self.engine.editing(mask):
-            image = self.pipe(prompt, output_type="pil", **self._run).images[0]
+            image = self._denoise("edit", prompt)
         last = self.engine.last_mask
         if last is None:
             raise ValueError(f"the edit ran no sparse step: num_inference_steps={self._run['num_inference_steps']} "
