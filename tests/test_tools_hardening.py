@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -11,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def _launch_module(name: str):
     spec = importlib.util.spec_from_file_location(f"launch_{name}", ROOT / "launch" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
     return module
 
@@ -51,3 +55,38 @@ def test_plot_marks_only_real_detections_and_each_migration(tmp_path):
     assert "hetu_ext: migration" in [t.get_text() for t in ax.get_legend().get_texts()]
     out = tmp_path / "plot.png"
     assert plot.main(["--out", str(out), f"hetu_ext={log}"]) == 0 and out.stat().st_size > 0
+
+
+def monitor_body(rank: int, world: int, log_interval: int) -> list[str] | None:
+    """Two ranks' monitor on a fixed pace: rank 1 takes 3x rank 0's seconds for the same FLOPs from step 5."""
+    from hetu_ext.megatron.monitor import StragglerMonitor
+    from hetu_ext.plan import ModelSpec, uniform_plan
+    from hetu_ext.plan.straggler_policy import StragglerPolicy
+
+    monitor = StragglerMonitor(rank=rank, plan=uniform_plan(world_size=2, num_layers=2),
+                               spec=ModelSpec(num_layers=2, hidden_size=8, num_attention_heads=2, seq_length=8),
+                               micro_batch=1, interval=2, policy=StragglerPolicy(threshold=2.0, window=2),
+                               events=[], gpus_per_node=2, log_interval=log_interval)
+    lines: list[str] = []
+    for step in range(1, 17):
+        monitor.timer.take = lambda: 0.1 * (3.0 if rank == 1 and step >= 5 else 1.0)  # seconds this step
+        monitor.after_step(step, lines.append)
+    return lines if rank == 0 else None
+
+
+def test_monitor_prints_its_estimate_at_the_log_interval():
+    """The straggler monitor printed only when the stragglers changed: a long healthy run said nothing of them.
+    Now the reporting rank prints the estimate every --log-interval steps (at the first exchange at or after each
+    multiple), besides the detection line when they change; other ranks print nothing."""
+    from hetu_ext.testing.multiproc import run_ranks
+
+    lines = run_ranks(monitor_body, 2, 4, timeout=120)[0]
+    estimates = [line for line in lines if line.startswith("straggler monitor: step") and " | " in line]
+    detections = [line for line in lines if ": stragglers rank 1 x3.00" in line]
+    assert estimates[0] == "straggler monitor: step 4 | slowest: rank 0 x1.00 | median: x1.00 | stragglers: none |"
+    assert len(detections) == 1 and detections[0].startswith("straggler monitor: step 6: stragglers rank 1 x3.00")
+    assert [int(line.split()[3]) for line in estimates] == [4, 8, 12, 16]
+    assert estimates[-1] == ("straggler monitor: step 16 | slowest: rank 1 x3.00 | median: x2.00 | stragglers: "
+                             "rank 1 x3.00 |")
+    quiet = run_ranks(monitor_body, 2, 0, timeout=120)[0]  # log_interval 0: only the changes
+    assert not [line for line in quiet if " | " in line] and any(": stragglers rank 1" in line for line in quiet)

@@ -7,6 +7,11 @@ is pure and deterministic); the plan's lowest used rank logs the slowdowns, the 
 slowdown was emulated, and the plan (also written to ``--hetu-replan-output`` if given). With
 ``--hetu-straggler-replan online`` the trainer then migrates to it (migrate.py) and goes on.
 
+Between changes the reporting rank also prints the estimate every ``log_interval`` steps (at the first exchange
+at or after each multiple), Megatron-LM-like and one line at any scale::
+
+    straggler monitor: step 20 | slowest: rank 3 x4.02 | median: x1.00 | stragglers: rank 3 x4.02 |
+
 Idle ranks take part in every exchange, so they can join a migration, and time one transformer layer of the
 model (the probe) before each, so their speed stays measured: a dropped straggler that recovers is brought back
 by the next plan. Until an idle rank has a full window of probes it keeps the slowdown it was last assumed at.
@@ -14,6 +19,7 @@ by the next plan. Until an idle rank has a full window of probes it keeps the sl
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 
 import torch
@@ -39,11 +45,17 @@ class StragglerMonitor:
     gpus_per_node: int
     gpu_memory_bytes: int = 80 * 2**30
     replan_output: str | None = None
+    log_interval: int = 1
+    """Print the estimate every this many steps (at the exchanges; 0: only when the stragglers change)."""
     timer: LayerTimer = field(default_factory=LayerTimer)
     estimator: SlowdownEstimator = field(init=False)
     assumed: dict[int, float] = field(default_factory=dict)
     """Slowdowns the current plan was made for (none: a healthy cluster)."""
     detections: list[tuple[int, dict[int, float]]] = field(default_factory=list)
+    estimates: dict[int, float] = field(default_factory=dict)
+    """The latest measured slowdowns (rank -> x, 1.0 = the healthy pace); empty until a window is full."""
+    _printed: int = 0
+    """The step of the last estimate line."""
     _warm: set[int] = field(default_factory=set)
     _samples: list[tuple[float, float]] = field(default_factory=list)
     """(compute seconds, FLOPs) per step since the last exchange."""
@@ -103,6 +115,14 @@ class StragglerMonitor:
         for handle in handles:
             handle.remove()
 
+    def estimate_line(self, iteration: int) -> str:
+        """The current estimate as one log line: the slowest rank, the median and the stragglers assumed."""
+        slowest = max(sorted(self.estimates), key=self.estimates.__getitem__)
+        median = statistics.median(self.estimates.values())
+        shown = ", ".join(f"rank {r} x{x:.2f}" for r, x in sorted(self.assumed.items())) or "none"
+        return (f"straggler monitor: step {iteration} | slowest: rank {slowest} x{self.estimates[slowest]:.2f} | "
+                f"median: x{median:.2f} | stragglers: {shown} |")
+
     def after_step(self, iteration: int, log) -> Plan | None:
         """Record the step; every ``interval`` steps exchange timings (collective over all ranks, idle ones
         included) and return a new plan when the slowdowns moved past the hysteresis, else None."""
@@ -119,14 +139,19 @@ class StragglerMonitor:
         measured = self.estimator.slowdowns()
         if not measured:
             return None
+        self.estimates = measured
         unmeasured = {r: x for r, x in self.assumed.items() if r not in measured}
         stragglers = {**unmeasured, **{r: x for r, x in measured.items() if x >= self.policy.threshold}}
-        if not should_replan(self.assumed, stragglers, self.policy):
-            return None
-        self.detections.append((iteration, stragglers))
-        self.assumed = stragglers
         reporter = self.rank == min(self.plan.used_ranks)
         say = log if reporter else (lambda _: None)
+        if not should_replan(self.assumed, stragglers, self.policy):
+            if self.log_interval and iteration // self.log_interval > self._printed // self.log_interval:
+                self._printed = iteration
+                say(self.estimate_line(iteration))
+            return None
+        self._printed = iteration  # the detection line below says it
+        self.detections.append((iteration, stragglers))
+        self.assumed = stragglers
         onsets = [e.step for e in self.events if e.rank in stragglers and e.step <= iteration]
         latency = f", {iteration - max(onsets) + 1} steps after onset" if onsets else ""
         shown = ", ".join(f"rank {r} x{x:.2f}" for r, x in sorted(stragglers.items())) or "none"
