@@ -41,10 +41,10 @@ def step_ms(result: dict) -> float:
 
 
 def grad_bytes(rank: int, world: int, argv: list[str]):
-    from hetu_ext.megatron.args import build_parser
+    from hetu_ext.megatron.args import parse_run_config
     from hetu_ext.megatron.trainer import build_trainer
 
-    trainer = build_trainer(build_parser().parse_args(argv))
+    trainer = build_trainer(parse_run_config(argv))
     trainer.train(log=lambda line: None)
     sync = trainer.placement.grad_sync
     if sync is None:

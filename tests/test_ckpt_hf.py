@@ -16,12 +16,10 @@ from test_uniform_equivalence import _argv
 
 
 def logits_body(rank: int, world: int, argv: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-    from hetu_ext.megatron.args import build_parser, validate_args
+    from hetu_ext.megatron.args import parse_run_config
     from hetu_ext.megatron.trainer import build_trainer
 
-    args = build_parser().parse_args(argv)
-    validate_args(args)
-    trainer = build_trainer(args)
+    trainer = build_trainer(parse_run_config(argv))
     trainer.train(log=lambda line: None)
     tokens = torch.randint(0, 257, (2, 32), generator=torch.Generator().manual_seed(0))
     positions = torch.arange(32).unsqueeze(0).expand(2, -1)

@@ -46,14 +46,12 @@ def megatron_model_load_body(rank: int, world: int, argv: list[str], path: str) 
     from megatron.core.dist_checkpointing.dict_utils import extract_matching_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    from hetu_ext.megatron.args import build_parser, validate_args
+    from hetu_ext.megatron.args import parse_run_config
     from hetu_ext.megatron.checkpointing import state_pieces
     from hetu_ext.megatron.trainer import build_trainer
     from test_ckpt_resume import _gather
 
-    args = build_parser().parse_args(argv)
-    validate_args(args)
-    trainer = build_trainer(args)
+    trainer = build_trainer(parse_run_config(argv))
     module = trainer.model.module
     tensors, _ = extract_matching_values(module.sharded_state_dict(), lambda v: isinstance(v, ShardedTensor))
     module.load_state_dict(dist_checkpointing.load(tensors, path), strict=False)

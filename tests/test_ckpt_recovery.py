@@ -43,12 +43,10 @@ class _Recorder:
 
 
 def recovery_body(rank: int, world: int, argv: list[str], out: str, kill: bool) -> list[float] | None:
-    from hetu_ext.megatron.args import build_parser, validate_args
+    from hetu_ext.megatron.args import parse_run_config
     from hetu_ext.megatron.trainer import build_trainer
 
-    args = build_parser().parse_args(argv)
-    validate_args(args)
-    trainer = build_trainer(args)
+    trainer = build_trainer(parse_run_config(argv))
     where = trainer.plan.stage_of(rank)
     if where is not None and where[1] == 0 and trainer.placement.tp_rank == 0:  # one reader per pipeline
         trainer.dataset = _Recorder(trainer.dataset, trainer, Path(out) / f"ids_{world}_{rank}.txt")
@@ -76,18 +74,19 @@ def _ids(out: Path, world: int) -> dict[int, list[int]]:
 
 
 def _malleus_plan(argv: list[str], world: int) -> str:
-    from hetu_ext.megatron.args import build_parser
+    from hetu_ext.megatron.args import parse_run_config
     from hetu_ext.megatron.data import make_tokenizer
-    from hetu_ext.megatron.trainer import model_spec_from_args
+    from hetu_ext.megatron.trainer import model_spec
     from hetu_ext.plan import dump_plan
     from hetu_ext.plan.cluster import Cluster
     from hetu_ext.plan.malleus import plan_malleus
 
-    args = build_parser().parse_args(argv)
-    spec = model_spec_from_args(args, make_tokenizer(args.tokenizer_type, args.vocab_size).vocab_size)
+    config = parse_run_config(argv)
+    spec = model_spec(config.model, make_tokenizer(config.data.tokenizer_type, config.data.vocab_size).vocab_size)
     cluster = Cluster(world_size=world, gpus_per_node=3, gpu_memory_bytes=80 * 2**30)
-    planned = plan_malleus(cluster, spec, micro_batch=args.micro_batch_size,
-                           num_microbatches=args.global_batch_size // args.micro_batch_size)
+    training = config.training
+    planned = plan_malleus(cluster, spec, micro_batch=training.micro_batch_size,
+                           num_microbatches=training.global_batch_size // training.micro_batch_size)
     return dump_plan(planned.plan)
 
 

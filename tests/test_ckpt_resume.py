@@ -102,12 +102,10 @@ def _capture(trainer) -> dict:
 
 def resume_body(rank: int, world: int, argv: list[str]) -> dict | None:
     """Build (loading if --load is given), capture the state, train to --train-iters, capture again."""
-    from hetu_ext.megatron.args import build_parser, validate_args
+    from hetu_ext.megatron.args import parse_run_config
     from hetu_ext.megatron.trainer import build_trainer
 
-    args = build_parser().parse_args(argv)
-    validate_args(args)
-    trainer = build_trainer(args)
+    trainer = build_trainer(parse_run_config(argv))
     loaded = _capture(trainer)
     trainer.train(log=lambda line: None)
     final = _capture(trainer)

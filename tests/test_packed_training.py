@@ -132,7 +132,7 @@ def test_bad_data_gives_one_clear_error(tmp_path):
     from hetu_ext.megatron.preprocess_data import preprocess
 
     missing = str(tmp_path / "nowhere_text_document")
-    assert_one_error_line(run(_cli_argv("--data-path", missing)), f"{missing}.idx does not exist")
+    assert_one_error_line(run(_cli_argv("--data-path", missing)), f"{missing}.idx not found")
 
     (tmp_path / "empty.jsonl").write_text('{"text": ""}\n' * 3)  # documents of the EOD token only
     prefix, count = preprocess(str(tmp_path / "empty.jsonl"), str(tmp_path / "empty"))
@@ -149,25 +149,25 @@ def test_bad_data_gives_one_clear_error(tmp_path):
 
 def test_packing_section_of_hetu_config(tmp_path):
     """``packing:`` in --hetu-config fills the --hetu-* packing flags (paths relative to the file), the command
-    line wins, and an unknown key is named with the allowed ones."""
-    from hetu_ext.megatron.args import build_parser
-    from hetu_ext.megatron.config import apply_hetu_config
+    line wins, and an unknown key is named with the closest valid one."""
+    from hetu_ext.config import build_parser, from_namespace, parse_namespace
 
     config = tmp_path / "hydraulis.yaml"
-    config.write_text("packing:\n  method: balanced\n  global_batch_tokens: 4096\n  cost_model: cal/cpu.yaml\n"
+    config.write_text("packing:\n  method: greedy\n  global_batch_tokens: 4096\n  cost_model: cal/cpu.yaml\n"
                       "  varlen_mock: {mode: file, path: lens.txt}\n")
-    args = build_parser().parse_args(_cli_argv("--mock-data", "--hetu-config", str(config)))
-    args.hetu_packing = "off"  # as if not given on the command line
-    apply_hetu_config(args)
-    assert (args.hetu_packing, args.hetu_global_batch_tokens) == ("balanced", 4096)
-    assert args.hetu_cost_model == str(tmp_path / "cal" / "cpu.yaml")
-    assert json.loads(args.hetu_varlen_mock) == {"mode": "file", "path": str(tmp_path / "lens.txt")}
-    args = build_parser().parse_args(_cli_argv("--mock-data", "--hetu-config", str(config)))
-    apply_hetu_config(args)  # --hetu-packing balanced given on the command line stays; tokens come from the file
-    assert args.hetu_global_batch_tokens == 4096
+    argv = [a for a in _cli_argv("--mock-data", "--hetu-config", str(config)) if a != "balanced"]
+    argv.remove("--hetu-packing")  # not given on the command line: the file's method
+    packing = from_namespace(parse_namespace(argv, build_parser())).packing
+    assert (packing.method, packing.global_batch_tokens) == ("greedy", 4096)
+    assert packing.cost_model == str(tmp_path / "cal" / "cpu.yaml")
+    assert json.loads(packing.varlen_mock) == {"mode": "file", "path": str(tmp_path / "lens.txt")}
+    packing = from_namespace(parse_namespace(_cli_argv("--mock-data", "--hetu-config", str(config)),
+                                             build_parser())).packing
+    assert (packing.method, packing.global_batch_tokens) == ("balanced", 4096)  # the typed flag wins
     config.write_text("packing:\n  methods: balanced\n")
-    with pytest.raises(ValueError, match=r"unknown key\(s\) \['methods'\] under packing; allowed keys are"):
-        apply_hetu_config(build_parser().parse_args(_cli_argv("--mock-data", "--hetu-config", str(config))))
+    with pytest.raises(ValueError, match=r"unknown key 'methods' under packing in --hetu-config .*; did you mean "
+                                         r"'method'\?"):
+        parse_namespace(_cli_argv("--mock-data", "--hetu-config", str(config)), build_parser())
 
 
 @pytest.mark.parametrize("method", ["concat", "concat-causal"])

@@ -70,10 +70,10 @@ def test_emulated_slowdown_is_real_time_and_measured_in_forward_and_backward():
 
 
 def _monitored(rank, world, argv):
-    from hetu_ext.megatron.args import build_parser
+    from hetu_ext.megatron.args import parse_run_config
     from hetu_ext.megatron.trainer import build_trainer
 
-    trainer = build_trainer(build_parser().parse_args(argv))
+    trainer = build_trainer(parse_run_config(argv))
     lines = []
     trainer.train(log=lines.append)
     return {"detections": trainer.monitor.detections, "lines": lines}

@@ -14,18 +14,19 @@ Two ways in:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
 import sys
 
+from hetu_ext.config import LaunchConfig, RunConfig, build_parser, from_namespace, parse_namespace, report_error, to_yaml
 from hetu_ext.plan import PlanError
 
-from .args import build_parser, report_error, validate_args
-from .config import apply_hetu_config
+from .args import validate_args
 
 PROG = "pretrain_gpt.py"
-LAUNCHER_FLAGS = ("nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port")
+LAUNCHER_FLAGS = tuple(f.name for f in dataclasses.fields(LaunchConfig))
 """torchrun's flags, which this script takes when it is its own launcher."""
 
 
@@ -36,37 +37,45 @@ def _under_launcher() -> bool:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(PROG)
-    args = parser.parse_args(argv)
     launched = _under_launcher()
-    if launched and args.nproc_per_node is not None:
+    try:
+        args = parse_namespace(argv, parser)
+        validate_args(args)
+        config = from_namespace(args)
+    except ValueError as exc:
+        report_error(PROG, str(exc))
+        return 2
+    if args.hetu_print_config:
+        print(to_yaml(config), end="")
+        return 0
+    launch = config.launch
+    if launched and any(token.split("=", 1)[0] == "--nproc-per-node" for token in argv):
         report_error(PROG, "--nproc-per-node is the launcher's flag: give it to torchrun, or run python "
                            f"launch/{PROG} --nproc-per-node N without torchrun")
         return 2
-    world_size = int(os.environ["WORLD_SIZE"]) if launched else (args.nproc_per_node or 1) * args.nnodes
+    world_size = int(os.environ["WORLD_SIZE"]) if launched else (launch.nproc_per_node or 1) * launch.nnodes
     try:
-        apply_hetu_config(args)
-        validate_args(args)
         from hetu_ext.hostlog import quiet_host_frameworks
 
         quiet_host_frameworks()
         from .trainer import check_launch
 
-        check_launch(args, world_size)  # the plan against the model and the world size, no process group
+        check_launch(config, world_size)  # the plan against the model and the world size, no process group
     except (PlanError, ValueError, OSError) as exc:
         report_error(PROG, str(exc))
         return 2
     if not launched:
         if world_size > 1:
-            return _launch(argv, args)
-        _single_rank_env(args)
-    return _train(args)
+            return _launch(argv, config)
+        _single_rank_env(config)
+    return _train(config)
 
 
-def _single_rank_env(args) -> None:
+def _single_rank_env(config: RunConfig) -> None:
     """One rank in this process: the environment torchrun would give it."""
-    port = args.master_port or _free_port()
+    port = config.launch.master_port or _free_port()
     os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-                       "MASTER_ADDR": args.master_addr, "MASTER_PORT": str(port)})
+                       "MASTER_ADDR": config.launch.master_addr, "MASTER_PORT": str(port)})
 
 
 def _free_port() -> int:
@@ -75,7 +84,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(argv: list[str], args) -> int:
+def _launch(argv: list[str], config: RunConfig) -> int:
     """torchrun's agent, in this process, running ``nproc_per_node`` ranks of this script with the same flags
     (less the launcher's). Returns 2 when a rank exited 2 (it printed its one error line), else the job's code."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -84,13 +93,13 @@ def _launch(argv: list[str], args) -> int:
     for name in ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher"):
         logging.getLogger(name).setLevel(logging.CRITICAL)  # its failure report repeats the rank's error
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # what torchrun sets (and warns about setting)
-    rest = _strip_launcher_flags(argv)
-    torchrun = ["--nproc-per-node", str(args.nproc_per_node), "--nnodes", str(args.nnodes)]
-    if args.nnodes == 1:
-        torchrun += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{args.master_port or 0}"]
+    rest, launch = _strip_launcher_flags(argv), config.launch
+    torchrun = ["--nproc-per-node", str(launch.nproc_per_node), "--nnodes", str(launch.nnodes)]
+    if launch.nnodes == 1:
+        torchrun += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{launch.master_port or 0}"]
     else:
-        torchrun += ["--node-rank", str(args.node_rank), "--master-addr", args.master_addr,
-                     "--master-port", str(args.master_port or 29500)]
+        torchrun += ["--node-rank", str(launch.node_rank), "--master-addr", launch.master_addr,
+                     "--master-port", str(launch.master_port or 29500)]
     if sys.argv[0].endswith(".py"):  # launch/pretrain_gpt.py
         entry = [os.path.abspath(sys.argv[0])]
     else:  # python -m hetu_ext.megatron.cli
@@ -122,7 +131,7 @@ def _strip_launcher_flags(argv: list[str]) -> list[str]:
     return out
 
 
-def _train(args) -> int:
+def _train(config: RunConfig) -> int:
     rank = int(os.environ.get("RANK", "0"))
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format="[%(asctime)s] [rank %(rank)s] %(name)s: %(message)s".replace("%(rank)s", str(rank)))
@@ -132,7 +141,7 @@ def _train(args) -> int:
     from .trainer import build_trainer
 
     try:
-        trainer = build_trainer(args)
+        trainer = build_trainer(config)
     except (PlanError, ValueError) as exc:
         report_error(PROG, str(exc))
         host.shutdown()

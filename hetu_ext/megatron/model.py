@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hetu_ext.config import TrainingConfig
 from hetu_ext.plan import ModelSpec
 
 
@@ -76,13 +77,15 @@ def build_gpt_stage(spec: ModelSpec, config, *, pre_process: bool, post_process:
         position_embedding_type="learned_absolute", **kwargs)
 
 
-def optimizer_config(args, numerics: TrainingNumerics, *, use_distributed_optimizer: bool = False):
-    """Megatron's OptimizerConfig from the Megatron-LM flags (Adam or SGD, LR, weight decay, clipping)."""
+def optimizer_config(training: TrainingConfig, numerics: TrainingNumerics, *,
+                     use_distributed_optimizer: bool = False):
+    """Megatron's OptimizerConfig from the training settings (Adam or SGD, LR, weight decay, clipping)."""
     from megatron.core.optimizer import OptimizerConfig
 
-    return OptimizerConfig(optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr,
-                           weight_decay=args.weight_decay, adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
-                           adam_eps=args.adam_eps, clip_grad=args.clip_grad, bf16=args.bf16,
+    t = training
+    return OptimizerConfig(optimizer=t.optimizer, lr=t.lr, min_lr=t.min_lr,
+                           weight_decay=t.weight_decay, adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2,
+                           adam_eps=t.adam_eps, clip_grad=t.clip_grad, bf16=t.bf16,
                            params_dtype=numerics.dtype, use_distributed_optimizer=use_distributed_optimizer)
 
 

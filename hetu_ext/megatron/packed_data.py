@@ -32,6 +32,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from hetu_ext.config import DataConfig, PackingConfig
+from hetu_ext.config.schema import PACKING_METHODS
 from hetu_ext.data.cost import CostTable, load_cost_table
 from hetu_ext.data.lengths import concat_split, parse_length_spec
 from hetu_ext.data.packing import ReplicaSpec, assign, replica_specs
@@ -40,7 +42,6 @@ from hetu_ext.plan import ModelSpec, Plan
 
 logger = logging.getLogger(__name__)
 
-PACKING_METHODS = ("off", "unpacked", "concat", "concat-causal", "ffd", "greedy", "balanced")
 _ASSIGN_METHOD = {"ffd": "ffd", "greedy": "greedy", "balanced": "hetu"}
 
 Segment = tuple[int, int, int]
@@ -221,22 +222,24 @@ def _concat_cut(ids: np.ndarray, lengths: np.ndarray, max_len: int) -> list[Segm
     return [(int(ids[d]), int(o), int(n)) for d, o, n in zip(pieces.doc, pieces.offset, pieces.length)]
 
 
-def open_documents(args, tokenizer):
+def open_documents(data: DataConfig, packing: PackingConfig, tokenizer, *, seed: int):
     """The corpus for ``--hetu-packing``: the indexed dataset of ``--data-path``, or ``--hetu-varlen-mock``."""
-    if args.data_path:
-        return IndexedDocuments(args.data_path[0])
-    return varlen_mock_documents(args.hetu_varlen_mock, vocab_size=tokenizer.vocab_size, seed=args.seed,
-                                 count=args.hetu_mock_documents)
+    if data.data_path:
+        return IndexedDocuments(data.data_path[0])
+    return varlen_mock_documents(packing.varlen_mock, vocab_size=tokenizer.vocab_size, seed=seed,
+                                 count=packing.mock_documents)
 
 
-def build_packed_steps(args, spec: ModelSpec, plan: Plan, pipeline: int, documents, device: torch.device,
+def build_packed_steps(packing: PackingConfig, spec: ModelSpec, plan: Plan, pipeline: int, documents,
+                       device: torch.device, *, seed: int, global_batch_size: int | None,
                        slowdowns: dict[int, float] | None = None) -> PackedSteps:
-    """The packed data of ``plan``'s pipeline ``pipeline`` from the Megatron-LM / hetu flags; ``slowdowns``
+    """The packed data of ``plan``'s pipeline ``pipeline``: packs of at most ``spec.seq_length`` tokens, global
+    batches of ``packing.global_batch_tokens`` tokens or else ``global_batch_size`` sequences; ``slowdowns``
     (rank -> x, from the straggler monitor) make slow pipelines' shares smaller."""
-    cost = load_cost_table(args.hetu_cost_model) if args.hetu_cost_model else CostTable()
-    table = SequenceTable.from_documents(documents.token_counts, args.seq_length)
-    batches = GlobalBatches(table, seed=args.seed, tokens=args.hetu_global_batch_tokens,
-                            samples=None if args.hetu_global_batch_tokens else args.global_batch_size)
-    replicas = replica_specs(plan, spec, cost, slowdowns=slowdowns, max_pack_tokens=args.seq_length)
-    return PackedSteps(documents, table, batches, method=args.hetu_packing, replicas=replicas, pipeline=pipeline,
-                       max_len=args.seq_length, device=device)
+    cost = load_cost_table(packing.cost_model) if packing.cost_model else CostTable()
+    table = SequenceTable.from_documents(documents.token_counts, spec.seq_length)
+    batches = GlobalBatches(table, seed=seed, tokens=packing.global_batch_tokens,
+                            samples=None if packing.global_batch_tokens else global_batch_size)
+    replicas = replica_specs(plan, spec, cost, slowdowns=slowdowns, max_pack_tokens=spec.seq_length)
+    return PackedSteps(documents, table, batches, method=packing.method, replicas=replicas, pipeline=pipeline,
+                       max_len=spec.seq_length, device=device)

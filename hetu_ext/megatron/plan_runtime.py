@@ -64,12 +64,12 @@ def _buffer_offset(param: torch.Tensor, buffers: list[torch.Tensor]) -> int:
     return -1
 
 
-def _probe_layer(args, spec: ModelSpec, numerics: TrainingNumerics, groups: PlanGroups, host):
+def _probe_layer(training: TrainingConfig, spec: ModelSpec, numerics: TrainingNumerics, groups: PlanGroups, host):
     """One transformer layer of the model on an idle rank (TP 1, its own group): the straggler monitor times it
     so that an idle rank's speed is measured on the same work as the others' and it can be brought back."""
     from megatron.core import tensor_parallel
 
-    tensor_parallel.model_parallel_cuda_manual_seed(args.seed, tp_rank=0, ep_rank=0, etp_rank=0,
+    tensor_parallel.model_parallel_cuda_manual_seed(training.seed, tp_rank=0, ep_rank=0, etp_rank=0,
                                                      force_reset_rng=True)
     one = dataclasses.replace(spec, num_layers=1)
     config = transformer_config(one, numerics, tp=1, pp=1, on_cpu=host.device.type == "cpu")
@@ -78,7 +78,8 @@ def _probe_layer(args, spec: ModelSpec, numerics: TrainingNumerics, groups: Plan
     return model.decoder.layers[0].to(host.device)
 
 
-def _join_optimizer_setup(args, spec: ModelSpec, numerics: TrainingNumerics, groups: PlanGroups, host) -> None:
+def _join_optimizer_setup(training: TrainingConfig, spec: ModelSpec, numerics: TrainingNumerics, groups: PlanGroups,
+                          host) -> None:
     """An idle rank's share of the optimizer set-up: get_megatron_optimizer aligns parameter groups across ranks
     with all_gather_object over the whole world (0.16.1, optimizer/__init__.py:_get_param_groups), so an idle
     rank runs it too, on a module with no trainable parameter, and drops the result."""
@@ -90,15 +91,17 @@ def _join_optimizer_setup(args, spec: ModelSpec, numerics: TrainingNumerics, gro
                                 on_cpu=host.device.type == "cpu")
     idle = MegatronModule(config)
     idle.placeholder = torch.nn.Parameter(torch.zeros(1), requires_grad=False)
-    opt_config = optimizer_config(args, numerics)
+    opt_config = optimizer_config(training, numerics)
     pgc = _pg_collection(groups)
     idle = DistributedDataParallel(config=config, ddp_config=DistributedDataParallelConfig(), module=idle,
                                    pg_collection=pgc)
     get_megatron_optimizer(opt_config, [idle], use_gloo_process_groups=False, pg_collection=pgc)
 
 
-def build_plan_placement(args, spec: ModelSpec, plan: Plan, host, numerics: TrainingNumerics) -> Placement:
-    """Groups, stage model, DDP, optimizer, schedule and gradient sync for this rank under ``plan``."""
+def build_plan_placement(training: TrainingConfig, spec: ModelSpec, plan: Plan, host, numerics: TrainingNumerics
+                         ) -> Placement:
+    """Groups, stage model, DDP, optimizer, schedule and gradient sync for this rank under ``plan`` (reads the
+    seed and the optimizer settings of ``training``)."""
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import get_megatron_optimizer
@@ -114,7 +117,7 @@ def build_plan_placement(args, spec: ModelSpec, plan: Plan, host, numerics: Trai
     if where is not None:
         stage = plan.pipelines[where[0]].stages[where[1]]
         tp_rank = stage.ranks.index(host.rank)
-        tensor_parallel.model_parallel_cuda_manual_seed(args.seed, tp_rank=tp_rank, ep_rank=0, etp_rank=0,
+        tensor_parallel.model_parallel_cuda_manual_seed(training.seed, tp_rank=tp_rank, ep_rank=0, etp_rank=0,
                                                          force_reset_rng=True)
         pgc = _pg_collection(groups)
         stage_spec = dataclasses.replace(spec, num_layers=stage.num_layers)
@@ -123,7 +126,7 @@ def build_plan_placement(args, spec: ModelSpec, plan: Plan, host, numerics: Trai
                                 post_process=stage.has_output, pg_collection=pgc)
         model.to(host.device)
         shard_kwargs = {"layer_offset": stage.layer_start, "metadata": {"dp_cp_group": groups.single}}
-        init_weights(model, seed=args.seed, std=args.init_method_std, num_layers=spec.num_layers, **shard_kwargs)
+        init_weights(model, seed=training.seed, std=numerics.init_method_std, num_layers=spec.num_layers, **shard_kwargs)
         model = with_precision(model, config, numerics)
         if model is not None and numerics.bf16:
             # Float16Module casts inputs on the first stage and outputs back to fp32 on the last, asking its
@@ -148,12 +151,12 @@ def build_plan_placement(args, spec: ModelSpec, plan: Plan, host, numerics: Trai
     layout = reduction_layout(all_shards)
     add_lane_groups(groups, list(layout.lanes))
     if where is None:
-        _join_optimizer_setup(args, spec, numerics, groups, host)
-        return Placement(active=False, probe_layer=_probe_layer(args, spec, numerics, groups, host))
+        _join_optimizer_setup(training, spec, numerics, groups, host)
+        return Placement(active=False, probe_layer=_probe_layer(training, spec, numerics, groups, host))
 
     sync = GradSync(layout=layout, groups=groups, local=local, flat_buffers=flat,
                     in_place=in_place_lanes(layout, all_shards))
-    opt_config = optimizer_config(args, numerics)
+    opt_config = optimizer_config(training, numerics)
     optimizer = get_megatron_optimizer(opt_config, [model], use_gloo_process_groups=False, pg_collection=pgc)
     for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
         # the global norm counts every element once over the whole plan

@@ -8,7 +8,8 @@ what it holds comes from a runtime: Megatron's own ``parallel_state`` grid for u
 
 from __future__ import annotations
 
-import argparse
+import hashlib
+import json
 import logging
 import os
 import time
@@ -18,8 +19,26 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
+from hetu_ext.config import (
+    ModelConfig,
+    PackingConfig,
+    ParallelConfig,
+    RunConfig,
+    StragglerConfig,
+    TrainingConfig,
+)
 from hetu_ext.data.assign import global_batch_size
-from hetu_ext.plan import ModelSpec, Plan, PlanError, format_plan, load_plan, uniform_plan, uniform_shape
+from hetu_ext.metrics import MetricsWriter, format_log_line, model_flops_per_token, peak_tflops
+from hetu_ext.plan import (
+    ModelSpec,
+    Plan,
+    PlanError,
+    format_plan,
+    load_plan,
+    plan_to_dict,
+    uniform_plan,
+    uniform_shape,
+)
 from hetu_ext.plan.straggler_policy import StragglerPolicy
 from hetu_ext.runtime.straggler import parse_schedule
 
@@ -37,38 +56,40 @@ from .uniform_runtime import build_megatron_placement
 logger = logging.getLogger(__name__)
 
 
-def model_spec_from_args(args: argparse.Namespace, vocab_size: int) -> ModelSpec:
-    return ModelSpec(num_layers=args.num_layers, hidden_size=args.hidden_size,
-                     num_attention_heads=args.num_attention_heads, ffn_hidden_size=args.ffn_hidden_size,
-                     vocab_size=vocab_size, seq_length=args.seq_length,
-                     max_position_embeddings=args.max_position_embeddings,
-                     untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
-                     make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
+def model_spec(model: ModelConfig, vocab_size: int) -> ModelSpec:
+    """The planners' view of the model settings."""
+    return ModelSpec(num_layers=model.num_layers, hidden_size=model.hidden_size,
+                     num_attention_heads=model.num_attention_heads, ffn_hidden_size=model.ffn_hidden_size,
+                     vocab_size=vocab_size, seq_length=model.seq_length,
+                     max_position_embeddings=model.max_position_embeddings,
+                     untie_embeddings_and_output_weights=model.untie_embeddings_and_output_weights,
+                     make_vocab_size_divisible_by=model.make_vocab_size_divisible_by)
 
 
-def plan_from_args(args: argparse.Namespace, spec: ModelSpec, world_size: int) -> Plan:
+def plan_of(parallel: ParallelConfig, training: TrainingConfig, packing: PackingConfig, spec: ModelSpec,
+            world_size: int) -> Plan:
     """The plan to run: ``--hetu-plan`` if given, else Megatron's uniform grid of the TP/PP/batch flags."""
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    packed = args.hetu_packing != "off"  # microbatches are chosen per step by the packer
-    if args.hetu_plan:
-        plan = load_plan(args.hetu_plan)
+    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    mbs, gbs_flag = training.micro_batch_size, training.global_batch_size
+    packed = packing.method != "off"  # microbatches are chosen per step by the packer
+    if parallel.plan:
+        plan = load_plan(parallel.plan)
     else:
         if world_size % (tp * pp):
             raise PlanError(f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
                             f"--pipeline-model-parallel-size {pp}; launch a multiple of {tp * pp} ranks")
         dp = world_size // (tp * pp)
-        gbs = args.micro_batch_size * dp if packed else args.global_batch_size or args.micro_batch_size * dp
-        if gbs % (args.micro_batch_size * dp):
+        gbs = mbs * dp if packed else gbs_flag or mbs * dp
+        if gbs % (mbs * dp):
             raise PlanError(f"--global-batch-size {gbs} must be a multiple of --micro-batch-size "
-                            f"{args.micro_batch_size} x data-parallel size {dp} = {args.micro_batch_size * dp}")
+                            f"{mbs} x data-parallel size {dp} = {mbs * dp}")
         plan = uniform_plan(world_size=world_size, tp=tp, pp=pp, num_layers=spec.num_layers,
-                            num_microbatches=gbs // (args.micro_batch_size * dp))
+                            num_microbatches=gbs // (mbs * dp))
     plan.validate(spec, world_size)
-    if not packed and args.global_batch_size and \
-            global_batch_size(plan, args.micro_batch_size) != args.global_batch_size:
-        raise PlanError(f"the plan runs {plan.num_microbatches} microbatches of {args.micro_batch_size} = "
-                        f"{global_batch_size(plan, args.micro_batch_size)} samples per step but --global-batch-size "
-                        f"is {args.global_batch_size}; make them agree")
+    if not packed and gbs_flag and global_batch_size(plan, mbs) != gbs_flag:
+        raise PlanError(f"the plan runs {plan.num_microbatches} microbatches of {mbs} = "
+                        f"{global_batch_size(plan, mbs)} samples per step but --global-batch-size "
+                        f"is {gbs_flag}; make them agree")
     return plan
 
 
@@ -76,7 +97,7 @@ def plan_from_args(args: argparse.Namespace, spec: ModelSpec, world_size: int) -
 class Trainer:
     """The state of one rank's training: its placement under the plan, LR scheduler and data."""
 
-    args: argparse.Namespace
+    config: RunConfig
     spec: ModelSpec
     plan: Plan
     host: host.Host
@@ -89,6 +110,10 @@ class Trainer:
     """Pending (after step, plan) migrations (--hetu-migrate)."""
     documents: object | None = None
     """--hetu-packing: the corpus' documents (``dataset`` is then None)."""
+    metrics: MetricsWriter | None = None
+    """The metrics file (and TensorBoard / W&B) on the logging rank; None on the others."""
+    flops_per_token: float = 0.0
+    """Training FLOPs per token of the model (metrics' utilisation estimate)."""
     iteration: int = 0
     losses: list[float] = field(default_factory=list)
 
@@ -110,17 +135,18 @@ class Trainer:
 
         Ranks the current plan leaves unused skip ahead to the next migration (they take part in it) or to the
         final barrier."""
-        args = self.args
+        cfg = self.config
+        train_iters, save_dir, save_interval = cfg.training.train_iters, cfg.checkpoint.save, cfg.checkpoint.save_interval
         data = None
         window_start, window_iters, window_tokens = time.perf_counter(), 0, 0
-        while self.iteration < args.train_iters:
+        while self.iteration < train_iters:
             placement = self.placement
             replan = None
             if not placement.active:
                 pending = [step for step, _ in self.migrations if step > self.iteration]
                 if self.monitor:  # idle ranks take part in every exchange of timings
                     pending.append((self.iteration // self.monitor.interval + 1) * self.monitor.interval)
-                self.iteration = min(min(pending, default=args.train_iters), args.train_iters)
+                self.iteration = min(min(pending, default=train_iters), train_iters)
                 if self.monitor:
                     if placement.probe_layer is not None and self.iteration % self.monitor.interval == 0:
                         self.monitor.probe(placement.probe_layer, self.iteration)
@@ -128,23 +154,24 @@ class Trainer:
             else:
                 if data is None:
                     data = self._open_data()
-                loss, grad_norm, replan, samples, tokens = self._step(data, log)
+                step_start = time.perf_counter()
+                loss, grad_norm, replan, samples, tokens, packing = self._step(data, log)
+                step_s = time.perf_counter() - step_start
                 window_iters += 1
                 window_tokens += tokens
-                if self.iteration % args.log_interval == 0 or self.iteration == args.train_iters:
+                record = self._step_record(loss=loss, grad_norm=grad_norm, samples=samples, tokens=tokens,
+                                           step_s=step_s, consumed=self._consumed(data, samples), packing=packing)
+                if self.iteration % cfg.logging.log_interval == 0 or self.iteration == train_iters:
                     elapsed = (time.perf_counter() - window_start) / window_iters
                     if self.host.rank == self.log_rank:
-                        log(format_log_line(iteration=self.iteration, train_iters=args.train_iters,
-                                            consumed=self._consumed(data, samples), step_ms=elapsed * 1e3,
-                                            lr=self.optimizer.param_groups[0]["lr"], gbs=samples, loss=loss,
-                                            grad_norm=grad_norm,
-                                            tokens_per_s=window_tokens / (elapsed * window_iters)))
+                        log(format_log_line({**record, "step_ms": elapsed * 1e3,
+                                             "tokens_per_s": window_tokens / (elapsed * window_iters)}))
                     window_start, window_iters, window_tokens = time.perf_counter(), 0, 0
-                if args.save and args.save_interval and self.iteration % args.save_interval == 0:
-                    checkpointing.save(self, args.save)
+                if save_dir and save_interval and self.iteration % save_interval == 0:
+                    checkpointing.save(self, save_dir)
             if self.migrations and self.migrations[0][0] == self.iteration:
                 replan = self.migrations.pop(0)[1]
-            elif args.hetu_straggler_replan != "online":
+            elif cfg.straggler.replan != "online":
                 replan = None
             if replan is not None:
                 self._migrate(replan, log)
@@ -152,12 +179,14 @@ class Trainer:
                     data.close()
                 data = None
                 window_start, window_iters, window_tokens = time.perf_counter(), 0, 0  # migrating is no step
-        if args.save and self.placement.active and (not args.save_interval or self.iteration % args.save_interval):
-            checkpointing.save(self, args.save)
+        if save_dir and self.placement.active and (not save_interval or self.iteration % save_interval):
+            checkpointing.save(self, save_dir)
         if isinstance(data, PackedSteps):
             data.close()
         if self.plan.unused_ranks:
             dist.barrier()  # release the idle ranks
+        if self.metrics is not None:
+            self.metrics.close()
         return self.losses
 
     def _consumed(self, data, samples_per_step: int) -> int:
@@ -165,26 +194,50 @@ class Trainer:
 
     def _open_data(self):
         """This pipeline's data from the current step on: packed steps, or Megatron samples in microbatches."""
-        args, placement = self.args, self.placement
+        training, placement = self.config.training, self.placement
         if self.documents is not None:
-            return build_packed_steps(args, self.spec, self.plan, placement.pipeline_index, self.documents,
-                                      self.host.device, slowdowns=self.monitor.assumed if self.monitor else None)
-        return microbatch_iterator(self.dataset, self.plan, placement.pipeline_index, args.micro_batch_size,
-                                   start_iteration=self.iteration, num_iterations=args.train_iters - self.iteration,
-                                   device=self.host.device)
+            return build_packed_steps(self.config.packing, self.spec, self.plan, placement.pipeline_index,
+                                      self.documents, self.host.device, seed=training.seed,
+                                      global_batch_size=training.global_batch_size,
+                                      slowdowns=self.monitor.assumed if self.monitor else None)
+        return microbatch_iterator(self.dataset, self.plan, placement.pipeline_index, training.micro_batch_size,
+                                   start_iteration=self.iteration,
+                                   num_iterations=training.train_iters - self.iteration, device=self.host.device)
 
-    def _step(self, data, log) -> tuple[float, float | None, Plan | None, int, int]:
+    def _step_record(self, *, loss: float, grad_norm: float | None, samples: int, tokens: int, step_s: float,
+                     consumed: int, packing: dict | None) -> dict:
+        """This step's metrics record (written by the logging rank), the source of its log line."""
+        used = len(self.plan.used_ranks)
+        tflops = self.flops_per_token * tokens / step_s / used / 1e12
+        peak = peak_tflops(torch.cuda.get_device_name() if self.host.device.type == "cuda" else None)
+        record = {"iteration": self.iteration, "train_iters": self.config.training.train_iters, "loss": loss,
+                  "lr": self.optimizer.param_groups[0]["lr"], "grad_norm": grad_norm, "samples": samples,
+                  "tokens": tokens, "consumed_samples": consumed, "step_ms": step_s * 1e3,
+                  "tokens_per_s": tokens / step_s, "tflops_per_rank": tflops,
+                  "mfu": tflops / peak if peak else None, "plan_id": plan_id(self.plan), "ranks": used}
+        if self.monitor is not None and getattr(self.monitor, "last_compute_ms", None):
+            record["compute_ms"] = self.monitor.last_compute_ms
+            record["slowdowns"] = self.monitor.estimates
+        if packing is not None:
+            record["packing"] = packing
+        if self.metrics is not None:
+            self.metrics.step(**record)
+        return record
+
+    def _step(self, data, log) -> tuple[float, float | None, Plan | None, int, int, dict | None]:
         """One training step of this rank's pipeline: the global loss, the grad norm, the plan the straggler
-        monitor proposes (or None), and the global batch's samples and tokens."""
-        args, placement = self.args, self.placement
+        monitor proposes (or None), the global batch's samples and tokens, and packing statistics (or None)."""
+        training, placement, seq_length = self.config.training, self.placement, self.spec.seq_length
+        packing = None
         if isinstance(data, PackedSteps):
             step = data.step(self.iteration)
             microbatches, num_microbatches = iter(step.microbatches), len(step.microbatches)
             samples, tokens = step.sequences, step.tokens
+            packing = {"microbatches": num_microbatches, "predicted_s": list(step.predicted_s)}
         else:
             num_microbatches = self.plan.pipelines[placement.pipeline_index].num_microbatches
-            microbatches, samples = data, global_batch_size(self.plan, args.micro_batch_size)
-            tokens = samples * args.seq_length
+            microbatches, samples = data, global_batch_size(self.plan, training.micro_batch_size)
+            tokens = samples * seq_length
         if self.monitor:
             self.monitor.before_step(self.iteration + 1)
             if isinstance(data, PackedSteps):
@@ -193,29 +246,31 @@ class Trainer:
         self.optimizer.zero_grad()
         reports = placement.forward_backward(
             forward_step_func=_forward_step, data_iterator=microbatches, model=[self.model],
-            num_microbatches=num_microbatches, seq_length=args.seq_length,
-            micro_batch_size=args.micro_batch_size, forward_only=False, **placement.schedule_kwargs)
+            num_microbatches=num_microbatches, seq_length=seq_length,
+            micro_batch_size=training.micro_batch_size, forward_only=False, **placement.schedule_kwargs)
         _, grad_norm, _ = self.optimizer.step()
-        self.scheduler.step(increment=_scheduler_unit(args, self.plan))
+        self.scheduler.step(increment=scheduler_unit(training, self.config.packing, self.plan))
         self.iteration += 1
         loss = self._global_loss(reports)
         self.losses.append(loss)
         replan = self.monitor.after_step(self.iteration, log) if self.monitor else None
-        return loss, grad_norm, replan, samples, tokens
+        return loss, grad_norm, replan, samples, tokens, packing
 
     def _migrate(self, plan: Plan, log) -> None:
         """Move to ``plan`` now (collective over every rank): new stage models, state resharded, same run."""
         report_rank = min(plan.used_ranks)
         old_scheduler = self.scheduler
         placement, report = migrate(
-            self.placement, lambda: build_plan_placement(self.args, self.spec, plan, self.host, self.numerics),
+            self.placement,
+            lambda: build_plan_placement(self.config.training, self.spec, plan, self.host, self.numerics),
             self.iteration)
         self.plan, self.placement = plan, placement
-        self.scheduler = _make_scheduler(self.args, placement, plan)
+        self.scheduler = make_scheduler(self.config.training, self.config.packing, placement, plan)
         if self.scheduler is not None and old_scheduler is not None:
             self.scheduler.load_state_dict(old_scheduler.state_dict())
         elif self.scheduler is not None:  # this rank was idle: replay the schedule to the current step
-            self.scheduler.step(increment=self.iteration * _scheduler_unit(self.args, plan))
+            self.scheduler.step(increment=self.iteration * scheduler_unit(self.config.training,
+                                                                          self.config.packing, plan))
         if self.monitor:
             self.monitor.use_plan(plan)
             if placement.active:
@@ -223,6 +278,10 @@ class Trainer:
         sent = torch.tensor([float(report.bytes_sent), float(report.bytes_kept)], dtype=torch.float64)
         dist.all_reduce(sent)
         if self.host.rank == report_rank:
+            if self.metrics is not None:
+                self.metrics.event("migration", iteration=self.iteration, seconds=report.seconds,
+                                   bytes_sent=int(sent[0]), bytes_kept=int(sent[1]), plan_id=plan_id(plan),
+                                   plan=plan_to_dict(plan))
             log(f"migrated to a new plan after step {self.iteration} in {report.seconds:.2f} s: "
                 f"{sent[0] / 2**20:.2f} MiB sent between ranks, {sent[1] / 2**20:.2f} MiB kept in place\n"
                 f"{format_plan(plan)}")
@@ -253,55 +312,47 @@ def _loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
     return loss, num_tokens, {"lm loss": report}
 
 
-def format_log_line(*, iteration: int, train_iters: int, consumed: int, step_ms: float, lr: float, gbs: int,
-                    loss: float, grad_norm: float | None, tokens_per_s: float) -> str:
-    """A log line in Megatron-LM's format."""
-    stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-    norm = f" grad norm: {grad_norm:.3f} |" if grad_norm is not None else ""
-    return (f" [{stamp}] iteration {iteration:8d}/{train_iters:8d} | consumed samples: {consumed:12d} | "
-            f"elapsed time per iteration (ms): {step_ms:.1f} | learning rate: {lr:.6E} | global batch size: "
-            f"{gbs:5d} | lm loss: {loss:.6E} |{norm} tokens/s: {tokens_per_s:.0f} |")
-
-
-def select_runtime(args: argparse.Namespace, plan: Plan) -> str:
+def select_runtime(config: RunConfig, plan: Plan) -> str:
     """``megatron`` (its parallel_state grid) for uniform plans unless asked otherwise; ``plan`` for the rest."""
-    if args.hetu_runtime == "megatron" and uniform_shape(plan) is None:
+    parallel, straggler = config.parallel, config.straggler
+    if parallel.runtime == "megatron" and uniform_shape(plan) is None:
         raise PlanError("--hetu-runtime megatron can only run a uniform TP x PP x DP plan (same shape, TP degree "
                         "and microbatches in every pipeline, Megatron's rank order, no unused ranks); use "
                         "--hetu-runtime plan or auto")
-    online = args.hetu_migrate or args.hetu_straggler_replan == "online"
-    if online and args.hetu_runtime == "megatron":
+    online = straggler.migrate or straggler.replan == "online"
+    if online and parallel.runtime == "megatron":
         raise PlanError("changing plans online (--hetu-migrate, --hetu-straggler-replan online) needs the plan "
                         "runtime (Megatron's parallel_state cannot change layout in a running job); drop "
                         "--hetu-runtime megatron")
-    if args.hetu_runtime == "plan" or uniform_shape(plan) is None or online:
-        checkpointing.check_plan_runtime(args)
-        if args.use_distributed_optimizer:
+    if parallel.runtime == "plan" or uniform_shape(plan) is None or online:
+        checkpointing.check_plan_runtime(config.checkpoint, parallel)
+        if parallel.use_distributed_optimizer:
             raise PlanError("--use-distributed-optimizer (ZeRO-1) is not yet supported on the plan runtime; drop "
                             "it or run a uniform plan")
         return "plan"
     return "megatron"
 
 
-def _make_scheduler(args, placement: Placement, plan: Plan):
+def make_scheduler(training: TrainingConfig, packing: PackingConfig, placement: Placement, plan: Plan):
     """Megatron's LR/weight-decay scheduler, stepped in samples as Megatron-LM does (None on idle ranks)."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     if not placement.active:
         return None
-    gbs = _scheduler_unit(args, plan)
-    decay_iters = args.lr_decay_iters or args.train_iters
-    return OptimizerParamScheduler(
-        placement.optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr,
-        lr_warmup_steps=args.lr_warmup_iters * gbs, lr_decay_steps=decay_iters * gbs,
-        lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay, end_wd=args.weight_decay,
-        wd_incr_steps=decay_iters * gbs, wd_incr_style="constant")
+    unit = scheduler_unit(training, packing, plan)
+    return OptimizerParamScheduler(placement.optimizer, init_lr=0.0,
+                                   **checkpointing.scheduler_settings(training, unit))
 
 
-def _scheduler_unit(args, plan: Plan) -> int:
+def scheduler_unit(training: TrainingConfig, packing: PackingConfig, plan: Plan) -> int:
     """What one step advances the LR schedule by: its samples, as Megatron-LM counts; with --hetu-packing a
     global batch's sequence count varies (token budgets), so the schedule counts steps."""
-    return 1 if args.hetu_packing != "off" else global_batch_size(plan, args.micro_batch_size)
+    return 1 if packing.method != "off" else global_batch_size(plan, training.micro_batch_size)
+
+
+def plan_id(plan: Plan) -> str:
+    """A short stable name of a plan (metrics records, events): the first 10 hex digits of its YAML's SHA-1."""
+    return hashlib.sha1(json.dumps(plan_to_dict(plan), sort_keys=True).encode()).hexdigest()[:10]
 
 
 def _transformer_layers(model) -> list:
@@ -310,19 +361,20 @@ def _transformer_layers(model) -> list:
     return [m for m in model.modules() if isinstance(m, TransformerLayer)]
 
 
-def _straggler_monitor(args, spec: ModelSpec, plan: Plan, h: host.Host, placement: Placement):
+def _straggler_monitor(straggler: StragglerConfig, micro_batch: int, spec: ModelSpec, plan: Plan, h: host.Host,
+                       placement: Placement, metrics: MetricsWriter | None):
     """The straggler monitor (on every rank, idle ones too), or None when --hetu-straggler-interval is 0."""
-    if not args.hetu_straggler_interval:
+    if not straggler.interval:
         return None
     monitor = StragglerMonitor(
-        rank=h.rank, plan=plan, spec=spec, micro_batch=args.micro_batch_size,
-        interval=args.hetu_straggler_interval,
-        policy=StragglerPolicy(threshold=args.hetu_straggler_threshold,
-                               min_change=args.hetu_straggler_min_change, window=args.hetu_straggler_window),
-        events=parse_schedule(args.hetu_emulate_slowdown or ""),
-        gpus_per_node=args.hetu_gpus_per_node or h.world_size, replan_output=args.hetu_replan_output)
-    if args.hetu_emulate_layer_ms:
-        monitor.timer.nominal_s = args.hetu_emulate_layer_ms / 1e3
+        rank=h.rank, plan=plan, spec=spec, micro_batch=micro_batch, interval=straggler.interval,
+        policy=StragglerPolicy(threshold=straggler.threshold, min_change=straggler.min_change,
+                               window=straggler.window),
+        events=parse_schedule(straggler.emulate_slowdown or ""),
+        gpus_per_node=straggler.gpus_per_node or h.world_size, replan_output=straggler.replan_output)
+    monitor.metrics = metrics
+    if straggler.emulate_layer_ms:
+        monitor.timer.nominal_s = straggler.emulate_layer_ms / 1e3
     if placement.active:
         monitor.attach(_transformer_layers(placement.model))
     return monitor
@@ -330,7 +382,7 @@ def _straggler_monitor(args, spec: ModelSpec, plan: Plan, h: host.Host, placemen
 
 @dataclass(frozen=True)
 class LaunchCheck:
-    """What a launch is, decided from the flags alone (no process group): the launcher checks it before it
+    """What a launch is, decided from the settings alone (no process group): the launcher checks it before it
     starts any rank, and every rank builds on it."""
 
     tokenizer: object
@@ -341,62 +393,88 @@ class LaunchCheck:
     """``megatron`` or ``plan`` (select_runtime)."""
 
 
-def check_launch(args: argparse.Namespace, world_size: int) -> LaunchCheck:
+def check_launch(config: RunConfig, world_size: int) -> LaunchCheck:
     """The model, the plan (validated against the model and ``world_size``), pending migrations and the runtime;
     PlanError / ValueError naming the rule, the values and the fix for anything that cannot run."""
-    tokenizer = make_tokenizer(args.tokenizer_type, args.vocab_size)
-    spec = model_spec_from_args(args, tokenizer.vocab_size)
-    plan = plan_from_args(args, spec, world_size)
+    tokenizer = make_tokenizer(config.data.tokenizer_type, config.data.vocab_size)
+    spec = model_spec(config.model, tokenizer.vocab_size)
+    plan = plan_of(config.parallel, config.training, config.packing, spec, world_size)
     migrations = []
-    for step, path in parse_migrations(args.hetu_migrate or ""):
+    for step, path in parse_migrations(config.straggler.migrate or ""):
         target = load_plan(path).validate(spec, world_size)
-        if target.num_microbatches != plan.num_microbatches and args.hetu_packing == "off":
+        if target.num_microbatches != plan.num_microbatches and config.packing.method == "off":
             raise PlanError(f"--hetu-migrate plan {path!r} runs {target.num_microbatches} microbatches per step but "
                             f"the run has {plan.num_microbatches}; keep the global batch the same")
         check_runnable(target)
         migrations.append((step, target))
-    runtime = select_runtime(args, plan)
+    runtime = select_runtime(config, plan)
     if runtime == "plan":
         check_runnable(plan)
     return LaunchCheck(tokenizer=tokenizer, spec=spec, plan=plan, migrations=migrations, runtime=runtime)
 
 
-def build_trainer(args: argparse.Namespace) -> Trainer:
+def metrics_path(config: RunConfig) -> str | None:
+    """``--hetu-metrics-file``, else ``metrics.jsonl`` in the run directory (``--save``, else
+    ``--tensorboard-dir``), else None (no file)."""
+    if config.logging.metrics_file:
+        return config.logging.metrics_file
+    run_dir = config.checkpoint.save or config.logging.tensorboard_dir
+    return os.path.join(run_dir, "metrics.jsonl") if run_dir else None
+
+
+def build_trainer(config: RunConfig) -> Trainer:
     """Check the plan, start the process group, then place this rank and build its scheduler and dataset."""
     # the plan is checked against the model before any process group exists
     world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-    launch = check_launch(args, world_size)
+    launch = check_launch(config, world_size)
     tokenizer, spec, plan, migrations, runtime = (launch.tokenizer, launch.spec, launch.plan, launch.migrations,
                                                   launch.runtime)
+    training, packed = config.training, config.packing.method != "off"
     # packed documents are read (and checked) before any process group exists
-    documents = open_documents(args, tokenizer) if args.hetu_packing != "off" else None
-    force = {"auto": None, "on": True, "off": False}[args.hetu_cpu_patches]
-    h = host.init_distributed(force_cpu=force, timeout_minutes=args.distributed_timeout_minutes,
-                              backend=args.distributed_backend)
-    numerics = TrainingNumerics(bf16=args.bf16, hidden_dropout=args.hidden_dropout,
-                                attention_dropout=args.attention_dropout, init_method_std=args.init_method_std,
-                                variable_seq_lengths=args.hetu_packing != "off")
-    build = build_megatron_placement if runtime == "megatron" else build_plan_placement
-    placement = build(args, spec, plan, h, numerics)
+    documents = open_documents(config.data, config.packing, tokenizer, seed=training.seed) if packed else None
+    force = {"auto": None, "on": True, "off": False}[config.parallel.cpu_patches]
+    h = host.init_distributed(force_cpu=force, timeout_minutes=config.parallel.distributed_timeout_minutes,
+                              backend=config.parallel.distributed_backend)
+    numerics = TrainingNumerics(bf16=training.bf16, hidden_dropout=config.model.hidden_dropout,
+                                attention_dropout=config.model.attention_dropout,
+                                init_method_std=config.model.init_method_std, variable_seq_lengths=packed)
+    if runtime == "megatron":
+        placement = build_megatron_placement(training, spec, plan, h, numerics,
+                                             use_distributed_optimizer=config.parallel.use_distributed_optimizer)
+    else:
+        placement = build_plan_placement(training, spec, plan, h, numerics)
 
-    scheduler = _make_scheduler(args, placement, plan)
-    gbs = global_batch_size(plan, args.micro_batch_size)
-    data_spec = DataSpec(mock=args.mock_data, data_path=tuple(args.data_path or ()), split=args.split,
-                         seq_length=args.seq_length, seed=args.seed, cache_path=args.data_cache_path)
+    scheduler = make_scheduler(training, config.packing, placement, plan)
+    gbs = global_batch_size(plan, training.micro_batch_size)
+    data = config.data
+    data_spec = DataSpec(mock=data.mock_data, data_path=tuple(data.data_path or ()), split=data.split,
+                         seq_length=spec.seq_length, seed=training.seed, cache_path=data.data_cache_path)
     dataset = None
     if documents is None:  # every rank, idle ones too: Megatron's builder makes index caches on rank 0, barriers
-        dataset = build_train_dataset(data_spec, tokenizer, args.train_iters * gbs)
+        dataset = build_train_dataset(data_spec, tokenizer, training.train_iters * gbs)
     where = plan.stage_of(h.rank)
-    table = memory_table(placement.model, args.optimizer, args.bf16,
+    table = memory_table(placement.model, training.optimizer, training.bf16,
                          f"pipeline {where[0]} stage {where[1]}" if where else "unused")
     if table:
         logger.info("%s", table)
     if h.rank == 0:
         logger.info("plan (%s runtime, %s on %s, Megatron-core CPU patches: %s):\n%s", runtime, h.backend,
                     h.device.type, "on" if h.cpu_patched else "off", format_plan(plan))
-    trainer = Trainer(args=args, spec=spec, plan=plan, host=h, placement=placement, scheduler=scheduler,
-                      dataset=dataset, monitor=_straggler_monitor(args, spec, plan, h, placement),
-                      numerics=numerics, migrations=migrations, documents=documents)
-    if args.load:
-        checkpointing.load(trainer, args.load)
+    metrics = None
+    if h.rank == min(plan.used_ranks):
+        metrics = MetricsWriter(metrics_path(config), tensorboard_dir=config.logging.tensorboard_dir,
+                                wandb_project=config.logging.wandb_project, config=config.to_dict())
+    flops = model_flops_per_token(num_layers=spec.num_layers, hidden_size=spec.hidden_size,
+                                  ffn_hidden_size=spec.ffn_hidden_size or 4 * spec.hidden_size,
+                                  vocab_size=spec.padded_vocab_size, seq_length=spec.seq_length)
+    trainer = Trainer(config=config, spec=spec, plan=plan, host=h, placement=placement, scheduler=scheduler,
+                      dataset=dataset,
+                      monitor=_straggler_monitor(config.straggler, training.micro_batch_size, spec, plan, h,
+                                                 placement, metrics),
+                      numerics=numerics, migrations=migrations, documents=documents, metrics=metrics,
+                      flops_per_token=flops)
+    if config.checkpoint.load:
+        checkpointing.load(trainer, config.checkpoint.load)
+    if config.checkpoint.save:  # the run's identity; another run's checkpoints there are refused before training
+        checkpointing.prepare_save(trainer, config.checkpoint.save)
     return trainer

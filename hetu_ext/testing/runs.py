@@ -9,14 +9,13 @@ from typing import Any
 def train(rank: int, world_size: int, argv: list[str], gather: bool = True) -> dict[str, Any] | None:
     """Parse ``argv`` as pretrain_gpt.py does, train; the plan's lowest used rank returns losses, log lines and
     the full gathered weights, every other rank None."""
-    from hetu_ext.megatron.args import build_parser, validate_args
+    from hetu_ext.megatron.args import parse_run_config
     from hetu_ext.megatron.migrate import master_weights
     from hetu_ext.megatron.trainer import build_trainer
     from hetu_ext.megatron.weights import gather_weights
 
-    args = build_parser().parse_args(argv)
-    validate_args(args)
-    trainer = build_trainer(args)
+    config = parse_run_config(argv)
+    trainer = build_trainer(config)
     lines: list[str] = []
     start = time.perf_counter()
     losses = trainer.train(log=lines.append)
@@ -24,7 +23,7 @@ def train(rank: int, world_size: int, argv: list[str], gather: bool = True) -> d
     weights = masters = None
     if gather:
         weights = gather_weights(trainer.model, **trainer.placement.shard_kwargs)
-        if args.bf16:  # the optimizer's fp32 master weights, gathered the same way
+        if config.training.bf16:  # the optimizer's fp32 master weights, gathered the same way
             masters = gather_weights(trainer.model, values=master_weights(trainer.optimizer) if trainer.model
                                      else None, **trainer.placement.shard_kwargs)
     if rank != trainer.log_rank:  # the plan's lowest used rank reports

@@ -1,0 +1,31 @@
+"""One strict-key check for every file hetu_ext reads (plans, cost tables, length specs, run configs).
+
+An unknown key is named with the closest valid one: ``unknown key 'methd' under packing; did you mean 'method'?``
+Pure: no torch, no host framework.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+
+def check_keys(obj: Any, allowed: Iterable[str], where: str, *, required: Iterable[str] = (),
+               error: type[Exception] = ValueError) -> dict:
+    """``obj`` as a dict whose keys are all in ``allowed`` (and include ``required``); else ``error`` naming the
+    first unknown key, ``where`` it is, and the closest allowed key (or the allowed keys)."""
+    allowed = sorted(allowed)
+    if not isinstance(obj, Mapping):
+        raise error(f"{where}: expected a mapping with keys {allowed}, got {type(obj).__name__} {obj!r}")
+    unknown = sorted(str(k) for k in obj if k not in allowed)
+    if unknown:
+        key = unknown[0]
+        close = difflib.get_close_matches(key, allowed, n=1, cutoff=0.5)
+        hint = f"did you mean {close[0]!r}?" if close else f"the keys are {allowed}"
+        more = f" (and {len(unknown) - 1} more: {unknown[1:]})" if len(unknown) > 1 else ""
+        raise error(f"unknown key {key!r} {where}{more}; {hint}")
+    missing = sorted(set(required) - set(obj))
+    if missing:
+        raise error(f"{where}: missing key(s) {missing}; the keys are {allowed}")
+    return dict(obj)
