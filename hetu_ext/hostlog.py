@@ -3,7 +3,8 @@
 Megatron-core 0.16.1 warns four times at import that Transformer Engine and Apex are absent (true and expected on
 CPU: it falls back to torch), logs a deprecation line for every legacy tokenizer and three "Unable to save
 MockGPTDataset indexes" lines for every mock dataset; its INFO lists every parameter. DeepSpeed logs its
-configuration at INFO; torchrun's agent logs each rendezvous. None of it is the user's business on a normal run.
+configuration at INFO, and its ZeRO calls torch.distributed APIs torch warns are deprecated; torchrun's agent
+logs each rendezvous. None of it is the user's business on a normal run.
 
 :func:`quiet_host_frameworks` installs ``warnings`` filters and logger levels/filters for exactly those sources;
 it imports none of the frameworks (so it may run before them) and is idempotent. Errors and our own logging are
@@ -39,6 +40,8 @@ WARNING_MESSAGES = (
     r"Transformer Engine and Apex are not installed",
     r"Apex is not installed",
     r"Transformer Engine is not installed",
+    r"`torch\.distributed\.\w+` is deprecated",  # torch's FutureWarning for the APIs DeepSpeed's ZeRO calls
+    r"torch\.distributed is disabled, unavailable or uninitialized",  # dist_checkpointing saved by one process
 )
 """``warnings.warn`` messages (regex, start of message) dropped wherever they are attributed to."""
 
