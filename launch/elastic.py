@@ -4,8 +4,9 @@ over the GPUs that are left and resume from the newest complete checkpoint.
     python launch/elastic.py --nproc-per-node 8 --gpus-per-node 8 --max-restarts 3 -- \\
         --num-layers 32 ... --save ckpt --save-interval 100      # pretrain_gpt.py's flags after "--"
 
-Each attempt runs ``torchrun --standalone --nproc-per-node N launch/pretrain_gpt.py ...``. A rank that dies (or
-hangs past ``--distributed-timeout-minutes``) fails its collectives, torchrun stops the job, and this launcher:
+Each attempt runs ``python launch/pretrain_gpt.py --nproc-per-node N ...`` (torchrun's agent, in that launcher).
+A rank that dies (or hangs past ``--distributed-timeout-minutes``) fails its collectives, torchrun stops the job,
+and this launcher:
 
 1. counts the healthy devices: the output of ``--healthy-devices-cmd`` (an integer), else, with CUDA, the devices
    on which a fresh process can allocate memory, else (CPU emulation) one fewer than before;
@@ -14,14 +15,23 @@ hangs past ``--distributed-timeout-minutes``) fails its collectives, torchrun st
 3. relaunches with ``--hetu-plan`` that plan and ``--load`` the ``--save`` directory. The checkpoint loads into
    any plan, and the data position is the iteration, so no sample is skipped or repeated (the global batch stays
    the same: the plan's microbatch counts add up to it).
+
+Not every failure is a lost device. A configuration error (exit code 2: a bad flag, value, file or plan, reported
+in one line by pretrain_gpt.py's launcher or a rank) and a failure identical on every rank before the first step
+(the same exception line from each rank, no step logged) would fail again on any number of ranks: the launcher
+stops with that error and its exit code, writes no plan and does not restart (:func:`failure_cause`).
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import subprocess
 import sys
+import threading
+from collections import Counter
 from pathlib import Path
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 _DROP = {"--hetu-plan": 1, "--load": 1, "--tensor-model-parallel-size": 1, "--pipeline-model-parallel-size": 1}
@@ -48,21 +58,22 @@ def restart_argv(argv: list[str], *, plan_path: str) -> list[str]:
 
 def plan_for(argv: list[str], world_size: int, gpus_per_node: int) -> str:
     """A Malleus plan (YAML) of the model in ``argv`` over ``world_size`` healthy ranks."""
-    from hetu_ext.megatron.args import build_parser
-    from hetu_ext.megatron.data import make_tokenizer
-    from hetu_ext.megatron.trainer import model_spec_from_args
+    from hetu_ext.config import build_parser, from_namespace, parse_namespace
+    from hetu_ext.data.tokenizer import tokenizer_vocab_size
+    from hetu_ext.megatron.trainer import model_spec
     from hetu_ext.plan import dump_plan
     from hetu_ext.plan.cluster import Cluster
     from hetu_ext.plan.malleus import plan_malleus
 
-    args = build_parser().parse_args(argv)
-    if not args.global_batch_size or args.global_batch_size % args.micro_batch_size:
+    config = from_namespace(parse_namespace(argv, build_parser()))
+    training = config.training
+    if not training.global_batch_size or training.global_batch_size % training.micro_batch_size:
         raise ValueError(f"elastic restarts keep the global batch: give --global-batch-size (a multiple of "
-                         f"--micro-batch-size {args.micro_batch_size}), got {args.global_batch_size}")
-    spec = model_spec_from_args(args, make_tokenizer(args.tokenizer_type, args.vocab_size).vocab_size)
+                         f"--micro-batch-size {training.micro_batch_size}), got {training.global_batch_size}")
+    spec = model_spec(config.model, tokenizer_vocab_size(config.data.tokenizer_type, config.data.vocab_size))
     cluster = Cluster(world_size=world_size, gpus_per_node=gpus_per_node, gpu_memory_bytes=80 * 2**30)
-    planned = plan_malleus(cluster, spec, micro_batch=args.micro_batch_size,
-                           num_microbatches=args.global_batch_size // args.micro_batch_size)
+    planned = plan_malleus(cluster, spec, micro_batch=training.micro_batch_size,
+                           num_microbatches=training.global_batch_size // training.micro_batch_size)
     return dump_plan(planned.plan)
 
 
@@ -78,7 +89,64 @@ def healthy_devices(command: str | None, previous: int) -> int:
                for d in range(torch.cuda.device_count()))
 
 
+CONFIG_ERROR = 2
+"""pretrain_gpt.py's exit code for bad input (flags, files, plan): the same input fails on any ranks."""
+STEP_LINE = re.compile(r"\biteration +\d+/ *\d+ \|")
+EXCEPTION_LINE = re.compile(r"^(?:\[rank\d+\]: )?([A-Za-z_][\w.]*(?:Error|Exception|Interrupt)\b.*)$")
+"""A traceback's last line, with or without torch.distributed's ``[rankN]: `` prefix."""
+
+
+class Attempt(NamedTuple):
+    """One run of the job: its exit code and what it printed (each stream's lines, as printed)."""
+
+    returncode: int
+    stdout: list[str]
+    stderr: list[str]
+
+
+def failure_cause(attempt: Attempt, world: int) -> str | None:
+    """Why a failed attempt must not be restarted on fewer ranks, or None when it may be a lost device.
+
+    Not a device loss: exit code 2 (a configuration error), or no step logged and one and the same exception
+    line printed by each of the ``world`` ranks (every distinct exception line as often as every other, at
+    least ``world`` times: chained exceptions repeat per rank too). A lost device kills one rank without a
+    traceback, and the others fail in their collectives, so never every rank alike."""
+    if attempt.returncode == CONFIG_ERROR:
+        return "a configuration error (exit code 2)"
+    if any(STEP_LINE.search(line) for line in attempt.stdout):
+        return None
+    counts = Counter(m.group(1) for line in attempt.stderr if (m := EXCEPTION_LINE.match(line)))
+    if counts and min(counts.values()) >= world and len(set(counts.values())) == 1:
+        last = [m.group(1) for line in attempt.stderr if (m := EXCEPTION_LINE.match(line))][-1]
+        return f"every rank failed before its first step with the same error ({last})"
+    return None
+
+
+def run_attempt(cmd: list[str]) -> Attempt:
+    """Run ``cmd``, passing its stdout and stderr through line by line, and keep both."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
+    kept: dict[str, list[str]] = {"stdout": [], "stderr": []}
+
+    def relay(stream, out, lines: list[str]) -> None:
+        for line in stream:
+            out.write(line)
+            out.flush()
+            lines.append(line.rstrip("\n"))
+
+    threads = [threading.Thread(target=relay, args=(proc.stdout, sys.stdout, kept["stdout"]), daemon=True),
+               threading.Thread(target=relay, args=(proc.stderr, sys.stderr, kept["stderr"]), daemon=True)]
+    for t in threads:
+        t.start()
+    returncode = proc.wait()
+    for t in threads:
+        t.join()
+    return Attempt(returncode, kept["stdout"], kept["stderr"])
+
+
 def main(argv: list[str] | None = None) -> int:
+    from hetu_ext.hostlog import quiet_host_frameworks
+
+    quiet_host_frameworks()  # planning imports Megatron-core (its Apex/TE warnings are no news on a restart)
     parser = argparse.ArgumentParser(prog="launch/elastic.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nproc-per-node", type=int, required=True)
@@ -90,11 +158,18 @@ def main(argv: list[str] | None = None) -> int:
     original = [a for a in args.train_args if a != "--"]
     train, world = original, args.nproc_per_node
     for attempt in range(args.max_restarts + 1):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
-               str(ROOT / "launch" / "pretrain_gpt.py"), *train]
+        # pretrain_gpt.py as its own launcher: flags, files and plan are checked before any rank starts (exit 2,
+        # one line), and a rank's exit 2 is the launcher's exit 2
+        cmd = [sys.executable, str(ROOT / "launch" / "pretrain_gpt.py"), "--nproc-per-node", str(world), *train]
         print(f"elastic: attempt {attempt} on {world} ranks", file=sys.stderr, flush=True)
-        if subprocess.call(cmd) == 0:
+        result = run_attempt(cmd)
+        if result.returncode == 0:
             return 0
+        cause = failure_cause(result, world)
+        if cause is not None:
+            if result.returncode != CONFIG_ERROR:  # exit 2: the job printed its one error line; nothing to add
+                print(f"elastic: not restarting: {cause}; not a lost device", file=sys.stderr)
+            return result.returncode
         if attempt == args.max_restarts:
             break
         world = healthy_devices(args.healthy_devices_cmd, world)

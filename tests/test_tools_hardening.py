@@ -57,6 +57,45 @@ def test_plot_marks_only_real_detections_and_each_migration(tmp_path):
     assert plot.main(["--out", str(out), f"hetu_ext={log}"]) == 0 and out.stat().st_size > 0
 
 
+TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "32",
+        "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "2", "--lr", "1e-3"]
+
+
+def test_elastic_stops_on_a_configuration_error(tmp_path):
+    """A bad flag made launch/elastic.py take each rank's exit 2 for a lost GPU: it shrank the job to 1 rank,
+    writing a plan per restart. Exit code 2 is a configuration error: exit 2 at once, the job's one error line
+    shown once, no plan written, no second attempt."""
+    save = tmp_path / "ckpt"
+    missing = tmp_path / "nowhere" / "docs_text_document"
+    proc = subprocess.run([sys.executable, str(ROOT / "launch" / "elastic.py"), "--nproc-per-node", "2",
+                           "--max-restarts", "1", "--", *TINY, "--data-path", str(missing), "--save", str(save),
+                           "--save-interval", "1"], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "attempt 1" not in proc.stderr and not list(tmp_path.rglob("elastic_plan_*.yaml")), proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and str(missing) in errors[0] and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_elastic_failure_cause():
+    """What is and is not a lost device, on the output an attempt printed (pure)."""
+    elastic = _launch_module("elastic")
+    trace = ["Traceback (most recent call last):", '  File "x.py", line 1, in <module>',
+             "TypeError: build() got an unexpected keyword argument 'x'"]
+    same = elastic.Attempt(1, [], [f"[rank{r}]: {line}" for r in range(3) for line in trace])
+    assert "same error (TypeError: build()" in elastic.failure_cause(same, 3)
+    unprefixed = elastic.Attempt(1, [], trace * 3 + ["pretrain_gpt.py: error: rank 0 exited with code 1; its "
+                                                     "output is above"])
+    assert elastic.failure_cause(unprefixed, 3) is not None
+    assert elastic.failure_cause(elastic.Attempt(2, [], ["pretrain_gpt.py: error: --lr must be > 0"]), 3)
+    # a lost rank: no traceback of its own, the survivors fail in a collective
+    lost = elastic.Attempt(1, [], [f"[rank{r}]: RuntimeError: Connection closed by peer" for r in (0, 2)])
+    assert elastic.failure_cause(lost, 3) is None
+    # the same error on every rank after steps ran: not "before the first step"
+    stepped = elastic.Attempt(1, [_step(1, 3000)], same.stderr)
+    assert elastic.failure_cause(stepped, 3) is None
+
+
 def monitor_body(rank: int, world: int, log_interval: int) -> list[str] | None:
     """Two ranks' monitor on a fixed pace: rank 1 takes 3x rank 0's seconds for the same FLOPs from step 5."""
     from hetu_ext.megatron.monitor import StragglerMonitor
