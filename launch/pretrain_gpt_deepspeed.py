@@ -6,13 +6,16 @@
         --hidden-size 64 --num-attention-heads 4 --seq-length 128 --micro-batch-size 2 --global-batch-size 8 \
         --train-iters 20 --lr 1e-3 --mock-data --save /tmp/ds_ckpt
     DS_ACCELERATOR=cpu deepspeed --num_gpus 2 launch/pretrain_gpt_deepspeed.py ...   # the same flags, on CPU
+    python launch/pretrain_gpt_deepspeed.py ...                                      # one rank, no launcher
+
+Rank 0 prints Megatron-LM's log lines (every ``--log-interval`` steps), as launch/pretrain_gpt.py does.
 """
 
 import json
 import logging
 import os
+import socket
 import sys
-import warnings
 from pathlib import Path
 
 from hetu_ext.deepspeed.engine import (
@@ -21,28 +24,32 @@ from hetu_ext.deepspeed.engine import (
     build,
     deepspeed_config,
 )
-from hetu_ext.megatron.args import build_parser, validate_args
+from hetu_ext.config import build_parser, parse_namespace
+from hetu_ext.hostlog import quiet_host_frameworks
+from hetu_ext.megatron.args import validate_args
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = add_deepspeed_args(build_parser("pretrain_gpt_deepspeed.py"))
-    args = parser.parse_args(argv)
     try:
+        args = parse_namespace(argv, parser)
         validate_args(args)
         extra = json.loads(Path(args.deepspeed_config).read_text()) if args.deepspeed_config else {}
         zero = ZeroConfig(stage=args.zero_stage, extra=extra)
         deepspeed_config(args, zero, int(os.environ.get("WORLD_SIZE", "1")))  # contradictions fail before launch
     except (ValueError, OSError) as exc:
         parser.error(str(exc))  # one line, exit code 2
-    rank = int(os.environ.get("RANK", "0"))
+    if "RANK" not in os.environ:  # python launch/pretrain_gpt_deepspeed.py: one rank, in this process
+        _single_rank_env()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format=f"[%(asctime)s] [rank {rank}] %(name)s: %(message)s")
-    for name in ("megatron", "DeepSpeed", "deepspeed"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-    for category in (UserWarning, DeprecationWarning, FutureWarning):
-        warnings.filterwarnings("ignore", category=category)
+    quiet_host_frameworks()
     from hetu_ext.megatron import host
 
+    if rank == 0:
+        print(f"DeepSpeed ZeRO-{zero.stage} on {world} rank(s): importing Megatron-core and DeepSpeed, building the "
+              "model and the engine ...", flush=True)
     try:
         run = build(args, zero)
     except ValueError as exc:
@@ -51,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         host.shutdown()
         return 2
     try:
-        run.train()
+        run.train(log=lambda line: print(line, flush=True))
         if args.save:
             tag = run.save(args.save)
             if rank == 0:
@@ -59,6 +66,15 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         host.shutdown()
     return 0
+
+
+def _single_rank_env() -> None:
+    """The environment torchrun would give one rank."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
 
 
 if __name__ == "__main__":

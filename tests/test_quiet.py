@@ -13,6 +13,7 @@ import json
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import torch
 
@@ -21,6 +22,8 @@ from hetu_ext.checkpoint.writer import save_offline
 from hetu_ext.hostlog import quiet_host_frameworks
 from hetu_ext.plan import plan_to_dict, uniform_plan
 from hetu_ext.runtime.reshard import Piece
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run(*argv: str, cwd=None) -> str:
@@ -74,3 +77,34 @@ def test_quiet_host_frameworks_is_idempotent_and_keeps_other_warnings():
         warnings.warn("Transformer Engine and Apex are not installed. Falling back", UserWarning)
         warnings.warn("ours", UserWarning)
     assert [str(w.message) for w in caught] == ["ours"]
+
+
+def test_deepspeed_run_prints_megatron_log_lines_and_no_warnings(tmp_path):
+    """launch/pretrain_gpt_deepspeed.py, as the README runs it (torchrun, 2 CPU ranks, ZeRO-2): rank 0 prints
+    Megatron-LM's log line per step (the Megatron path's format_log_line: it printed its own INFO format), no
+    warning line (Megatron's legacy-tokenizer and MockGPTDataset lines, torch's all_gather_into_tensor
+    FutureWarning from ZeRO), and the checkpoint CLI reads the DeepSpeed folder it saved without warnings.
+
+    The first start took minutes in silence: DeepSpeed JIT-compiled its shared-memory all-reduce op (used only by
+    DeepSpeed inference) into TORCH_EXTENSIONS_DIR; with an empty one here, nothing may be compiled."""
+    save, extensions = tmp_path / "ds", tmp_path / "torch_extensions"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0",
+                           "launch/pretrain_gpt_deepspeed.py", "--zero-stage", "2", "--num-layers", "2",
+                           "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "32",
+                           "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "3", "--lr",
+                           "1e-3", "--mock-data", "--save", str(save)], capture_output=True, text=True,
+                          timeout=600, cwd=ROOT, env={**_env(), "PYTHONWARNINGS": "default",
+                                                      "TORCH_EXTENSIONS_DIR": str(extensions)})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert not extensions.exists() and "built successfully" not in out, out
+    steps = [line for line in proc.stdout.splitlines() if " iteration " in line]
+    assert len(steps) == 3, proc.stdout
+    assert steps[0].startswith(" [") and "iteration        1/       3 | consumed samples:            4 |" in steps[0]
+    for field in ("elapsed time per iteration (ms):", "learning rate:", "global batch size:     4 |", "lm loss:",
+                  "grad norm:", "tokens/s:"):
+        assert field in steps[-1], steps[-1]
+    assert _warning_lines(out) == [], out
+    out = _run("hetu_ext.checkpoint", "inspect", str(save))
+    assert "DeepSpeed ZeRO-2 checkpoint" in out and _warning_lines(out) == [], out

@@ -20,13 +20,18 @@ What matches and why:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from hetu_ext.metrics import format_log_line
 
 logger = logging.getLogger(__name__)
 
@@ -109,8 +114,10 @@ class DeepSpeedGPT:
     iteration: int = 0
     losses: list[float] = field(default_factory=list)
 
-    def train(self) -> list[float]:
-        """Train to ``--train-iters``; returns the global per-step losses (the same on every rank)."""
+    def train(self, log: Callable[[str], None] = logger.info) -> list[float]:
+        """Train to ``--train-iters``; returns the global per-step losses (the same on every rank). Rank 0 gives
+        ``log`` a Megatron-LM log line every ``--log-interval`` steps and at the last (the Megatron path's
+        format; step time and tokens/s averaged over the interval)."""
         from hetu_ext.data.assign import global_batch_size
         from hetu_ext.megatron.data import microbatch_iterator
 
@@ -119,6 +126,7 @@ class DeepSpeedGPT:
                                    start_iteration=self.iteration, num_iterations=args.train_iters - self.iteration,
                                    device=self.device)
         gbs = global_batch_size(self.plan, args.micro_batch_size)
+        window_start, window_iters = time.perf_counter(), 0
         while self.iteration < args.train_iters:
             total = torch.zeros(2, dtype=torch.float64)
             for _ in range(self.plan.pipelines[rank].num_microbatches):
@@ -133,10 +141,22 @@ class DeepSpeedGPT:
             dist.all_reduce(total)
             self.iteration += 1
             self.losses.append(float(total[0] / total[1]))
-            if rank == 0:
-                logger.info("iteration %d/%d | lm loss: %.6e | lr: %.3e", self.iteration, args.train_iters,
-                            self.losses[-1], self.engine.optimizer.param_groups[0]["lr"])
+            window_iters += 1
+            if self.iteration % (args.log_interval or 1) == 0 or self.iteration == args.train_iters:
+                step_s = (time.perf_counter() - window_start) / window_iters
+                if rank == 0:
+                    log(format_log_line(self._record(gbs, step_s)))
+                window_start, window_iters = time.perf_counter(), 0
         return self.losses
+
+    def _record(self, gbs: int, step_s: float) -> dict[str, Any]:
+        """The last step as a metrics step record (the fields format_log_line reads)."""
+        norm = self.engine.get_global_grad_norm()
+        norm = float(norm) if norm is not None else None
+        return {"iteration": self.iteration, "train_iters": self.args.train_iters, "loss": self.losses[-1],
+                "lr": self.engine.optimizer.param_groups[0]["lr"], "grad_norm": norm, "samples": gbs,
+                "tokens": gbs * self.args.seq_length, "consumed_samples": self.iteration * gbs,
+                "step_ms": step_s * 1e3, "tokens_per_s": gbs * self.args.seq_length / step_s}
 
     def save(self, directory: str) -> str:
         """``engine.save_checkpoint`` (collective) with hetu_ext's client state; returns the tag."""
@@ -157,6 +177,37 @@ def _import_deepspeed():
     return deepspeed
 
 
+SHM_COMM_OP = "deepspeed_shm_comm"
+"""DeepSpeed's shared-memory all-reduce (a C++ op, JIT-compiled): used only by DeepSpeed inference."""
+
+
+@contextlib.contextmanager
+def _without_shm_comm_op(deepspeed) -> Iterator[None]:
+    """``deepspeed.init_distributed`` without compiling DeepSpeed's shared-memory all-reduce op.
+
+    On the CPU accelerator DeepSpeed's TorchBackend JIT-compiles ``deepspeed_shm_comm`` on its first start (measured
+    here: 2 min 45 s of the 3 min first start of a 2-rank run on 2 shared cores; then cached in
+    ``TORCH_EXTENSIONS_DIR``). Only ``inference_all_reduce`` (DeepSpeed inference) uses it; training all-reduces
+    through torch.distributed. DeepSpeed builds it only when ``deepspeed.ops.__compatible_ops__`` marks it
+    compatible, so it is marked incompatible for the call and the entry restored after. Where that registry is
+    missing (another DeepSpeed), nothing is changed and DeepSpeed builds as it would."""
+    ops = getattr(deepspeed.ops, "__compatible_ops__", None)
+    if not isinstance(ops, dict):
+        logger.debug("deepspeed.ops.__compatible_ops__ not found: DeepSpeed may compile %s", SHM_COMM_OP)
+        yield
+        return
+    missing = object()
+    before = ops.get(SHM_COMM_OP, missing)
+    ops[SHM_COMM_OP] = False
+    try:
+        yield
+    finally:
+        if before is missing:
+            ops.pop(SHM_COMM_OP, None)
+        else:
+            ops[SHM_COMM_OP] = before
+
+
 def build(args: argparse.Namespace, zero: ZeroConfig) -> DeepSpeedGPT:
     """Start gloo/NCCL (or reuse a started process group), build the model and wrap it in DeepSpeed."""
     deepspeed = _import_deepspeed()
@@ -171,7 +222,8 @@ def build(args: argparse.Namespace, zero: ZeroConfig) -> DeepSpeedGPT:
         transformer_config,
         with_precision,
     )
-    from hetu_ext.megatron.trainer import model_spec_from_args
+    from hetu_ext.config import from_namespace
+    from hetu_ext.megatron.trainer import model_spec
     from hetu_ext.megatron.weights import init_weights
     from hetu_ext.plan import uniform_plan
 
@@ -181,10 +233,11 @@ def build(args: argparse.Namespace, zero: ZeroConfig) -> DeepSpeedGPT:
                          f"ranks); got --optimizer {args.optimizer} TP "
                          f"{args.tensor_model_parallel_size} PP {args.pipeline_model_parallel_size}: drop those flags")
     tokenizer = make_tokenizer(args.tokenizer_type, args.vocab_size)
-    spec = model_spec_from_args(args, tokenizer.vocab_size)
+    spec = model_spec(from_namespace(args).model, tokenizer.vocab_size)
     h = host.init_distributed(force_cpu=not torch.cuda.is_available(),
                               timeout_minutes=args.distributed_timeout_minutes, backend=args.distributed_backend)
-    deepspeed.init_distributed(dist_backend=h.backend)
+    with _without_shm_comm_op(deepspeed):
+        deepspeed.init_distributed(dist_backend=h.backend)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1, create_gloo_process_groups=False)
     tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
