@@ -12,12 +12,18 @@ DEMO_DIR := runs/demo
 
 venv: $(STAMP)
 
+# One line per step, then pip's own progress (a few minutes on a fresh clone, mostly torch and DeepSpeed).
 $(STAMP): setup.py Makefile
+	@echo "venv [1/4]: creating $(VENV) with $(PYTHON)"
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet "torch==2.13.0"
-	$(PY) -m pip install --quiet -e ".[megatron,deepspeed,dev,plot,diffusion]"
+	@echo "venv [2/4]: upgrading pip"
+	$(PY) -m pip install --upgrade pip
+	@echo "venv [3/4]: torch 2.13.0 (the CPU wheel on a machine without CUDA)"
+	$(PY) -m pip install "torch==2.13.0"
+	@echo "venv [4/4]: hetu_ext with its extras: megatron-core, deepspeed, diffusers, test and plot tools"
+	$(PY) -m pip install -e ".[megatron,deepspeed,dev,plot,diffusion]"
 	touch $(STAMP)
+	@echo "venv ready: $(VENV) (run tools as $(PY) ..., or source $(VENV)/bin/activate)"
 
 # The main job: pretrain_gpt.py on NPROC CPU ranks with an emulated straggler, Megatron's uniform plan vs
 # hetu_ext's online re-planning; writes runs/demo/throughput.png.
