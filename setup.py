@@ -18,9 +18,11 @@ setup(
         "cpu": [TORCH],
         "megatron": [TORCH, "megatron-core==0.16.1"],
         "deepspeed": [TORCH, "deepspeed==0.19.8"],
-        "dev": ["pytest>=8", "pytest-timeout", "scipy>=1.9"],  # scipy: HiGHS MILP references in tests
+        # scipy: HiGHS MILP references in tests; tensorboard: the metrics test reads the event files back
+        "dev": ["pytest>=8", "pytest-timeout", "scipy>=1.9", "tensorboard>=2.14"],
         "diffusion": [TORCH, "diffusers>=0.30", "transformers>=4.40"],
         "plot": ["matplotlib>=3.7"],
+        "metrics": ["tensorboard>=2.14"],  # --tensorboard-dir (wandb for --wandb-project is the user's to install)
     },
     entry_points={"console_scripts": ["hetu-plan=hetu_ext.plan.__main__:main",
                                       "hetu-ckpt=hetu_ext.checkpoint.cli:main"]},

@@ -11,20 +11,23 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 
-def check_keys(obj: Any, allowed: Iterable[str], where: str, *, required: Iterable[str] = (),
-               error: type[Exception] = ValueError) -> dict:
+def check_keys(obj: Any, allowed: Iterable[str], where: str, *, preposition: str = "in",
+               required: Iterable[str] = (), error: type[Exception] = ValueError,
+               type_error: type[Exception] | None = None) -> dict:
     """``obj`` as a dict whose keys are all in ``allowed`` (and include ``required``); else ``error`` naming the
-    first unknown key, ``where`` it is, and the closest allowed key (or the allowed keys)."""
-    allowed = sorted(allowed)
+    first unknown key, ``where`` it is (``"unknown key 'k' {preposition} {where}"``), and the closest allowed key
+    (or the allowed keys). A non-mapping raises ``type_error`` (default: ``error``)."""
+    allowed = sorted(map(str, allowed))
     if not isinstance(obj, Mapping):
-        raise error(f"{where}: expected a mapping with keys {allowed}, got {type(obj).__name__} {obj!r}")
-    unknown = sorted(str(k) for k in obj if k not in allowed)
+        raise (type_error or error)(f"{where}: expected a mapping with keys {allowed}, got {type(obj).__name__} "
+                                    f"{obj!r}")
+    unknown = sorted(str(k) for k in obj if str(k) not in allowed)
     if unknown:
         key = unknown[0]
         close = difflib.get_close_matches(key, allowed, n=1, cutoff=0.5)
         hint = f"did you mean {close[0]!r}?" if close else f"the keys are {allowed}"
         more = f" (and {len(unknown) - 1} more: {unknown[1:]})" if len(unknown) > 1 else ""
-        raise error(f"unknown key {key!r} {where}{more}; {hint}")
+        raise error(f"unknown key {key!r} {preposition} {where}{more}; {hint}")
     missing = sorted(set(required) - set(obj))
     if missing:
         raise error(f"{where}: missing key(s) {missing}; the keys are {allowed}")

@@ -114,12 +114,12 @@ def test_yaml_round_trip_and_defaults(tmp_path):
 
 
 @pytest.mark.parametrize("text,needle", [
-    ("pipelines: [{stages: [{ranks: [0], layers: [0, 4], tp: 2}]}]", "unknown key(s) ['tp']"),
+    ("pipelines: [{stages: [{ranks: [0], layers: [0, 4], tp: 2}]}]", "unknown key 'tp' in pipeline 0 stage 0"),
     ("pipelines: [{stages: [{ranks: [0]}]}]", "missing required key 'layers'"),
     ("pipelines: [{stages: [{ranks: [0], layers: [0]}]}]", "layers must be [start, stop)"),
     ("pipelines: [{stages: [{ranks: [a], layers: [0, 4]}]}]", "expected a list of integers"),
     ("pipelines: [\n  - stages: [", "is not valid YAML"),
-    ("pipes: []", "unknown key(s) ['pipes']"),
+    ("pipes: []", "unknown key 'pipes' in plan; did you mean 'pipelines'?"),
 ])
 def test_malformed_plan_files(tmp_path, text, needle):
     path = tmp_path / "bad.yaml"

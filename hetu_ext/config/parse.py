@@ -131,7 +131,7 @@ def load_config_file(path: str, sections: dict[str, type] = SECTIONS) -> dict[st
         raise ValueError(f"--hetu-config {path!r} cannot be read: {exc.strerror}; check the path") from exc
     except yaml.YAMLError as exc:
         raise ValueError(f"--hetu-config {path!r} is not valid YAML: {exc}".replace("\n", " ")) from exc
-    data = check_keys(data or {}, set(sections) | set(LEGACY_TOP_LEVEL), f"in --hetu-config {path!r}")
+    data = check_keys(data or {}, set(sections) | set(LEGACY_TOP_LEVEL), f"--hetu-config {path!r}")
     for key, section in LEGACY_TOP_LEVEL.items():
         if key in data:
             merged = dict(data.get(section) or {})
@@ -140,7 +140,8 @@ def load_config_file(path: str, sections: dict[str, type] = SECTIONS) -> dict[st
     table = _flag_table(sections)
     values: dict[str, Any] = {}
     for section, entries in data.items():
-        entries = check_keys(entries or {}, table[section], f"under {section} in --hetu-config {path!r}")
+        entries = check_keys(entries or {}, table[section], f"{section} in --hetu-config {path!r}",
+                             preposition="under")
         for key, value in entries.items():
             f = table[section][key]
             values[dest_of(f)] = _file_value(f, value, file, f"{section}.{key} in --hetu-config {path!r}")

@@ -31,6 +31,8 @@ from typing import Any
 
 import yaml
 
+from hetu_ext.keys import check_keys
+
 
 @dataclass(frozen=True, kw_only=True)
 class LengthCost:
@@ -141,23 +143,16 @@ _TABLE_KEYS = {"device", "device_memory_bytes", "note", "per_tp"}
 _COST_KEYS = {f.name for f in fields(LengthCost)}
 
 
-def _check_keys(obj: Any, allowed: set[str], where: str) -> dict:
-    if not isinstance(obj, dict):
-        raise TypeError(f"{where}: expected a mapping with keys {sorted(allowed)}, got {type(obj).__name__}")
-    unknown = sorted(map(str, set(obj) - allowed))
-    if unknown:
-        raise ValueError(f"{where}: unknown key(s) {unknown}; allowed keys are {sorted(allowed)}")
-    return obj
-
 
 def cost_table_from_dict(data: Any, where: str = "cost table") -> CostTable:
     """Build a CostTable from its YAML mapping; unknown keys are rejected naming the allowed ones."""
-    data = _check_keys(data, _TABLE_KEYS, where)
-    per_tp_raw = _check_keys(data.get("per_tp"), set(data.get("per_tp") or {}), f"{where} per_tp")
+    data = check_keys(data, _TABLE_KEYS, where, type_error=TypeError)
+    per_tp_raw = check_keys(data.get("per_tp"), set(data.get("per_tp") or {}), f"{where} per_tp",
+                            type_error=TypeError)
     per_tp = {}
     for tp, raw in per_tp_raw.items():
         here = f"{where} per_tp[{tp}]"
-        raw = _check_keys(raw, _COST_KEYS, here)
+        raw = check_keys(raw, _COST_KEYS, here, type_error=TypeError)
         if not {"a", "b"} <= set(raw):
             raise ValueError(f"{here}: 'a' and 'b' are required, got keys {sorted(raw)}")
         try:

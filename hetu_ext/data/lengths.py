@@ -34,6 +34,8 @@ from typing import Any
 
 import numpy as np
 
+from hetu_ext.keys import check_keys
+
 
 class LengthFileError(ValueError):
     """A length file that is missing, empty or malformed; the message names the file, the line and the fix."""
@@ -144,10 +146,7 @@ def parse_length_spec(spec: str | Mapping[str, Any]) -> FileLengths | LognormalL
     if mode not in _FORMS:
         raise ValueError(f"length spec: 'mode' must be one of {sorted(_FORMS)}, got {mode!r}")
     allowed = _FORMS[mode]
-    unknown, missing = sorted(set(spec) - allowed), sorted(allowed - set(spec))
-    if unknown or missing:
-        raise ValueError(f"length spec (mode {mode!r}): unknown key(s) {unknown}, missing key(s) {missing}; "
-                         f"the keys are exactly {sorted(allowed)}")
+    check_keys(spec, allowed, f"the length spec (mode {mode!r})", required=allowed)
     if mode == "file":
         return FileLengths(path=str(spec["path"]))
     if spec["type"] != "lognormal":

@@ -138,7 +138,8 @@ class Trainer:
         cfg = self.config
         train_iters, save_dir, save_interval = cfg.training.train_iters, cfg.checkpoint.save, cfg.checkpoint.save_interval
         data = None
-        window_start, window_iters, window_tokens = time.perf_counter(), 0, 0
+        window: list[dict] = []  # the step records since the last log line
+        step_start = time.perf_counter()  # a step's time runs from the previous step's end (data and saves included)
         while self.iteration < train_iters:
             placement = self.placement
             replan = None
@@ -154,19 +155,17 @@ class Trainer:
             else:
                 if data is None:
                     data = self._open_data()
-                step_start = time.perf_counter()
                 loss, grad_norm, replan, samples, tokens, packing = self._step(data, log)
-                step_s = time.perf_counter() - step_start
-                window_iters += 1
-                window_tokens += tokens
-                record = self._step_record(loss=loss, grad_norm=grad_norm, samples=samples, tokens=tokens,
-                                           step_s=step_s, consumed=self._consumed(data, samples), packing=packing)
+                step_s, step_start = time.perf_counter() - step_start, time.perf_counter()
+                window.append(self._step_record(loss=loss, grad_norm=grad_norm, samples=samples, tokens=tokens,
+                                                step_s=step_s, consumed=self._consumed(data, samples),
+                                                packing=packing))
                 if self.iteration % cfg.logging.log_interval == 0 or self.iteration == train_iters:
-                    elapsed = (time.perf_counter() - window_start) / window_iters
-                    if self.host.rank == self.log_rank:
-                        log(format_log_line({**record, "step_ms": elapsed * 1e3,
-                                             "tokens_per_s": window_tokens / (elapsed * window_iters)}))
-                    window_start, window_iters, window_tokens = time.perf_counter(), 0, 0
+                    if self.host.rank == self.log_rank:  # Megatron-LM's line: the window's mean step time
+                        seconds = sum(r["step_ms"] for r in window) / 1e3
+                        log(format_log_line({**window[-1], "step_ms": seconds * 1e3 / len(window),
+                                             "tokens_per_s": sum(r["tokens"] for r in window) / seconds}))
+                    window = []
                 if save_dir and save_interval and self.iteration % save_interval == 0:
                     checkpointing.save(self, save_dir)
             if self.migrations and self.migrations[0][0] == self.iteration:
@@ -178,7 +177,7 @@ class Trainer:
                 if isinstance(data, PackedSteps):
                     data.close()
                 data = None
-                window_start, window_iters, window_tokens = time.perf_counter(), 0, 0  # migrating is no step
+                window, step_start = [], time.perf_counter()  # migrating is no step
         if save_dir and self.placement.active and (not save_interval or self.iteration % save_interval):
             checkpointing.save(self, save_dir)
         if isinstance(data, PackedSteps):
@@ -361,8 +360,8 @@ def _transformer_layers(model) -> list:
     return [m for m in model.modules() if isinstance(m, TransformerLayer)]
 
 
-def _straggler_monitor(straggler: StragglerConfig, micro_batch: int, spec: ModelSpec, plan: Plan, h: host.Host,
-                       placement: Placement, metrics: MetricsWriter | None):
+def _straggler_monitor(straggler: StragglerConfig, micro_batch: int, log_interval: int, spec: ModelSpec, plan: Plan,
+                       h: host.Host, placement: Placement, metrics: MetricsWriter | None):
     """The straggler monitor (on every rank, idle ones too), or None when --hetu-straggler-interval is 0."""
     if not straggler.interval:
         return None
@@ -371,7 +370,8 @@ def _straggler_monitor(straggler: StragglerConfig, micro_batch: int, spec: Model
         policy=StragglerPolicy(threshold=straggler.threshold, min_change=straggler.min_change,
                                window=straggler.window),
         events=parse_schedule(straggler.emulate_slowdown or ""),
-        gpus_per_node=straggler.gpus_per_node or h.world_size, replan_output=straggler.replan_output)
+        gpus_per_node=straggler.gpus_per_node or h.world_size, replan_output=straggler.replan_output,
+        log_interval=log_interval)
     monitor.metrics = metrics
     if straggler.emulate_layer_ms:
         monitor.timer.nominal_s = straggler.emulate_layer_ms / 1e3
@@ -469,8 +469,8 @@ def build_trainer(config: RunConfig) -> Trainer:
                                   vocab_size=spec.padded_vocab_size, seq_length=spec.seq_length)
     trainer = Trainer(config=config, spec=spec, plan=plan, host=h, placement=placement, scheduler=scheduler,
                       dataset=dataset,
-                      monitor=_straggler_monitor(config.straggler, training.micro_batch_size, spec, plan, h,
-                                                 placement, metrics),
+                      monitor=_straggler_monitor(config.straggler, training.micro_batch_size,
+                                                 config.logging.log_interval, spec, plan, h, placement, metrics),
                       numerics=numerics, migrations=migrations, documents=documents, metrics=metrics,
                       flops_per_token=flops)
     if config.checkpoint.load:

@@ -21,21 +21,14 @@ from typing import Any
 
 import yaml
 
+from hetu_ext.keys import check_keys
+
 from .plan import Pipeline, Plan, PlanError, Stage
 
 _PLAN_KEYS = {"pipelines", "unused_ranks"}
 _PIPELINE_KEYS = {"stages", "num_microbatches"}
 _STAGE_KEYS = {"ranks", "layers", "has_embedding", "has_output"}
 
-
-def _check_keys(obj: Any, allowed: set[str], where: str) -> dict:
-    if not isinstance(obj, dict):
-        raise PlanError(f"{where}: expected a mapping with keys {sorted(allowed)}, got {type(obj).__name__} "
-                        f"{obj!r}")
-    unknown = sorted(set(obj) - allowed)
-    if unknown:
-        raise PlanError(f"{where}: unknown key(s) {unknown}; allowed keys are {sorted(allowed)}")
-    return obj
 
 
 def _int_list(value: Any, where: str) -> list[int]:
@@ -47,19 +40,19 @@ def _int_list(value: Any, where: str) -> list[int]:
 
 def plan_from_dict(data: Any) -> Plan:
     """Build a Plan from its YAML mapping (structure only; call ``Plan.validate`` for the rules)."""
-    data = _check_keys(data, _PLAN_KEYS, "plan")
+    data = check_keys(data, _PLAN_KEYS, "plan", error=PlanError)
     if "pipelines" not in data or not isinstance(data["pipelines"], list):
         raise PlanError("plan: 'pipelines' must be a list of pipelines; see configs/plans/*.yaml for examples")
     pipelines = []
     for i, p in enumerate(data["pipelines"]):
-        p = _check_keys(p, _PIPELINE_KEYS, f"pipeline {i}")
+        p = check_keys(p, _PIPELINE_KEYS, f"pipeline {i}", error=PlanError)
         stages_raw = p.get("stages")
         if not isinstance(stages_raw, list) or not stages_raw:
             raise PlanError(f"pipeline {i}: 'stages' must be a non-empty list, got {stages_raw!r}")
         stages = []
         for j, s in enumerate(stages_raw):
             where = f"pipeline {i} stage {j}"
-            s = _check_keys(s, _STAGE_KEYS, where)
+            s = check_keys(s, _STAGE_KEYS, where, error=PlanError)
             for key in ("ranks", "layers"):
                 if key not in s:
                     raise PlanError(f"{where}: missing required key {key!r}")
