@@ -1,4 +1,4 @@
-"""kill -9 during saves: whatever instant a writer dies, the job resumes from the newest complete checkpoint with
+"""kill -9 during saves: whatever instant a writer dies, the job resumes from the checkpoint the tracker names with
 exactly the state that was saved, and nothing half-written is ever taken for a checkpoint.
 
 60 trials, 3 writer processes (forked, a small state), continuing one checkpoint directory from trial to trial
@@ -103,15 +103,18 @@ def _writer(root: str, rank: int, trial: int, start: int, kill_at: int | None, s
 
 
 def _resume(root) -> int:
-    """What a restarted job loads: the newest complete checkpoint, checked against the state of its iteration."""
+    """What a restarted job loads: the checkpoint the tracker names (the newest complete one without a tracker;
+    a kill between a commit's rename and its tracker move leaves the tracker on the previous one, as in
+    Megatron-LM), checked against the state of its iteration."""
     storage = LocalStorage(root)
     order = candidates(storage, fallback=False)
     if not order:
         return 0
     manifest = read_manifest(storage, order[0])
     it = manifest.iteration
-    assert it == max(complete_iterations(storage))
-    assert latest_iteration(storage) in complete_iterations(storage)  # the pointer names only committed ones
+    tracked = latest_iteration(storage)
+    assert it == (tracked if tracked is not None else max(complete_iterations(storage)))
+    assert tracked is None or tracked in complete_iterations(storage)  # the pointer names only committed ones
     assert manifest.consumed_samples == 8 * it and manifest.state == {"iteration": it}
     assert manifest.rng == {str(r): {"rank": r, "iteration": it} for r in range(WRITERS)}
     back = ShardReader(storage, manifest).read_full()

@@ -2,14 +2,16 @@
 
 * ``inspect PATH``: iteration, data position, the saving plan, files and tensors (shape, dtype, shard count).
 * ``verify PATH [--all]``: the manifest's checksum, every file's size and header, every shard's CRC-32; with
-  ``--all`` every committed checkpoint under the directory. Prints one ``OK`` line per checkpoint.
+  ``--all`` every committed checkpoint under the directory. Prints one line per checkpoint, ``OK`` or ``BAD``
+  with the error; exit code 2 if any is bad.
 * ``convert PATH OUT.safetensors [--kind param]``: one plain safetensors file of full tensors (one kind:
   ``param``, ``master``, ``exp_avg``, ``exp_avg_sq``), per-layer names ``decoder.layers.3.mlp...``.
 * ``convert PATH OUTDIR --to torch_dist``: a Megatron-core dist_checkpointing checkpoint (``OUTDIR/iter_N``).
 * ``convert PATH OUTDIR --to hf-gpt2``: a Hugging Face GPT-2 directory (config.json, model.safetensors) that
   ``GPT2LMHeadModel.from_pretrained`` loads.
 
-PATH is a ``--save`` directory (its latest checkpoint) or one ``iter_NNNNNNN`` directory in it, or a DeepSpeed
+PATH is a ``--save`` directory (the checkpoint its ``latest_checkpointed_iteration.txt`` names, as ``--load``
+reads) or one ``iter_NNNNNNN`` directory in it, or a DeepSpeed
 ZeRO-1/2/3 ``save_checkpoint`` directory (or one of its tags): ``inspect`` and ``convert`` (safetensors, torch_dist)
 read it directly. Bad input
 (missing path, corrupt checkpoint, unknown kind) ends with one ``error:`` line and exit code 2.
@@ -18,6 +20,7 @@ read it directly. Bad input
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -56,6 +59,43 @@ def _describe(m: Manifest) -> list[str]:
     return lines
 
 
+def _size_problems(reader: ShardReader) -> list[str]:
+    """Shard files that are missing or whose size differs from the manifest's (a truncated copy, say)."""
+    out = []
+    for f in reader.manifest.files:
+        path = reader.storage.local_path(f"{reader.directory}/{f.name}")
+        if not os.path.exists(path):
+            out.append(f"{path}: missing shard file (the manifest lists it)")
+        elif os.path.getsize(path) != f.size:
+            out.append(f"{path}: {os.path.getsize(path)} bytes but the manifest says {f.size}: the shard file is "
+                       "truncated or was overwritten")
+    return out
+
+
+def _verify_all(path: str) -> tuple[list[str], list[str]]:
+    """One line per committed checkpoint under ``path``, OK or BAD with its error; and the errors."""
+    storage = LocalStorage(path)
+    iterations = complete_iterations(storage)
+    if not iterations:
+        raise CheckpointError(f"{path}: holds no committed hetu checkpoint")
+    lines, errors = [], []
+    for iteration in iterations:
+        try:
+            manifest = read_manifest(storage, iteration)
+            checked = ShardReader(storage, manifest).verify()
+        except CheckpointError as e:
+            lines.append(f"BAD: iteration {iteration}: {e}")
+            errors.append(f"iteration {iteration}")
+            continue
+        lines.append(_ok(manifest, checked))
+    return lines, errors
+
+
+def _ok(manifest: Manifest, checked: int) -> str:
+    return (f"OK: iteration {manifest.iteration}: manifest, {len(manifest.files)} file(s) and "
+            f"{sum(len(t.shards) for t in manifest.tensors)} shard(s) ({checked / 2**20:.2f} MiB) verified")
+
+
 def _export_name(name: str, index: tuple[int, ...]) -> str:
     key = name.split("/", 1)[1]
     if index and key.startswith("decoder.layers."):
@@ -63,58 +103,53 @@ def _export_name(name: str, index: tuple[int, ...]) -> str:
     return key
 
 
-def run(args: argparse.Namespace) -> list[str]:
+def run(args: argparse.Namespace) -> tuple[list[str], str | None]:
+    """The lines to print, and an error (one line) when the command found a bad checkpoint after printing."""
     from .deepspeed_zero import cli_lines, is_deepspeed
 
     if Path(args.path).is_dir() and is_deepspeed(args.path):  # DeepSpeed ZeRO: no offline step either
         return cli_lines(args.command, args.path, getattr(args, "output", None), getattr(args, "kind", "param"),
-                         getattr(args, "to", "safetensors"))
+                         getattr(args, "to", "safetensors")), None
     if args.command == "verify" and args.all:
-        storage = LocalStorage(args.path)
-        iterations = complete_iterations(storage)
-        if not iterations:
-            raise CheckpointError(f"{args.path}: holds no committed hetu checkpoint")
-    else:
-        storage, iteration = _locate(args.path)
-        iterations = [iteration]
-    out = []
-    for iteration in iterations:
-        manifest = read_manifest(storage, iteration)
-        reader = ShardReader(storage, manifest)
-        if args.command == "inspect":
-            out += _describe(manifest)
-        elif args.command == "verify":
-            checked = reader.verify()
-            out.append(f"OK: iteration {iteration}: manifest, {len(manifest.files)} file(s) and "
-                       f"{sum(len(t.shards) for t in manifest.tensors)} shard(s) ({checked / 2**20:.2f} MiB) verified")
-        elif args.to == "torch_dist":
-            from .torch_dist import export
+        lines, bad = _verify_all(args.path)
+        error = f"{len(bad)} of {len(lines)} checkpoint(s) failed verification ({', '.join(bad)})" if bad else None
+        return lines, error
+    storage, iteration = _locate(args.path)
+    manifest = read_manifest(storage, iteration)
+    reader = ShardReader(storage, manifest)
+    if args.command == "inspect":
+        problems = _size_problems(reader)
+        lines = _describe(manifest) + [f"BAD: {p}" for p in problems]
+        return lines, (f"iteration {iteration}: {len(problems)} shard file(s) do not match the manifest; "
+                       f"'verify' checks every checksum") if problems else None
+    if args.command == "verify":
+        return [_ok(manifest, reader.verify())], None
+    if args.to == "torch_dist":
+        from .torch_dist import export
 
-            count = export(reader.read_full(), args.output, iteration=iteration,
-                           optimizer_step=manifest.state.get("optimizer_step"))
-            out.append(f"wrote a dist_checkpointing checkpoint ({count} tensors, iteration {iteration}) to "
-                       f"{args.output}")
-        elif args.to == "hf-gpt2":
-            from .hf import write_gpt2
+        count = export(reader.read_full(), args.output, iteration=iteration,
+                       optimizer_step=manifest.state.get("optimizer_step"))
+        return [f"wrote a dist_checkpointing checkpoint ({count} tensors, iteration {iteration}) to "
+                f"{args.output}"], None
+    if args.to == "hf-gpt2":
+        from .hf import write_gpt2
 
-            heads = manifest.config.get("num_attention_heads")
-            if not heads:
-                raise CheckpointError(f"{args.path}: the manifest records no num_attention_heads; it was not saved "
-                                      "by pretrain_gpt.py, so the GPT-2 layout is unknown")
-            params = reader.read_full({t.name for t in manifest.tensors if t.name.startswith("param/")})
-            count = write_gpt2(args.output, params, num_attention_heads=int(heads))
-            out.append(f"wrote a GPT-2 model ({count} tensors, iteration {iteration}) to {args.output}")
-        else:
-            kinds = sorted({t.name.split("/", 1)[0] for t in manifest.tensors})
-            if args.kind not in kinds:
-                raise CheckpointError(f"--kind {args.kind}: the checkpoint holds {kinds}; pick one of them")
-            from safetensors.torch import save_file
+        heads = manifest.config.get("num_attention_heads")
+        if not heads:
+            raise CheckpointError(f"{args.path}: the manifest records no num_attention_heads; it was not saved "
+                                  "by pretrain_gpt.py, so the GPT-2 layout is unknown")
+        params = reader.read_full({t.name for t in manifest.tensors if t.name.startswith("param/")})
+        count = write_gpt2(args.output, params, num_attention_heads=int(heads))
+        return [f"wrote a GPT-2 model ({count} tensors, iteration {iteration}) to {args.output}"], None
+    kinds = sorted({t.name.split("/", 1)[0] for t in manifest.tensors})
+    if args.kind not in kinds:
+        raise CheckpointError(f"--kind {args.kind}: the checkpoint holds {kinds}; pick one of them")
+    from safetensors.torch import save_file
 
-            full = reader.read_full({t.name for t in manifest.tensors if t.name.startswith(args.kind + "/")})
-            tensors = {_export_name(name, index): t for (name, index), t in full.items()}
-            save_file(tensors, args.output, metadata={"iteration": str(iteration), "kind": args.kind})
-            out.append(f"wrote {len(tensors)} tensors ({args.kind}, iteration {iteration}) to {args.output}")
-    return out
+    full = reader.read_full({t.name for t in manifest.tensors if t.name.startswith(args.kind + "/")})
+    tensors = {_export_name(name, index): t for (name, index), t in full.items()}
+    save_file(tensors, args.output, metadata={"iteration": str(iteration), "kind": args.kind})
+    return [f"wrote {len(tensors)} tensors ({args.kind}, iteration {iteration}) to {args.output}"], None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,10 +168,16 @@ def main(argv: list[str] | None = None) -> int:
                          help="safetensors: one file of full tensors; torch_dist: Megatron's dist_checkpointing; "
                               "hf-gpt2: a Hugging Face GPT-2 directory")
     args = parser.parse_args(argv)
+    from hetu_ext.hostlog import quiet_host_frameworks
+
+    quiet_host_frameworks()  # DeepSpeed folders import DeepSpeed (and through it Apex / Transformer Engine probes)
     try:
-        lines = run(args)
+        lines, error = run(args)
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print("\n".join(lines))
+    print("\n".join(lines), flush=True)
+    if error is not None:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     return 0

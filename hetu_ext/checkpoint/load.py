@@ -27,7 +27,7 @@ import torch.distributed as dist
 from hetu_ext.runtime.reshard import Piece, reshard
 
 from .manifest import CheckpointError, Manifest
-from .reader import ShardReader, candidates, read_manifest
+from .reader import ShardReader, candidates, latest_iteration, read_manifest
 from .selection import assign_reads, intersect
 from .shardfile import BY_NAME, DTYPES
 from .storage import Storage
@@ -106,6 +106,18 @@ def _agree(error: str | None, world: int, group) -> list[str]:
     return sorted({e for e in errors if e})
 
 
+def _failure(storage: Storage, order: list[int], errors: list[str], fallback: bool) -> str:
+    """The one error of a load that found no usable checkpoint, with the fallback hint only where it helps."""
+    if fallback:
+        if len(order) == 1:
+            return f"{errors[0]}; no older complete checkpoint of this run to fall back to"
+        tried = ", ".join(map(str, order))
+        return f"no usable checkpoint (tried iterations {tried}): " + "; ".join(errors)
+    older = candidates(storage, fallback=True)[1:]
+    hint = f"; --hetu-ckpt-fallback loads the previous complete one (iteration {older[0]})" if older else ""
+    return errors[0] + hint
+
+
 READ_POLICIES = ("node", "once")
 """How shards are read on load: ``node`` (each host reads what its ranks need, no network traffic) or ``once``
 (each shard read by one rank of the job, then sent point to point: the least filesystem traffic)."""
@@ -127,6 +139,9 @@ def load_pieces(storage: Storage, destinations: list[Piece] | Callable[[Manifest
     if not order:
         raise CheckpointError(f"{storage.local_path('')}: no committed checkpoint (no "
                               "latest_checkpointed_iteration.txt); check the --load directory")
+    if rank == 0 and latest_iteration(storage) is None:
+        logger.warning("%s has no latest_checkpointed_iteration.txt: loading the newest committed checkpoint, "
+                       "iteration %d", storage.local_path(""), order[0])
     skipped: list[str] = []
     for iteration in order:
         error, sources, reader, mine = None, [], None, []
@@ -149,13 +164,13 @@ def load_pieces(storage: Storage, destinations: list[Piece] | Callable[[Manifest
                 error = str(e)
             bad = _agree(error, world, group)
         if bad:
-            skipped.append(bad[0])
+            skipped.append("; ".join(bad))
             if fallback and iteration != order[-1]:
-                logger.warning("checkpoint of iteration %d is unusable (%s); falling back to an older one",
-                               iteration, "; ".join(bad))
+                if rank == 0:
+                    logger.warning("checkpoint of iteration %d is unusable (%s); falling back to an older one",
+                                   iteration, "; ".join(bad))
                 continue
-            hint = "" if fallback else "; --hetu-ckpt-fallback loads the previous complete checkpoint"
-            raise CheckpointError("; ".join(bad) + hint)
+            raise CheckpointError(_failure(storage, order, skipped, fallback))
         reshard_start = time.perf_counter()
         report = reshard(sources, mine, group=group)
         end = time.perf_counter()

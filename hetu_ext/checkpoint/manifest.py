@@ -94,6 +94,9 @@ class Manifest:
     """Small training state: LR scheduler, Adam step, losses so far."""
     rng: dict[str, Any] = field(default_factory=dict)
     """Per writing rank (its rank as a string): RNG states."""
+    run_id: str | None = None
+    """The identity of the run that wrote it (a run resumed from a checkpoint keeps that checkpoint's); retention
+    deletes only checkpoints of its own run. None: written before run identities existed, or by a tool."""
 
     def __post_init__(self) -> None:
         if self.iteration < 0 or (self.consumed_samples is not None and self.consumed_samples < 0):
@@ -122,7 +125,7 @@ def _optional_int(value: Any) -> int | None:
 
 
 def to_bytes(m: Manifest) -> bytes:
-    body = {"format": FORMAT, "version": VERSION, "iteration": m.iteration,
+    body = {"format": FORMAT, "version": VERSION, "run_id": m.run_id, "iteration": m.iteration,
             "consumed_samples": m.consumed_samples, "world_size": m.world_size, "plan": m.plan,
             "config": m.config, "state": m.state, "rng": m.rng,
             "files": [{"name": f.name, "size": f.size, "header_crc32": f.header_crc32} for f in m.files],
@@ -145,8 +148,7 @@ def from_bytes(data: bytes, where: str) -> Manifest:
                               f"v{VERSION}); load it with the hetu_ext release that wrote it")
     if f"{zlib.crc32(text):08x}" != parts[2][6:]:
         raise CheckpointError(f"{where}: checksum mismatch (stored {parts[2][6:]}, computed "
-                              f"{zlib.crc32(text):08x}, {len(text)} bytes): the manifest is truncated or corrupt; "
-                              "use --hetu-ckpt-fallback to load the previous complete checkpoint")
+                              f"{zlib.crc32(text):08x}, {len(text)} bytes): the manifest is truncated or corrupt")
     try:
         body = json.loads(text)
         files = tuple(FileRecord(name=f["name"], size=int(f["size"]), header_crc32=int(f["header_crc32"]))
@@ -158,7 +160,8 @@ def from_bytes(data: bytes, where: str) -> Manifest:
             for t in body["tensors"])
         return Manifest(iteration=int(body["iteration"]), consumed_samples=_optional_int(body["consumed_samples"]),
                         world_size=int(body["world_size"]), plan=body["plan"], config=body["config"],
-                        state=body["state"], rng=body["rng"], files=files, tensors=tensors)
+                        state=body["state"], rng=body["rng"], files=files, tensors=tensors,
+                        run_id=body.get("run_id"))
     except CheckpointError as e:
         raise CheckpointError(f"{where}: {e}") from None
     except (ValueError, KeyError, TypeError) as e:

@@ -18,7 +18,7 @@ from .manifest import CheckpointError, Manifest, ShardRecord, TensorRecord
 from .selection import TensorId
 from .shardfile import BY_NAME, crc32, header_crc32
 from .storage import Storage
-from .writer import TRACKER, checkpoint_name, complete_iterations
+from .writer import TRACKER, UNREADABLE, checkpoint_name, complete_iterations, run_of
 
 
 def latest_iteration(storage: Storage) -> int | None:
@@ -33,26 +33,34 @@ def latest_iteration(storage: Storage) -> int | None:
 
 
 def candidates(storage: Storage, *, fallback: bool) -> list[int]:
-    """Iterations to try, in order: the latest, then (with ``fallback``) older committed ones, newest first.
+    """Iterations to try, in order: the latest, then (with ``fallback``) older committed ones of the same run,
+    newest first.
 
-    The latest is the newest committed directory, or the tracker's iteration if that is newer (its directory
-    then turns out missing: an error, or a fallback). The tracker moves right after the directory's rename, so
-    a crash between the two leaves it one checkpoint behind; the renamed directory is complete all the same.
+    The latest is the tracker's iteration (as in Megatron-LM), whatever other directories exist: a newer one may
+    be another run's, or this run's whose tracker move a crash cut short (the tracker moves right after the
+    directory's rename). If the tracker names a missing or corrupt checkpoint, that is an error, or a fallback.
+    Only without a tracker is the newest committed directory the latest. Older ones written by another run (a
+    different ``run_id`` in a readable manifest) are never fallbacks.
     """
     tracked = latest_iteration(storage)
     complete = complete_iterations(storage)
     if tracked is None and not complete:
         return []
-    latest = max(([tracked] if tracked is not None else []) + complete[-1:])
+    latest = tracked if tracked is not None else complete[-1]
+    if not fallback:
+        return [latest]
+    run = run_of(storage, latest) if latest in complete else UNREADABLE
     older = [it for it in reversed(complete) if it < latest]
-    return [latest] + (older if fallback else [])
+    if run != UNREADABLE:  # the latest's run is known: stay within it
+        older = [it for it in older if run_of(storage, it) in (run, UNREADABLE)]
+    return [latest] + older
 
 
 def read_manifest(storage: Storage, iteration: int) -> Manifest:
     path = f"{checkpoint_name(iteration)}/{mf.MANIFEST}"
     if mf.MANIFEST not in storage.list(checkpoint_name(iteration)):
-        raise CheckpointError(f"{storage.local_path(path)}: missing; iteration {iteration} was never committed or "
-                              "was deleted; use --hetu-ckpt-fallback to load the previous complete checkpoint")
+        raise CheckpointError(f"{storage.local_path(path)}: missing; iteration {iteration} (named by {TRACKER}) "
+                              "was never committed or was deleted")
     manifest = mf.from_bytes(storage.read(path), storage.local_path(path))
     if manifest.iteration != iteration:
         raise CheckpointError(f"{storage.local_path(path)}: manifest says iteration {manifest.iteration}, its "
@@ -87,10 +95,9 @@ class ShardReader:
             size = os.path.getsize(path)
             if size != record.size:
                 raise CheckpointError(f"{path}: {size} bytes but the manifest says {record.size}: the shard file is "
-                                      "truncated or was overwritten; use --hetu-ckpt-fallback")
+                                      "truncated or was overwritten")
             if header_crc32(path) != record.header_crc32:
-                raise CheckpointError(f"{path}: header checksum mismatch: the shard file is corrupt; use "
-                                      "--hetu-ckpt-fallback")
+                raise CheckpointError(f"{path}: header checksum mismatch: the shard file is corrupt")
             try:
                 self._open[file] = safe_open(path, framework="pt")
             except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
@@ -113,8 +120,7 @@ class ShardReader:
         data = view[tuple(slice(None) for _ in shape)] if shape else handle.get_tensor(shard.entry)
         data = data.contiguous()
         if crc32(data) != shard.crc32:
-            raise CheckpointError(f"{path}: entry {shard.entry!r} checksum mismatch: the shard data is corrupt; use "
-                                  "--hetu-ckpt-fallback to load the previous complete checkpoint")
+            raise CheckpointError(f"{path}: entry {shard.entry!r} checksum mismatch: the shard data is corrupt")
         self.bytes_read += data.numel() * data.element_size()
         return data
 

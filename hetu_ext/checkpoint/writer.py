@@ -13,7 +13,8 @@ Per save, on every rank of the saving group:
    part record ``part_RRRRR.json`` (entries, checksums, RNG) through a temporary name and a rename.
 3. (background, rank 0 of the group) once every part record is there: the manifest is written (last, fsynced),
    the directory is renamed to ``iter_NNNNNNN`` (the commit), then ``latest_checkpointed_iteration.txt`` moves
-   through a temporary file and a rename, then retention deletes old checkpoints, never the latest.
+   through a temporary file and a rename, then retention deletes this run's old checkpoints (the manifest's
+   ``run_id``), never the latest and never another run's.
 
 A crash at any point leaves either the previous state (``latest`` untouched, a ``.tmp_*`` directory that the
 next commit removes) or the new checkpoint complete. No collective runs in the background: the commit waits
@@ -49,6 +50,7 @@ logger = logging.getLogger(__name__)
 TRACKER = "latest_checkpointed_iteration.txt"
 """The ``latest`` pointer (Megatron-LM's name): the iteration of the newest committed checkpoint."""
 _ITER = re.compile(r"^iter_(\d{7})$")
+_LEFTOVER = re.compile(r"^\.(?:tmp|old)_iter_(\d{7})_")
 
 
 def checkpoint_name(iteration: int) -> str:
@@ -65,6 +67,9 @@ class SaveConfig:
     """How long rank 0 waits for every rank's part record before giving the save up (seconds)."""
     poll_s: float = 0.01
     """How often rank 0 looks for part records (seconds)."""
+    run_id: str | None = None
+    """The run identity written into every manifest. Retention deletes only checkpoints of this identity, and a
+    commit never replaces another run's checkpoint (None: only checkpoints without one, for tools and tests)."""
 
     def __post_init__(self) -> None:
         if self.keep < 1:
@@ -328,17 +333,22 @@ def commit(storage: Storage, tmp: str, snap: Snapshot, config: SaveConfig) -> No
         iteration=snap.iteration, consumed_samples=info.get("consumed_samples", 0), world_size=snap.world,
         plan=info.get("plan"), config=info.get("config", {}), state=info.get("state", {}),
         rng={str(r): p["rng"] for r, p in enumerate(parts)}, tensors=tensors,
-        files=tuple(FileRecord(**p["file"]) for p in parts))
+        files=tuple(FileRecord(**p["file"]) for p in parts), run_id=config.run_id)
     storage.write(f"{tmp}/{mf.MANIFEST}", [mf.to_bytes(manifest)])
     for r in range(snap.world):  # the manifest holds all they said
         storage.remove(f"{tmp}/part_{r:05d}.json")
     final = checkpoint_name(snap.iteration)
-    if final in storage.list(""):  # a re-save of this iteration (after a fallback): replace the old one
+    if final in storage.list(""):  # a re-save of this iteration (after a fallback): replace this run's old one
+        owner = run_of(storage, snap.iteration)
+        if owner not in (config.run_id, UNREADABLE):
+            raise HetuExtError(f"{storage.local_path(final)} holds a checkpoint of another run (run identity "
+                               f"{owner}, this run's is {config.run_id}), which is never replaced; iteration "
+                               f"{snap.iteration} was not committed; save into another directory")
         storage.rename(final, f".old_{final}_{snap.token}")
     storage.rename(tmp, final)
     storage.write(f"{TRACKER}.tmp", [str(snap.iteration).encode()])
     storage.rename(f"{TRACKER}.tmp", TRACKER)
-    retain(storage, config.keep, snap.iteration)
+    retain(storage, config.keep, snap.iteration, config.run_id)
     logger.info("checkpoint of iteration %d committed (%d ranks, %.1f MiB)", snap.iteration, snap.world,
                 manifest.total_bytes / 2**20)
 
@@ -353,18 +363,37 @@ def complete_iterations(storage: Storage) -> list[int]:
     return sorted(out)
 
 
-def retain(storage: Storage, keep: int, latest: int) -> None:
-    """Delete all but the ``keep`` newest complete checkpoints (never ``latest``) and leftover temporaries of
-    iterations up to ``latest``."""
-    complete = complete_iterations(storage)
-    keep_set = set(complete[-keep:]) | {latest}
-    for it in complete:
+UNREADABLE = "<unreadable manifest>"
+"""What :func:`run_of` says of a checkpoint whose manifest cannot be read (corrupt): no run's, so retention keeps
+it, while a re-save of its iteration (after a fallback) may replace it."""
+
+
+def run_of(storage: Storage, iteration: int) -> str | None:
+    """The run identity in a committed checkpoint's manifest: None if it has none, :data:`UNREADABLE`."""
+    try:
+        return mf.from_bytes(storage.read(f"{checkpoint_name(iteration)}/{mf.MANIFEST}"), "").run_id
+    except (OSError, mf.CheckpointError):
+        return UNREADABLE
+
+
+def retain(storage: Storage, keep: int, latest: int, run_id: str | None = None) -> None:
+    """Delete all but the ``keep`` newest complete checkpoints of run ``run_id`` (never ``latest``, never a
+    checkpoint of another run or with an unreadable manifest) and leftover temporaries of iterations up to
+    ``latest``."""
+    mine = [it for it in complete_iterations(storage) if run_of(storage, it) == run_id]
+    keep_set = set(mine[-keep:]) | {latest}
+    for it in mine:
         if it not in keep_set:
             storage.remove(checkpoint_name(it))
+    remove_leftovers(storage, latest)
+
+
+def remove_leftovers(storage: Storage, latest: int) -> None:
+    """Delete ``.tmp_iter_*`` / ``.old_iter_*`` directories of iterations up to ``latest`` (a failed or replaced
+    save; a temporary directory of a later iteration may belong to a save in flight, so it stays)."""
     for name in storage.list(""):
-        # a temporary directory of a later iteration may belong to a save in flight: leave it
-        stale = name.startswith((".tmp_iter_", ".old_iter_")) and int(name[10:17]) <= latest
-        if stale or (_ITER.match(name) and int(name[5:]) not in complete):
+        m = _LEFTOVER.match(name)
+        if m and int(m.group(1)) <= latest:
             storage.remove(name)
 
 
