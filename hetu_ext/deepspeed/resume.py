@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 
 from hetu_ext.checkpoint import CheckpointError
-from hetu_ext.megatron.checkpointing import MOMENTS, data_settings, state_pieces
+from hetu_ext.megatron.checkpointing import MOMENTS, data_settings, restore_scheduler, state_pieces
 from hetu_ext.runtime.reshard import Piece
 
 logger = logging.getLogger(__name__)
@@ -20,8 +20,9 @@ def load_deepspeed(trainer, directory: str) -> None:
     """A DeepSpeed ZeRO-1/2/3 checkpoint (``DIR/latest`` -> ``DIR/global_stepN``) into any plan (collective over
     every rank): DeepSpeed's flat partitions are rebuilt into full tensors and resharded into this plan's layout
     (hetu_ext/checkpoint/deepspeed_zero.py). The iteration is DeepSpeed's ``global_steps``; losses, LR schedule
-    and data settings come from hetu_ext's client state when the DeepSpeed path of hetu_ext saved it, else the
-    schedule is replayed to the iteration."""
+    and data settings come from hetu_ext's client state when the DeepSpeed path of hetu_ext saved it (the schedule
+    restored by Megatron-LM's rule: checkpointing.restore_scheduler), else the schedule is replayed to the
+    iteration."""
     from hetu_ext.checkpoint.deepspeed_zero import load_resharded as load_ds
     from hetu_ext.checkpoint.deepspeed_zero import read_info
 
@@ -40,13 +41,7 @@ def load_deepspeed(trainer, directory: str) -> None:
                               "with the saved values so that no sample is skipped or repeated")
     trainer.iteration = int(client.get("iteration", info.global_steps))
     trainer.losses = list(client.get("losses", []))
-    if trainer.scheduler is not None:
-        if "scheduler" in client:
-            trainer.scheduler.load_state_dict(client["scheduler"])
-        else:
-            from hetu_ext.megatron.trainer import _scheduler_unit
-
-            trainer.scheduler.step(increment=trainer.iteration * _scheduler_unit(trainer.args, trainer.plan))
+    restore_scheduler(trainer, client.get("scheduler"), str(info.path))
     if trainer.host.rank == 0:
         logger.info("loaded DeepSpeed ZeRO-%d checkpoint %s (saved by %d rank(s)) at iteration %d into the plan "
                     "(%.2f MiB sent by rank 0)", info.zero_stage, info.path, info.world_size, trainer.iteration,

@@ -12,15 +12,26 @@ and each rank's RNG states (restored when the plan is the same; under another pl
 each keeps the RNG its seed gives).
 
 **torch_dist** (Megatron-LM's layout, uniform runtime only): ``DIR/iter_0000004/`` with Megatron's shards and
-``hetu_common.pt``; the tracker written last by rank 0 after every rank finished.
+``hetu_common.pt``, written into ``DIR/.tmp_iter_0000004_<token>/`` and renamed by rank 0 once every rank
+finished (a failed save never leaves a folder that looks like a checkpoint); the tracker moves last. With
+``--use-distributed-optimizer`` the optimizer state is saved as Megatron-LM saves it (``dp_reshardable``: each
+rank's flat ZeRO-1 buckets; it loads into the same TP and PP sizes, any data-parallel size).
 
 ``auto`` (the default) saves hetu, except with ``--use-distributed-optimizer`` (ZeRO-1's flat shards are not
 expressed as pieces yet), where it saves torch_dist. ``--load`` recognises either format by its files.
+
+**Whose checkpoints** (hetu_ext/checkpoint/ownership.py): a run keeps the identity of the checkpoint it resumed
+from, or gets a new one; every checkpoint records it, retention deletes only the run's own, and a ``--save``
+directory holding another run's checkpoints is refused before training unless ``--hetu-ckpt-reuse-dir``.
+The LR schedule of a checkpoint is restored by Megatron-LM's rule (hetu_ext/checkpoint/schedule.py): a setting
+that differs from the flags is an error unless ``--override-opt_param-scheduler`` or
+``--use-checkpoint-opt_param-scheduler`` says which wins.
 """
 
 from __future__ import annotations
 
 import base64
+import dataclasses
 import logging
 import os
 import random
@@ -32,9 +43,18 @@ import torch
 import torch.distributed as dist
 
 from hetu_ext.checkpoint import CheckpointError, LocalStorage
+from hetu_ext.config import CheckpointConfig, ParallelConfig
 from hetu_ext.checkpoint.load import LoadReport, load_pieces
 from hetu_ext.checkpoint.manifest import MANIFEST, Manifest
-from hetu_ext.checkpoint.writer import Checkpointer, SaveConfig, checkpoint_name
+from hetu_ext.checkpoint.ownership import (
+    TORCH_DIST_COMMON,
+    check_save_dir,
+    checkpoints_in,
+    new_run_id,
+    planned_saves,
+)
+from hetu_ext.checkpoint.schedule import resolve_schedule
+from hetu_ext.checkpoint.writer import Checkpointer, SaveConfig, checkpoint_name, remove_leftovers
 from hetu_ext.data.assign import global_batch_size
 from hetu_ext.plan import PlanError, plan_to_dict
 from hetu_ext.runtime.reshard import Piece
@@ -50,17 +70,16 @@ _CHECKPOINTERS: dict[str, Checkpointer] = {}
 """One asynchronous checkpointer per save directory in this process (its background save outlives a call)."""
 
 
-def save_format(args) -> str:
+def save_format(checkpoint: CheckpointConfig, parallel: ParallelConfig) -> str:
     """The format ``--save`` writes: ``hetu`` or ``torch_dist`` (``auto`` resolved)."""
-    fmt = getattr(args, "hetu_ckpt_format", "auto")
-    if fmt == "auto":
-        return "torch_dist" if args.use_distributed_optimizer else "hetu"
-    return fmt
+    if checkpoint.format == "auto":
+        return "torch_dist" if parallel.use_distributed_optimizer else "hetu"
+    return checkpoint.format
 
 
-def check_plan_runtime(args) -> None:
+def check_plan_runtime(checkpoint: CheckpointConfig, parallel: ParallelConfig) -> None:
     """The plan runtime saves the hetu format only (dist_checkpointing needs parallel_state's uniform grid)."""
-    if args.save and save_format(args) == "torch_dist":
+    if checkpoint.save and save_format(checkpoint, parallel) == "torch_dist":
         raise PlanError("--hetu-ckpt-format torch_dist runs on Megatron's uniform runtime only; this plan runs on "
                         "the plan runtime, so save with --hetu-ckpt-format hetu (or auto)")
 
@@ -81,16 +100,10 @@ def state_pieces(placement, *, moments: set[str] | None = None, step: float | No
     """
     if not placement.active:
         return []
-    states = {}
-    for opt in _optimizers(placement.optimizer):
-        for group in opt.param_groups:
-            for p in group["params"]:
-                if moments is not None:
-                    state = {m: torch.zeros_like(p.data) for m in moments}
-                    if step is not None:
-                        state["step"] = torch.tensor(float(step), dtype=torch.float32)
-                    opt.state[p] = state
-                states[id(p)] = opt.state.get(p, {})
+    if moments is not None:
+        create_optimizer_state(placement, moments, step)
+    states = {id(p): opt.state.get(p, {}) for opt in _optimizers(placement.optimizer)
+              for group in opt.param_groups for p in group["params"]}
     pieces = []
     for s in local_shards(placement.model, **placement.shard_kwargs):
         box = tuple((sl.start, sl.stop) for sl in s.slices)
@@ -101,6 +114,18 @@ def state_pieces(placement, *, moments: set[str] | None = None, step: float | No
         state = states.get(id(main if main is not None else s.data), {})
         pieces.extend(Piece(f"{m}/{s.key}", s.index, box, state[m]) for m in MOMENTS if m in state)
     return pieces
+
+
+def create_optimizer_state(placement, moments: set[str], step: float | None) -> None:
+    """Give every parameter of this rank's optimizer the state ``moments`` (zeros, to be filled by a load) and
+    Adam's ``step``."""
+    for opt in _optimizers(placement.optimizer):
+        for group in opt.param_groups:
+            for p in group["params"]:
+                state = {m: torch.zeros_like(p.data) for m in moments}
+                if step is not None:
+                    state["step"] = torch.tensor(float(step), dtype=torch.float32)
+                opt.state[p] = state
 
 
 def optimizer_step(placement) -> float | None:
@@ -167,20 +192,119 @@ def _json_safe(value: Any) -> Any:
 def data_settings(trainer) -> dict[str, Any]:
     """What fixes the samples of step g (the data position is the iteration): changing any of them on resume
     would skip or repeat samples."""
-    args = trainer.args
-    return {"global_batch_size": global_batch_size(trainer.plan, args.micro_batch_size), "seed": args.seed,
-            "seq_length": args.seq_length, "split": args.split,
-            "mock_data": bool(args.mock_data), "packing": getattr(args, "hetu_packing", None),
-            "global_batch_tokens": getattr(args, "hetu_global_batch_tokens", None)}
+    cfg = trainer.config
+    return {"global_batch_size": global_batch_size(trainer.plan, cfg.training.micro_batch_size),
+            "seed": cfg.training.seed, "seq_length": cfg.model.seq_length, "split": cfg.data.split,
+            "mock_data": bool(cfg.data.mock_data), "packing": cfg.packing.method,
+            "global_batch_tokens": cfg.packing.global_batch_tokens}
 
 
 def _checkpointer(trainer, directory: str) -> Checkpointer:
     key = os.path.abspath(directory)
     if key not in _CHECKPOINTERS:
+        run_id = _RUNS[key] if key in _RUNS else prepare_save(trainer, directory, trainer.placement.report_group)
         Path(key).mkdir(parents=True, exist_ok=True)
-        keep = getattr(trainer.args, "hetu_ckpt_keep", 2)
-        _CHECKPOINTERS[key] = Checkpointer(LocalStorage(key), SaveConfig(keep=keep))
+        keep = trainer.config.checkpoint.keep
+        _CHECKPOINTERS[key] = Checkpointer(LocalStorage(key), SaveConfig(keep=keep, run_id=run_id))
     return _CHECKPOINTERS[key]
+
+
+# ---------------------------------------------------------------- run identity and the --save directory
+
+_RUNS: dict[str, str | None] = {}
+"""Save directory (absolute) -> this run's identity, decided once by :func:`prepare_save`."""
+_LOADED_RUN: dict[str, str | None] = {}
+"""Load directory (absolute) -> the run identity of the checkpoint loaded from it (None: it records none)."""
+
+
+def _group_src(group) -> int:
+    return 0 if group is None else dist.get_global_rank(group, 0)
+
+
+def prepare_save(trainer, directory: str, group=None) -> str | None:
+    """This run's identity, and the check that it may save into ``directory``; before training, after any load
+    (collective over ``group``, default every rank: its rank 0 decides, every rank raises the same one-line
+    :class:`CheckpointError`).
+
+    The identity is the loaded checkpoint's, so that a resumed run stays the same run (a checkpoint that records
+    none, resumed in place, keeps none); otherwise rank 0 makes a new one."""
+    decision: list = [None, None]
+    if dist.get_rank(group) == 0:
+        try:
+            decision = _decide_save(trainer, directory)
+        except Exception as e:  # noqa: BLE001 - every rank must learn of rank 0's failure, not wait for it
+            decision = [None, f"--save {directory}: cannot check the directory ({type(e).__name__}: {e})"]
+    dist.broadcast_object_list(decision, src=_group_src(group), group=group)
+    run_id, error = decision
+    if error is not None:
+        raise CheckpointError(error)
+    _RUNS[os.path.abspath(directory)] = run_id
+    return run_id
+
+
+def _decide_save(trainer, directory: str) -> list:
+    ckpt = trainer.config.checkpoint
+    load = os.path.abspath(ckpt.load) if ckpt.load else None
+    resumed = load in _LOADED_RUN
+    run_id = _LOADED_RUN.get(load) if resumed else None
+    if run_id is None and not (resumed and load == os.path.abspath(directory)):
+        run_id, resumed = new_run_id(), False
+    planned = planned_saves(trainer.iteration, trainer.config.training.train_iters, ckpt.save_interval)
+    error, foreign = check_save_dir(directory, run_id, resumed=resumed, reuse=ckpt.reuse_dir, planned=planned)
+    if foreign and error is None:
+        logger.warning("--save %s: %d checkpoint(s) of other runs stay untouched beside this run's "
+                       "(--hetu-ckpt-reuse-dir): %s", directory, len(foreign), ", ".join(f.name for f in foreign))
+    return [run_id, error]
+
+
+# ---------------------------------------------------------------- the LR schedule of a checkpoint
+
+
+def scheduler_settings(training, unit: int) -> dict[str, Any]:
+    """``OptimizerParamScheduler``'s settings from the flags (``training``: the TrainingConfig), steps counted in
+    ``unit`` per iteration (samples, as Megatron-LM counts; 1 with packing)."""
+    decay_iters = training.lr_decay_iters or training.train_iters
+    return {"max_lr": float(training.lr), "min_lr": float(training.min_lr),
+            "lr_warmup_steps": training.lr_warmup_iters * unit, "lr_decay_steps": decay_iters * unit,
+            "lr_decay_style": training.lr_decay_style, "start_wd": float(training.weight_decay),
+            "end_wd": float(training.weight_decay), "wd_incr_steps": decay_iters * unit, "wd_incr_style": "constant"}
+
+
+def schedule_policy(training) -> str:
+    """``override`` (--override-opt_param-scheduler), ``checkpoint`` (--use-checkpoint-opt_param-scheduler) or
+    ``check`` (Megatron-LM's default: a difference is an error)."""
+    if training.override_opt_param_scheduler:
+        return "override"
+    return "checkpoint" if training.use_checkpoint_opt_param_scheduler else "check"
+
+
+def restore_scheduler(trainer, saved: dict[str, Any] | None, where: str) -> None:
+    """Set the LR schedule from a loaded checkpoint's (``saved``: its ``state_dict()``), by Megatron-LM's rule.
+
+    Every rank calls this (idle ones too, with no scheduler), after ``trainer.iteration`` is set, so a refusal
+    is raised everywhere at once. Without a saved schedule the flags' schedule is replayed to the iteration.
+    With --use-checkpoint-opt_param-scheduler the run's training config takes the checkpoint's schedule, so a
+    scheduler built later from it (a migration) agrees."""
+    from .trainer import scheduler_unit
+
+    training = trainer.config.training
+    unit = scheduler_unit(training, trainer.config.packing, trainer.plan)
+    if saved is None:
+        if trainer.scheduler is not None:
+            trainer.scheduler.step(increment=trainer.iteration * unit)
+        return
+    policy = schedule_policy(training)
+    state = resolve_schedule(saved, scheduler_settings(training, unit), policy=policy, unit=unit, where=where)
+    if policy == "checkpoint":
+        changes = {"lr": state["max_lr"], "min_lr": state["min_lr"], "lr_decay_style": state["lr_decay_style"]}
+        if state["start_wd"] == state["end_wd"]:
+            changes["weight_decay"] = state["start_wd"]
+        for key, name in (("lr_warmup_steps", "lr_warmup_iters"), ("lr_decay_steps", "lr_decay_iters")):
+            if state[key] % unit == 0:
+                changes[name] = state[key] // unit
+        trainer.config = dataclasses.replace(trainer.config, training=dataclasses.replace(training, **changes))
+    if trainer.scheduler is not None:
+        trainer.scheduler.load_state_dict(state)
 
 
 def save_hetu(trainer, directory: str, *, blocking: bool | None = None) -> Checkpointer:
@@ -188,11 +312,11 @@ def save_hetu(trainer, directory: str, *, blocking: bool | None = None) -> Check
     training, so the last checkpoint is committed before the job exits)."""
     placement = trainer.placement
     if blocking is None:
-        blocking = trainer.iteration >= trainer.args.train_iters
+        blocking = trainer.iteration >= trainer.config.training.train_iters
     data = data_settings(trainer)
     packed = data["packing"] not in (None, "off")
     info = {"consumed_samples": None if packed else trainer.iteration * data["global_batch_size"],
-            "plan": plan_to_dict(trainer.plan), "config": _json_safe(vars(trainer.args)),
+            "plan": plan_to_dict(trainer.plan), "config": _json_safe(trainer.config.to_flat_dict()),
             "state": {"scheduler": _json_safe(trainer.scheduler.state_dict()), "losses": list(trainer.losses),
                       "optimizer_step": optimizer_step(placement), "data": data}}
     ckpt = _checkpointer(trainer, directory)
@@ -209,7 +333,7 @@ def load_hetu(trainer, directory: str) -> LoadReport:
     """Collective over every rank (idle ones take part with nothing to fill); returns what was read."""
     storage = LocalStorage(directory)
     placement = trainer.placement
-    fallback = bool(getattr(trainer.args, "hetu_ckpt_fallback", False))
+    fallback = trainer.config.checkpoint.fallback
 
     def destinations(manifest: Manifest) -> list[Piece]:
         kinds = {t.name.split("/", 1)[0] for t in manifest.tensors}
@@ -217,7 +341,7 @@ def load_hetu(trainer, directory: str) -> LoadReport:
         moments = {m for m in MOMENTS if m in kinds} if step is not None else None
         return state_pieces(placement, moments=moments, step=step)
 
-    report = load_pieces(storage, destinations, fallback=fallback, read=getattr(trainer.args, "hetu_ckpt_read", "node"))
+    report = load_pieces(storage, destinations, fallback=fallback, read=trainer.config.checkpoint.read)
     manifest = report.manifest
     saved, now = manifest.state.get("data", {}), data_settings(trainer)
     changed = {k: (saved.get(k), v) for k, v in now.items() if saved.get(k) != v}
@@ -227,8 +351,8 @@ def load_hetu(trainer, directory: str) -> LoadReport:
                               f"{manifest.iteration + 1} reads the samples that follow, none skipped or repeated")
     trainer.iteration = manifest.iteration
     trainer.losses = list(manifest.state.get("losses", []))
-    if trainer.scheduler is not None:
-        trainer.scheduler.load_state_dict(manifest.state["scheduler"])
+    restore_scheduler(trainer, manifest.state.get("scheduler"), f"checkpoint iteration {manifest.iteration}")
+    _LOADED_RUN[os.path.abspath(directory)] = manifest.run_id
     if manifest.plan == plan_to_dict(trainer.plan):
         mine = [r for r in manifest.rng.values() if r.get("rank") == trainer.host.rank]
         if mine:
@@ -247,18 +371,18 @@ def load_hetu(trainer, directory: str) -> LoadReport:
 
 def save(trainer, directory: str) -> None:
     """Save in the format of ``--hetu-ckpt-format`` (collective over the plan's used ranks)."""
-    if save_format(trainer.args) == "hetu":
+    if save_format(trainer.config.checkpoint, trainer.config.parallel) == "hetu":
         save_hetu(trainer, directory)
     else:
         save_torch_dist(trainer, directory)
 
 
 def _is_hetu(directory: str) -> bool:
+    """The checkpoint the tracker names is a hetu one (without a tracker: some committed one is)."""
     root = Path(directory)
-    tracker = root / TRACKER
-    text = tracker.read_text().strip() if tracker.exists() else ""
-    if text.isdigit() and (root / checkpoint_name(int(text)) / MANIFEST).exists():
-        return True
+    iteration = latest_iteration(directory)
+    if iteration is not None:
+        return (root / checkpoint_name(iteration) / MANIFEST).exists()
     return any(root.glob(f"iter_*/{MANIFEST}"))
 
 
@@ -267,18 +391,23 @@ def load(trainer, directory: str) -> bool:
     none."""
     from hetu_ext.checkpoint.deepspeed_zero import is_deepspeed
 
-    if is_deepspeed(directory):
+    deepspeed, hetu = is_deepspeed(directory), _is_hetu(directory)
+    if trainer.config.parallel.use_distributed_optimizer and (deepspeed or hetu):
+        raise CheckpointError(f"--load {directory}: a {'DeepSpeed' if deepspeed else 'hetu'} checkpoint holds "
+                              "optimizer state per parameter, which --use-distributed-optimizer's flat ZeRO-1 "
+                              "buffers cannot take yet; resume without --use-distributed-optimizer")
+    if deepspeed:
         from hetu_ext.deepspeed.resume import load_deepspeed
 
         load_deepspeed(trainer, directory)
+        return True
+    if hetu:
+        load_hetu(trainer, directory)
         return True
     if latest_iteration(directory) is None:
         if trainer.host.rank == 0:
             logger.warning("--load %s: no checkpoint found, starting from scratch", directory)
         return False
-    if _is_hetu(directory):
-        load_hetu(trainer, directory)
-        return True
     if trainer.placement.grad_sync is not None or not trainer.placement.active:  # the plan runtime
         load_torch_dist_resharded(trainer, directory)
         return True
@@ -293,6 +422,11 @@ def load_torch_dist_resharded(trainer, directory: str) -> None:
     iteration = latest_iteration(directory)
     path = Path(directory) / f"iter_{iteration:07d}"
     common = torch.load(path / "common.pt", weights_only=False)
+    sharding = (common.get("content_metadata") or {}).get("distrib_optim_sharding_type")
+    if sharding is not None:
+        raise CheckpointError(f"{path} was saved with --use-distributed-optimizer ({sharding}: ZeRO-1's flat "
+                              "buffers), which loads only on Megatron's uniform runtime with the same TP and PP "
+                              "sizes; resume on such a plan with --use-distributed-optimizer")
     step = common.get("optimizer", {}).get("state", {}).get("common_step")
     step = float(step) if step is not None else None
 
@@ -301,14 +435,14 @@ def load_torch_dist_resharded(trainer, directory: str) -> None:
         return state_pieces(trainer.placement, moments=moments, step=step)
 
     report = load_resharded(str(path), destinations)
-    extra = path / "hetu_common.pt"  # written by hetu_ext's torch_dist save; Megatron-LM keeps these in common.pt
+    extra = path / TORCH_DIST_COMMON  # written by hetu_ext's torch_dist save; Megatron-LM keeps these in common.pt
     extra = torch.load(extra, weights_only=False) if extra.exists() else {
         "iteration": common.get("iteration", iteration), "scheduler": common.get("opt_param_scheduler"),
         "losses": []}
     trainer.iteration = extra["iteration"]
     trainer.losses = list(extra["losses"])
-    if trainer.scheduler is not None and extra["scheduler"] is not None:
-        trainer.scheduler.load_state_dict(extra["scheduler"])
+    restore_scheduler(trainer, extra["scheduler"], str(path))
+    _LOADED_RUN[os.path.abspath(directory)] = extra.get("run_id")
     if trainer.host.rank == 0:
         logger.info("loaded dist_checkpointing checkpoint %s at iteration %d into the plan (%.2f MiB sent by rank "
                     "0)", path, trainer.iteration, report.bytes_sent / 2**20)
@@ -317,32 +451,70 @@ def load_torch_dist_resharded(trainer, directory: str) -> None:
 # ---------------------------------------------------------------- torch_dist format (Megatron-core)
 
 
-def _state(trainer, is_loading: bool) -> dict:
-    model_sd = trainer.model.module.sharded_state_dict()
-    return {"model": model_sd,
-            "optimizer": trainer.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)}
+DISTRIB_OPTIM_SHARDING = "dp_reshardable"
+"""How --use-distributed-optimizer's state is saved: as Megatron-LM saves it by default (each rank's flat ZeRO-1
+buckets, written in parallel; it loads into the same TP and PP sizes, any data-parallel size). Megatron-core's
+own default, ``fully_sharded_model_space``, uses ``ShardedTensor.flattened_range``, which its 0.16.1 save
+refuses; ``fully_reshardable`` gathers through CUDA tensors only."""
+
+
+def _content_metadata(trainer) -> dict | None:
+    """The ``sharded_state_dict`` metadata a save uses (and records in the checkpoint, as Megatron-LM does)."""
+    if trainer.config.parallel.use_distributed_optimizer:
+        return {"distrib_optim_sharding_type": DISTRIB_OPTIM_SHARDING}
+    return None
+
+
+def _state(trainer, is_loading: bool, metadata: dict | None = None) -> dict:
+    model_sd = trainer.model.module.sharded_state_dict(metadata=metadata)
+    return {"model": model_sd, "optimizer": trainer.optimizer.sharded_state_dict(
+        model_sd, is_loading=is_loading, metadata=metadata)}
 
 
 def save_torch_dist(trainer, directory: str) -> Path:
+    """Megatron-core's dist_checkpointing save (collective over every rank; the uniform runtime), into a
+    temporary directory that rank 0 renames to ``iter_NNNNNNN`` once every rank has written; then the tracker."""
     from megatron.core import dist_checkpointing
 
-    root = Path(directory)
-    path = root / f"iter_{trainer.iteration:07d}"
-    if trainer.host.rank == 0:
-        path.mkdir(parents=True, exist_ok=True)
-    dist.barrier()
-    dist_checkpointing.save(_state(trainer, is_loading=False), str(path))
-    if trainer.host.rank == 0:
+    key = os.path.abspath(directory)
+    run_id = _RUNS[key] if key in _RUNS else prepare_save(trainer, directory)
+    storage = LocalStorage(directory)
+    final = checkpoint_name(trainer.iteration)
+    rank = dist.get_rank()
+    decision: list = [None, None]
+    if rank == 0:
+        storage.makedirs("")
+        found = {f.name: f for f in checkpoints_in(directory)}
+        if final in found and found[final].run_id != run_id:
+            decision = [None, f"{storage.local_path(final)} holds a checkpoint of another run (run identity "
+                              f"{found[final].run_id}), which is never replaced; save into another directory"]
+        else:
+            decision = [new_run_id()[:12], None]
+            storage.makedirs(f".tmp_{final}_{decision[0]}")
+    dist.broadcast_object_list(decision, src=0)
+    token, problem = decision
+    if problem is not None:
+        raise CheckpointError(problem)
+    tmp = f".tmp_{final}_{token}"
+    metadata = _content_metadata(trainer)
+    dist_checkpointing.save(_state(trainer, False, metadata), storage.local_path(tmp), content_metadata=metadata)
+    if rank == 0:
+        parallel = trainer.config.parallel
         torch.save({"iteration": trainer.iteration, "scheduler": trainer.scheduler.state_dict(),
-                    "losses": trainer.losses}, path / "hetu_common.pt")
+                    "losses": list(trainer.losses), "run_id": run_id,
+                    "tp_pp": [parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size]},
+                   storage.local_path(f"{tmp}/{TORCH_DIST_COMMON}"))
     dist.barrier()
-    if trainer.host.rank == 0:
-        tmp = root / f".{TRACKER}.tmp"
-        tmp.write_text(str(trainer.iteration))
-        os.replace(tmp, root / TRACKER)
-        logger.info("saved checkpoint at iteration %d to %s", trainer.iteration, path)
+    if rank == 0:
+        if final in storage.list(""):  # this run's earlier save of the iteration, or a failed save's folder
+            storage.rename(final, f".old_{final}_{token}")
+        storage.rename(tmp, final)
+        storage.write(f"{TRACKER}.tmp", [str(trainer.iteration).encode()])
+        storage.rename(f"{TRACKER}.tmp", TRACKER)
+        remove_leftovers(storage, trainer.iteration)
+        logger.info("saved checkpoint at iteration %d to %s", trainer.iteration, storage.local_path(final))
     dist.barrier()
-    return path
+    return Path(storage.local_path(final))
 
 
 def latest_iteration(directory: str) -> int | None:
@@ -365,13 +537,59 @@ def load_torch_dist(trainer, directory: str) -> bool:
             logger.warning("--load %s: no checkpoint found, starting from scratch", directory)
         return False
     path = Path(directory) / f"iter_{iteration:07d}"
-    loaded = dist_checkpointing.load(_state(trainer, is_loading=True), str(path))
+    metadata = dist_checkpointing.load_content_metadata(str(path))
+    common = torch.load(path / TORCH_DIST_COMMON, weights_only=False)
+    _check_optimizer_layout(trainer, path, metadata, common)
+    torch_adam = False
+    if trainer.config.parallel.use_distributed_optimizer:
+        from megatron.core.optimizer import distrib_optimizer
+
+        torch_adam = not distrib_optimizer.HAVE_APEX_OR_TE
+        if torch_adam:  # Megatron reads 'step' from the (still empty) state of torch's Adam
+            create_optimizer_state(trainer.placement, {"exp_avg", "exp_avg_sq"}, 0.0)
+    loaded = dist_checkpointing.load(_state(trainer, True, metadata), str(path))
     trainer.model.module.load_state_dict(loaded["model"])
-    trainer.optimizer.load_state_dict(loaded["optimizer"])
-    common = torch.load(path / "hetu_common.pt", weights_only=False)
-    trainer.scheduler.load_state_dict(common["scheduler"])
+    with torch.no_grad():  # dp_reshardable copies into main params that are views of leaves requiring grad
+        trainer.optimizer.load_state_dict(loaded["optimizer"])
+    if torch_adam:
+        _restore_adam_step(trainer.placement)
     trainer.iteration = common["iteration"]
     trainer.losses = list(common["losses"])
+    restore_scheduler(trainer, common["scheduler"], str(path))
+    _LOADED_RUN[os.path.abspath(directory)] = common.get("run_id")
     if trainer.host.rank == 0:
         logger.info("loaded checkpoint from %s at iteration %d", path, iteration)
     return True
+
+
+def _check_optimizer_layout(trainer, path: Path, metadata: dict | None, common: dict) -> None:
+    """The same decision on every rank (from the files): the checkpoint's optimizer layout loads into this run."""
+    parallel = trainer.config.parallel
+    sharding = (metadata or {}).get("distrib_optim_sharding_type")
+    if parallel.use_distributed_optimizer and sharding is None:
+        raise CheckpointError(f"{path} was saved without --use-distributed-optimizer; Megatron-core cannot load its "
+                              "optimizer state into ZeRO-1's flat buffers: resume without --use-distributed-optimizer")
+    if not parallel.use_distributed_optimizer and sharding is not None:
+        raise CheckpointError(f"{path} was saved with --use-distributed-optimizer ({sharding}: ZeRO-1's flat "
+                              "buffers); resume with --use-distributed-optimizer on the same TP and PP sizes")
+    now = [parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size]
+    if sharding == DISTRIB_OPTIM_SHARDING and common.get("tp_pp", now) != now:
+        raise CheckpointError(f"{path}: --use-distributed-optimizer's {sharding} optimizer state was saved with "
+                              f"TP x PP = {common['tp_pp'][0]} x {common['tp_pp'][1]} and loads only into the same "
+                              f"sizes (this run: {now[0]} x {now[1]}); resume with those sizes (any data-parallel "
+                              "size)")
+
+
+def _restore_adam_step(placement) -> None:
+    """Adam's step from the loaded parameter groups into every parameter's state, one tensor each. Megatron-core
+    0.16.1's dp_reshardable load (torch's Adam, no Apex / Transformer Engine) gives every parameter the same step
+    tensor, which each parameter's update then increments (36 after one step of 34 parameters), and afterwards
+    overwrites it with the step the state held before the load (a non-persistent local object)."""
+    for opt in _optimizers(placement.optimizer):
+        for group in opt.param_groups:
+            if group.get("step") is None:
+                continue
+            for p in group["params"]:
+                state = opt.state.get(p, {})
+                if "step" in state:
+                    state["step"] = torch.tensor(float(group["step"]), dtype=torch.float32)
