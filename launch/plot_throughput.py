@@ -22,7 +22,9 @@ MIGRATION = re.compile(r"migrated to a new plan after step (\d+)")
 def read(path: str) -> tuple[list[int], list[float], list[tuple[str, int]]]:
     """(steps, tokens/s, events) of a log; events are ("detected" | "migrated", step) in log order."""
     steps, speeds, events = [], [], []
-    for line in open(path, encoding="utf-8", errors="replace"):
+    with open(path, encoding="utf-8", errors="replace") as f:
+        lines = f.read().splitlines()
+    for line in lines:
         if m := STEP.search(line):
             steps.append(int(m.group(1)))
             speeds.append(float(m.group(2)))

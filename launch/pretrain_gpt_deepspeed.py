@@ -18,13 +18,13 @@ import socket
 import sys
 from pathlib import Path
 
+from hetu_ext.config import build_parser, parse_namespace
 from hetu_ext.deepspeed.engine import (
     ZeroConfig,
     add_deepspeed_args,
     build,
     deepspeed_config,
 )
-from hetu_ext.config import build_parser, parse_namespace
 from hetu_ext.hostlog import quiet_host_frameworks
 from hetu_ext.megatron.args import validate_args
 

@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
 
-from test_fisedit_pipeline import model_dir  # noqa: E402,F401  (the tiny local StableDiffusionPipeline)
+from test_fisedit_pipeline import model_dir  # noqa: F401  (the tiny local StableDiffusionPipeline)
 
 
 def test_generate_and_edit_each_show_a_progress_bar(model_dir: Path, capfd) -> None:  # noqa: F811
@@ -40,7 +40,7 @@ def test_unet_level_loop_takes_a_progress_bar(capfd) -> None:
     def unet(x, t, encoder_hidden_states):  # a stand-in UNet: predicts zero noise
         return type("Out", (), {"sample": torch.zeros_like(x)})()
 
-    kwargs = dict(latents=torch.randn(1, 4, 8, 8), prompt_embeds=torch.randn(1, 2, 8), num_inference_steps=4)
+    kwargs = {"latents": torch.randn(1, 4, 8, 8), "prompt_embeds": torch.randn(1, 2, 8), "num_inference_steps": 4}
     denoise(unet, DDIMScheduler(num_train_timesteps=1000), **kwargs)
     assert "4/4" not in capfd.readouterr().err  # no bar unless asked
     denoise(unet, DDIMScheduler(num_train_timesteps=1000), **kwargs, progress_bar={"desc": "edit"})

@@ -84,8 +84,8 @@ def test_elastic_failure_cause():
              "TypeError: build() got an unexpected keyword argument 'x'"]
     same = elastic.Attempt(1, [], [f"[rank{r}]: {line}" for r in range(3) for line in trace])
     assert "same error (TypeError: build()" in elastic.failure_cause(same, 3)
-    unprefixed = elastic.Attempt(1, [], trace * 3 + ["pretrain_gpt.py: error: rank 0 exited with code 1; its "
-                                                     "output is above"])
+    summary = "pretrain_gpt.py: error: rank 0 exited with code 1; its output is above"
+    unprefixed = elastic.Attempt(1, [], [*trace * 3, summary])
     assert elastic.failure_cause(unprefixed, 3) is not None
     assert elastic.failure_cause(elastic.Attempt(2, [], ["pretrain_gpt.py: error: --lr must be > 0"]), 3)
     # a lost rank: no traceback of its own, the survivors fail in a collective
@@ -108,7 +108,8 @@ def monitor_body(rank: int, world: int, log_interval: int) -> list[str] | None:
                                events=[], gpus_per_node=2, log_interval=log_interval)
     lines: list[str] = []
     for step in range(1, 17):
-        monitor.timer.take = lambda: 0.1 * (3.0 if rank == 1 and step >= 5 else 1.0)  # seconds this step
+        seconds = 0.1 * (3.0 if rank == 1 and step >= 5 else 1.0)
+        monitor.timer.take = lambda seconds=seconds: seconds  # this step's layer time
         monitor.after_step(step, lines.append)
     return lines if rank == 0 else None
 

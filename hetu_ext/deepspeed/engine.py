@@ -214,6 +214,7 @@ def build(args: argparse.Namespace, zero: ZeroConfig) -> DeepSpeedGPT:
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+    from hetu_ext.config import from_namespace
     from hetu_ext.megatron import host
     from hetu_ext.megatron.data import DataSpec, build_train_dataset, make_tokenizer
     from hetu_ext.megatron.model import (
@@ -222,7 +223,6 @@ def build(args: argparse.Namespace, zero: ZeroConfig) -> DeepSpeedGPT:
         transformer_config,
         with_precision,
     )
-    from hetu_ext.config import from_namespace
     from hetu_ext.megatron.trainer import model_spec
     from hetu_ext.megatron.weights import init_weights
     from hetu_ext.plan import uniform_plan

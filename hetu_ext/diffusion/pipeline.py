@@ -91,8 +91,8 @@ class FISEditPipeline:
         generator = torch.Generator(device="cpu").manual_seed(seed)
         shape = (1, pipe.unet.config.in_channels, height // scale, width // scale)
         latents = torch.randn(shape, generator=generator, dtype=torch.float32).to(pipe.device, pipe.unet.dtype)
-        self._run = dict(latents=latents, num_inference_steps=num_inference_steps, guidance_scale=guidance_scale,
-                         height=height, width=width)
+        self._run = {"latents": latents, "num_inference_steps": num_inference_steps,
+                     "guidance_scale": guidance_scale, "height": height, "width": width}
         with self.engine.recording(num_inference_steps):
             image = self._denoise("generate", prompt)
         logger.info("FISEdit cache: %.1f MiB", self.engine.cache_bytes / 2**20)

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from hetu_ext.data.assign import microbatch_samples
-from hetu_ext.data.tokenizer import TOKENIZER_TYPES, ByteLevelTokenizer, tokenizer_vocab_size
+from hetu_ext.data.tokenizer import ByteLevelTokenizer, tokenizer_vocab_size
 from hetu_ext.plan import Plan
 
 logger = logging.getLogger(__name__)

@@ -17,9 +17,10 @@ from pathlib import Path
 
 import numpy as np
 
+from hetu_ext.data.tokenizer import TOKENIZER_TYPES
 from hetu_ext.hostlog import quiet_host_frameworks
 
-from .data import TOKENIZER_TYPES, make_tokenizer
+from .data import make_tokenizer
 
 
 def preprocess(input_path: str, output_prefix: str, *, tokenizer_type: str = "ByteLevelTokenizer",

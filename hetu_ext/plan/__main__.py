@@ -80,7 +80,7 @@ def _model_to_check(args: argparse.Namespace, plan) -> tuple[ModelSpec | None, s
         raise ValueError("give --hidden-size and --num-attention-heads together (the TP degrees must divide the "
                          "heads and the MLP width), or neither to check only layers and vocabulary")
     vocab = tokenizer_vocab_size(args.tokenizer_type, args.vocab_size)
-    shape = dict(vocab_size=vocab, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
+    shape = {"vocab_size": vocab, "make_vocab_size_divisible_by": args.make_vocab_size_divisible_by}
     if args.num_attention_heads is not None:
         spec = ModelSpec(num_layers=args.num_layers, hidden_size=args.hidden_size,
                          num_attention_heads=args.num_attention_heads, ffn_hidden_size=args.ffn_hidden_size, **shape)
