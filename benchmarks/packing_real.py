@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import re
 import subprocess
 import sys
 import tempfile
@@ -65,15 +64,12 @@ def _argv(method: str, layout: str, args: argparse.Namespace, cost: str) -> list
             *LAYOUTS[layout]]
 
 
-def _tokens_and_seconds(log_lines: list[str]) -> tuple[float, float]:
-    """Tokens and seconds of steps 2..N from Megatron-LM-style log lines (one per step)."""
-    tokens = seconds = 0.0
-    for line in log_lines[1:]:
-        ms = float(re.search(r"elapsed time per iteration \(ms\): ([0-9.]+)", line).group(1))
-        rate = float(re.search(r"tokens/s: ([0-9.]+)", line).group(1))
-        tokens += rate * ms / 1e3
-        seconds += ms / 1e3
-    return tokens, seconds
+def _tokens_and_seconds(metrics: Path) -> tuple[float, float]:
+    """Tokens and seconds of steps 2..N from the run's metrics records."""
+    from hetu_ext.metrics import read_records
+
+    steps = read_records(metrics, kind="step")[1:]
+    return float(sum(r["tokens"] for r in steps)), sum(r["step_ms"] for r in steps) / 1e3
 
 
 @functools.cache
@@ -145,8 +141,10 @@ def real_rows(args: argparse.Namespace, log=print) -> list[dict]:
             for r in range(args.rounds):  # each round starts with another method: no method always runs last
                 for name in names[r % len(names):] + names[:r % len(names)]:
                     method = METHODS[name]
-                    out = run_ranks(train, 2, _argv(method, layout, args, cost), timeout=900)[0]
-                    tokens, seconds = _tokens_and_seconds(out["log_lines"])
+                    metrics = Path(tmp) / f"{layout}_{name}_{r}.jsonl"
+                    run_ranks(train, 2, _argv(method, layout, args, cost) + ["--hetu-metrics-file", str(metrics)],
+                              False, timeout=900)
+                    tokens, seconds = _tokens_and_seconds(metrics)
                     totals[layout, name][0] += tokens
                     totals[layout, name][1] += seconds
     rows = [{"layout": layout, "method": m, "tokens_per_s": round(t / s, 1),

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
 import sys
 import tempfile
@@ -34,10 +33,11 @@ MODEL = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "
          "--attention-dropout", "0", "--log-interval", "1"]
 
 
-def step_ms(result: dict) -> float:
-    times = [float(m) for line in result["log_lines"]
-             for m in re.findall(r"elapsed time per iteration \(ms\): ([0-9.]+)", line)]
-    return statistics.median(times[1:])
+def step_ms(metrics: Path) -> float:
+    """The median step time of a run's metrics records, after the first step."""
+    from hetu_ext.metrics import read_records
+
+    return statistics.median(r["step_ms"] for r in read_records(metrics, kind="step")[1:])
 
 
 def grad_bytes(rank: int, world: int, argv: list[str]):
@@ -75,8 +75,11 @@ def main() -> None:
     megatron, plan = [], []
     for rep in range(args.reps):
         base = MODEL + ["--tensor-model-parallel-size", "2"] + data
-        megatron.append(step_ms(run_ranks(train, 4, base, False, timeout=600)[0]))
-        plan.append(step_ms(run_ranks(train, 4, base + ["--hetu-runtime", "plan"], False, timeout=600)[0]))
+        for runtime, times in (("megatron", megatron), ("plan", plan)):
+            metrics = tmp / f"{runtime}{rep}.jsonl"
+            run_ranks(train, 4, base + ["--hetu-runtime", runtime, "--hetu-metrics-file", str(metrics)], False,
+                      timeout=600)
+            times.append(step_ms(metrics))
         print(f"{rep:>4} {megatron[-1]:>10.1f} {plan[-1]:>10.1f} {plan[-1] / megatron[-1]:>7.3f}")
     ratio = statistics.median(plan) / statistics.median(megatron)
     print(f"{'med':>4} {statistics.median(megatron):>10.1f} {statistics.median(plan):>10.1f} {ratio:>7.3f}")

@@ -25,8 +25,8 @@ detection latency (steps from onset to the new plan) and the migration time. End
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
-import re
 import statistics
 import sys
 import tempfile
@@ -51,10 +51,11 @@ MODEL = ["--num-layers", "6", "--hidden-size", "64", "--num-attention-heads", "4
          "--hetu-emulate-layer-ms", str(LAYER_MS), "--hetu-straggler-interval", "1000"]
 
 
-def step_seconds(lines: list[str]) -> float:
-    times = [float(m) / 1e3 for line in lines for m in re.findall(r"elapsed time per iteration \(ms\): ([0-9.]+)",
-                                                                      line)]
-    return statistics.median(times[2:])
+def step_seconds(metrics: Path) -> float:
+    """The median step time of a run's metrics records, after the first two steps."""
+    from hetu_ext.metrics import read_records
+
+    return statistics.median(r["step_ms"] / 1e3 for r in read_records(metrics, kind="step")[2:])
 
 
 def emulation(slowdowns: dict[int, float]) -> list[str]:
@@ -82,11 +83,16 @@ def main() -> None:
     cost = CostModel(flops_per_s=layer_forward_flops(spec, MBS) / (LAYER_MS / 1e3))  # the emulated device
     tokens = MBS * MICROBATCHES * SEQ
 
-    def run_lines(extra: list[str]) -> list[str]:
-        return next(r for r in run_ranks(train, WORLD, MODEL + data + extra, False, timeout=900) if r)["log_lines"]
+    counter = itertools.count()
+
+    def run_metrics(extra: list[str]) -> Path:
+        """Train with ``extra`` flags; the run's metrics file."""
+        metrics = tmp / f"run{next(counter)}.jsonl"
+        run_ranks(train, WORLD, MODEL + data + extra + ["--hetu-metrics-file", str(metrics)], False, timeout=900)
+        return metrics
 
     def run(extra: list[str]) -> float:
-        return step_seconds(run_lines(extra))
+        return step_seconds(run_metrics(extra))
 
     def plan_for(cluster):
         return plan_malleus(cluster, spec, micro_batch=MBS, num_microbatches=MICROBATCHES, cost=cost,
@@ -119,17 +125,22 @@ def main() -> None:
         print(f"{name:<12} {str(row['slowdowns']):<28} {row['uniform_tokens_per_s']:>9} "
               f"{row['hetu_tokens_per_s']:>9} {row['ideal_tokens_per_s']:>9} "
               f"{row['hetu_tokens_per_s'] / ideal:>10.2f} {uniform_s / hetu_s:>9.2f} {row['sim_error']:>8.2f}")
-    lines = run_lines(["--hetu-runtime", "plan", "--hetu-emulate-slowdown", "step=4:rank=1:x=5",
-                       "--hetu-straggler-interval", "1", "--hetu-straggler-window", "2",
-                       "--hetu-straggler-replan", "online", "--hetu-gpus-per-node", str(GPUS_PER_NODE)])
-    detected = [line for line in lines if line.startswith("straggler monitor: step")]
-    migrated = [line for line in lines if line.startswith("migrated to a new plan")]
-    latency = re.search(r"(\d+) steps after onset", detected[0]).group(1) if detected else None
-    seconds = re.search(r"in ([0-9.]+) s", migrated[0]).group(1) if migrated else None
-    print(f"\nonline: rank 1 5x slow from step 4: {detected[0] if detected else 'not detected'}")
-    print(f"online: {migrated[0].splitlines()[0] if migrated else 'no migration'}")
-    print(json.dumps({"scenarios": rows, "online": {"detection_latency_steps": latency and int(latency),
-                                                    "migration_seconds": seconds and float(seconds)}}))
+    from hetu_ext.metrics import read_records
+
+    metrics = run_metrics(["--hetu-runtime", "plan", "--hetu-emulate-slowdown", "step=4:rank=1:x=5",
+                           "--hetu-straggler-interval", "1", "--hetu-straggler-window", "2",
+                           "--hetu-straggler-replan", "online", "--hetu-gpus-per-node", str(GPUS_PER_NODE)])
+    detected = read_records(metrics, event="detection")
+    migrated = read_records(metrics, event="migration")
+    latency = detected[0]["latency_steps"] if detected else None
+    seconds = migrated[0]["seconds"] if migrated else None
+    print(f"\nonline: rank 1 5x slow from step 4: " + (
+        f"detected at step {detected[0]['iteration']} ({latency} steps after onset), slowdowns "
+        f"{detected[0]['stragglers']}" if detected else "not detected"))
+    print("online: " + (f"migrated after step {migrated[0]['iteration']} in {seconds:.2f} s, "
+                        f"{migrated[0]['bytes_sent'] / 2**20:.2f} MiB sent" if migrated else "no migration"))
+    print(json.dumps({"scenarios": rows, "online": {"detection_latency_steps": latency,
+                                                    "migration_seconds": seconds}}))
 
 
 if __name__ == "__main__":

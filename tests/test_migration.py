@@ -10,6 +10,7 @@ import pytest
 import torch
 from test_uniform_equivalence import LOSS_RTOL, WEIGHT_ATOL, _argv
 
+from hetu_ext.metrics import read_records
 from hetu_ext.testing.multiproc import run_ranks
 from hetu_ext.testing.runs import train
 
@@ -59,17 +60,29 @@ def compare_k(result, ref):
     return loss, weight
 
 
-def test_straggler_triggers_an_online_replan_that_continues_the_same_run(sample_prefix):
+def test_straggler_triggers_an_online_replan_that_continues_the_same_run(sample_prefix, tmp_path):
     """The whole Malleus loop on 4 ranks: rank 3 turns 6x slow at step 3 (emulated), the monitor detects it,
     every rank makes the same new plan (rank 3 left out), the job migrates without restarting, and the run
-    still matches the single-process reference step for step."""
+    still matches the single-process reference step for step. The metrics file holds the detection, the re-plan
+    and the migration as events, and the per-rank compute times at the exchanges."""
     steps = ("--train-iters", "10", "--lr-decay-style", "linear")
     reference = run_ranks(train, 1, _argv(1, 1, sample_prefix, steps), timeout=120)[0]
     argv = _argv(1, 1, sample_prefix, steps + (
         "--hetu-runtime", "plan", "--tensor-model-parallel-size", "1", "--hetu-emulate-slowdown",
         "step=3:rank=3:x=6", "--hetu-straggler-interval", "2", "--hetu-straggler-window", "2",
-        "--hetu-straggler-threshold", "2.0", "--hetu-straggler-replan", "online", "--hetu-gpus-per-node", "4"))
+        "--hetu-straggler-threshold", "2.0", "--hetu-straggler-replan", "online", "--hetu-gpus-per-node", "4",
+        "--hetu-metrics-file", str(tmp_path / "metrics.jsonl")))
     result = run_ranks(train, 4, argv, timeout=300)[0]
+    detections = read_records(tmp_path / "metrics.jsonl", event="detection")
+    assert detections and "3" in detections[0]["stragglers"], detections
+    replans = read_records(tmp_path / "metrics.jsonl", event="replan")
+    migrations = read_records(tmp_path / "metrics.jsonl", event="migration")
+    assert replans[0]["changed"] and migrations[0]["iteration"] == replans[0]["iteration"]
+    assert migrations[0]["bytes_kept"] > 0 and migrations[0]["seconds"] > 0  # DP replicas: all kept in place
+    steps = read_records(tmp_path / "metrics.jsonl", kind="step")
+    assert [r["iteration"] for r in steps] == list(range(1, 11))
+    measured = [r for r in steps if "compute_ms" in r]
+    assert measured and set(measured[0]["compute_ms"]) == {"0", "1", "2", "3"}
     lines = result["log_lines"]
     detected = [line for line in lines if line.startswith("straggler monitor: step") and "rank 3 x" in line]
     assert detected, lines

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from hetu_ext.plan import ModelSpec, Plan, dump_plan, format_plan
+from hetu_ext.plan import ModelSpec, Plan, dump_plan, format_plan, plan_to_dict
 from hetu_ext.plan.cluster import Cluster
 from hetu_ext.plan.cost import layer_forward_flops, pack_forward_flops
 from hetu_ext.plan.malleus import plan_malleus
@@ -54,6 +54,12 @@ class StragglerMonitor:
     detections: list[tuple[int, dict[int, float]]] = field(default_factory=list)
     estimates: dict[int, float] = field(default_factory=dict)
     """The latest measured slowdowns (rank -> x, 1.0 = the healthy pace); empty until a window is full."""
+    compute_ms: dict[int, float] = field(default_factory=dict)
+    """Per rank, its mean measured compute milliseconds per step since the previous exchange."""
+    exchanged_at: int = 0
+    """The step of the last exchange (``compute_ms`` and ``estimates`` are from it)."""
+    metrics: object | None = None
+    """A :class:`hetu_ext.metrics.MetricsWriter` for detection / re-plan events (the reporting rank's), or None."""
     _printed: int = 0
     """The step of the last estimate line."""
     _warm: set[int] = field(default_factory=set)
@@ -123,6 +129,10 @@ class StragglerMonitor:
         return (f"straggler monitor: step {iteration} | slowest: rank {slowest} x{self.estimates[slowest]:.2f} | "
                 f"median: x{median:.2f} | stragglers: {shown} |")
 
+    def _event(self, event: str, **fields) -> None:
+        if self.metrics is not None and self.rank == min(self.plan.used_ranks):
+            self.metrics.event(event, **fields)
+
     def after_step(self, iteration: int, log) -> Plan | None:
         """Record the step; every ``interval`` steps exchange timings (collective over all ranks, idle ones
         included) and return a new plan when the slowdowns moved past the hysteresis, else None."""
@@ -133,6 +143,9 @@ class StragglerMonitor:
         everyone: list = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, (self.rank, self._samples))
         self._samples = []
+        self.exchanged_at = iteration
+        self.compute_ms = {rank: 1e3 * sum(s for s, _ in samples) / len(samples)
+                           for rank, samples in sorted(everyone) if samples}
         for rank, samples in everyone:
             for seconds, flops in samples:
                 self.estimator.add(rank, seconds, flops)
@@ -156,6 +169,8 @@ class StragglerMonitor:
         latency = f", {iteration - max(onsets) + 1} steps after onset" if onsets else ""
         shown = ", ".join(f"rank {r} x{x:.2f}" for r, x in sorted(stragglers.items())) or "none"
         say(f"straggler monitor: step {iteration}: stragglers {shown}{latency}")
+        self._event("detection", iteration=iteration, stragglers={str(r): x for r, x in stragglers.items()},
+                    latency_steps=iteration - max(onsets) + 1 if onsets else None)
         cluster = Cluster(world_size=self.plan.world_size, gpus_per_node=self.gpus_per_node,
                           gpu_memory_bytes=self.gpu_memory_bytes, slowdowns=stragglers)
         try:
@@ -166,8 +181,11 @@ class StragglerMonitor:
             return None
         if planned.plan == self.plan:
             say("straggler monitor: the current plan is still the best one")
+            self._event("replan", iteration=iteration, changed=False)
             return None
         say(f"straggler monitor: Malleus plan for them ({planned.template}):\n{format_plan(planned.plan)}")
+        self._event("replan", iteration=iteration, changed=True, template=str(planned.template),
+                    plan=plan_to_dict(planned.plan))
         if self.replan_output and reporter:
             with open(self.replan_output, "w") as f:
                 f.write(dump_plan(planned.plan))

@@ -111,7 +111,8 @@ class Trainer:
     documents: object | None = None
     """--hetu-packing: the corpus' documents (``dataset`` is then None)."""
     metrics: MetricsWriter | None = None
-    """The metrics file (and TensorBoard / W&B) on the logging rank; None on the others."""
+    """The metrics file (and TensorBoard / W&B), open on the logging rank only (after a re-plan that moves the
+    logging rank, the new one appends to the same file)."""
     flops_per_token: float = 0.0
     """Training FLOPs per token of the model (metrics' utilisation estimate)."""
     iteration: int = 0
@@ -214,9 +215,9 @@ class Trainer:
                   "tokens": tokens, "consumed_samples": consumed, "step_ms": step_s * 1e3,
                   "tokens_per_s": tokens / step_s, "tflops_per_rank": tflops,
                   "mfu": tflops / peak if peak else None, "plan_id": plan_id(self.plan), "ranks": used}
-        if self.monitor is not None and getattr(self.monitor, "last_compute_ms", None):
-            record["compute_ms"] = self.monitor.last_compute_ms
-            record["slowdowns"] = self.monitor.estimates
+        if self.monitor is not None and self.monitor.exchanged_at == self.iteration:  # measured at this step
+            record["compute_ms"] = {str(r): ms for r, ms in self.monitor.compute_ms.items()}
+            record["slowdowns"] = {str(r): x for r, x in self.monitor.estimates.items()}
         if packing is not None:
             record["packing"] = packing
         if self.metrics is not None:
@@ -270,6 +271,7 @@ class Trainer:
         elif self.scheduler is not None:  # this rank was idle: replay the schedule to the current step
             self.scheduler.step(increment=self.iteration * scheduler_unit(self.config.training,
                                                                           self.config.packing, plan))
+        self.follow_log_rank()
         if self.monitor:
             self.monitor.use_plan(plan)
             if placement.active:
@@ -284,6 +286,16 @@ class Trainer:
             log(f"migrated to a new plan after step {self.iteration} in {report.seconds:.2f} s: "
                 f"{sent[0] / 2**20:.2f} MiB sent between ranks, {sent[1] / 2**20:.2f} MiB kept in place\n"
                 f"{format_plan(plan)}")
+
+    def follow_log_rank(self) -> None:
+        """Open the metrics writer on the plan's logging rank, close it elsewhere (collective-free)."""
+        if self.host.rank == self.log_rank and self.metrics is None:
+            self.metrics = open_metrics(self.config)
+        elif self.host.rank != self.log_rank and self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
+        if self.monitor is not None:
+            self.monitor.metrics = self.metrics
 
     def _global_loss(self, reports: list[dict]) -> float:
         """Mean per-token loss of the whole global batch: sums from every pipeline's last stage."""
@@ -361,7 +373,7 @@ def _transformer_layers(model) -> list:
 
 
 def _straggler_monitor(straggler: StragglerConfig, micro_batch: int, log_interval: int, spec: ModelSpec, plan: Plan,
-                       h: host.Host, placement: Placement, metrics: MetricsWriter | None):
+                       h: host.Host, placement: Placement):
     """The straggler monitor (on every rank, idle ones too), or None when --hetu-straggler-interval is 0."""
     if not straggler.interval:
         return None
@@ -372,7 +384,6 @@ def _straggler_monitor(straggler: StragglerConfig, micro_batch: int, log_interva
         events=parse_schedule(straggler.emulate_slowdown or ""),
         gpus_per_node=straggler.gpus_per_node or h.world_size, replan_output=straggler.replan_output,
         log_interval=log_interval)
-    monitor.metrics = metrics
     if straggler.emulate_layer_ms:
         monitor.timer.nominal_s = straggler.emulate_layer_ms / 1e3
     if placement.active:
@@ -411,6 +422,12 @@ def check_launch(config: RunConfig, world_size: int) -> LaunchCheck:
     if runtime == "plan":
         check_runnable(plan)
     return LaunchCheck(tokenizer=tokenizer, spec=spec, plan=plan, migrations=migrations, runtime=runtime)
+
+
+def open_metrics(config: RunConfig) -> MetricsWriter:
+    """The run's metrics writer (a file only where :func:`metrics_path` names one)."""
+    return MetricsWriter(metrics_path(config), tensorboard_dir=config.logging.tensorboard_dir,
+                         wandb_project=config.logging.wandb_project, config=config.to_dict())
 
 
 def metrics_path(config: RunConfig) -> str | None:
@@ -460,19 +477,15 @@ def build_trainer(config: RunConfig) -> Trainer:
     if h.rank == 0:
         logger.info("plan (%s runtime, %s on %s, Megatron-core CPU patches: %s):\n%s", runtime, h.backend,
                     h.device.type, "on" if h.cpu_patched else "off", format_plan(plan))
-    metrics = None
-    if h.rank == min(plan.used_ranks):
-        metrics = MetricsWriter(metrics_path(config), tensorboard_dir=config.logging.tensorboard_dir,
-                                wandb_project=config.logging.wandb_project, config=config.to_dict())
     flops = model_flops_per_token(num_layers=spec.num_layers, hidden_size=spec.hidden_size,
                                   ffn_hidden_size=spec.ffn_hidden_size or 4 * spec.hidden_size,
                                   vocab_size=spec.padded_vocab_size, seq_length=spec.seq_length)
     trainer = Trainer(config=config, spec=spec, plan=plan, host=h, placement=placement, scheduler=scheduler,
                       dataset=dataset,
                       monitor=_straggler_monitor(config.straggler, training.micro_batch_size,
-                                                 config.logging.log_interval, spec, plan, h, placement, metrics),
-                      numerics=numerics, migrations=migrations, documents=documents, metrics=metrics,
-                      flops_per_token=flops)
+                                                 config.logging.log_interval, spec, plan, h, placement),
+                      numerics=numerics, migrations=migrations, documents=documents, flops_per_token=flops)
+    trainer.follow_log_rank()
     if config.checkpoint.load:
         checkpointing.load(trainer, config.checkpoint.load)
     if config.checkpoint.save:  # the run's identity; another run's checkpoints there are refused before training
