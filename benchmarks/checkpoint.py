@@ -189,12 +189,10 @@ def held_state(trainer) -> tuple[str, list[tuple]]:
 
 
 def _trainer(argv: list[str]):
-    from hetu_ext.megatron.args import build_parser, validate_args
+    from hetu_ext.megatron.args import parse_run_config
     from hetu_ext.megatron.trainer import build_trainer
 
-    args = build_parser().parse_args(argv)
-    validate_args(args)
-    return build_trainer(args)
+    return build_trainer(parse_run_config(argv))
 
 
 HETU_STEADY_SAVES = 5
