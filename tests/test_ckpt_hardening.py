@@ -47,9 +47,9 @@ def _pieces(iteration: int) -> list[list[Piece]]:
             for r in range(2)]
 
 
-def _offline(root, iteration: int, run_id: str | None, keep: int = 2) -> None:
-    save_offline(LocalStorage(root), iteration=iteration, pieces_by_rank=_pieces(iteration), info={},
-                 config=SaveConfig(keep=keep, run_id=run_id))
+def _offline(root, iteration: int, run_id: str | None = None, keep: int = 2) -> None:
+    config = SaveConfig(keep=keep, run_id=run_id) if run_id is not None else SaveConfig(keep=keep)
+    save_offline(LocalStorage(root), iteration=iteration, pieces_by_rank=_pieces(iteration), info={}, config=config)
 
 
 def _snapshot(root: Path) -> dict[str, bytes]:
@@ -86,6 +86,16 @@ def _one_error(results: list[dict]) -> str:
 
 
 # ---------------------------------------------------------------- 1. whose checkpoints
+
+
+def test_the_tracker_names_the_latest(tmp_path, capsys):
+    """iter_10 is newer than the tracker's iter_6 (another run's, or a commit whose tracker move a crash cut
+    short): --load and inspect take the tracker's, as Megatron-LM does. Before: the highest number."""
+    for it in (5, 10, 6):
+        _offline(tmp_path, it, keep=3)
+    assert candidates(LocalStorage(tmp_path), fallback=False) == [6]
+    assert ckpt_cli(["inspect", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.startswith("iteration 6,")
 
 
 def test_tracker_decides_and_retention_keeps_other_runs(tmp_path, capsys):
@@ -137,7 +147,7 @@ def test_new_run_is_refused_beside_another_runs_checkpoints(sample_prefix, tmp_p
 
 def test_a_resumed_run_is_the_same_run(sample_prefix, tmp_path):
     """--load DIR --save DIR continues the run whose checkpoint it loaded: no refusal, and retention deletes that
-    run's older checkpoint (its identity was kept)."""
+    run's older checkpoint (its identity was kept). A guard of the fix above (it passed before it, too)."""
     ckpt = tmp_path / "ckpt"
     run_ranks(outcome_body, 1, _argv(1, 1, sample_prefix, ("--train-iters", "2", "--save", str(ckpt))), timeout=240)
     again = _argv(1, 1, sample_prefix, ("--train-iters", "3", "--load", str(ckpt), "--save", str(ckpt),
@@ -267,7 +277,7 @@ def _flip(path: Path, offset: int = -3) -> None:
 
 def test_verify_all_reports_every_checkpoint(tmp_path, capsys):
     for it in (1, 2, 3):
-        _offline(tmp_path, it, "run", keep=3)
+        _offline(tmp_path, it, keep=3)
     _flip(tmp_path / "iter_0000002" / "shard_00001.safetensors")
     assert ckpt_cli(["verify", str(tmp_path), "--all"]) == 2
     out, err = capsys.readouterr()
@@ -279,7 +289,7 @@ def test_verify_all_reports_every_checkpoint(tmp_path, capsys):
 
 
 def test_inspect_notices_a_truncated_shard(tmp_path, capsys):
-    _offline(tmp_path, 4, "run")
+    _offline(tmp_path, 4)
     shard = tmp_path / "iter_0000004" / "shard_00000.safetensors"
     shard.write_bytes(shard.read_bytes()[:-10])
     assert ckpt_cli(["inspect", str(tmp_path)]) == 2
@@ -308,7 +318,7 @@ def test_fallback_hint_once_and_only_where_it_helps(tmp_path):
     """Before: the hint came twice without fallback ('use --hetu-ckpt-fallback ...; --hetu-ckpt-fallback loads
     ...') and also after the fallback had been used."""
     for it in (1, 2):
-        _offline(tmp_path, it, "run")
+        _offline(tmp_path, it)
     _flip(tmp_path / "iter_0000002" / "shard_00000.safetensors")
     error = run_ranks(load_error_body, 2, str(tmp_path), False)[0]
     assert "checksum mismatch" in error and error.count("--hetu-ckpt-fallback") == 1, error
