@@ -1,0 +1,77 @@
+"""The import rules the README promises, checked on the source (AST scan, no import executed):
+
+* ``plan/`` and ``data/`` (the pure planners and packers) import neither torch.distributed nor a host framework;
+* ``checkpoint/`` imports neither Megatron nor DeepSpeed (host-specific converters live in ``megatron/`` and
+  ``deepspeed/``); ``config``, ``keys`` and ``metrics`` are pure too;
+* no module imports a private name (``_x``) of another hetu_ext module.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "hetu_ext"
+HOSTS = ("megatron", "deepspeed", "diffusers", "transformers", "transformer_engine", "apex")
+RULES = {
+    "plan": HOSTS + ("torch.distributed", "hetu_ext.megatron", "hetu_ext.deepspeed", "hetu_ext.runtime",
+                     "hetu_ext.checkpoint", "hetu_ext.diffusion"),
+    "data": HOSTS + ("torch.distributed", "hetu_ext.megatron", "hetu_ext.deepspeed", "hetu_ext.runtime",
+                     "hetu_ext.checkpoint", "hetu_ext.diffusion"),
+    "checkpoint": ("megatron", "deepspeed", "hetu_ext.megatron", "hetu_ext.deepspeed"),
+    "config": HOSTS + ("torch", "hetu_ext.megatron", "hetu_ext.deepspeed", "hetu_ext.runtime"),
+    "keys.py": HOSTS + ("torch",),
+    "metrics.py": HOSTS + ("torch.distributed", "hetu_ext.megatron", "hetu_ext.deepspeed"),
+}
+"""Top-level package (or module) -> module prefixes it must not import."""
+
+
+def _imports(path: Path) -> list[tuple[int, str, list[str]]]:
+    """(line, absolute module, imported names) of every import in a file (relative imports resolved)."""
+    package = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts[:-1])
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, alias.name, []) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")
+            module = ".".join(base[:len(base) - node.level + 1] + ([node.module] if node.module else [])) \
+                if node.level else node.module
+            out.append((node.lineno, module, [alias.name for alias in node.names]))
+    return out
+
+
+def _files(scope: str) -> list[Path]:
+    target = PACKAGE / scope
+    return [target] if target.suffix == ".py" else sorted(target.rglob("*.py"))
+
+
+def _matches(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+@pytest.mark.parametrize("scope", sorted(RULES))
+def test_layering_import_rules(scope):
+    bad = [f"{path.relative_to(PACKAGE.parent)}:{line} imports {module}"
+           for path in _files(scope) for line, module, _ in _imports(path)
+           if any(_matches(module, prefix) for prefix in RULES[scope])]
+    assert not bad, "\n".join(bad)
+
+
+def test_layering_no_private_names_across_modules():
+    bad = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        this = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        for line, module, names in _imports(path):
+            if module.startswith("hetu_ext") and module != this:
+                bad += [f"{path.relative_to(PACKAGE.parent)}:{line} imports {module}.{name}"
+                        for name in names if name.startswith("_") and not name.startswith("__")]
+    assert not bad, "\n".join(bad)
+
+
+def test_layering_scan_sees_imports():
+    """The scan itself: a file known to import torch.distributed is seen doing so (a broken scan passes all)."""
+    found = {module for _, module, _ in _imports(PACKAGE / "runtime" / "reshard.py")}
+    assert "torch.distributed" in found or "torch" in found
