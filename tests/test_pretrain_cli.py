@@ -139,6 +139,19 @@ def test_launcher_trains_two_ranks(tmp_path):
     assert "data-parallel" in proc.stderr or "plan" in proc.stderr
 
 
+def test_launcher_reports_a_crashed_rank_in_one_line(tmp_path):
+    """A rank that crashes (not bad input: a corrupt dataset index passes the launcher's file checks) ends the
+    job with exit 1, the rank's own traceback and one launcher line, not torchrun's ChildFailedError report."""
+    prefix = tmp_path / "broken_text_document"
+    (tmp_path / "broken_text_document.bin").write_bytes(b"\0" * 64)
+    (tmp_path / "broken_text_document.idx").write_bytes(b"not an index")
+    proc = run(["--nproc-per-node", "2", *MODEL, "--train-iters", "2", "--global-batch-size", "4", "--data-path",
+                str(prefix)], timeout=180)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "ChildFailedError" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("pretrain_gpt.py: error: local rank"), proc.stderr[-2000:]
+
+
 def test_bad_plan_files_exit_2_before_any_process_group(tmp_path):
     two_stages = write(tmp_path, "twice.yaml",
                        "pipelines: [{stages: [{ranks: [0], layers: [0, 2]}, {ranks: [0], layers: [2, 4]}]}]")

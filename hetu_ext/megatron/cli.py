@@ -110,9 +110,8 @@ def _launch(argv: list[str], config: RunConfig) -> int:
         codes = {failure.exitcode for failure in exc.failures.values()}
         if 2 in codes:
             return 2
-        rank, failure = exc.get_first_failure()
-        report_error(PROG, f"rank {failure.rank if failure.rank is not None else rank} exited with code "
-                           f"{failure.exitcode}; its output is above")
+        rank, failure = exc.get_first_failure()  # (local rank, ProcessFailure)
+        report_error(PROG, f"local rank {rank} exited with code {failure.exitcode}; its output is above")
         return 1
     return 0
 
