@@ -27,7 +27,7 @@ from pathlib import Path
 from .manifest import CheckpointError, Manifest
 from .reader import ShardReader, candidates, read_manifest
 from .storage import LocalStorage
-from .writer import _ITER, complete_iterations
+from .writer import ITER_DIR, complete_iterations
 
 
 def _locate(path: str) -> tuple[LocalStorage, int]:
@@ -35,7 +35,7 @@ def _locate(path: str) -> tuple[LocalStorage, int]:
     p = Path(path)
     if not p.is_dir():
         raise CheckpointError(f"{path}: no such directory; give a --save directory or one of its iter_NNNNNNN")
-    m = _ITER.match(p.name)
+    m = ITER_DIR.match(p.name)
     if m:
         return LocalStorage(p.parent), int(m.group(1))
     storage = LocalStorage(p)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from .manifest import MANIFEST
 from .storage import LocalStorage
-from .writer import _ITER, UNREADABLE, run_of
+from .writer import ITER_DIR, UNREADABLE, run_of
 
 TORCH_DIST_COMMON = "hetu_common.pt"
 """hetu_ext's side file of a torch_dist checkpoint: iteration, LR schedule, losses, run identity."""
@@ -64,7 +64,7 @@ def checkpoints_in(directory: str | Path) -> list[Found]:
     storage = LocalStorage(root)
     out = []
     for child in sorted(p for p in root.iterdir() if p.is_dir()):
-        m = _ITER.match(child.name)
+        m = ITER_DIR.match(child.name)
         if m and (child / MANIFEST).is_file():
             run = run_of(storage, int(m.group(1)))
             if run != UNREADABLE:

@@ -49,7 +49,8 @@ logger = logging.getLogger(__name__)
 
 TRACKER = "latest_checkpointed_iteration.txt"
 """The ``latest`` pointer (Megatron-LM's name): the iteration of the newest committed checkpoint."""
-_ITER = re.compile(r"^iter_(\d{7})$")
+ITER_DIR = re.compile(r"^iter_(\d{7})$")
+"""The name of a committed checkpoint directory (its group: the iteration)."""
 _LEFTOVER = re.compile(r"^\.(?:tmp|old)_iter_(\d{7})_")
 
 
@@ -357,7 +358,7 @@ def complete_iterations(storage: Storage) -> list[int]:
     """Iterations of committed checkpoints (a directory ``iter_NNNNNNN`` holding a manifest), ascending."""
     out = []
     for name in storage.list(""):
-        m = _ITER.match(name)
+        m = ITER_DIR.match(name)
         if m and mf.MANIFEST in storage.list(name):
             out.append(int(m.group(1)))
     return sorted(out)

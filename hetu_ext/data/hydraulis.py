@@ -178,7 +178,7 @@ def _stage2(s: np.ndarray, idx: Sequence[int], rep: ReplicaArrays, r: int) -> tu
     a, b, sl = float(rep.ra[r]), float(rep.rb[r]), rep.lengths
     order = sorted(idx, key=lambda i: (-sl[i], i))
     lens = [sl[i] for i in order]
-    best = _first_fit(order, lens, cap)
+    best = first_fit(order, lens, cap)
     best_t = _time(best, rep, r)
     if pp == 1:
         return best, best_t
@@ -200,7 +200,10 @@ def _stage2(s: np.ndarray, idx: Sequence[int], rep: ReplicaArrays, r: int) -> tu
     return best, best_t
 
 
-def _first_fit(ids: list[int], lens: list[int], cap: int) -> list[list[int]]:
+def first_fit(ids: list[int], lens: list[int], cap: int) -> list[list[int]]:
+    """Packs of the documents ``ids`` (tokens ``lens``, in that order) by first fit: each document goes into the
+    first pack with ``cap`` tokens of room left, else opens a new one. Given in decreasing length, this is
+    first-fit-decreasing. A document longer than ``cap`` gets a pack of its own (callers check lengths)."""
     packs: list[list[int]] = []
     free: list[int] = []
     for i, n in zip(ids, lens):

@@ -197,10 +197,10 @@ def _in_order(s: np.ndarray, capacity: int) -> list[list[int]]:
 
 def _first_fit_decreasing(s: np.ndarray, idx: np.ndarray, capacity: int) -> list[list[int]]:
     """First-fit-decreasing by tokens of documents ``idx`` (ties: lower index first)."""
-    from .hydraulis import _first_fit
+    from .hydraulis import first_fit
 
     order = idx[np.lexsort((idx, -s[idx]))]
-    return _first_fit(order.tolist(), s[order].tolist(), capacity)
+    return first_fit(order.tolist(), s[order].tolist(), capacity)
 
 
 def _deal_contiguous(packs: list[list[int]], r: int) -> list[list[list[int]]]:
