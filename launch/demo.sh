@@ -2,13 +2,12 @@
 # The README's main command (make demo). On 4 CPU ranks, Megatron-core's GPT trains data-parallel; at step 12
 # rank 3 turns 4x slow (emulated). Run 1, Megatron's uniform plan, keeps its pace at the straggler's. Run 2,
 # hetu_ext, detects the straggler, plans around it (Malleus), migrates online and recovers throughput.
-# Writes runs/demo/throughput.png (tokens/s per step, both runs) and both logs.
+# Writes runs/demo/throughput.png (tokens/s per step, both runs, from their metrics files) and both logs.
 set -euo pipefail
 NPROC=${1:-4}
 OUT=${2:-runs/demo}
 PY=.venv/bin/python
 mkdir -p "$OUT"
-export PYTHONWARNINGS=ignore
 
 $PY -m hetu_ext.megatron.preprocess_data --input hetu_ext/data/samples/python_reference.jsonl \
     --output-prefix "$OUT/pyref" --tokenizer-type ByteLevelTokenizer --append-eod
@@ -19,20 +18,22 @@ COMMON=(--num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 12
         --data-path "$OUT/pyref_text_document" --split 98,2,0 --data-cache-path "$OUT/cache" --log-interval 1
         --hetu-emulate-slowdown step=12:rank=3:x=4 --hetu-straggler-interval 2 --hetu-straggler-window 3
         --hetu-straggler-threshold 2.0 --hetu-straggler-min-change 0.5 --hetu-gpus-per-node "$NPROC"
-        --hetu-emulate-layer-ms 4)
+        --hetu-emulate-layer-ms 16)
 # (threshold and min-change above the defaults: 4 ranks sharing 2 cores time each other's work with ~30% noise;
 # --hetu-emulate-layer-ms gives every layer an emulated device time, so a sleeping straggler does not free the
-# shared cores for the others: without it the estimate drifted from x2.9 to x13 for a 4x straggler)
+# shared cores for the others: without it the estimate drifted from x2.9 to x13 for a 4x straggler. At 16 ms it
+# dominates the real compute of a layer even on a loaded 2-core machine: at 4 ms a busy machine's real layer time
+# exceeded it and a 4x straggler read as x1.7, under the threshold)
 run() {
-    $PY -m torch.distributed.run --nproc-per-node "$NPROC" --rdzv-backend c10d --rdzv-endpoint localhost:0 \
-        launch/pretrain_gpt.py "${COMMON[@]}" "$@"
+    $PY launch/pretrain_gpt.py --nproc-per-node "$NPROC" "${COMMON[@]}" "$@"
 }
 
 echo "=== run 1: Megatron-core's uniform data-parallel plan, rank 3 becomes 4x slow at step 12 ==="
-run --hetu-runtime megatron 2>&1 | tee "$OUT/uniform.log" | grep -E "iteration|straggler monitor: step"
+run --hetu-runtime megatron --hetu-metrics-file "$OUT/uniform.jsonl" 2>&1 | tee "$OUT/uniform.log" \
+    | grep -E "iteration|straggler monitor: step"
 echo
 echo "=== run 2: hetu_ext: detect the straggler, re-plan (Malleus), migrate online ==="
-run --hetu-runtime plan --hetu-straggler-replan online 2>&1 | tee "$OUT/hetu.log" \
-    | grep -vE "gpt_dataset|blended_megatron|indexed_dataset|WARNING|Warning|warn"
+run --hetu-runtime plan --hetu-straggler-replan online --hetu-metrics-file "$OUT/hetu.jsonl" 2>&1 \
+    | tee "$OUT/hetu.log"
 $PY launch/plot_throughput.py --out "$OUT/throughput.png" --title "4 CPU ranks, rank 3 4x slow from step 12" \
-    "Megatron uniform=$OUT/uniform.log" "hetu_ext (Malleus)=$OUT/hetu.log"
+    "Megatron uniform=$OUT/uniform.jsonl" "hetu_ext (Malleus)=$OUT/hetu.jsonl"

@@ -1,43 +1,35 @@
-"""Plot tokens/s per step from pretrain_gpt.py logs (Megatron-LM format) as a PNG, runs side by side.
+"""Plot tokens/s per step from pretrain_gpt.py metrics files (JSONL records) as a PNG, runs side by side.
 
-    python launch/plot_throughput.py --out runs/demo/throughput.png uniform=runs/demo/uniform.log \
-        hetu_ext=runs/demo/hetu.log
+    python launch/plot_throughput.py --out runs/demo/throughput.png uniform=runs/demo/uniform.jsonl \
+        hetu_ext=runs/demo/hetu.jsonl
 
-Markers: a dotted vertical line where the straggler monitor reports a straggler (a report of "stragglers none",
-a recovery, is not a detection; nor are its periodic estimate lines), and a solid line with a triangle on the
-curve where the run migrated to a new plan (between step N and N+1 for "migrated ... after step N").
+Markers: a dotted vertical line at each ``detection`` event of the straggler monitor (a straggler named; its
+periodic estimates and recoveries are no detections), and a solid line with a triangle on the curve where the run
+migrated to a new plan (between step N and N+1 for a ``migration`` event after step N).
 """
 
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 
-STEP = re.compile(r"iteration +(\d+)/ *\d+ \|.*tokens/s: (\d+) \|")
-DETECTION = re.compile(r"straggler monitor: step (\d+): stragglers (.+)")
-MIGRATION = re.compile(r"migrated to a new plan after step (\d+)")
+from hetu_ext.metrics import read_records
 
 
 def read(path: str) -> tuple[list[int], list[float], list[tuple[str, int]]]:
-    """(steps, tokens/s, events) of a log; events are ("detected" | "migrated", step) in log order."""
-    steps, speeds, events = [], [], []
-    with open(path, encoding="utf-8", errors="replace") as f:
-        lines = f.read().splitlines()
-    for line in lines:
-        if m := STEP.search(line):
-            steps.append(int(m.group(1)))
-            speeds.append(float(m.group(2)))
-        elif (m := DETECTION.search(line)) and not m.group(2).startswith("none"):
-            events.append(("detected", int(m.group(1))))
-        elif m := MIGRATION.search(line):
-            events.append(("migrated", int(m.group(1))))
+    """(steps, tokens/s, events) of a metrics file; events are ("detected" | "migrated", step) in file order."""
+    records = read_records(path)
+    steps = [r["iteration"] for r in records if r.get("kind") == "step"]
+    speeds = [float(r["tokens_per_s"]) for r in records if r.get("kind") == "step"]
+    events = [("detected" if r["event"] == "detection" else "migrated", r["iteration"]) for r in records
+              if r.get("kind") == "event" and (r.get("event") == "migration" or
+                                               (r.get("event") == "detection" and r.get("stragglers")))]
     return steps, speeds, events
 
 
 def plot(runs: list[tuple[str, str]], title: str):
-    """A figure of tokens/s per step, one curve per (label, log path), with its detections and migrations.
-    Raises ValueError naming a log without Megatron-LM log lines."""
+    """A figure of tokens/s per step, one curve per (label, metrics file), with its detections and migrations.
+    Raises ValueError naming a file without step records."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -48,8 +40,7 @@ def plot(runs: list[tuple[str, str]], title: str):
         steps, speeds, events = read(path)
         if not steps:
             plt.close(fig)
-            raise ValueError(f"{path} has no Megatron-LM log lines (iteration ... tokens/s); give a "
-                             "pretrain_gpt.py log")
+            raise ValueError(f"{path} has no step records; give the --hetu-metrics-file of a pretrain_gpt.py run")
         line, = ax.plot(steps, speeds, marker=".", label=label)
         color, top = line.get_color(), max(speeds)
         for kind, step in events:
@@ -79,17 +70,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True)
     parser.add_argument("--title", default="tokens/s per step")
-    parser.add_argument("runs", nargs="+", metavar="LABEL=LOG")
+    parser.add_argument("runs", nargs="+", metavar="LABEL=METRICS")
     args = parser.parse_args(argv)
     runs = []
     for run in args.runs:
         label, sep, path = run.partition("=")
         if not sep:
-            parser.error(f"{run!r}: give each run as LABEL=LOG, e.g. uniform=runs/demo/uniform.log")
+            parser.error(f"{run!r}: give each run as LABEL=METRICS, e.g. uniform=runs/demo/uniform.jsonl")
         runs.append((label, path))
     try:
         fig = plot(runs, args.title)
-    except (ValueError, OSError) as exc:
+    except (ValueError, OSError, KeyError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     fig.savefig(args.out, dpi=110)

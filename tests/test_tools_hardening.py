@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -19,31 +20,31 @@ def _launch_module(name: str):
     return module
 
 
-def _step(i: int, tokens_per_s: int) -> str:
-    return (f" [2025-01-01 00:00:00] iteration {i:8d}/{20:8d} | consumed samples: {24 * i:12d} | elapsed time per "
-            f"iteration (ms): 100.0 | learning rate: 1.000000E-03 | global batch size:    24 | lm loss: "
-            f"5.000000E+00 | tokens/s: {tokens_per_s} |")
+def _step(i: int, tokens_per_s: int) -> dict:
+    return {"kind": "step", "iteration": i, "train_iters": 20, "loss": 5.0, "lr": 1e-3, "grad_norm": 1.0,
+            "samples": 24, "tokens": 24 * 128, "consumed_samples": 24 * i, "step_ms": 100.0,
+            "tokens_per_s": tokens_per_s}
 
 
-SYNTHETIC_LOG = "\n".join([
+SYNTHETIC_RECORDS = [
     *(_step(i, 3000) for i in range(1, 12)),
-    "straggler monitor: step 4: stragglers none",  # the monitor's report of no straggler: not a detection
-    "straggler monitor: step 10 | slowest: rank 3 x1.02 | median: x1.00 | stragglers: none |",  # an estimate
+    {"kind": "event", "event": "detection", "iteration": 4, "stragglers": {}},  # none named: not a detection
     *(_step(i, 1000) for i in range(12, 15)),
-    "straggler monitor: step 14: stragglers rank 3 x4.02, 3 steps after onset",
-    "migrated to a new plan after step 14 in 0.40 s: 1.00 MiB sent between ranks, 2.00 MiB kept in place",
+    {"kind": "event", "event": "detection", "iteration": 14, "stragglers": {"3": 4.02}, "latency_steps": 3},
+    {"kind": "event", "event": "replan", "iteration": 14, "changed": True},
+    {"kind": "event", "event": "migration", "iteration": 14, "seconds": 0.4, "bytes_sent": 2**20},
     *(_step(i, 2600) for i in range(15, 21)),
-    "straggler monitor: step 18: stragglers none",  # rank 3 recovered: not a detection either
-])
+    {"kind": "event", "event": "detection", "iteration": 18, "stragglers": {}},  # recovered: not a detection
+]
 
 
 def test_plot_marks_only_real_detections_and_each_migration(tmp_path):
     """The demo's plot drew a detection at every "stragglers none" line and no migration marker. Detections
-    must come only from lines that name a straggler; each migration gets its own line and marker (after the
+    must come only from detection events that name a straggler; each migration gets its own line and marker (after the
     step it follows, so it does not hide under the detection of the same step)."""
     plot = _launch_module("plot_throughput")
-    log = tmp_path / "hetu.log"
-    log.write_text(SYNTHETIC_LOG + "\n")
+    log = tmp_path / "hetu.jsonl"
+    log.write_text("".join(json.dumps(r) + "\n" for r in SYNTHETIC_RECORDS))
     steps, speeds, events = plot.read(str(log))
     assert steps == list(range(1, 21)) and speeds[13] == 1000
     assert events == [("detected", 14), ("migrated", 14)]
