@@ -39,7 +39,7 @@ def deepspeed_save_body(rank: int, world: int, argv: list[str], stage: int, dire
     """Train with DeepSpeed, record DeepSpeed's own full view of the state, save; rank 0 returns it."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
-    from hetu_ext.checkpoint.deepspeed_zero import hetu_name
+    from hetu_ext.deepspeed.zero_checkpoint import hetu_name
     from hetu_ext.deepspeed.engine import ZeroConfig, add_deepspeed_args, build
     from hetu_ext.megatron.args import build_parser, validate_args
 
@@ -126,7 +126,7 @@ def test_zero1_and_zero3_state_reads_bit_exact(stage, plan, sample_prefix, tmp_p
     """ZeRO-1 (optimizer state partitioned) and ZeRO-3 (parameters too, one partition per parameter): every
     tensor rebuilt from the files equals DeepSpeed's in-engine full view bit for bit, and Adam's step is 2; then
     ``--load`` into a plan (1 rank; the heterogeneous 3-rank plan) gathers the same bytes again."""
-    from hetu_ext.checkpoint.deepspeed_zero import read_full, read_info
+    from hetu_ext.deepspeed.zero_checkpoint import read_full, read_info
 
     saved = _deepspeed(stage, sample_prefix, tmp_path / "ckpt")
     info = read_info(str(tmp_path / "ckpt"))
@@ -151,7 +151,7 @@ def test_bad_directory_is_one_clear_error(zero2, tmp_path):
     import shutil
 
     from hetu_ext.checkpoint import CheckpointError
-    from hetu_ext.checkpoint.deepspeed_zero import is_deepspeed, read_full, read_info
+    from hetu_ext.deepspeed.zero_checkpoint import is_deepspeed, read_full, read_info
 
     partial = tmp_path / "partial"
     shutil.copytree(zero2[0], partial)
@@ -173,7 +173,7 @@ def test_cli_inspects_and_converts_a_deepspeed_checkpoint(zero2, sample_prefix, 
     writes a Megatron dist_checkpointing checkpoint that loads into a heterogeneous plan with the same bytes."""
     from safetensors.torch import load_file
 
-    from hetu_ext.checkpoint.cli import main
+    from hetu_ext.checkpoint.__main__ import main
 
     directory, saved, _ = zero2
     assert main(["inspect", str(directory)]) == 0

@@ -3,7 +3,11 @@
 * ``plan/`` and ``data/`` (the pure planners and packers) import neither torch.distributed nor a host framework;
 * ``checkpoint/`` imports neither Megatron nor DeepSpeed (host-specific converters live in ``megatron/`` and
   ``deepspeed/``); ``config``, ``keys`` and ``metrics`` are pure too;
-* no module imports a private name (``_x``) of another hetu_ext module.
+* no module imports a private name (``_x``) of another hetu_ext module;
+* an entry point (``python -m PACKAGE``'s ``__main__.py``) is an application, the launch layer put where ``-m``
+  finds it: it may compose hetu_ext's adapter packages (``python -m hetu_ext.checkpoint`` hands DeepSpeed's
+  format from hetu_ext.deepspeed to the host-free CLI) but imports no host framework its package may not, and no
+  hetu_ext module imports an entry point (so the exception cannot carry a dependency into a package).
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ RULES = {
     "metrics.py": HOSTS + ("torch.distributed", "hetu_ext.megatron", "hetu_ext.deepspeed"),
 }
 """Top-level package (or module) -> module prefixes it must not import."""
+ENTRY_POINT = "__main__.py"
+"""The file name of an entry point: RULES' hetu_ext.* prefixes do not apply to it (see the module docstring)."""
 
 
 def _imports(path: Path) -> list[tuple[int, str, list[str]]]:
@@ -52,11 +58,25 @@ def _matches(module: str, prefix: str) -> bool:
     return module == prefix or module.startswith(prefix + ".")
 
 
+def _forbidden(scope: str, path: Path) -> tuple[str, ...]:
+    if path.name == ENTRY_POINT:
+        return tuple(prefix for prefix in RULES[scope] if not _matches(prefix, "hetu_ext"))
+    return RULES[scope]
+
+
 @pytest.mark.parametrize("scope", sorted(RULES))
 def test_layering_import_rules(scope):
     bad = [f"{path.relative_to(PACKAGE.parent)}:{line} imports {module}"
            for path in _files(scope) for line, module, _ in _imports(path)
-           if any(_matches(module, prefix) for prefix in RULES[scope])]
+           if any(_matches(module, prefix) for prefix in _forbidden(scope, path))]
+    assert not bad, "\n".join(bad)
+
+
+def test_layering_nothing_imports_an_entry_point():
+    """An entry point may import adapters its package may not; importing it would smuggle them in."""
+    bad = [f"{path.relative_to(PACKAGE.parent)}:{line} imports {module}"
+           for path in sorted(PACKAGE.rglob("*.py")) for line, module, names in _imports(path)
+           if module.split(".")[-1] == "__main__" or "__main__" in names]
     assert not bad, "\n".join(bad)
 
 
@@ -75,3 +95,11 @@ def test_layering_scan_sees_imports():
     """The scan itself: a file known to import torch.distributed is seen doing so (a broken scan passes all)."""
     found = {module for _, module, _ in _imports(PACKAGE / "runtime" / "reshard.py")}
     assert "torch.distributed" in found or "torch" in found
+
+
+def test_layering_entry_point_keeps_host_rules():
+    """The entry-point exception drops only hetu_ext's own adapter packages: a host framework stays forbidden
+    (checkpoint/__main__.py may import hetu_ext.deepspeed, never deepspeed itself)."""
+    main = PACKAGE / "checkpoint" / ENTRY_POINT
+    assert _forbidden("checkpoint", main) == ("megatron", "deepspeed")
+    assert "hetu_ext.deepspeed" in _forbidden("checkpoint", PACKAGE / "checkpoint" / "cli.py")

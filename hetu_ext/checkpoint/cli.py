@@ -16,14 +16,18 @@ ZeRO-1/2/3 ``save_checkpoint`` directory (or one of its tags): ``inspect`` and `
 read it directly. Bad input
 (missing path, corrupt checkpoint, unknown kind) ends with one ``error:`` line and exit code 2.
 """
+# Other frameworks' formats (DeepSpeed) come in through ``formats`` (checkpoint/formats.py), which the entry
+# point __main__.py fills: this module imports no host framework.
 
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
+from .formats import ForeignCheckpoints, recognising
 from .manifest import CheckpointError, Manifest
 from .reader import ShardReader, candidates, read_manifest
 from .storage import LocalStorage
@@ -103,13 +107,13 @@ def _export_name(name: str, index: tuple[int, ...]) -> str:
     return key
 
 
-def run(args: argparse.Namespace) -> tuple[list[str], str | None]:
-    """The lines to print, and an error (one line) when the command found a bad checkpoint after printing."""
-    from .deepspeed_zero import cli_lines, is_deepspeed
-
-    if Path(args.path).is_dir() and is_deepspeed(args.path):  # DeepSpeed ZeRO: no offline step either
-        return cli_lines(args.command, args.path, getattr(args, "output", None), getattr(args, "kind", "param"),
-                         getattr(args, "to", "safetensors")), None
+def run(args: argparse.Namespace, formats: Sequence[ForeignCheckpoints] = ()) -> tuple[list[str], str | None]:
+    """The lines to print, and an error (one line) when the command found a bad checkpoint after printing.
+    A directory one of ``formats`` recognises is read by that format (DeepSpeed ZeRO: no offline step either)."""
+    foreign = recognising(formats, args.path) if Path(args.path).is_dir() else None
+    if foreign is not None:
+        return foreign.cli_lines(args.command, args.path, getattr(args, "output", None),
+                                 getattr(args, "kind", "param"), getattr(args, "to", "safetensors")), None
     if args.command == "verify" and args.all:
         lines, bad = _verify_all(args.path)
         error = f"{len(bad)} of {len(lines)} checkpoint(s) failed verification ({', '.join(bad)})" if bad else None
@@ -152,7 +156,9 @@ def run(args: argparse.Namespace) -> tuple[list[str], str | None]:
     return [f"wrote {len(tensors)} tensors ({args.kind}, iteration {iteration}) to {args.output}"], None
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, formats: Sequence[ForeignCheckpoints] = ()) -> int:
+    """Run the CLI on ``argv`` (default: ``sys.argv[1:]``), reading the foreign ``formats`` too; the exit code.
+    ``python -m hetu_ext.checkpoint`` passes DeepSpeed's (hetu_ext/checkpoint/__main__.py)."""
     parser = argparse.ArgumentParser(prog="python -m hetu_ext.checkpoint", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -172,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
 
     quiet_host_frameworks()  # DeepSpeed folders import DeepSpeed (and through it Apex / Transformer Engine probes)
     try:
-        lines, error = run(args)
+        lines, error = run(args, formats)
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

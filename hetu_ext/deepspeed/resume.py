@@ -1,6 +1,6 @@
 """``--load`` of a DeepSpeed ZeRO-1/2/3 checkpoint into hetu_ext's Megatron trainer, under any plan.
 
-The tensors go through hetu_ext/checkpoint/deepspeed_zero.py (DeepSpeed's reconstruction, then the reshard
+The tensors go through zero_checkpoint.py (DeepSpeed's reconstruction, then the reshard
 engine); this module sets the trainer's iteration, losses, LR schedule and checks the data settings. DeepSpeed
 itself is imported only for its ``zero_to_fp32`` helpers.
 """
@@ -19,12 +19,12 @@ logger = logging.getLogger(__name__)
 def load_deepspeed(trainer, directory: str) -> None:
     """A DeepSpeed ZeRO-1/2/3 checkpoint (``DIR/latest`` -> ``DIR/global_stepN``) into any plan (collective over
     every rank): DeepSpeed's flat partitions are rebuilt into full tensors and resharded into this plan's layout
-    (hetu_ext/checkpoint/deepspeed_zero.py). The iteration is DeepSpeed's ``global_steps``; losses, LR schedule
+    (zero_checkpoint.py). The iteration is DeepSpeed's ``global_steps``; losses, LR schedule
     and data settings come from hetu_ext's client state when the DeepSpeed path of hetu_ext saved it (the schedule
     restored by Megatron-LM's rule: checkpointing.restore_scheduler), else the schedule is replayed to the
     iteration."""
-    from hetu_ext.checkpoint.deepspeed_zero import load_resharded as load_ds
-    from hetu_ext.checkpoint.deepspeed_zero import read_info
+    from .zero_checkpoint import load_resharded as load_ds
+    from .zero_checkpoint import read_info
 
     step = read_info(directory).optimizer_step
 

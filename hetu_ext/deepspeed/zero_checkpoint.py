@@ -12,6 +12,11 @@ only the kind it rebuilds), cut into per-layer pieces named as the hetu format n
 (``decoder.layers.3.X`` -> ``decoder.layers.X`` at index (3,)), and handed to the reshard engine, which
 delivers every rank the boxes its plan holds. Rebuilding moves bytes only: values are bit-exact, except
 ``param`` of ZeRO-3 with a 16-bit model, which is the fp32 master rounded to the model dtype.
+
+This module lives in the DeepSpeed adapter because it uses DeepSpeed's reconstruction and Megatron-core's layer
+spec (the checkpoint key names); both are imported on first use, so importing it stays cheap.
+:data:`ZERO_CHECKPOINTS` is the format ``python -m hetu_ext.checkpoint`` reads DeepSpeed folders through
+(hetu_ext/checkpoint/formats.py).
 """
 
 from __future__ import annotations
@@ -29,9 +34,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hetu_ext.checkpoint.manifest import CheckpointError
 from hetu_ext.runtime.reshard import Piece, ReshardReport, reshard
-
-from .manifest import CheckpointError
 
 logger = logging.getLogger(__name__)
 
@@ -275,7 +279,7 @@ def read_full(directory: str, kinds: tuple[str, ...] = KINDS) -> dict[tuple[str,
 
 def cli_lines(command: str, path: str, output: str | None = None, kind: str = "param",
               to: str = "safetensors") -> list[str]:
-    """``python -m hetu_ext.checkpoint inspect|convert`` on a DeepSpeed checkpoint (cli.py dispatches here)."""
+    """``python -m hetu_ext.checkpoint inspect|convert`` on a DeepSpeed checkpoint (:data:`ZERO_CHECKPOINTS`)."""
     info = read_info(path)
     if command == "inspect":
         lines = [(f"DeepSpeed ZeRO-{info.zero_stage} checkpoint {info.path}: saved by {info.world_size} rank(s), "
@@ -289,7 +293,7 @@ def cli_lines(command: str, path: str, output: str | None = None, kind: str = "p
         raise CheckpointError(f"{path}: a DeepSpeed checkpoint carries no checksums to verify; 'inspect' reads "
                               "its structure, 'convert' rebuilds every tensor")
     if to == "torch_dist":
-        from .torch_dist import export
+        from hetu_ext.checkpoint.torch_dist import export
 
         full = read_full(path, ("param", "exp_avg", "exp_avg_sq"))
         count = export(full, output, iteration=info.global_steps, optimizer_step=info.optimizer_step)
@@ -307,3 +311,22 @@ def cli_lines(command: str, path: str, output: str | None = None, kind: str = "p
         tensors[f"decoder.layers.{index[0]}.{name[len('decoder.layers.'):]}" if index else name] = t.contiguous()
     save_file(tensors, output, metadata={"iteration": str(info.global_steps), "kind": kind})
     return [f"wrote {len(tensors)} tensors ({kind}, iteration {info.global_steps}) to {output}"]
+
+
+@dataclass(frozen=True)
+class ZeroCheckpoints:
+    """DeepSpeed ZeRO-1/2/3 folders as a format of the checkpoint CLI (hetu_ext/checkpoint/formats.py)."""
+
+    name: str = "DeepSpeed ZeRO"
+
+    def recognises(self, path: str) -> bool:
+        """:func:`is_deepspeed`: file names only, DeepSpeed is not imported."""
+        return is_deepspeed(path)
+
+    def cli_lines(self, command: str, path: str, output: str | None, kind: str, to: str) -> list[str]:
+        """:func:`cli_lines`."""
+        return cli_lines(command, path, output, kind, to)
+
+
+ZERO_CHECKPOINTS = ZeroCheckpoints()
+"""The DeepSpeed format ``python -m hetu_ext.checkpoint`` reads (hetu_ext/checkpoint/__main__.py)."""

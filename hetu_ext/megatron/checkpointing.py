@@ -389,7 +389,7 @@ def _is_hetu(directory: str) -> bool:
 def load(trainer, directory: str) -> bool:
     """Load the latest checkpoint under ``directory`` (hetu, torch_dist or DeepSpeed ZeRO); False if there is
     none."""
-    from hetu_ext.checkpoint.deepspeed_zero import is_deepspeed
+    from hetu_ext.deepspeed.zero_checkpoint import is_deepspeed
 
     deepspeed, hetu = is_deepspeed(directory), _is_hetu(directory)
     if trainer.config.parallel.use_distributed_optimizer and (deepspeed or hetu):
