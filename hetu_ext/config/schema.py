@@ -172,7 +172,7 @@ class PackingConfig:
                                                    "(default: --global-batch-size sequences)")
     cost_model: str | None = setting(flag="--hetu-cost-model", metavar="YAML", path=True,
                                      help="per-layer time a*s^2+b*s+c per TP degree (python -m "
-                                          "hetu_ext.data.calibrate); default: built-in coefficients")
+                                          "hetu_ext.megatron.calibrate); default: built-in coefficients")
     varlen_mock: str | None = setting(flag="--hetu-varlen-mock", metavar="JSON",
                                       help='with --mock-data: document lengths, {"mode": "file", "path": ...} or '
                                            '{"mode": "distribution", "type": "lognormal", "min_seq_len": ..., '

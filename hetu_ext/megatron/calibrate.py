@@ -1,14 +1,14 @@
 """Measure one Megatron-core transformer layer and fit the length cost ``t(s) = a s^2 + b s + c`` (seconds).
 
-    python -m hetu_ext.data.calibrate --out configs/calibration/cpu.yaml [--hidden-size 256 \\
+    python -m hetu_ext.megatron.calibrate --out configs/calibration/cpu.yaml [--hidden-size 256 \\
         --num-attention-heads 8 --seq-lengths 128,256,512,1024,2048,4096 --repeats 5 --tp 1,2]
 
 Measured: forward + backward of one GPTModel stage holding one transformer layer (no embedding, no output
 layer; Megatron-core's local layer spec, built by :func:`hetu_ext.megatron.model.build_gpt_stage`) on a THD pack
 holding one document of ``s`` tokens (the attention kernel packed training runs), the fastest of ``--repeats``
 runs after a warm-up (lengths interleaved; on a shared machine the fastest run is the least disturbed one), for
-each ``s``. The fit is linear least squares
-on ``(s^2, s, 1)`` weighted by ``1 / t`` (relative error); the table printed shows measured and fitted times.
+each ``s``. The fit (hetu_ext/data/calibrate.py, pure) is linear least squares on ``(s^2, s, 1)`` weighted by
+``1 / t`` (relative error); the table printed shows measured and fitted times.
 
 TP 1 is measured in this process. Each TP degree t > 1 is measured too, on t ranks started by the project's
 multi-process harness (hetu_ext.testing.multiproc: gloo on CPU), the layer split over them by Megatron's own
@@ -16,7 +16,7 @@ tensor parallelism, all-reduces included, and fitted on its own. Memory per toke
 layer saves for backward at the longest measured length, divided by it (so it includes the s x s attention
 scores the local spec keeps at that length); fixed memory: parameters x (weight + gradient + two Adam moments).
 
-The fit itself (:func:`fit_length_cost`) is pure numpy; torch and megatron are imported only to measure.
+Torch and megatron are imported only to measure (the ``--help`` and argument errors stay fast).
 """
 
 from __future__ import annotations
@@ -26,57 +26,12 @@ import logging
 import platform
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
-import numpy as np
-
+from hetu_ext.data.calibrate import Fit, length_cost
+from hetu_ext.data.cost import CostTable, save_cost_table
 from hetu_ext.hostlog import quiet_host_frameworks
 
-from .cost import CostTable, LengthCost, save_cost_table
-
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Fit:
-    """Least-squares fit of ``a s^2 + b s + c`` to measured seconds."""
-
-    a: float
-    b: float
-    c: float
-    fitted_s: tuple[float, ...]
-    """The fit at each measured length, seconds."""
-    max_rel_error: float
-    """max |fitted - measured| / measured over the measured lengths."""
-
-
-def fit_length_cost(lengths: Sequence[int], seconds: Sequence[float]) -> Fit:
-    """Fit ``a s^2 + b s + c`` (a, b, c >= 0) minimising the relative squared error; needs >= 3 distinct lengths.
-
-    A coefficient the unconstrained fit makes negative is fixed at 0 and the others refitted (non-negative
-    least squares by enumeration of the active set: 3 unknowns)."""
-    s = np.asarray(lengths, dtype=np.float64)
-    t = np.asarray(seconds, dtype=np.float64)
-    if s.size != t.size or np.unique(s).size < 3 or np.any(t <= 0):
-        raise ValueError(f"fit_length_cost: need >= 3 distinct lengths with positive times, got lengths "
-                         f"{list(lengths)} and seconds {list(seconds)}")
-    basis = np.stack([s * s, s, np.ones_like(s)], axis=1) / t[:, None]
-    target = np.ones_like(t)
-    best = None
-    for mask in ((1, 1, 1), (1, 1, 0), (0, 1, 1), (1, 0, 1), (0, 1, 0), (1, 0, 0), (0, 0, 1)):
-        cols = [k for k in range(3) if mask[k]]
-        coef, *_ = np.linalg.lstsq(basis[:, cols], target, rcond=None)
-        if np.any(coef < 0):
-            continue
-        full = np.zeros(3)
-        full[cols] = coef
-        err = float(np.sum((basis @ full - target) ** 2))
-        if best is None or err < best[0] - 1e-15:
-            best = (err, full)
-    full = best[1]
-    fitted = full[0] * s * s + full[1] * s + full[2]
-    return Fit(a=float(full[0]), b=float(full[1]), c=float(full[2]), fitted_s=tuple(fitted.tolist()),
-               max_rel_error=float(np.max(np.abs(fitted - t) / t)))
 
 
 def _build_layer(hidden: int, heads: int, ffn: int | None, tp: int = 1):
@@ -88,13 +43,10 @@ def _build_layer(hidden: int, heads: int, ffn: int | None, tp: int = 1):
     import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
 
-    from hetu_ext.megatron.host import enable_cpu_support
-    from hetu_ext.megatron.model import (
-        TrainingNumerics,
-        build_gpt_stage,
-        transformer_config,
-    )
     from hetu_ext.plan.model_spec import ModelSpec
+
+    from .host import enable_cpu_support
+    from .model import TrainingNumerics, build_gpt_stage, transformer_config
 
     on_cpu = enable_cpu_support() or not torch.cuda.is_available()
     if not dist.is_initialized():
@@ -172,12 +124,8 @@ def calibrate(args: argparse.Namespace) -> tuple[CostTable, dict[int, Fit], dict
             from hetu_ext.testing.multiproc import run_ranks
 
             m = run_ranks(_measure_rank, tp, *what, timeout=3600)[0]
-        fit = fit_length_cost(lengths, m["seconds"])
-        per_token = m["saved_bytes"][-1] / lengths[-1]
-        fixed = m["params"] * m["dtype_bytes"] * 4  # weight, gradient, two Adam moments (fp32)
-        per_tp[tp] = LengthCost(a=fit.a, b=fit.b, c=fit.c, memory_per_token_bytes=per_token,
-                                memory_fixed_bytes=fixed)
-        fits[tp], measured[tp] = fit, m
+        per_tp[tp], fits[tp] = length_cost(lengths, m["seconds"], m["saved_bytes"], m["params"], m["dtype_bytes"])
+        measured[tp] = m
     device = m["device"] if m["device"] != "cpu" else f"cpu ({platform.processor() or platform.machine()})"
     errors = ", ".join(f"TP {tp}: {fit.max_rel_error:.3f}" for tp, fit in fits.items())
     note = (f"one Megatron-core layer (local spec, fp32, packed attention), hidden {args.hidden_size}, heads "
@@ -187,7 +135,7 @@ def calibrate(args: argparse.Namespace) -> tuple[CostTable, dict[int, Fit], dict
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m hetu_ext.data.calibrate", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m hetu_ext.megatron.calibrate", description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, help="YAML file to write the cost table to")
     parser.add_argument("--hidden-size", type=int, default=256)
     parser.add_argument("--num-attention-heads", type=int, default=8)
