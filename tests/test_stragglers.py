@@ -1,5 +1,6 @@
 """Straggler measurement: emulation schedules, layer timing with emulated slowdown, slowdown estimation with
-hysteresis, and the monitor detecting an emulated straggler in a real 2-rank Megatron-core run."""
+hysteresis, the pure detector and re-planner the monitor composes (no process group), the exchange of timings,
+and the monitor detecting an emulated straggler in a real 2-rank Megatron-core run."""
 
 from __future__ import annotations
 
@@ -8,8 +9,15 @@ import time
 import pytest
 import torch
 
-from hetu_ext.plan.straggler_policy import SlowdownEstimator, StragglerPolicy, should_replan
-from hetu_ext.runtime.straggler import LayerTimer, factor_at, parse_schedule
+from hetu_ext.plan import ModelSpec, uniform_plan
+from hetu_ext.plan.straggler_policy import (
+    SlowdownEstimator,
+    StragglerDetector,
+    StragglerPolicy,
+    replan,
+    should_replan,
+)
+from hetu_ext.runtime.straggler import LayerTimer, factor_at, onset_latency, parse_schedule
 from hetu_ext.testing.multiproc import run_ranks
 from test_uniform_equivalence import _argv
 
@@ -40,6 +48,77 @@ def test_hysteresis():
     assert not should_replan({3: 4.0}, {3: 4.5}, policy)  # moved 12%: keep the plan
     assert should_replan({3: 4.0}, {3: 2.0}, policy)  # moved 50%
     assert should_replan({3: 4.0}, {}, policy)  # recovered
+
+
+def _timings(paces: dict[int, float], steps: int = 1) -> list[tuple[int, list[tuple[float, float]]]]:
+    """One exchange: each rank's ``steps`` samples at ``pace`` seconds per 1e12 FLOPs."""
+    return [(rank, [(pace, 1e12)] * steps) for rank, pace in sorted(paces.items())]
+
+
+def test_detector_reports_changes_past_the_hysteresis_only():
+    """The detection the monitor acts on, with no process group: nothing until a full window; a new straggler
+    is a change (and becomes ``assumed``); a 12% move is not; a new plan restarts the window but keeps
+    ``assumed``, and a rank not measured since (an idle rank without a full window of probes) keeps its assumed
+    slowdown rather than counting as recovered (which would bring a slow rank back and flap)."""
+    detector = StragglerDetector(policy=StragglerPolicy(threshold=1.3, min_change=0.2, window=2))
+    detector.add(_timings({0: 1.0, 1: 1.0, 2: 3.0}))
+    assert detector.detect() is None
+    detector.add(_timings({0: 1.0, 1: 1.0, 2: 3.0}))
+    found = detector.detect()
+    assert found.changed and found.stragglers == {2: pytest.approx(3.0)} and detector.assumed == found.stragglers
+    assert found.estimates == {0: 1.0, 1: 1.0, 2: pytest.approx(3.0)}
+    detector.add(_timings({0: 1.0, 1: 1.0, 2: 3.3}, steps=2))
+    found = detector.detect()
+    assert not found.changed and detector.assumed == {2: pytest.approx(3.0)}
+    detector.restart()
+    assert detector.detect() is None and detector.assumed == {2: pytest.approx(3.0)}
+    detector.add(_timings({0: 1.0, 1: 1.0}, steps=2) + [(2, [])])
+    found = detector.detect()
+    assert not found.changed and found.stragglers == {2: pytest.approx(3.0)} and 2 not in found.estimates
+    detector.add(_timings({0: 1.0, 1: 1.0, 2: 1.0}, steps=2))
+    found = detector.detect()
+    assert found.changed and found.stragglers == {} and detector.assumed == {}
+
+
+def test_replan_moves_work_off_a_straggler_and_keeps_a_plan_that_is_as_good():
+    """The re-planner is pure and deterministic (every rank makes the same plan with no communication): for
+    a healthy cluster it keeps the current plan; for a 4x straggler it makes another plan that gives that rank
+    less work, twice the same."""
+    spec = ModelSpec(num_layers=8, hidden_size=256, num_attention_heads=8, seq_length=256)
+    current = uniform_plan(world_size=4, num_layers=8, num_microbatches=8)
+    kwargs = {"micro_batch": 1, "gpus_per_node": 4, "gpu_memory_bytes": 80 * 2**30}
+    assert replan(current, spec, {}, **kwargs).plan == current
+    slow = replan(current, spec, {3: 4.0}, **kwargs)
+    assert slow.plan != current and slow == replan(current, spec, {3: 4.0}, **kwargs)
+
+    def work(plan, rank):
+        where = plan.stage_of(rank)
+        if where is None:
+            return 0
+        pipeline = plan.pipelines[where[0]]
+        return pipeline.stages[where[1]].num_layers * pipeline.num_microbatches / pipeline.stages[where[1]].tp
+
+    assert work(slow.plan, 3) < work(current, 3) and work(slow.plan, 3) < min(work(slow.plan, r) for r in range(3))
+
+
+def test_onset_latency_counts_from_the_latest_emulated_change():
+    events = parse_schedule("step=3:rank=1:x=5,step=9:rank=1:x=1,step=5:rank=2:x=3")
+    assert onset_latency(events, {1}, 3) == 1 and onset_latency(events, [1], 6) == 4
+    assert onset_latency(events, {1, 2}, 8) == 4 and onset_latency(events, {1}, 10) == 2
+    assert onset_latency(events, {0}, 10) is None and onset_latency(events, {1}, 2) is None
+
+
+def _exchange_body(rank: int, world: int) -> list:
+    from hetu_ext.runtime.straggler import exchange_timings
+
+    return exchange_timings(rank, [(0.1 * (rank + 1), 1e9)] * (rank + 1) if rank != 1 else [])
+
+
+def test_exchange_timings_gives_every_rank_every_rank_s_samples():
+    """The one collective of the monitor: every rank gets the same per-rank samples in rank order, a rank with
+    none (idle, before its first probe) listed with an empty list."""
+    results = run_ranks(_exchange_body, 3, timeout=120)
+    assert results[0] == results[1] == results[2] == [(0, [(0.1 * 1, 1e9)]), (1, []), (2, [(0.1 * 3, 1e9)] * 3)]
 
 
 def test_emulated_slowdown_is_real_time_and_measured_in_forward_and_backward():

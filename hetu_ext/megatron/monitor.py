@@ -15,6 +15,13 @@ at or after each multiple), Megatron-LM-like and one line at any scale::
 Idle ranks take part in every exchange, so they can join a migration, and time one transformer layer of the
 model (the probe) before each, so their speed stays measured: a dropped straggler that recovers is brought back
 by the next plan. Until an idle rank has a full window of probes it keeps the slowdown it was last assumed at.
+
+The monitor composes parts that each do one job: hetu_ext/runtime/straggler.py times the layers
+(:class:`LayerTimer`), emulates slowdowns (:func:`factor_at`, :func:`onset_latency`) and exchanges the timings
+(:func:`exchange_timings`, the only collective); hetu_ext/plan/straggler_policy.py detects with hysteresis
+(:class:`StragglerDetector`) and re-plans (:func:`replan`), both pure. What stays here: the work a step's
+timings are divided by, the idle rank's probe of a Megatron-core layer, the log lines, the metrics events and
+the plan file.
 """
 
 from __future__ import annotations
@@ -23,14 +30,11 @@ import statistics
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
 from hetu_ext.plan import ModelSpec, Plan, dump_plan, format_plan, plan_to_dict
-from hetu_ext.plan.cluster import Cluster
 from hetu_ext.plan.cost import layer_forward_flops, pack_forward_flops
-from hetu_ext.plan.malleus import plan_malleus
-from hetu_ext.plan.straggler_policy import SlowdownEstimator, StragglerPolicy, should_replan
-from hetu_ext.runtime.straggler import LayerTimer, SlowdownEvent, factor_at
+from hetu_ext.plan.straggler_policy import StragglerDetector, StragglerPolicy, replan
+from hetu_ext.runtime.straggler import LayerTimer, SlowdownEvent, exchange_timings, factor_at, onset_latency
 
 
 @dataclass
@@ -48,9 +52,7 @@ class StragglerMonitor:
     log_interval: int = 1
     """Print the estimate every this many steps (at the exchanges; 0: only when the stragglers change)."""
     timer: LayerTimer = field(default_factory=LayerTimer)
-    estimator: SlowdownEstimator = field(init=False)
-    assumed: dict[int, float] = field(default_factory=dict)
-    """Slowdowns the current plan was made for (none: a healthy cluster)."""
+    detector: StragglerDetector = field(init=False)
     detections: list[tuple[int, dict[int, float]]] = field(default_factory=list)
     estimates: dict[int, float] = field(default_factory=dict)
     """The latest measured slowdowns (rank -> x, 1.0 = the healthy pace); empty until a window is full."""
@@ -68,12 +70,18 @@ class StragglerMonitor:
     _flops: float = 0.0
 
     def __post_init__(self) -> None:
+        self.detector = StragglerDetector(policy=self.policy)
         self.use_plan(self.plan)
+
+    @property
+    def assumed(self) -> dict[int, float]:
+        """Slowdowns the current plan was made for (none: a healthy cluster)."""
+        return self.detector.assumed
 
     def use_plan(self, plan: Plan) -> None:
         """Follow a new plan: this rank's work per step changes, past timings no longer compare."""
         self.plan = plan
-        self.estimator = SlowdownEstimator(policy=self.policy)
+        self.detector.restart()
         self._samples, self._flops = [], 0.0
         where = plan.stage_of(self.rank)
         if where is not None:
@@ -140,42 +148,40 @@ class StragglerMonitor:
             self._samples.append((self.timer.take(), self._flops))
         if iteration % self.interval:
             return None
-        everyone: list = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, (self.rank, self._samples))
+        everyone = exchange_timings(self.rank, self._samples)
         self._samples = []
         self.exchanged_at = iteration
         self.compute_ms = {rank: 1e3 * sum(s for s, _ in samples) / len(samples)
-                           for rank, samples in sorted(everyone) if samples}
-        for rank, samples in everyone:
-            for seconds, flops in samples:
-                self.estimator.add(rank, seconds, flops)
-        measured = self.estimator.slowdowns()
-        if not measured:
+                           for rank, samples in everyone if samples}
+        self.detector.add(everyone)
+        found = self.detector.detect()
+        if found is None:
             return None
-        self.estimates = measured
-        unmeasured = {r: x for r, x in self.assumed.items() if r not in measured}
-        stragglers = {**unmeasured, **{r: x for r, x in measured.items() if x >= self.policy.threshold}}
+        self.estimates = found.estimates
         reporter = self.rank == min(self.plan.used_ranks)
         say = log if reporter else (lambda _: None)
-        if not should_replan(self.assumed, stragglers, self.policy):
+        if not found.changed:
             if self.log_interval and iteration // self.log_interval > self._printed // self.log_interval:
                 self._printed = iteration
                 say(self.estimate_line(iteration))
             return None
         self._printed = iteration  # the detection line below says it
+        stragglers = found.stragglers
         self.detections.append((iteration, stragglers))
-        self.assumed = stragglers
-        onsets = [e.step for e in self.events if e.rank in stragglers and e.step <= iteration]
-        latency = f", {iteration - max(onsets) + 1} steps after onset" if onsets else ""
+        latency = onset_latency(self.events, stragglers, iteration)
         shown = ", ".join(f"rank {r} x{x:.2f}" for r, x in sorted(stragglers.items())) or "none"
-        say(f"straggler monitor: step {iteration}: stragglers {shown}{latency}")
+        say(f"straggler monitor: step {iteration}: stragglers {shown}"
+            f"{f', {latency} steps after onset' if latency is not None else ''}")
         self._event("detection", iteration=iteration, stragglers={str(r): x for r, x in stragglers.items()},
-                    latency_steps=iteration - max(onsets) + 1 if onsets else None)
-        cluster = Cluster(world_size=self.plan.world_size, gpus_per_node=self.gpus_per_node,
-                          gpu_memory_bytes=self.gpu_memory_bytes, slowdowns=stragglers)
+                    latency_steps=latency)
+        return self._replan(iteration, stragglers, say, reporter)
+
+    def _replan(self, iteration: int, stragglers: dict[int, float], say, reporter: bool) -> Plan | None:
+        """Malleus's plan for the stragglers, said, recorded and written to ``replan_output``; None if it is the
+        current plan or none fits."""
         try:
-            planned = plan_malleus(cluster, self.spec, micro_batch=self.micro_batch,
-                                   num_microbatches=self.plan.num_microbatches, current=self.plan)
+            planned = replan(self.plan, self.spec, stragglers, micro_batch=self.micro_batch,
+                             gpus_per_node=self.gpus_per_node, gpu_memory_bytes=self.gpu_memory_bytes)
         except ValueError as exc:
             say(f"straggler monitor: no plan for these slowdowns: {exc}")
             return None

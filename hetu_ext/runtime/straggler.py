@@ -1,4 +1,4 @@
-"""Per-layer compute timing and speed emulation on a stage model (torch; no process group, no host framework).
+"""Per-layer compute timing, speed emulation, and the exchange of timings between ranks (torch; no host framework).
 
 Each transformer layer gets two identity autograd marks, at its input and at its output. The forward time of a
 layer is the time between its forward pre-hook and its forward hook; its backward time is the time between the
@@ -11,14 +11,22 @@ measurement sees an emulated straggler exactly as it would a slow GPU. On a CPU 
 straggler frees cores for the others and its own measured duration shrinks; ``--hetu-emulate-layer-ms T`` fixes
 that by giving every layer an emulated device time (T forward, 2T backward, times x), so all ranks keep the pace
 of the emulated cluster.
+
+:func:`exchange_timings` is the one collective: every rank's (compute seconds, FLOPs) samples since the last
+exchange, gathered on every rank; the timer and the emulation need no process group.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
+
+Timings = list[tuple[int, list[tuple[float, float]]]]
+"""Per rank (ascending), its (compute seconds, FLOPs) samples, one per step, since the last exchange."""
 
 
 @dataclass(frozen=True)
@@ -45,11 +53,29 @@ def parse_schedule(text: str) -> list[SlowdownEvent]:
 
 
 def factor_at(events: list[SlowdownEvent], rank: int, step: int) -> float:
+    """The emulated slowdown of ``rank`` at ``step`` (the factor of its latest event at or before it; 1.0)."""
     factor = 1.0
     for event in events:
         if event.rank == rank and event.step <= step:
             factor = event.factor
     return factor
+
+
+def onset_latency(events: list[SlowdownEvent], ranks: Iterable[int], step: int) -> int | None:
+    """Steps from the latest emulated change of one of ``ranks`` at or before ``step`` to ``step``, both counted
+    (a detection at the step of the onset: 1); None when none of them had one (a real, not emulated, change)."""
+    ranks = set(ranks)
+    onsets = [e.step for e in events if e.rank in ranks and e.step <= step]
+    return step - max(onsets) + 1 if onsets else None
+
+
+def exchange_timings(rank: int, samples: list[tuple[float, float]], group=None) -> Timings:
+    """Every rank's samples, ``rank``'s being ``samples`` (collective: every rank of ``group`` calls it, with
+    its own; one small all_gather_object). Ranks with no samples (nothing timed since the last exchange) are
+    listed with an empty list."""
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, (rank, samples), group=group)
+    return sorted(everyone)
 
 
 class _CpuClock:
