@@ -34,26 +34,37 @@ from pathlib import Path
 from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
-_DROP = {"--hetu-plan": 1, "--load": 1, "--tensor-model-parallel-size": 1, "--pipeline-model-parallel-size": 1}
+REPLACED = ("--hetu-plan", "--load", "--tensor-model-parallel-size", "--pipeline-model-parallel-size")
+"""pretrain_gpt.py's flags a restart replaces (one value each): the new plan sets the layout, --save's checkpoints
+are loaded."""
+
+
+class _ArgvParser(argparse.ArgumentParser):
+    """argparse that raises ValueError instead of exiting (a restart's argv was accepted by the first attempt)."""
+
+    def error(self, message: str):
+        raise ValueError(f"pretrain_gpt.py's flags: {message}")
 
 
 def restart_argv(argv: list[str], *, plan_path: str) -> list[str]:
-    """pretrain_gpt.py's flags for a restart: the new plan instead of any plan or TP/PP flags, --load = --save."""
-    out, skip, save = [], 0, None
-    for i, arg in enumerate(argv):
-        if skip:
-            skip -= 1
-            continue
-        if arg in _DROP:
-            skip = _DROP[arg]
-            continue
-        if arg == "--save":
-            save = argv[i + 1]
-        out.append(arg)
+    """pretrain_gpt.py's flags for a restart: the new plan instead of any plan or TP/PP flags, --load = --save.
+
+    The flags are read as pretrain_gpt.py's parser reads them: ``--load DIR`` and ``--load=DIR`` alike, no
+    abbreviation (its parser has ``allow_abbrev=False``, so ``--save-interval`` is never ``--save``). The
+    replaced flags are taken out by ``parse_known_args``, every other token kept in order; the directory loaded
+    is the ``--save`` pretrain_gpt.py would use (the last one typed, else ``checkpoint.save`` of the
+    ``--hetu-config`` file), by its own parser."""
+    from hetu_ext.config import build_parser, from_namespace, parse_namespace
+
+    replaced = _ArgvParser(add_help=False, allow_abbrev=False)
+    for flag in REPLACED:
+        replaced.add_argument(flag, action="append")
+    _, kept = replaced.parse_known_args(argv)
+    save = from_namespace(parse_namespace(argv, build_parser())).checkpoint.save
     if save is None:
         raise ValueError("elastic restarts need --save DIR (the checkpoints to resume from); add it with "
                          "--save-interval N")
-    return out + ["--hetu-plan", plan_path, "--load", save]
+    return kept + ["--hetu-plan", plan_path, "--load", save]
 
 
 def plan_for(argv: list[str], world_size: int, gpus_per_node: int) -> str:
