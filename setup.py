@@ -25,5 +25,5 @@ setup(
         "metrics": ["tensorboard>=2.14"],  # --tensorboard-dir (wandb for --wandb-project is the user's to install)
     },
     entry_points={"console_scripts": ["hetu-plan=hetu_ext.plan.__main__:main",
-                                      "hetu-ckpt=hetu_ext.checkpoint.cli:main"]},
+                                      "hetu-ckpt=hetu_ext.checkpoint.__main__:main"]},
 )

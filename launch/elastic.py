@@ -71,7 +71,7 @@ def plan_for(argv: list[str], world_size: int, gpus_per_node: int) -> str:
     """A Malleus plan (YAML) of the model in ``argv`` over ``world_size`` healthy ranks."""
     from hetu_ext.config import build_parser, from_namespace, parse_namespace
     from hetu_ext.data.tokenizer import tokenizer_vocab_size
-    from hetu_ext.megatron.trainer import model_spec
+    from hetu_ext.megatron.launch_plan import model_spec
     from hetu_ext.plan import dump_plan
     from hetu_ext.plan.cluster import Cluster
     from hetu_ext.plan.malleus import plan_malleus

@@ -76,7 +76,7 @@ def _ids(out: Path, world: int) -> dict[int, list[int]]:
 def _malleus_plan(argv: list[str], world: int) -> str:
     from hetu_ext.megatron.args import parse_run_config
     from hetu_ext.megatron.data import make_tokenizer
-    from hetu_ext.megatron.trainer import model_spec
+    from hetu_ext.megatron.launch_plan import model_spec
     from hetu_ext.plan import dump_plan
     from hetu_ext.plan.cluster import Cluster
     from hetu_ext.plan.malleus import plan_malleus

@@ -10,13 +10,13 @@ import subprocess
 import pytest
 import torch
 import yaml
+from test_pretrain_cli import MODEL, ROOT, assert_one_error_line, run
+from test_uniform_equivalence import _argv
 
 from hetu_ext.config import build_parser, from_namespace, parse_namespace
 from hetu_ext.metrics import format_log_line, read_records
 from hetu_ext.testing.multiproc import run_ranks
 from hetu_ext.testing.runs import train
-from test_pretrain_cli import MODEL, ROOT, assert_one_error_line, run
-from test_uniform_equivalence import _argv
 
 BASE = MODEL + ["--train-iters", "2", "--mock-data"]
 

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from hetu_ext.metrics import format_log_line
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -18,6 +20,12 @@ def _launch_module(name: str):
     sys.modules[spec.name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
     return module
+
+
+def _step_line(i: int, tokens_per_s: int) -> str:
+    """A Megatron-LM log line of step ``i`` (what elastic.py sees on a rank's stdout)."""
+    return format_log_line({"iteration": i, "train_iters": 20, "consumed_samples": 24 * i, "step_ms": 100.0,
+                            "lr": 1e-3, "samples": 24, "loss": 5.0, "grad_norm": None, "tokens_per_s": tokens_per_s})
 
 
 def _step(i: int, tokens_per_s: int) -> dict:
@@ -93,7 +101,7 @@ def test_elastic_failure_cause():
     lost = elastic.Attempt(1, [], [f"[rank{r}]: RuntimeError: Connection closed by peer" for r in (0, 2)])
     assert elastic.failure_cause(lost, 3) is None
     # the same error on every rank after steps ran: not "before the first step"
-    stepped = elastic.Attempt(1, [_step(1, 3000)], same.stderr)
+    stepped = elastic.Attempt(1, [_step_line(1, 3000)], same.stderr)
     assert elastic.failure_cause(stepped, 3) is None
 
 

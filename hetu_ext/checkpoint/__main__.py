@@ -14,7 +14,6 @@ from hetu_ext.deepspeed.zero_checkpoint import ZERO_CHECKPOINTS
 
 from .cli import main as cli_main
 
-
 FORMATS = (ZERO_CHECKPOINTS,)
 """The other frameworks' checkpoint formats the CLI reads."""
 

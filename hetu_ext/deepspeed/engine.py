@@ -217,13 +217,13 @@ def build(args: argparse.Namespace, zero: ZeroConfig) -> DeepSpeedGPT:
     from hetu_ext.config import from_namespace
     from hetu_ext.megatron import host
     from hetu_ext.megatron.data import DataSpec, build_train_dataset, make_tokenizer
+    from hetu_ext.megatron.launch_plan import model_spec
     from hetu_ext.megatron.model import (
         TrainingNumerics,
         build_gpt_stage,
         transformer_config,
         with_precision,
     )
-    from hetu_ext.megatron.trainer import model_spec
     from hetu_ext.megatron.weights import init_weights
     from hetu_ext.plan import uniform_plan
 

@@ -43,7 +43,6 @@ import torch
 import torch.distributed as dist
 
 from hetu_ext.checkpoint import CheckpointError, LocalStorage
-from hetu_ext.config import CheckpointConfig, ParallelConfig
 from hetu_ext.checkpoint.load import LoadReport, load_pieces
 from hetu_ext.checkpoint.manifest import MANIFEST, Manifest
 from hetu_ext.checkpoint.ownership import (
@@ -56,9 +55,10 @@ from hetu_ext.checkpoint.ownership import (
 from hetu_ext.checkpoint.schedule import resolve_schedule
 from hetu_ext.checkpoint.writer import Checkpointer, SaveConfig, checkpoint_name, remove_leftovers
 from hetu_ext.data.assign import global_batch_size
-from hetu_ext.plan import PlanError, plan_to_dict
+from hetu_ext.plan import plan_to_dict
 from hetu_ext.runtime.reshard import Piece
 
+from .launch_plan import save_format
 from .weights import local_shards
 
 logger = logging.getLogger(__name__)
@@ -68,23 +68,6 @@ MOMENTS = ("exp_avg", "exp_avg_sq", "momentum_buffer")
 """Optimizer state tensors shaped like their parameter (Adam's two moments, SGD's momentum)."""
 _CHECKPOINTERS: dict[str, Checkpointer] = {}
 """One asynchronous checkpointer per save directory in this process (its background save outlives a call)."""
-
-
-def save_format(checkpoint: CheckpointConfig, parallel: ParallelConfig) -> str:
-    """The format ``--save`` writes: ``hetu`` or ``torch_dist`` (``auto`` resolved)."""
-    if checkpoint.format == "auto":
-        return "torch_dist" if parallel.use_distributed_optimizer else "hetu"
-    return checkpoint.format
-
-
-def check_plan_runtime(checkpoint: CheckpointConfig, parallel: ParallelConfig) -> None:
-    """The plan runtime saves the hetu format only (dist_checkpointing needs parallel_state's uniform grid)."""
-    if checkpoint.save and save_format(checkpoint, parallel) == "torch_dist":
-        raise PlanError("--hetu-ckpt-format torch_dist runs on Megatron's uniform runtime only; this plan runs on "
-                        "the plan runtime, so save with --hetu-ckpt-format hetu (or auto)")
-
-
-# ---------------------------------------------------------------- pieces of the training state
 
 
 def _optimizers(optimizer) -> list:

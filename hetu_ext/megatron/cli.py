@@ -20,7 +20,15 @@ import os
 import socket
 import sys
 
-from hetu_ext.config import LaunchConfig, RunConfig, build_parser, from_namespace, parse_namespace, report_error, to_yaml
+from hetu_ext.config import (
+    LaunchConfig,
+    RunConfig,
+    build_parser,
+    from_namespace,
+    parse_namespace,
+    report_error,
+    to_yaml,
+)
 from hetu_ext.plan import PlanError
 
 from .args import validate_args
@@ -58,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         from hetu_ext.hostlog import quiet_host_frameworks
 
         quiet_host_frameworks()
-        from .trainer import check_launch
+        from .launch_plan import check_launch
 
         check_launch(config, world_size)  # the plan against the model and the world size, no process group
     except (PlanError, ValueError, OSError) as exc:

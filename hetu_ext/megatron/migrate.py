@@ -91,16 +91,3 @@ def migrate(old: Placement, build_new, iteration: int) -> tuple[Placement, Migra
                                 seconds=time.perf_counter() - start)
 
 
-def parse_migrations(text: str) -> list[tuple[int, str]]:
-    """``"step=3:plan=a.yaml,step=8:plan=b.yaml"`` -> [(3, "a.yaml"), (8, "b.yaml")] (after step 3, ...)."""
-    out = []
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        fields = dict(kv.split("=", 1) for kv in item.split(":") if "=" in kv)
-        if set(fields) != {"step", "plan"} or not fields["step"].isdigit() or int(fields["step"]) < 1:
-            raise ValueError(f"--hetu-migrate {item!r}: expected step=N:plan=FILE with N >= 1 (migrate after step "
-                             "N), several separated by commas")
-        out.append((int(fields["step"]), fields["plan"]))
-    steps = [s for s, _ in out]
-    if steps != sorted(set(steps)):
-        raise ValueError(f"--hetu-migrate: steps must increase, got {steps}")
-    return out

@@ -33,7 +33,6 @@ import numpy as np
 import torch
 
 from hetu_ext.config import DataConfig, PackingConfig
-from hetu_ext.config.schema import PACKING_METHODS
 from hetu_ext.data.cost import CostTable, load_cost_table
 from hetu_ext.data.lengths import concat_split, parse_length_spec
 from hetu_ext.data.packing import ReplicaSpec, assign, replica_specs

@@ -21,24 +21,18 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
+from hetu_ext.config import TrainingConfig
 from hetu_ext.plan import ModelSpec, Plan, PlanError
 from hetu_ext.plan.layout import ShardInfo, in_place_lanes, reduction_layout
 from hetu_ext.plan.plan import neighbours
 from hetu_ext.runtime.grad_sync import GradSync, LocalTensor
 from hetu_ext.runtime.groups import PlanGroups, add_lane_groups, build_groups
 
+from .launch_plan import check_runnable
 from .model import TrainingNumerics, build_gpt_stage, optimizer_config, transformer_config, with_precision
 from .p2p import StagePosition
 from .placement import Placement
 from .weights import init_weights, local_shards
-
-
-def check_runnable(plan: Plan) -> None:
-    for i, pipeline in enumerate(plan.pipelines):
-        for j, stage in enumerate(pipeline.stages):
-            if stage.num_layers == 0:
-                raise PlanError(f"pipeline {i} stage {j}: holds no transformer layer; the plan runtime needs at "
-                                "least one layer per stage, so merge it into an adjacent stage")
 
 
 def _pg_collection(groups: PlanGroups, tp=None):

@@ -20,9 +20,7 @@ import torch
 import torch.distributed as dist
 
 from hetu_ext.config import (
-    ModelConfig,
     PackingConfig,
-    ParallelConfig,
     RunConfig,
     StragglerConfig,
     TrainingConfig,
@@ -32,65 +30,25 @@ from hetu_ext.metrics import MetricsWriter, format_log_line, model_flops_per_tok
 from hetu_ext.plan import (
     ModelSpec,
     Plan,
-    PlanError,
     format_plan,
-    load_plan,
     plan_to_dict,
-    uniform_plan,
-    uniform_shape,
 )
 from hetu_ext.plan.straggler_policy import StragglerPolicy
 from hetu_ext.runtime.straggler import parse_schedule
 
 from . import checkpointing, host
 from .data import DataSpec, build_train_dataset, make_tokenizer, microbatch_iterator
+from .launch_plan import check_launch
 from .memory import memory_table
-from .migrate import migrate, parse_migrations
+from .migrate import migrate
 from .model import TrainingNumerics
 from .monitor import StragglerMonitor
 from .packed_data import PackedSteps, build_packed_steps, open_documents
 from .placement import Placement
-from .plan_runtime import build_plan_placement, check_runnable
+from .plan_runtime import build_plan_placement
 from .uniform_runtime import build_megatron_placement
 
 logger = logging.getLogger(__name__)
-
-
-def model_spec(model: ModelConfig, vocab_size: int) -> ModelSpec:
-    """The planners' view of the model settings."""
-    return ModelSpec(num_layers=model.num_layers, hidden_size=model.hidden_size,
-                     num_attention_heads=model.num_attention_heads, ffn_hidden_size=model.ffn_hidden_size,
-                     vocab_size=vocab_size, seq_length=model.seq_length,
-                     max_position_embeddings=model.max_position_embeddings,
-                     untie_embeddings_and_output_weights=model.untie_embeddings_and_output_weights,
-                     make_vocab_size_divisible_by=model.make_vocab_size_divisible_by)
-
-
-def plan_of(parallel: ParallelConfig, training: TrainingConfig, packing: PackingConfig, spec: ModelSpec,
-            world_size: int) -> Plan:
-    """The plan to run: ``--hetu-plan`` if given, else Megatron's uniform grid of the TP/PP/batch flags."""
-    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
-    mbs, gbs_flag = training.micro_batch_size, training.global_batch_size
-    packed = packing.method != "off"  # microbatches are chosen per step by the packer
-    if parallel.plan:
-        plan = load_plan(parallel.plan)
-    else:
-        if world_size % (tp * pp):
-            raise PlanError(f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
-                            f"--pipeline-model-parallel-size {pp}; launch a multiple of {tp * pp} ranks")
-        dp = world_size // (tp * pp)
-        gbs = mbs * dp if packed else gbs_flag or mbs * dp
-        if gbs % (mbs * dp):
-            raise PlanError(f"--global-batch-size {gbs} must be a multiple of --micro-batch-size "
-                            f"{mbs} x data-parallel size {dp} = {mbs * dp}")
-        plan = uniform_plan(world_size=world_size, tp=tp, pp=pp, num_layers=spec.num_layers,
-                            num_microbatches=gbs // (mbs * dp))
-    plan.validate(spec, world_size)
-    if not packed and gbs_flag and global_batch_size(plan, mbs) != gbs_flag:
-        raise PlanError(f"the plan runs {plan.num_microbatches} microbatches of {mbs} = "
-                        f"{global_batch_size(plan, mbs)} samples per step but --global-batch-size "
-                        f"is {gbs_flag}; make them agree")
-    return plan
 
 
 @dataclass
@@ -323,27 +281,6 @@ def _loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
     return loss, num_tokens, {"lm loss": report}
 
 
-def select_runtime(config: RunConfig, plan: Plan) -> str:
-    """``megatron`` (its parallel_state grid) for uniform plans unless asked otherwise; ``plan`` for the rest."""
-    parallel, straggler = config.parallel, config.straggler
-    if parallel.runtime == "megatron" and uniform_shape(plan) is None:
-        raise PlanError("--hetu-runtime megatron can only run a uniform TP x PP x DP plan (same shape, TP degree "
-                        "and microbatches in every pipeline, Megatron's rank order, no unused ranks); use "
-                        "--hetu-runtime plan or auto")
-    online = straggler.migrate or straggler.replan == "online"
-    if online and parallel.runtime == "megatron":
-        raise PlanError("changing plans online (--hetu-migrate, --hetu-straggler-replan online) needs the plan "
-                        "runtime (Megatron's parallel_state cannot change layout in a running job); drop "
-                        "--hetu-runtime megatron")
-    if parallel.runtime == "plan" or uniform_shape(plan) is None or online:
-        checkpointing.check_plan_runtime(config.checkpoint, parallel)
-        if parallel.use_distributed_optimizer:
-            raise PlanError("--use-distributed-optimizer (ZeRO-1) is not yet supported on the plan runtime; drop "
-                            "it or run a uniform plan")
-        return "plan"
-    return "megatron"
-
-
 def make_scheduler(training: TrainingConfig, packing: PackingConfig, placement: Placement, plan: Plan):
     """Megatron's LR/weight-decay scheduler, stepped in samples as Megatron-LM does (None on idle ranks)."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -391,39 +328,6 @@ def _straggler_monitor(straggler: StragglerConfig, micro_batch: int, log_interva
     return monitor
 
 
-@dataclass(frozen=True)
-class LaunchCheck:
-    """What a launch is, decided from the settings alone (no process group): the launcher checks it before it
-    starts any rank, and every rank builds on it."""
-
-    tokenizer: object
-    spec: ModelSpec
-    plan: Plan
-    migrations: list[tuple[int, Plan]]
-    runtime: str
-    """``megatron`` or ``plan`` (select_runtime)."""
-
-
-def check_launch(config: RunConfig, world_size: int) -> LaunchCheck:
-    """The model, the plan (validated against the model and ``world_size``), pending migrations and the runtime;
-    PlanError / ValueError naming the rule, the values and the fix for anything that cannot run."""
-    tokenizer = make_tokenizer(config.data.tokenizer_type, config.data.vocab_size)
-    spec = model_spec(config.model, tokenizer.vocab_size)
-    plan = plan_of(config.parallel, config.training, config.packing, spec, world_size)
-    migrations = []
-    for step, path in parse_migrations(config.straggler.migrate or ""):
-        target = load_plan(path).validate(spec, world_size)
-        if target.num_microbatches != plan.num_microbatches and config.packing.method == "off":
-            raise PlanError(f"--hetu-migrate plan {path!r} runs {target.num_microbatches} microbatches per step but "
-                            f"the run has {plan.num_microbatches}; keep the global batch the same")
-        check_runnable(target)
-        migrations.append((step, target))
-    runtime = select_runtime(config, plan)
-    if runtime == "plan":
-        check_runnable(plan)
-    return LaunchCheck(tokenizer=tokenizer, spec=spec, plan=plan, migrations=migrations, runtime=runtime)
-
-
 def open_metrics(config: RunConfig) -> MetricsWriter:
     """The run's metrics writer (a file only where :func:`metrics_path` names one)."""
     return MetricsWriter(metrics_path(config), tensorboard_dir=config.logging.tensorboard_dir,
@@ -444,8 +348,8 @@ def build_trainer(config: RunConfig) -> Trainer:
     # the plan is checked against the model before any process group exists
     world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     launch = check_launch(config, world_size)
-    tokenizer, spec, plan, migrations, runtime = (launch.tokenizer, launch.spec, launch.plan, launch.migrations,
-                                                  launch.runtime)
+    spec, plan, migrations, runtime = launch.spec, launch.plan, launch.migrations, launch.runtime
+    tokenizer = make_tokenizer(config.data.tokenizer_type, config.data.vocab_size)
     training, packed = config.training, config.packing.method != "off"
     # packed documents are read (and checked) before any process group exists
     documents = open_documents(config.data, config.packing, tokenizer, seed=training.seed) if packed else None

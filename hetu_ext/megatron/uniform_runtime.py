@@ -15,8 +15,7 @@ def build_megatron_placement(training: TrainingConfig, spec: ModelSpec, plan: Pl
                              numerics: TrainingNumerics, *, use_distributed_optimizer: bool = False) -> Placement:
     """Megatron's own uniform path: parallel_state's TP x PP x DP grid, its DDP, optimizer and schedule."""
     from megatron.core import parallel_state, tensor_parallel
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, \
-        finalize_model_grads
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
 

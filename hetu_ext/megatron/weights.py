@@ -47,8 +47,8 @@ def local_shards(model: torch.nn.Module, *, layer_offset: int = 0, metadata: dic
     numbering (the plan runtime); Megatron's own pipeline layout numbers layers globally (offset 0).
     ``metadata``: passed to ``sharded_state_dict`` (the plan runtime supplies its ``dp_cp_group`` there).
     """
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
     from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     module = model
     while hasattr(module, "module"):

@@ -1,0 +1,142 @@
+"""What a launch is, decided from the settings alone: the model, the plan (validated against the world size), the
+runtime, pending migrations, the checkpoint format. Imports no Megatron (about 10 s of imports), so
+pretrain_gpt.py's launcher checks all of it before it starts any rank, and every rank builds on the same answer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hetu_ext.config import CheckpointConfig, ModelConfig, PackingConfig, ParallelConfig, RunConfig, TrainingConfig
+from hetu_ext.data.assign import global_batch_size
+from hetu_ext.data.tokenizer import tokenizer_vocab_size
+from hetu_ext.plan import ModelSpec, Plan, PlanError, load_plan, uniform_plan, uniform_shape
+
+
+def model_spec(model: ModelConfig, vocab_size: int) -> ModelSpec:
+    """The planners' view of the model settings."""
+    return ModelSpec(num_layers=model.num_layers, hidden_size=model.hidden_size,
+                     num_attention_heads=model.num_attention_heads, ffn_hidden_size=model.ffn_hidden_size,
+                     vocab_size=vocab_size, seq_length=model.seq_length,
+                     max_position_embeddings=model.max_position_embeddings,
+                     untie_embeddings_and_output_weights=model.untie_embeddings_and_output_weights,
+                     make_vocab_size_divisible_by=model.make_vocab_size_divisible_by)
+
+
+def plan_of(parallel: ParallelConfig, training: TrainingConfig, packing: PackingConfig, spec: ModelSpec,
+            world_size: int) -> Plan:
+    """The plan to run: ``--hetu-plan`` if given, else Megatron's uniform grid of the TP/PP/batch flags."""
+    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    mbs, gbs_flag = training.micro_batch_size, training.global_batch_size
+    packed = packing.method != "off"  # microbatches are chosen per step by the packer
+    if parallel.plan:
+        plan = load_plan(parallel.plan)
+    else:
+        if world_size % (tp * pp):
+            raise PlanError(f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
+                            f"--pipeline-model-parallel-size {pp}; launch a multiple of {tp * pp} ranks")
+        dp = world_size // (tp * pp)
+        gbs = mbs * dp if packed else gbs_flag or mbs * dp
+        if gbs % (mbs * dp):
+            raise PlanError(f"--global-batch-size {gbs} must be a multiple of --micro-batch-size "
+                            f"{mbs} x data-parallel size {dp} = {mbs * dp}")
+        plan = uniform_plan(world_size=world_size, tp=tp, pp=pp, num_layers=spec.num_layers,
+                            num_microbatches=gbs // (mbs * dp))
+    plan.validate(spec, world_size)
+    if not packed and gbs_flag and global_batch_size(plan, mbs) != gbs_flag:
+        raise PlanError(f"the plan runs {plan.num_microbatches} microbatches of {mbs} = "
+                        f"{global_batch_size(plan, mbs)} samples per step but --global-batch-size "
+                        f"is {gbs_flag}; make them agree")
+    return plan
+
+
+def check_runnable(plan: Plan) -> None:
+    for i, pipeline in enumerate(plan.pipelines):
+        for j, stage in enumerate(pipeline.stages):
+            if stage.num_layers == 0:
+                raise PlanError(f"pipeline {i} stage {j}: holds no transformer layer; the plan runtime needs at "
+                                "least one layer per stage, so merge it into an adjacent stage")
+
+
+def parse_migrations(text: str) -> list[tuple[int, str]]:
+    """``"step=3:plan=a.yaml,step=8:plan=b.yaml"`` -> [(3, "a.yaml"), (8, "b.yaml")] (after step 3, ...)."""
+    out = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        fields = dict(kv.split("=", 1) for kv in item.split(":") if "=" in kv)
+        if set(fields) != {"step", "plan"} or not fields["step"].isdigit() or int(fields["step"]) < 1:
+            raise ValueError(f"--hetu-migrate {item!r}: expected step=N:plan=FILE with N >= 1 (migrate after step "
+                             "N), several separated by commas")
+        out.append((int(fields["step"]), fields["plan"]))
+    steps = [s for s, _ in out]
+    if steps != sorted(set(steps)):
+        raise ValueError(f"--hetu-migrate: steps must increase, got {steps}")
+    return out
+
+
+def save_format(checkpoint: CheckpointConfig, parallel: ParallelConfig) -> str:
+    """The format ``--save`` writes: ``hetu`` or ``torch_dist`` (``auto`` resolved)."""
+    if checkpoint.format == "auto":
+        return "torch_dist" if parallel.use_distributed_optimizer else "hetu"
+    return checkpoint.format
+
+
+def check_plan_runtime(checkpoint: CheckpointConfig, parallel: ParallelConfig) -> None:
+    """The plan runtime saves the hetu format only (dist_checkpointing needs parallel_state's uniform grid)."""
+    if checkpoint.save and save_format(checkpoint, parallel) == "torch_dist":
+        raise PlanError("--hetu-ckpt-format torch_dist runs on Megatron's uniform runtime only; this plan runs on "
+                        "the plan runtime, so save with --hetu-ckpt-format hetu (or auto)")
+
+
+# ---------------------------------------------------------------- pieces of the training state
+
+
+def select_runtime(config: RunConfig, plan: Plan) -> str:
+    """``megatron`` (its parallel_state grid) for uniform plans unless asked otherwise; ``plan`` for the rest."""
+    parallel, straggler = config.parallel, config.straggler
+    if parallel.runtime == "megatron" and uniform_shape(plan) is None:
+        raise PlanError("--hetu-runtime megatron can only run a uniform TP x PP x DP plan (same shape, TP degree "
+                        "and microbatches in every pipeline, Megatron's rank order, no unused ranks); use "
+                        "--hetu-runtime plan or auto")
+    online = straggler.migrate or straggler.replan == "online"
+    if online and parallel.runtime == "megatron":
+        raise PlanError("changing plans online (--hetu-migrate, --hetu-straggler-replan online) needs the plan "
+                        "runtime (Megatron's parallel_state cannot change layout in a running job); drop "
+                        "--hetu-runtime megatron")
+    if parallel.runtime == "plan" or uniform_shape(plan) is None or online:
+        check_plan_runtime(config.checkpoint, parallel)
+        if parallel.use_distributed_optimizer:
+            raise PlanError("--use-distributed-optimizer (ZeRO-1) is not yet supported on the plan runtime; drop "
+                            "it or run a uniform plan")
+        return "plan"
+    return "megatron"
+
+
+@dataclass(frozen=True)
+class LaunchCheck:
+    """What a launch is, decided from the settings alone (no process group): the launcher checks it before it
+    starts any rank, and every rank builds on it."""
+
+    spec: ModelSpec
+    plan: Plan
+    migrations: list[tuple[int, Plan]]
+    runtime: str
+    """``megatron`` or ``plan`` (select_runtime)."""
+
+
+def check_launch(config: RunConfig, world_size: int) -> LaunchCheck:
+    """The model, the plan (validated against the model and ``world_size``), pending migrations and the runtime;
+    PlanError / ValueError naming the rule, the values and the fix for anything that cannot run."""
+    spec = model_spec(config.model, tokenizer_vocab_size(config.data.tokenizer_type, config.data.vocab_size))
+    plan = plan_of(config.parallel, config.training, config.packing, spec, world_size)
+    migrations = []
+    for step, path in parse_migrations(config.straggler.migrate or ""):
+        target = load_plan(path).validate(spec, world_size)
+        if target.num_microbatches != plan.num_microbatches and config.packing.method == "off":
+            raise PlanError(f"--hetu-migrate plan {path!r} runs {target.num_microbatches} microbatches per step but "
+                            f"the run has {plan.num_microbatches}; keep the global batch the same")
+        check_runnable(target)
+        migrations.append((step, target))
+    runtime = select_runtime(config, plan)
+    if runtime == "plan":
+        check_runnable(plan)
+    return LaunchCheck(spec=spec, plan=plan, migrations=migrations, runtime=runtime)
