@@ -182,10 +182,10 @@ def held_state(trainer) -> tuple[str, list[tuple]]:
     """This rank's host and the state it holds after a load (its pieces under the new plan)."""
     import socket
 
-    from hetu_ext.megatron import checkpointing
+    from hetu_ext.megatron.state import state_pieces
 
     return socket.gethostname(), [(p.key, p.index, p.box, p.tensor.element_size())
-                                  for p in checkpointing.state_pieces(trainer.placement)]
+                                  for p in state_pieces(trainer.placement)]
 
 
 def _trainer(argv: list[str]):
@@ -206,10 +206,11 @@ def save_body(rank: int, world: int, argv: list[str], directory: str, system: st
     import torch.distributed as dist
 
     from hetu_ext.megatron import checkpointing
+    from hetu_ext.megatron.state import state_pieces
 
     trainer = _trainer(argv)
     trainer.train(log=lambda line: None)  # one step: Adam's moments exist
-    pieces = checkpointing.state_pieces(trainer.placement)
+    pieces = state_pieces(trainer.placement)
     dist.barrier()
     start = time.perf_counter()
     if system == "hetu":
@@ -309,12 +310,13 @@ def load_body(rank: int, world: int, argv: list[str], directory: str, system: st
 
 
 def _ds_run(argv: list[str], extra: dict | None = None):
+    from hetu_ext.config import from_namespace
     from hetu_ext.deepspeed.engine import ZeroConfig, add_deepspeed_args, build
     from hetu_ext.megatron.args import build_parser, validate_args
 
     args = add_deepspeed_args(build_parser()).parse_args(argv)
     validate_args(args)
-    return build(args, ZeroConfig(stage=2, extra=extra or {}))
+    return build(from_namespace(args), ZeroConfig(stage=2, extra=extra or {}))
 
 
 def _ds_fingerprint(engine) -> dict:

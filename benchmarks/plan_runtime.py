@@ -56,10 +56,11 @@ def grad_bytes(rank: int, world: int, argv: list[str]):
 
 
 def main() -> None:
+    from test_plan_runtime import PLANS
+
     from hetu_ext.megatron.preprocess_data import preprocess
     from hetu_ext.testing.multiproc import run_ranks
     from hetu_ext.testing.runs import train
-    from test_plan_runtime import PLANS
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--reps", type=int, default=3)

@@ -134,7 +134,7 @@ def main() -> None:
     migrated = read_records(metrics, event="migration")
     latency = detected[0]["latency_steps"] if detected else None
     seconds = migrated[0]["seconds"] if migrated else None
-    print(f"\nonline: rank 1 5x slow from step 4: " + (
+    print("\nonline: rank 1 5x slow from step 4: " + (
         f"detected at step {detected[0]['iteration']} ({latency} steps after onset), slowdowns "
         f"{detected[0]['stragglers']}" if detected else "not detected"))
     print("online: " + (f"migrated after step {migrated[0]['iteration']} in {seconds:.2f} s, "

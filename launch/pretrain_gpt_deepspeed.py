@@ -18,7 +18,7 @@ import socket
 import sys
 from pathlib import Path
 
-from hetu_ext.config import build_parser, parse_namespace
+from hetu_ext.config import build_parser, from_namespace, parse_namespace
 from hetu_ext.deepspeed.engine import (
     ZeroConfig,
     add_deepspeed_args,
@@ -36,7 +36,8 @@ def main(argv: list[str] | None = None) -> int:
         validate_args(args)
         extra = json.loads(Path(args.deepspeed_config).read_text()) if args.deepspeed_config else {}
         zero = ZeroConfig(stage=args.zero_stage, extra=extra)
-        deepspeed_config(args, zero, int(os.environ.get("WORLD_SIZE", "1")))  # contradictions fail before launch
+        config = from_namespace(args)
+        deepspeed_config(config, zero, int(os.environ.get("WORLD_SIZE", "1")))  # contradictions fail before launch
     except (ValueError, OSError) as exc:
         parser.error(str(exc))  # one line, exit code 2
     if "RANK" not in os.environ:  # python launch/pretrain_gpt_deepspeed.py: one rank, in this process
@@ -51,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"DeepSpeed ZeRO-{zero.stage} on {world} rank(s): importing Megatron-core and DeepSpeed, building the "
               "model and the engine ...", flush=True)
     try:
-        run = build(args, zero)
+        run = build(config, zero)
     except ValueError as exc:
         if rank == 0:
             print(f"{parser.prog}: error: {exc}", file=sys.stderr)

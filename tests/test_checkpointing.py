@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from test_uniform_equivalence import WEIGHT_ATOL, _argv
+
 from hetu_ext.testing.multiproc import run_ranks
 from hetu_ext.testing.runs import train
-from test_uniform_equivalence import WEIGHT_ATOL, _argv
 
 SCHEDULE = ("--lr-decay-style", "linear", "--lr-decay-iters", "4")
 

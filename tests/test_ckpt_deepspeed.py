@@ -39,13 +39,14 @@ def deepspeed_save_body(rank: int, world: int, argv: list[str], stage: int, dire
     """Train with DeepSpeed, record DeepSpeed's own full view of the state, save; rank 0 returns it."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
-    from hetu_ext.deepspeed.zero_checkpoint import hetu_name
+    from hetu_ext.config import from_namespace
     from hetu_ext.deepspeed.engine import ZeroConfig, add_deepspeed_args, build
+    from hetu_ext.deepspeed.zero_checkpoint import hetu_name
     from hetu_ext.megatron.args import build_parser, validate_args
 
     args = add_deepspeed_args(build_parser()).parse_args(argv)
     validate_args(args)
-    run = build(args, ZeroConfig(stage=stage))
+    run = build(from_namespace(args), ZeroConfig(stage=stage))
     losses = run.train()
     optimizer = run.engine.optimizer
     if stage <= 2:
@@ -229,6 +230,7 @@ def test_plain_deepspeed_checkpoint_and_wrong_model(zero2, sample_prefix, tmp_pa
 def test_deepspeed_config_from_flags_and_its_errors():
     """Pure: the DeepSpeed config the Megatron-LM flags give, and one error naming rule, values and fix for a
     batch that does not split over the ranks, a user config contradicting the flags, or an unknown stage."""
+    from hetu_ext.config import from_namespace
     from hetu_ext.deepspeed.engine import (
         ZeroConfig,
         add_deepspeed_args,
@@ -236,7 +238,7 @@ def test_deepspeed_config_from_flags_and_its_errors():
     )
     from hetu_ext.megatron.args import build_parser
 
-    args = add_deepspeed_args(build_parser()).parse_args(_argv(1, 1, "unused"))
+    args = from_namespace(add_deepspeed_args(build_parser()).parse_args(_argv(1, 1, "unused")))
     config = deepspeed_config(args, ZeroConfig(stage=3, extra={"zero_optimization": {"sub_group_size": 10**6},
                                                                "steps_per_print": 10}), 2)
     assert (config["train_batch_size"], config["gradient_accumulation_steps"], config["gradient_clipping"]) == \

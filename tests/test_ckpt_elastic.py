@@ -8,9 +8,9 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+from test_uniform_equivalence import _argv
 
 from hetu_ext.plan import plan_from_dict
-from test_uniform_equivalence import _argv
 
 spec = importlib.util.spec_from_file_location("elastic", Path(__file__).resolve().parents[1] / "launch" / "elastic.py")
 elastic = importlib.util.module_from_spec(spec)

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_ckpt_resume import SCHEDULE, _run
+from test_uniform_equivalence import _argv
 
 from hetu_ext.checkpoint.reader import ShardReader, latest_iteration, read_manifest
 from hetu_ext.checkpoint.storage import LocalStorage
 from hetu_ext.testing.multiproc import RankError
-from test_ckpt_resume import SCHEDULE, _run
-from test_uniform_equivalence import _argv
 
 
 def test_corrupt_latest_is_reported_and_fallback_resumes_exactly(sample_prefix, tmp_path):

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_ckpt_resume import PLANS
+from test_uniform_equivalence import _argv
 
 from hetu_ext.checkpoint.cli import main as ckpt_cli
 from hetu_ext.checkpoint.manifest import CheckpointError
@@ -32,8 +34,6 @@ from hetu_ext.checkpoint.storage import LocalStorage
 from hetu_ext.checkpoint.writer import SaveConfig, save_offline
 from hetu_ext.runtime.reshard import Piece
 from hetu_ext.testing.multiproc import run_ranks
-from test_ckpt_resume import PLANS
-from test_uniform_equivalence import _argv
 
 ROOT = Path(__file__).resolve().parents[1]
 LINEAR = ("--lr-decay-style", "linear")

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_ckpt_resume import SCHEDULE
+from test_uniform_equivalence import _argv
 
 from hetu_ext.checkpoint.cli import main
 from hetu_ext.testing.multiproc import run_ranks
-from test_ckpt_resume import SCHEDULE
-from test_uniform_equivalence import _argv
 
 
 def logits_body(rank: int, world: int, argv: list[str]) -> tuple[torch.Tensor, torch.Tensor]:

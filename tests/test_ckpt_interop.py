@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from hetu_ext.testing.multiproc import run_ranks
 from test_ckpt_resume import SCHEDULE, _assert_restored, _continuation_diffs, _plan_argv, _run
 from test_uniform_equivalence import LOSS_RTOL, WEIGHT_ATOL, _argv
+
+from hetu_ext.testing.multiproc import run_ranks
 
 
 @pytest.fixture(scope="module")
@@ -45,11 +45,11 @@ def megatron_model_load_body(rank: int, world: int, argv: list[str], path: str) 
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.dict_utils import extract_matching_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from test_ckpt_resume import _gather
 
     from hetu_ext.megatron.args import parse_run_config
-    from hetu_ext.megatron.checkpointing import state_pieces
+    from hetu_ext.megatron.state import state_pieces
     from hetu_ext.megatron.trainer import build_trainer
-    from test_ckpt_resume import _gather
 
     trainer = build_trainer(parse_run_config(argv))
     module = trainer.model.module

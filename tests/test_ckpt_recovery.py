@@ -16,12 +16,12 @@ import signal
 from pathlib import Path
 
 import pytest
+from test_ckpt_resume import PLANS, SCHEDULE
+from test_uniform_equivalence import LOSS_RTOL, _argv
 
 from hetu_ext.checkpoint.reader import candidates
 from hetu_ext.checkpoint.storage import LocalStorage
 from hetu_ext.testing.multiproc import RankError, run_ranks
-from test_ckpt_resume import PLANS, SCHEDULE
-from test_uniform_equivalence import LOSS_RTOL, _argv
 
 STEPS = 8
 KILLED_RANK, KILLED_AT_STEP = 4, 6

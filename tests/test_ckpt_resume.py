@@ -16,9 +16,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from test_uniform_equivalence import LOSS_RTOL, WEIGHT_ATOL, _argv
 
 from hetu_ext.testing.multiproc import run_ranks
-from test_uniform_equivalence import LOSS_RTOL, WEIGHT_ATOL, _argv
 
 SCHEDULE = ("--lr-decay-style", "linear", "--lr-decay-iters", "4")
 
@@ -88,7 +88,7 @@ def _gather(pieces) -> dict:
 
 
 def _capture(trainer) -> dict:
-    from hetu_ext.megatron.checkpointing import optimizer_step, rng_state, state_pieces
+    from hetu_ext.megatron.state import optimizer_step, rng_state, state_pieces
 
     placement = trainer.placement
     steps: list = [None] * dist.get_world_size()

@@ -129,3 +129,28 @@ def test_metrics_records_log_lines_and_tensorboard(sample_prefix, tmp_path):
     assert losses == [(r["iteration"], pytest.approx(r["loss"], rel=1e-6)) for r in steps]
     assert {"train/tokens_per_s", "train/grad_norm", "train/lr"} <= set(events.Tags()["scalars"])
     assert json.loads(metrics.read_text().splitlines()[0])["kind"] == "step"
+
+
+def test_checkpoint_events_and_one_restore_for_every_format(sample_prefix, tmp_path):
+    """Acceptance of the training state: a save and a resume write checkpoint_save / checkpoint_load events; the
+    resumed run's state (iteration, losses, schedule) came through the one restore path, whose data-settings check
+    refuses a changed global batch for the hetu format as for the others."""
+    from hetu_ext.testing.multiproc import RankError
+
+    save, metrics = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
+    first = _argv(1, 1, sample_prefix, ("--train-iters", "2", "--lr-decay-iters", "4", "--save", str(save),
+                                        "--save-interval", "1", "--hetu-metrics-file", str(metrics)))
+    run_ranks(train, 2, first, False, timeout=180)
+    saves = read_records(metrics, event="checkpoint_save")
+    assert [(r["iteration"], r["format"]) for r in saves] == [(1, "hetu"), (2, "hetu")]
+    assert saves[0]["blocking_s"] > 0 and saves[0]["total_s"] is None  # persisted in the background
+    assert saves[1]["total_s"] == saves[1]["blocking_s"]  # the last save of a run blocks until committed
+    resumed = _argv(1, 1, sample_prefix, ("--train-iters", "4", "--lr-decay-iters", "4", "--load", str(save),
+                                          "--save", str(save), "--hetu-metrics-file", str(metrics)))
+    result = next(r for r in run_ranks(train, 2, resumed, False, timeout=180) if r is not None)
+    loads = read_records(metrics, event="checkpoint_load")
+    assert len(loads) == 1 and loads[0]["iteration"] == 2 and loads[0]["blocking_s"] > 0
+    assert len(result["losses"]) == 4  # the two saved losses and two more
+    changed = [a if a != "8" else "16" for a in resumed]  # another global batch: samples would repeat
+    with pytest.raises(RankError, match=r"other data settings \(saved, now\): \{'global_batch_size': \(8, 16\)\}"):
+        run_ranks(train, 2, changed, False, timeout=180)

@@ -6,7 +6,6 @@ import importlib
 
 import pytest
 import torch
-
 from hetu_ext.patches.base import Patch, PatchError, PatchSet
 from hetu_ext.patches.megatron_cpu import megatron_cpu_patches, needs_cpu_patches
 

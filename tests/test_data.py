@@ -8,11 +8,11 @@ import sys
 
 import numpy as np
 import pytest
+from conftest import SAMPLE
 
 from hetu_ext.data.assign import microbatch_samples
 from hetu_ext.data.tokenizer import ByteLevelTokenizer
 from hetu_ext.plan import Pipeline, Plan, Stage, uniform_plan
-from conftest import SAMPLE
 
 
 def test_byte_tokenizer_round_trips_any_text():

@@ -8,8 +8,19 @@ import sys
 
 import pytest
 
-from hetu_ext.plan import (ModelSpec, Pipeline, Plan, PlanError, Stage, dump_plan, format_plan, load_plan,
-                           plan_from_dict, uniform_plan, uniform_shape)
+from hetu_ext.plan import (
+    ModelSpec,
+    Pipeline,
+    Plan,
+    PlanError,
+    Stage,
+    dump_plan,
+    format_plan,
+    load_plan,
+    plan_from_dict,
+    uniform_plan,
+    uniform_shape,
+)
 from hetu_ext.plan.__main__ import main as plan_main
 
 MODEL = ModelSpec(num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, vocab_size=257)

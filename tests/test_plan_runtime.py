@@ -13,10 +13,10 @@ step-2 losses by >1e-3.
 from __future__ import annotations
 
 import pytest
+from test_uniform_equivalence import LOSS_RTOL, WEIGHT_ATOL, _argv, compare
 
 from hetu_ext.testing.multiproc import run_ranks
 from hetu_ext.testing.runs import train
-from test_uniform_equivalence import LOSS_RTOL, WEIGHT_ATOL, _argv, compare
 
 # (id, world size, what it covers, plan YAML)
 PLANS = [

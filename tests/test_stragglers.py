@@ -8,6 +8,7 @@ import time
 
 import pytest
 import torch
+from test_uniform_equivalence import _argv
 
 from hetu_ext.plan import ModelSpec, uniform_plan
 from hetu_ext.plan.straggler_policy import (
@@ -19,7 +20,6 @@ from hetu_ext.plan.straggler_policy import (
 )
 from hetu_ext.runtime.straggler import LayerTimer, factor_at, onset_latency, parse_schedule
 from hetu_ext.testing.multiproc import run_ranks
-from test_uniform_equivalence import _argv
 
 
 def test_schedule_parsing_and_lookup():

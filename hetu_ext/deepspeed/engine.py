@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hetu_ext.config import RunConfig
 from hetu_ext.metrics import format_log_line
 
 logger = logging.getLogger(__name__)
@@ -68,27 +69,29 @@ _FROM_FLAGS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_a
                "gradient_clipping")
 
 
-def deepspeed_config(args: argparse.Namespace, zero: ZeroConfig, world_size: int) -> dict[str, Any]:
-    """The DeepSpeed config of the flags: ZeRO stage, batch sizes, clipping (``bf16`` is added by ``--bf16``)."""
-    gbs = args.global_batch_size or args.micro_batch_size * world_size
-    if gbs % (args.micro_batch_size * world_size):
-        raise ValueError(f"--global-batch-size {gbs} must be a multiple of --micro-batch-size "
-                         f"{args.micro_batch_size} x world size {world_size}")
-    config = {"train_batch_size": gbs, "train_micro_batch_size_per_gpu": args.micro_batch_size,
-              "gradient_accumulation_steps": gbs // (args.micro_batch_size * world_size),
-              "gradient_clipping": args.clip_grad, "zero_optimization": {"stage": zero.stage},
-              "zero_allow_untested_optimizer": True, "steps_per_print": 2**31 - 1, "wall_clock_breakdown": False}
+def deepspeed_config(config: RunConfig, zero: ZeroConfig, world_size: int) -> dict[str, Any]:
+    """The DeepSpeed config of the settings: ZeRO stage, batch sizes, clipping (``bf16`` is added by ``--bf16``)."""
+    training = config.training
+    mbs = training.micro_batch_size
+    gbs = training.global_batch_size or mbs * world_size
+    if gbs % (mbs * world_size):
+        raise ValueError(f"--global-batch-size {gbs} must be a multiple of --micro-batch-size {mbs} x world size "
+                         f"{world_size}")
+    ds = {"train_batch_size": gbs, "train_micro_batch_size_per_gpu": mbs,
+          "gradient_accumulation_steps": gbs // (mbs * world_size), "gradient_clipping": training.clip_grad,
+          "zero_optimization": {"stage": zero.stage}, "zero_allow_untested_optimizer": True,
+          "steps_per_print": 2**31 - 1, "wall_clock_breakdown": False}
     for key, value in zero.extra.items():
         if key in ("optimizer", "scheduler") or (key in ("fp16", "bf16") and dict(value).get("enabled", False)):
             raise ValueError(f"--deepspeed-config sets {key}={value!r}; this path takes precision, torch's AdamW "
                              "and Megatron's LR schedule from the flags: remove it and use --bf16, --lr, "
                              "--lr-decay-style, --adam-* instead")
         stage = dict(value).get("stage", zero.stage) if key == "zero_optimization" else zero.stage
-        if (key in _FROM_FLAGS and config[key] != value) or stage != zero.stage:
-            raise ValueError(f"--deepspeed-config sets {key}={value!r} but the flags give {config.get(key)!r}; "
+        if (key in _FROM_FLAGS and ds[key] != value) or stage != zero.stage:
+            raise ValueError(f"--deepspeed-config sets {key}={value!r} but the flags give {ds.get(key)!r}; "
                              "make them agree (set batch sizes, clipping and --zero-stage through the flags)")
-        config[key] = {**config[key], **value} if key == "zero_optimization" else value
-    return config
+        ds[key] = {**ds[key], **value} if key == "zero_optimization" else value
+    return ds
 
 
 def param_groups(model: torch.nn.Module) -> list[dict[str, Any]]:
@@ -105,7 +108,7 @@ def param_groups(model: torch.nn.Module) -> list[dict[str, Any]]:
 class DeepSpeedGPT:
     """A DeepSpeed engine around GPTModel, with Megatron's LR schedule and dataset."""
 
-    args: argparse.Namespace
+    config: RunConfig
     engine: Any
     scheduler: Any
     dataset: Any
@@ -121,13 +124,13 @@ class DeepSpeedGPT:
         from hetu_ext.data.assign import global_batch_size
         from hetu_ext.megatron.data import microbatch_iterator
 
-        args, rank = self.args, dist.get_rank()
-        data = microbatch_iterator(self.dataset, self.plan, rank, args.micro_batch_size,
-                                   start_iteration=self.iteration, num_iterations=args.train_iters - self.iteration,
+        training, rank = self.config.training, dist.get_rank()
+        data = microbatch_iterator(self.dataset, self.plan, rank, training.micro_batch_size,
+                                   start_iteration=self.iteration, num_iterations=training.train_iters - self.iteration,
                                    device=self.device)
-        gbs = global_batch_size(self.plan, args.micro_batch_size)
+        gbs = global_batch_size(self.plan, training.micro_batch_size)
         window_start, window_iters = time.perf_counter(), 0
-        while self.iteration < args.train_iters:
+        while self.iteration < training.train_iters:
             total = torch.zeros(2, dtype=torch.float64)
             for _ in range(self.plan.pipelines[rank].num_microbatches):
                 batch = next(data)
@@ -142,7 +145,7 @@ class DeepSpeedGPT:
             self.iteration += 1
             self.losses.append(float(total[0] / total[1]))
             window_iters += 1
-            if self.iteration % (args.log_interval or 1) == 0 or self.iteration == args.train_iters:
+            if self.iteration % (self.config.logging.log_interval or 1) == 0 or self.iteration == training.train_iters:
                 step_s = (time.perf_counter() - window_start) / window_iters
                 if rank == 0:
                     log(format_log_line(self._record(gbs, step_s)))
@@ -153,18 +156,22 @@ class DeepSpeedGPT:
         """The last step as a metrics step record (the fields format_log_line reads)."""
         norm = self.engine.get_global_grad_norm()
         norm = float(norm) if norm is not None else None
-        return {"iteration": self.iteration, "train_iters": self.args.train_iters, "loss": self.losses[-1],
+        tokens = gbs * self.config.model.seq_length
+        return {"iteration": self.iteration, "train_iters": self.config.training.train_iters, "loss": self.losses[-1],
                 "lr": self.engine.optimizer.param_groups[0]["lr"], "grad_norm": norm, "samples": gbs,
-                "tokens": gbs * self.args.seq_length, "consumed_samples": self.iteration * gbs,
-                "step_ms": step_s * 1e3, "tokens_per_s": gbs * self.args.seq_length / step_s}
+                "tokens": tokens, "consumed_samples": self.iteration * gbs, "step_ms": step_s * 1e3,
+                "tokens_per_s": tokens / step_s}
 
     def save(self, directory: str) -> str:
         """``engine.save_checkpoint`` (collective) with hetu_ext's client state; returns the tag."""
         tag = f"global_step{self.engine.global_steps}"
         state = {CLIENT_STATE_KEY: {"iteration": self.iteration, "losses": list(self.losses),
                                     "scheduler": self.scheduler.state_dict(),
-                                    "data": {"global_batch_size": self.engine.train_batch_size(), "seed": self.args.seed, "seq_length": self.args.seq_length,
-                                             "split": self.args.split, "mock_data": bool(self.args.mock_data)}}}
+                                    "data": {"global_batch_size": self.engine.train_batch_size(),
+                                             "seed": self.config.training.seed,
+                                             "seq_length": self.config.model.seq_length,
+                                             "split": self.config.data.split,
+                                             "mock_data": bool(self.config.data.mock_data)}}}
         self.engine.save_checkpoint(directory, tag=tag, client_state=state)
         return tag
 
@@ -208,13 +215,12 @@ def _without_shm_comm_op(deepspeed) -> Iterator[None]:
             ops[SHM_COMM_OP] = before
 
 
-def build(args: argparse.Namespace, zero: ZeroConfig) -> DeepSpeedGPT:
+def build(config: RunConfig, zero: ZeroConfig) -> DeepSpeedGPT:
     """Start gloo/NCCL (or reuse a started process group), build the model and wrap it in DeepSpeed."""
     deepspeed = _import_deepspeed()
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    from hetu_ext.config import from_namespace
     from hetu_ext.megatron import host
     from hetu_ext.megatron.data import DataSpec, build_train_dataset, make_tokenizer
     from hetu_ext.megatron.launch_plan import model_spec
@@ -224,46 +230,48 @@ def build(args: argparse.Namespace, zero: ZeroConfig) -> DeepSpeedGPT:
         transformer_config,
         with_precision,
     )
+    from hetu_ext.megatron.state import scheduler_settings
     from hetu_ext.megatron.weights import init_weights
     from hetu_ext.plan import uniform_plan
 
-    if args.optimizer != "adam" or args.tensor_model_parallel_size != 1 \
-            or args.pipeline_model_parallel_size != 1:
+    parallel = config.parallel
+    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    if config.training.optimizer != "adam" or tp != 1 or pp != 1:
         raise ValueError("the DeepSpeed path trains Adam with TP 1 and PP 1 (ZeRO shards over data parallel "
-                         f"ranks); got --optimizer {args.optimizer} TP "
-                         f"{args.tensor_model_parallel_size} PP {args.pipeline_model_parallel_size}: drop those flags")
-    tokenizer = make_tokenizer(args.tokenizer_type, args.vocab_size)
-    spec = model_spec(from_namespace(args).model, tokenizer.vocab_size)
+                         f"ranks); got --optimizer {config.training.optimizer} TP {tp} PP {pp}: drop those flags")
+    tokenizer = make_tokenizer(config.data.tokenizer_type, config.data.vocab_size)
+    spec = model_spec(config.model, tokenizer.vocab_size)
     h = host.init_distributed(force_cpu=not torch.cuda.is_available(),
-                              timeout_minutes=args.distributed_timeout_minutes, backend=args.distributed_backend)
+                              timeout_minutes=parallel.distributed_timeout_minutes,
+                              backend=parallel.distributed_backend)
     with _without_shm_comm_op(deepspeed):
         deepspeed.init_distributed(dist_backend=h.backend)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1, create_gloo_process_groups=False)
-    tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
-    numerics = TrainingNumerics(bf16=args.bf16, hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
-                                init_method_std=args.init_method_std)
-    config = transformer_config(spec, numerics, tp=1, pp=1, on_cpu=h.device.type == "cpu")
-    model = build_gpt_stage(spec, config, pre_process=True, post_process=True).to(h.device)
-    init_weights(model, seed=args.seed, std=args.init_method_std, num_layers=spec.num_layers)
-    model = with_precision(model, config, numerics)  # --bf16: Megatron's Float16Module, as hetu_ext's path
-    ds_config = deepspeed_config(args, zero, h.world_size)
-    if args.bf16:
+    training, model_cfg = config.training, config.model
+    tensor_parallel.model_parallel_cuda_manual_seed(training.seed)
+    numerics = TrainingNumerics(bf16=training.bf16, hidden_dropout=model_cfg.hidden_dropout,
+                                attention_dropout=model_cfg.attention_dropout,
+                                init_method_std=model_cfg.init_method_std)
+    tconfig = transformer_config(spec, numerics, tp=1, pp=1, on_cpu=h.device.type == "cpu")
+    model = build_gpt_stage(spec, tconfig, pre_process=True, post_process=True).to(h.device)
+    init_weights(model, seed=training.seed, std=model_cfg.init_method_std, num_layers=spec.num_layers)
+    model = with_precision(model, tconfig, numerics)  # --bf16: Megatron's Float16Module, as hetu_ext's path
+    ds_config = deepspeed_config(config, zero, h.world_size)
+    if training.bf16:
         ds_config["bf16"] = {"enabled": True}
-    optimizer = torch.optim.AdamW(param_groups(model), lr=args.lr, betas=(args.adam_beta1, args.adam_beta2),
-                                  eps=args.adam_eps, weight_decay=args.weight_decay)
+    optimizer = torch.optim.AdamW(param_groups(model), lr=training.lr, betas=(training.adam_beta1, training.adam_beta2),
+                                  eps=training.adam_eps, weight_decay=training.weight_decay)
     engine, ds_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
     gbs = ds_config["train_batch_size"]
-    decay_iters = args.lr_decay_iters or args.train_iters
-    scheduler = OptimizerParamScheduler(
-        ds_optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr, lr_warmup_steps=args.lr_warmup_iters * gbs,
-        lr_decay_steps=decay_iters * gbs, lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay,
-        end_wd=args.weight_decay, wd_incr_steps=decay_iters * gbs, wd_incr_style="constant")
+    scheduler = OptimizerParamScheduler(ds_optimizer, init_lr=0.0, **scheduler_settings(training, gbs))
     plan = uniform_plan(world_size=h.world_size, num_layers=spec.num_layers,
                         num_microbatches=ds_config["gradient_accumulation_steps"])
-    data_spec = DataSpec(mock=args.mock_data, data_path=tuple(args.data_path or ()), split=args.split,
-                         seq_length=args.seq_length, seed=args.seed, cache_path=args.data_cache_path)
-    dataset = build_train_dataset(data_spec, tokenizer, args.train_iters * gbs)
+    data = config.data
+    data_spec = DataSpec(mock=data.mock_data, data_path=tuple(data.data_path or ()), split=data.split,
+                         seq_length=model_cfg.seq_length, seed=training.seed, cache_path=data.data_cache_path)
+    dataset = build_train_dataset(data_spec, tokenizer, training.train_iters * gbs)
     if h.rank == 0:
         logger.info("DeepSpeed ZeRO-%d on %d %s rank(s): %s", zero.stage, h.world_size, h.device.type, ds_config)
-    return DeepSpeedGPT(args=args, engine=engine, scheduler=scheduler, dataset=dataset, plan=plan, device=h.device)
+    return DeepSpeedGPT(config=config, engine=engine, scheduler=scheduler, dataset=dataset, plan=plan,
+                        device=h.device)

@@ -1,7 +1,8 @@
 """``--load`` of a DeepSpeed ZeRO-1/2/3 checkpoint into hetu_ext's Megatron trainer, under any plan.
 
-The tensors go through zero_checkpoint.py (DeepSpeed's reconstruction, then the reshard
-engine); this module sets the trainer's iteration, losses, LR schedule and checks the data settings. DeepSpeed
+The tensors go through zero_checkpoint.py (DeepSpeed's reconstruction, then the reshard engine); the rest of the
+state (iteration, losses, LR schedule, data settings from hetu_ext's client state) is returned as a
+:class:`~hetu_ext.megatron.state.RunState` that checkpointing.load restores as it does every format's. DeepSpeed
 itself is imported only for its ``zero_to_fp32`` helpers.
 """
 
@@ -9,20 +10,18 @@ from __future__ import annotations
 
 import logging
 
-from hetu_ext.checkpoint import CheckpointError
-from hetu_ext.megatron.checkpointing import MOMENTS, data_settings, restore_scheduler, state_pieces
+from hetu_ext.megatron.state import MOMENTS, RunState, state_pieces
 from hetu_ext.runtime.reshard import Piece
 
 logger = logging.getLogger(__name__)
 
 
-def load_deepspeed(trainer, directory: str) -> None:
+def load_deepspeed(trainer, directory: str) -> RunState:
     """A DeepSpeed ZeRO-1/2/3 checkpoint (``DIR/latest`` -> ``DIR/global_stepN``) into any plan (collective over
     every rank): DeepSpeed's flat partitions are rebuilt into full tensors and resharded into this plan's layout
     (zero_checkpoint.py). The iteration is DeepSpeed's ``global_steps``; losses, LR schedule
-    and data settings come from hetu_ext's client state when the DeepSpeed path of hetu_ext saved it (the schedule
-    restored by Megatron-LM's rule: checkpointing.restore_scheduler), else the schedule is replayed to the
-    iteration."""
+    and data settings come from hetu_ext's client state when the DeepSpeed path of hetu_ext saved it, else the
+    schedule is replayed to the iteration (state.restore)."""
     from .zero_checkpoint import load_resharded as load_ds
     from .zero_checkpoint import read_info
 
@@ -34,17 +33,9 @@ def load_deepspeed(trainer, directory: str) -> None:
 
     info, report = load_ds(directory, destinations)
     client = info.client_state.get("hetu_ext", {})
-    saved, now = client.get("data", {}), data_settings(trainer)
-    changed = {k: (v, now[k]) for k, v in saved.items() if k in now and now[k] != v}
-    if changed:
-        raise CheckpointError(f"{info.path} was trained with other data settings (saved, now): {changed}; resume "
-                              "with the saved values so that no sample is skipped or repeated")
-    trainer.iteration = int(client.get("iteration", info.global_steps))
-    trainer.losses = list(client.get("losses", []))
-    restore_scheduler(trainer, client.get("scheduler"), str(info.path))
     if trainer.host.rank == 0:
         logger.info("loaded DeepSpeed ZeRO-%d checkpoint %s (saved by %d rank(s)) at iteration %d into the plan "
-                    "(%.2f MiB sent by rank 0)", info.zero_stage, info.path, info.world_size, trainer.iteration,
-                    report.bytes_sent / 2**20)
-
-
+                    "(%.2f MiB sent by rank 0)", info.zero_stage, info.path, info.world_size,
+                    int(client.get("iteration", info.global_steps)), report.bytes_sent / 2**20)
+    return RunState(iteration=int(client.get("iteration", info.global_steps)), source=str(info.path),
+                    losses=client.get("losses", []), scheduler=client.get("scheduler"), data=client.get("data"))

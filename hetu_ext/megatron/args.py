@@ -99,7 +99,8 @@ def _is_number(text: str) -> bool:
 
 def validate_args(args: argparse.Namespace) -> None:
     """Checks that need no process group; plan-dependent checks happen when the plan is built."""
-    _positive(args, "nproc_per_node", "nnodes", "num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
+    _positive(args, "nproc_per_node", "nnodes", "num_layers", "hidden_size", "num_attention_heads", "seq_length",
+              "micro_batch_size",
               "global_batch_size", "train_iters", "tensor_model_parallel_size", "pipeline_model_parallel_size",
               "log_interval", "save_interval", "lr_decay_iters")
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:

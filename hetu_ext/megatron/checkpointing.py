@@ -30,20 +30,16 @@ that differs from the flags is an error unless ``--override-opt_param-scheduler`
 
 from __future__ import annotations
 
-import base64
-import dataclasses
 import logging
 import os
-import random
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from hetu_ext.checkpoint import CheckpointError, LocalStorage
-from hetu_ext.checkpoint.load import LoadReport, load_pieces
+from hetu_ext.checkpoint.load import load_pieces
 from hetu_ext.checkpoint.manifest import MANIFEST, Manifest
 from hetu_ext.checkpoint.ownership import (
     TORCH_DIST_COMMON,
@@ -52,111 +48,30 @@ from hetu_ext.checkpoint.ownership import (
     new_run_id,
     planned_saves,
 )
-from hetu_ext.checkpoint.schedule import resolve_schedule
 from hetu_ext.checkpoint.writer import Checkpointer, SaveConfig, checkpoint_name, remove_leftovers
-from hetu_ext.data.assign import global_batch_size
 from hetu_ext.plan import plan_to_dict
 from hetu_ext.runtime.reshard import Piece
 
 from .launch_plan import save_format
-from .weights import local_shards
+from .state import (
+    MOMENTS,
+    RunState,
+    create_optimizer_state,
+    optimizers,
+    restore,
+    rng_state,
+    run_state,
+    state_pieces,
+)
 
 logger = logging.getLogger(__name__)
 
 TRACKER = "latest_checkpointed_iteration.txt"
-MOMENTS = ("exp_avg", "exp_avg_sq", "momentum_buffer")
-"""Optimizer state tensors shaped like their parameter (Adam's two moments, SGD's momentum)."""
 _CHECKPOINTERS: dict[str, Checkpointer] = {}
 """One asynchronous checkpointer per save directory in this process (its background save outlives a call)."""
 
 
-def _optimizers(optimizer) -> list:
-    return [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])]
-
-
-def state_pieces(placement, *, moments: set[str] | None = None, step: float | None = None) -> list[Piece]:
-    """This rank's parameters, fp32 master weights and optimizer moments as pieces (empty on idle ranks).
-
-    Names: ``param/KEY`` (model dtype), ``master/KEY`` (fp32 copy kept by the optimizer under --bf16),
-    ``exp_avg/KEY``, ``exp_avg_sq/KEY``. With ``moments`` given (loading), the optimizer state of every parameter
-    is first created with those moments (zeros, to be filled) and Adam's ``step``.
-    """
-    if not placement.active:
-        return []
-    if moments is not None:
-        create_optimizer_state(placement, moments, step)
-    states = {id(p): opt.state.get(p, {}) for opt in _optimizers(placement.optimizer)
-              for group in opt.param_groups for p in group["params"]}
-    pieces = []
-    for s in local_shards(placement.model, **placement.shard_kwargs):
-        box = tuple((sl.start, sl.stop) for sl in s.slices)
-        pieces.append(Piece(f"param/{s.key}", s.index, box, s.data.data))
-        main = getattr(s.data, "main_param", None)
-        if main is not None:
-            pieces.append(Piece(f"master/{s.key}", s.index, box, main.data))
-        state = states.get(id(main if main is not None else s.data), {})
-        pieces.extend(Piece(f"{m}/{s.key}", s.index, box, state[m]) for m in MOMENTS if m in state)
-    return pieces
-
-
-def create_optimizer_state(placement, moments: set[str], step: float | None) -> None:
-    """Give every parameter of this rank's optimizer the state ``moments`` (zeros, to be filled by a load) and
-    Adam's ``step``."""
-    for opt in _optimizers(placement.optimizer):
-        for group in opt.param_groups:
-            for p in group["params"]:
-                state = {m: torch.zeros_like(p.data) for m in moments}
-                if step is not None:
-                    state["step"] = torch.tensor(float(step), dtype=torch.float32)
-                opt.state[p] = state
-
-
-def optimizer_step(placement) -> float | None:
-    """Adam's step count (the same for every parameter), or None before the first step / without Adam."""
-    steps = {float(st["step"]) for opt in _optimizers(placement.optimizer) for st in opt.state.values()
-             if "step" in st}
-    if len(steps) > 1:
-        raise AssertionError(f"parameters are at different optimizer steps {sorted(steps)}")
-    return steps.pop() if steps else None
-
-
 # ---------------------------------------------------------------- RNG states
-
-
-def _b64(t: torch.Tensor) -> str:
-    return base64.b64encode(t.contiguous().view(torch.uint8).numpy().tobytes()).decode()
-
-
-def _unb64(s: str) -> torch.Tensor:
-    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8).clone()
-
-
-def rng_state(rank: int) -> dict[str, Any]:
-    """Python, NumPy, torch and Megatron's model-parallel RNG states of this rank, JSON-able."""
-    from megatron.core import tensor_parallel
-
-    version, state, gauss = random.getstate()
-    name, keys, pos, has_gauss, cached = np.random.get_state()
-    tracker = tensor_parallel.get_cuda_rng_tracker().get_states()
-    return {"rank": rank, "python": [version, list(state), gauss],
-            "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)],
-            "torch": _b64(torch.get_rng_state()),
-            "cuda": [_b64(s) for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else [],
-            "tracker": {k: _b64(v) for k, v in tracker.items() if isinstance(v, torch.Tensor)}}
-
-
-def set_rng_state(saved: dict[str, Any]) -> None:
-    from megatron.core import tensor_parallel
-
-    version, state, gauss = saved["python"]
-    random.setstate((version, tuple(state), gauss))
-    name, keys, pos, has_gauss, cached = saved["numpy"]
-    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(_unb64(saved["torch"]))
-    if saved["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([_unb64(s) for s in saved["cuda"]])
-    if saved["tracker"]:
-        tensor_parallel.get_cuda_rng_tracker().set_states({k: _unb64(v) for k, v in saved["tracker"].items()})
 
 
 # ---------------------------------------------------------------- hetu format
@@ -170,16 +85,6 @@ def _json_safe(value: Any) -> Any:
     if isinstance(value, dict):
         return {str(k): _json_safe(v) for k, v in value.items()}
     return str(value)
-
-
-def data_settings(trainer) -> dict[str, Any]:
-    """What fixes the samples of step g (the data position is the iteration): changing any of them on resume
-    would skip or repeat samples."""
-    cfg = trainer.config
-    return {"global_batch_size": global_batch_size(trainer.plan, cfg.training.micro_batch_size),
-            "seed": cfg.training.seed, "seq_length": cfg.model.seq_length, "split": cfg.data.split,
-            "mock_data": bool(cfg.data.mock_data), "packing": cfg.packing.method,
-            "global_batch_tokens": cfg.packing.global_batch_tokens}
 
 
 def _checkpointer(trainer, directory: str) -> Checkpointer:
@@ -240,68 +145,17 @@ def _decide_save(trainer, directory: str) -> list:
     return [run_id, error]
 
 
-# ---------------------------------------------------------------- the LR schedule of a checkpoint
-
-
-def scheduler_settings(training, unit: int) -> dict[str, Any]:
-    """``OptimizerParamScheduler``'s settings from the flags (``training``: the TrainingConfig), steps counted in
-    ``unit`` per iteration (samples, as Megatron-LM counts; 1 with packing)."""
-    decay_iters = training.lr_decay_iters or training.train_iters
-    return {"max_lr": float(training.lr), "min_lr": float(training.min_lr),
-            "lr_warmup_steps": training.lr_warmup_iters * unit, "lr_decay_steps": decay_iters * unit,
-            "lr_decay_style": training.lr_decay_style, "start_wd": float(training.weight_decay),
-            "end_wd": float(training.weight_decay), "wd_incr_steps": decay_iters * unit, "wd_incr_style": "constant"}
-
-
-def schedule_policy(training) -> str:
-    """``override`` (--override-opt_param-scheduler), ``checkpoint`` (--use-checkpoint-opt_param-scheduler) or
-    ``check`` (Megatron-LM's default: a difference is an error)."""
-    if training.override_opt_param_scheduler:
-        return "override"
-    return "checkpoint" if training.use_checkpoint_opt_param_scheduler else "check"
-
-
-def restore_scheduler(trainer, saved: dict[str, Any] | None, where: str) -> None:
-    """Set the LR schedule from a loaded checkpoint's (``saved``: its ``state_dict()``), by Megatron-LM's rule.
-
-    Every rank calls this (idle ones too, with no scheduler), after ``trainer.iteration`` is set, so a refusal
-    is raised everywhere at once. Without a saved schedule the flags' schedule is replayed to the iteration.
-    With --use-checkpoint-opt_param-scheduler the run's training config takes the checkpoint's schedule, so a
-    scheduler built later from it (a migration) agrees."""
-    from .trainer import scheduler_unit
-
-    training = trainer.config.training
-    unit = scheduler_unit(training, trainer.config.packing, trainer.plan)
-    if saved is None:
-        if trainer.scheduler is not None:
-            trainer.scheduler.step(increment=trainer.iteration * unit)
-        return
-    policy = schedule_policy(training)
-    state = resolve_schedule(saved, scheduler_settings(training, unit), policy=policy, unit=unit, where=where)
-    if policy == "checkpoint":
-        changes = {"lr": state["max_lr"], "min_lr": state["min_lr"], "lr_decay_style": state["lr_decay_style"]}
-        if state["start_wd"] == state["end_wd"]:
-            changes["weight_decay"] = state["start_wd"]
-        for key, name in (("lr_warmup_steps", "lr_warmup_iters"), ("lr_decay_steps", "lr_decay_iters")):
-            if state[key] % unit == 0:
-                changes[name] = state[key] // unit
-        trainer.config = dataclasses.replace(trainer.config, training=dataclasses.replace(training, **changes))
-    if trainer.scheduler is not None:
-        trainer.scheduler.load_state_dict(state)
-
-
 def save_hetu(trainer, directory: str, *, blocking: bool | None = None) -> Checkpointer:
     """Collective over the plan's used ranks: snapshot now, write in the background (blocking at the end of
     training, so the last checkpoint is committed before the job exits)."""
     placement = trainer.placement
     if blocking is None:
         blocking = trainer.iteration >= trainer.config.training.train_iters
-    data = data_settings(trainer)
-    packed = data["packing"] not in (None, "off")
-    info = {"consumed_samples": None if packed else trainer.iteration * data["global_batch_size"],
+    state = run_state(trainer)
+    packed = state["data"]["packing"] not in (None, "off")
+    info = {"consumed_samples": None if packed else trainer.iteration * state["data"]["global_batch_size"],
             "plan": plan_to_dict(trainer.plan), "config": _json_safe(trainer.config.to_flat_dict()),
-            "state": {"scheduler": _json_safe(trainer.scheduler.state_dict()), "losses": list(trainer.losses),
-                      "optimizer_step": optimizer_step(placement), "data": data}}
+            "state": _json_safe(state)}
     ckpt = _checkpointer(trainer, directory)
     ckpt.save(iteration=trainer.iteration, pieces=state_pieces(placement), rng=rng_state(trainer.host.rank),
               info=info, group=placement.report_group, blocking=blocking)
@@ -312,8 +166,9 @@ def save_hetu(trainer, directory: str, *, blocking: bool | None = None) -> Check
     return ckpt
 
 
-def load_hetu(trainer, directory: str) -> LoadReport:
-    """Collective over every rank (idle ones take part with nothing to fill); returns what was read."""
+def load_hetu(trainer, directory: str) -> RunState:
+    """Collective over every rank (idle ones take part with nothing to fill): the tensors into this plan; returns
+    the rest of the checkpoint's state."""
     storage = LocalStorage(directory)
     placement = trainer.placement
     fallback = trainer.config.checkpoint.fallback
@@ -326,38 +181,33 @@ def load_hetu(trainer, directory: str) -> LoadReport:
 
     report = load_pieces(storage, destinations, fallback=fallback, read=trainer.config.checkpoint.read)
     manifest = report.manifest
-    saved, now = manifest.state.get("data", {}), data_settings(trainer)
-    changed = {k: (saved.get(k), v) for k, v in now.items() if saved.get(k) != v}
-    if changed:
-        raise CheckpointError(f"checkpoint iteration {manifest.iteration} was trained with other data settings "
-                              f"(saved, now): {changed}; resume with the saved values so that step "
-                              f"{manifest.iteration + 1} reads the samples that follow, none skipped or repeated")
-    trainer.iteration = manifest.iteration
-    trainer.losses = list(manifest.state.get("losses", []))
-    restore_scheduler(trainer, manifest.state.get("scheduler"), f"checkpoint iteration {manifest.iteration}")
-    _LOADED_RUN[os.path.abspath(directory)] = manifest.run_id
+    rng = None
     if manifest.plan == plan_to_dict(trainer.plan):
-        mine = [r for r in manifest.rng.values() if r.get("rank") == trainer.host.rank]
-        if mine:
-            set_rng_state(mine[0])
+        rng = next((r for r in manifest.rng.values() if r.get("rank") == trainer.host.rank), None)
     elif trainer.host.rank == 0:
         logger.info("the plan differs from the saved one: RNG states stay as the seed sets them")
     if trainer.host.rank == 0:
         logger.info("loaded checkpoint of iteration %d from %s (%.2f MiB mapped by rank 0, %.2f s)%s",
                     manifest.iteration, directory, report.bytes_read / 2**20, report.seconds,
                     "".join(f"; skipped: {s}" for s in report.skipped))
-    return report
+    state = manifest.state
+    return RunState(iteration=manifest.iteration, source=f"checkpoint iteration {manifest.iteration}",
+                    losses=state.get("losses", []), scheduler=state.get("scheduler"), data=state.get("data"),
+                    run_id=manifest.run_id, rng=rng, assumed=state.get("assumed"))
 
 
 # ---------------------------------------------------------------- dispatch
 
 
-def save(trainer, directory: str) -> None:
-    """Save in the format of ``--hetu-ckpt-format`` (collective over the plan's used ranks)."""
+def save(trainer, directory: str) -> bool:
+    """Save in the format of ``--hetu-ckpt-format`` (collective over the plan's used ranks); True when the save
+    goes on in the background after this returns."""
     if save_format(trainer.config.checkpoint, trainer.config.parallel) == "hetu":
-        save_hetu(trainer, directory)
-    else:
-        save_torch_dist(trainer, directory)
+        blocking = trainer.iteration >= trainer.config.training.train_iters
+        save_hetu(trainer, directory, blocking=blocking)
+        return not blocking
+    save_torch_dist(trainer, directory)
+    return False
 
 
 def _is_hetu(directory: str) -> bool:
@@ -382,22 +232,23 @@ def load(trainer, directory: str) -> bool:
     if deepspeed:
         from hetu_ext.deepspeed.resume import load_deepspeed
 
-        load_deepspeed(trainer, directory)
-        return True
-    if hetu:
-        load_hetu(trainer, directory)
-        return True
-    if latest_iteration(directory) is None:
+        state = load_deepspeed(trainer, directory)
+    elif hetu:
+        state = load_hetu(trainer, directory)
+    elif latest_iteration(directory) is None:
         if trainer.host.rank == 0:
             logger.warning("--load %s: no checkpoint found, starting from scratch", directory)
         return False
-    if trainer.placement.grad_sync is not None or not trainer.placement.active:  # the plan runtime
-        load_torch_dist_resharded(trainer, directory)
-        return True
-    return load_torch_dist(trainer, directory)
+    elif trainer.placement.grad_sync is not None or not trainer.placement.active:  # the plan runtime
+        state = load_torch_dist_resharded(trainer, directory)
+    else:
+        state = load_torch_dist(trainer, directory)
+    restore(trainer, state)  # every format: the same checks, the same restoration
+    _LOADED_RUN[os.path.abspath(directory)] = state.run_id
+    return True
 
 
-def load_torch_dist_resharded(trainer, directory: str) -> None:
+def load_torch_dist_resharded(trainer, directory: str) -> RunState:
     """A dist_checkpointing checkpoint into any plan (collective over every rank): its global tensors are read
     once each and resharded into this plan's layout (hetu_ext/checkpoint/torch_dist.py)."""
     from hetu_ext.checkpoint.torch_dist import load_resharded
@@ -420,15 +271,18 @@ def load_torch_dist_resharded(trainer, directory: str) -> None:
     report = load_resharded(str(path), destinations)
     extra = path / TORCH_DIST_COMMON  # written by hetu_ext's torch_dist save; Megatron-LM keeps these in common.pt
     extra = torch.load(extra, weights_only=False) if extra.exists() else {
-        "iteration": common.get("iteration", iteration), "scheduler": common.get("opt_param_scheduler"),
-        "losses": []}
-    trainer.iteration = extra["iteration"]
-    trainer.losses = list(extra["losses"])
-    restore_scheduler(trainer, extra["scheduler"], str(path))
-    _LOADED_RUN[os.path.abspath(directory)] = extra.get("run_id")
+        "iteration": common.get("iteration", iteration), "scheduler": common.get("opt_param_scheduler")}
     if trainer.host.rank == 0:
         logger.info("loaded dist_checkpointing checkpoint %s at iteration %d into the plan (%.2f MiB sent by rank "
-                    "0)", path, trainer.iteration, report.bytes_sent / 2**20)
+                    "0)", path, extra["iteration"], report.bytes_sent / 2**20)
+    return _torch_dist_state(extra, path)
+
+
+def _torch_dist_state(common: dict, path: Path) -> RunState:
+    """The RunState of a torch_dist checkpoint's ``hetu_common.pt`` (or of Megatron-LM's ``common.pt``)."""
+    return RunState(iteration=common["iteration"], source=str(path), losses=common.get("losses", []),
+                    scheduler=common.get("scheduler"), data=common.get("data"), run_id=common.get("run_id"),
+                    assumed=common.get("assumed"))
 
 
 # ---------------------------------------------------------------- torch_dist format (Megatron-core)
@@ -483,8 +337,7 @@ def save_torch_dist(trainer, directory: str) -> Path:
     dist_checkpointing.save(_state(trainer, False, metadata), storage.local_path(tmp), content_metadata=metadata)
     if rank == 0:
         parallel = trainer.config.parallel
-        torch.save({"iteration": trainer.iteration, "scheduler": trainer.scheduler.state_dict(),
-                    "losses": list(trainer.losses), "run_id": run_id,
+        torch.save({**run_state(trainer), "run_id": run_id,
                     "tp_pp": [parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size]},
                    storage.local_path(f"{tmp}/{TORCH_DIST_COMMON}"))
     dist.barrier()
@@ -510,15 +363,12 @@ def latest_iteration(directory: str) -> int | None:
     return int(text)
 
 
-def load_torch_dist(trainer, directory: str) -> bool:
-    """Load the latest checkpoint under ``directory`` into the trainer; False if there is none."""
+def load_torch_dist(trainer, directory: str) -> RunState:
+    """The latest checkpoint under ``directory`` into the uniform runtime's model and optimizer (Megatron's own
+    load); returns the rest of its state."""
     from megatron.core import dist_checkpointing
 
     iteration = latest_iteration(directory)
-    if iteration is None:
-        if trainer.host.rank == 0:
-            logger.warning("--load %s: no checkpoint found, starting from scratch", directory)
-        return False
     path = Path(directory) / f"iter_{iteration:07d}"
     metadata = dist_checkpointing.load_content_metadata(str(path))
     common = torch.load(path / TORCH_DIST_COMMON, weights_only=False)
@@ -536,13 +386,9 @@ def load_torch_dist(trainer, directory: str) -> bool:
         trainer.optimizer.load_state_dict(loaded["optimizer"])
     if torch_adam:
         _restore_adam_step(trainer.placement)
-    trainer.iteration = common["iteration"]
-    trainer.losses = list(common["losses"])
-    restore_scheduler(trainer, common["scheduler"], str(path))
-    _LOADED_RUN[os.path.abspath(directory)] = common.get("run_id")
     if trainer.host.rank == 0:
         logger.info("loaded checkpoint from %s at iteration %d", path, iteration)
-    return True
+    return _torch_dist_state(common, path)
 
 
 def _check_optimizer_layout(trainer, path: Path, metadata: dict | None, common: dict) -> None:
@@ -568,7 +414,7 @@ def _restore_adam_step(placement) -> None:
     0.16.1's dp_reshardable load (torch's Adam, no Apex / Transformer Engine) gives every parameter the same step
     tensor, which each parameter's update then increments (36 after one step of 34 parameters), and afterwards
     overwrites it with the step the state held before the load (a non-persistent local object)."""
-    for opt in _optimizers(placement.optimizer):
+    for opt in optimizers(placement.optimizer):
         for group in opt.param_groups:
             if group.get("step") is None:
                 continue

@@ -120,7 +120,8 @@ def build_plan_placement(training: TrainingConfig, spec: ModelSpec, plan: Plan, 
                                 post_process=stage.has_output, pg_collection=pgc)
         model.to(host.device)
         shard_kwargs = {"layer_offset": stage.layer_start, "metadata": {"dp_cp_group": groups.single}}
-        init_weights(model, seed=training.seed, std=numerics.init_method_std, num_layers=spec.num_layers, **shard_kwargs)
+        init_weights(model, seed=training.seed, std=numerics.init_method_std, num_layers=spec.num_layers,
+                     **shard_kwargs)
         model = with_precision(model, config, numerics)
         if model is not None and numerics.bf16:
             # Float16Module casts inputs on the first stage and outputs back to fp32 on the last, asking its

@@ -38,7 +38,7 @@ from hetu_ext.runtime.straggler import parse_schedule
 
 from . import checkpointing, host
 from .data import DataSpec, build_train_dataset, make_tokenizer, microbatch_iterator
-from .launch_plan import check_launch
+from .launch_plan import check_launch, save_format
 from .memory import memory_table
 from .migrate import migrate
 from .model import TrainingNumerics
@@ -46,6 +46,7 @@ from .monitor import StragglerMonitor
 from .packed_data import PackedSteps, build_packed_steps, open_documents
 from .placement import Placement
 from .plan_runtime import build_plan_placement
+from .state import scheduler_settings
 from .uniform_runtime import build_megatron_placement
 
 logger = logging.getLogger(__name__)
@@ -95,7 +96,8 @@ class Trainer:
         Ranks the current plan leaves unused skip ahead to the next migration (they take part in it) or to the
         final barrier."""
         cfg = self.config
-        train_iters, save_dir, save_interval = cfg.training.train_iters, cfg.checkpoint.save, cfg.checkpoint.save_interval
+        train_iters = cfg.training.train_iters
+        save_dir, save_interval = cfg.checkpoint.save, cfg.checkpoint.save_interval
         data = None
         window: list[dict] = []  # the step records since the last log line
         step_start = time.perf_counter()  # a step's time runs from the previous step's end (data and saves included)
@@ -126,7 +128,7 @@ class Trainer:
                                              "tokens_per_s": sum(r["tokens"] for r in window) / seconds}))
                     window = []
                 if save_dir and save_interval and self.iteration % save_interval == 0:
-                    checkpointing.save(self, save_dir)
+                    self._save(save_dir)
             if self.migrations and self.migrations[0][0] == self.iteration:
                 replan = self.migrations.pop(0)[1]
             elif cfg.straggler.replan != "online":
@@ -138,7 +140,7 @@ class Trainer:
                 data = None
                 window, step_start = [], time.perf_counter()  # migrating is no step
         if save_dir and self.placement.active and (not save_interval or self.iteration % save_interval):
-            checkpointing.save(self, save_dir)
+            self._save(save_dir)
         if isinstance(data, PackedSteps):
             data.close()
         if self.plan.unused_ranks:
@@ -245,6 +247,28 @@ class Trainer:
                 f"{sent[0] / 2**20:.2f} MiB sent between ranks, {sent[1] / 2**20:.2f} MiB kept in place\n"
                 f"{format_plan(plan)}")
 
+    def _save(self, directory: str) -> None:
+        """Save (collective) and record a ``checkpoint_save`` event: the seconds training was blocked; the total
+        when the save completed before returning (the last one, torch_dist), else null (persisting in the
+        background, committed by the writer thread)."""
+        start = time.perf_counter()
+        background = checkpointing.save(self, directory)
+        blocking_s = time.perf_counter() - start
+        if self.metrics is not None:
+            self.metrics.event("checkpoint_save", iteration=self.iteration, directory=directory,
+                               format=save_format(self.config.checkpoint, self.config.parallel),
+                               blocking_s=blocking_s, total_s=None if background else blocking_s)
+
+    def load(self, directory: str) -> bool:
+        """Restore the latest checkpoint under ``directory`` (collective); records a ``checkpoint_load`` event."""
+        start = time.perf_counter()
+        loaded = checkpointing.load(self, directory)
+        if loaded and self.metrics is not None:
+            seconds = time.perf_counter() - start
+            self.metrics.event("checkpoint_load", iteration=self.iteration, directory=directory,
+                               blocking_s=seconds, total_s=seconds)
+        return loaded
+
     def follow_log_rank(self) -> None:
         """Open the metrics writer on the plan's logging rank, close it elsewhere (collective-free)."""
         if self.host.rank == self.log_rank and self.metrics is None:
@@ -289,7 +313,7 @@ def make_scheduler(training: TrainingConfig, packing: PackingConfig, placement: 
         return None
     unit = scheduler_unit(training, packing, plan)
     return OptimizerParamScheduler(placement.optimizer, init_lr=0.0,
-                                   **checkpointing.scheduler_settings(training, unit))
+                                   **scheduler_settings(training, unit))
 
 
 def scheduler_unit(training: TrainingConfig, packing: PackingConfig, plan: Plan) -> int:
@@ -391,7 +415,7 @@ def build_trainer(config: RunConfig) -> Trainer:
                       numerics=numerics, migrations=migrations, documents=documents, flops_per_token=flops)
     trainer.follow_log_rank()
     if config.checkpoint.load:
-        checkpointing.load(trainer, config.checkpoint.load)
+        trainer.load(config.checkpoint.load)
     if config.checkpoint.save:  # the run's identity; another run's checkpoints there are refused before training
         checkpointing.prepare_save(trainer, config.checkpoint.save)
     return trainer

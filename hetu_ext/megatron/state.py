@@ -1,0 +1,226 @@
+"""The training state a run must restore, composed once for every checkpoint format.
+
+:class:`RunState` is what a checkpoint holds besides tensors: the iteration, the losses so far, the LR schedule,
+the data settings that fix each step's samples, the optimizer step, this rank's RNG states (used only under the
+saving plan), the straggler monitor's assumed slowdowns, and the run's identity. Every loader (hetu, Megatron's
+torch_dist into the uniform runtime or resharded into any plan, DeepSpeed ZeRO) reads its tensors into
+:func:`state_pieces` (parameters, fp32 master weights, optimizer moments: the reshard engine's view of the model
+and optimizer) and returns a :class:`RunState`; :func:`restore` then applies it with the checks written once:
+the same data settings (else samples would be skipped or repeated), Megatron-LM's rule for the schedule
+(:func:`restore_scheduler`), the RNG when the plan is the one that saved, the monitor's assumptions.
+:func:`run_state` is the saving side.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import logging
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from hetu_ext.checkpoint import CheckpointError
+from hetu_ext.checkpoint.schedule import resolve_schedule
+from hetu_ext.data.assign import global_batch_size
+from hetu_ext.runtime.reshard import Piece
+
+from .weights import local_shards
+
+logger = logging.getLogger(__name__)
+
+MOMENTS = ("exp_avg", "exp_avg_sq", "momentum_buffer")
+"""Optimizer state tensors shaped like their parameter (Adam's two moments, SGD's momentum)."""
+
+
+@dataclass
+class RunState:
+    """What a checkpoint restores besides tensors (every format fills what it has; None: not recorded)."""
+
+    iteration: int
+    source: str
+    """Where it was read (a checkpoint path): named in errors."""
+    losses: list[float] = field(default_factory=list)
+    scheduler: dict[str, Any] | None = None
+    """``OptimizerParamScheduler.state_dict()``; None: replay the flags' schedule to the iteration."""
+    data: dict[str, Any] | None = None
+    """:func:`data_settings` when saved; None: not recorded, not checked."""
+    run_id: str | None = None
+    rng: dict[str, Any] | None = None
+    """This rank's RNG states, when the checkpoint was saved under the running plan."""
+    assumed: dict[int, float] | None = None
+    """The straggler monitor's assumed slowdowns (rank -> x) when saved."""
+
+
+def run_state(trainer) -> dict[str, Any]:
+    """The non-tensor state to save (the ``state`` of a hetu manifest, ``hetu_common.pt`` of a torch_dist save)."""
+    monitor = trainer.monitor
+    return {"iteration": trainer.iteration, "losses": list(trainer.losses),
+            "scheduler": trainer.scheduler.state_dict() if trainer.scheduler is not None else None,
+            "data": data_settings(trainer), "optimizer_step": optimizer_step(trainer.placement),
+            "assumed": {str(r): x for r, x in monitor.assumed.items()} if monitor is not None else None}
+
+
+def restore(trainer, saved: RunState) -> None:
+    """Apply a loaded checkpoint's :class:`RunState` (every rank, idle ones too, after its tensors are loaded)."""
+    if saved.data is not None:
+        now = data_settings(trainer)
+        changed = {k: (v, now[k]) for k, v in saved.data.items() if k in now and now[k] != v}
+        if changed:
+            raise CheckpointError(f"{saved.source} was trained with other data settings (saved, now): {changed}; "
+                                  f"resume with the saved values so that step {saved.iteration + 1} reads the "
+                                  "samples that follow, none skipped or repeated")
+    trainer.iteration = saved.iteration
+    trainer.losses = list(saved.losses)
+    restore_scheduler(trainer, saved.scheduler, saved.source)
+    if saved.rng is not None:
+        set_rng_state(saved.rng)
+    if saved.assumed and trainer.monitor is not None:
+        trainer.monitor.detector.assumed = {int(r): float(x) for r, x in saved.assumed.items()}
+
+
+def optimizers(optimizer) -> list:
+    """The torch optimizers inside Megatron's (chained) optimizer."""
+    return [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])]
+
+
+def state_pieces(placement, *, moments: set[str] | None = None, step: float | None = None) -> list[Piece]:
+    """This rank's parameters, fp32 master weights and optimizer moments as pieces (empty on idle ranks).
+
+    Names: ``param/KEY`` (model dtype), ``master/KEY`` (fp32 copy kept by the optimizer under --bf16),
+    ``exp_avg/KEY``, ``exp_avg_sq/KEY``. With ``moments`` given (loading), the optimizer state of every parameter
+    is first created with those moments (zeros, to be filled) and Adam's ``step``.
+    """
+    if not placement.active:
+        return []
+    if moments is not None:
+        create_optimizer_state(placement, moments, step)
+    states = {id(p): opt.state.get(p, {}) for opt in optimizers(placement.optimizer)
+              for group in opt.param_groups for p in group["params"]}
+    pieces = []
+    for s in local_shards(placement.model, **placement.shard_kwargs):
+        box = tuple((sl.start, sl.stop) for sl in s.slices)
+        pieces.append(Piece(f"param/{s.key}", s.index, box, s.data.data))
+        main = getattr(s.data, "main_param", None)
+        if main is not None:
+            pieces.append(Piece(f"master/{s.key}", s.index, box, main.data))
+        state = states.get(id(main if main is not None else s.data), {})
+        pieces.extend(Piece(f"{m}/{s.key}", s.index, box, state[m]) for m in MOMENTS if m in state)
+    return pieces
+
+
+def create_optimizer_state(placement, moments: set[str], step: float | None) -> None:
+    """Give every parameter of this rank's optimizer the state ``moments`` (zeros, to be filled by a load) and
+    Adam's ``step``."""
+    for opt in optimizers(placement.optimizer):
+        for group in opt.param_groups:
+            for p in group["params"]:
+                state = {m: torch.zeros_like(p.data) for m in moments}
+                if step is not None:
+                    state["step"] = torch.tensor(float(step), dtype=torch.float32)
+                opt.state[p] = state
+
+
+def optimizer_step(placement) -> float | None:
+    """Adam's step count (the same for every parameter), or None before the first step / without Adam."""
+    steps = {float(st["step"]) for opt in optimizers(placement.optimizer) for st in opt.state.values()
+             if "step" in st}
+    if len(steps) > 1:
+        raise AssertionError(f"parameters are at different optimizer steps {sorted(steps)}")
+    return steps.pop() if steps else None
+
+
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.contiguous().view(torch.uint8).numpy().tobytes()).decode()
+
+
+def _unb64(s: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8).clone()
+
+
+def rng_state(rank: int) -> dict[str, Any]:
+    """Python, NumPy, torch and Megatron's model-parallel RNG states of this rank, JSON-able."""
+    from megatron.core import tensor_parallel
+
+    version, state, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    tracker = tensor_parallel.get_cuda_rng_tracker().get_states()
+    return {"rank": rank, "python": [version, list(state), gauss],
+            "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+            "torch": _b64(torch.get_rng_state()),
+            "cuda": [_b64(s) for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else [],
+            "tracker": {k: _b64(v) for k, v in tracker.items() if isinstance(v, torch.Tensor)}}
+
+
+def set_rng_state(saved: dict[str, Any]) -> None:
+    from megatron.core import tensor_parallel
+
+    version, state, gauss = saved["python"]
+    random.setstate((version, tuple(state), gauss))
+    name, keys, pos, has_gauss, cached = saved["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(_unb64(saved["torch"]))
+    if saved["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([_unb64(s) for s in saved["cuda"]])
+    if saved["tracker"]:
+        tensor_parallel.get_cuda_rng_tracker().set_states({k: _unb64(v) for k, v in saved["tracker"].items()})
+
+
+def data_settings(trainer) -> dict[str, Any]:
+    """What fixes the samples of step g (the data position is the iteration): changing any of them on resume
+    would skip or repeat samples."""
+    cfg = trainer.config
+    return {"global_batch_size": global_batch_size(trainer.plan, cfg.training.micro_batch_size),
+            "seed": cfg.training.seed, "seq_length": cfg.model.seq_length, "split": cfg.data.split,
+            "mock_data": bool(cfg.data.mock_data), "packing": cfg.packing.method,
+            "global_batch_tokens": cfg.packing.global_batch_tokens}
+
+
+def scheduler_settings(training, unit: int) -> dict[str, Any]:
+    """``OptimizerParamScheduler``'s settings from the flags (``training``: the TrainingConfig), steps counted in
+    ``unit`` per iteration (samples, as Megatron-LM counts; 1 with packing)."""
+    decay_iters = training.lr_decay_iters or training.train_iters
+    return {"max_lr": float(training.lr), "min_lr": float(training.min_lr),
+            "lr_warmup_steps": training.lr_warmup_iters * unit, "lr_decay_steps": decay_iters * unit,
+            "lr_decay_style": training.lr_decay_style, "start_wd": float(training.weight_decay),
+            "end_wd": float(training.weight_decay), "wd_incr_steps": decay_iters * unit, "wd_incr_style": "constant"}
+
+
+def schedule_policy(training) -> str:
+    """``override`` (--override-opt_param-scheduler), ``checkpoint`` (--use-checkpoint-opt_param-scheduler) or
+    ``check`` (Megatron-LM's default: a difference is an error)."""
+    if training.override_opt_param_scheduler:
+        return "override"
+    return "checkpoint" if training.use_checkpoint_opt_param_scheduler else "check"
+
+
+def restore_scheduler(trainer, saved: dict[str, Any] | None, where: str) -> None:
+    """Set the LR schedule from a loaded checkpoint's (``saved``: its ``state_dict()``), by Megatron-LM's rule.
+
+    Every rank calls this (idle ones too, with no scheduler), after ``trainer.iteration`` is set, so a refusal
+    is raised everywhere at once. Without a saved schedule the flags' schedule is replayed to the iteration.
+    With --use-checkpoint-opt_param-scheduler the run's training config takes the checkpoint's schedule, so a
+    scheduler built later from it (a migration) agrees."""
+    from .trainer import scheduler_unit
+
+    training = trainer.config.training
+    unit = scheduler_unit(training, trainer.config.packing, trainer.plan)
+    if saved is None:
+        if trainer.scheduler is not None:
+            trainer.scheduler.step(increment=trainer.iteration * unit)
+        return
+    policy = schedule_policy(training)
+    state = resolve_schedule(saved, scheduler_settings(training, unit), policy=policy, unit=unit, where=where)
+    if policy == "checkpoint":
+        changes = {"lr": state["max_lr"], "min_lr": state["min_lr"], "lr_decay_style": state["lr_decay_style"]}
+        if state["start_wd"] == state["end_wd"]:
+            changes["weight_decay"] = state["start_wd"]
+        for key, name in (("lr_warmup_steps", "lr_warmup_iters"), ("lr_decay_steps", "lr_decay_iters")):
+            if state[key] % unit == 0:
+                changes[name] = state[key] // unit
+        trainer.config = dataclasses.replace(trainer.config, training=dataclasses.replace(training, **changes))
+    if trainer.scheduler is not None:
+        trainer.scheduler.load_state_dict(state)
