@@ -6,6 +6,7 @@
 set -euo pipefail
 NPROC=${1:-4}
 OUT=${2:-runs/demo}
+ITERS=${3:-36}  # steps per run (the straggler appears at step 12; tests run 22)
 PY=.venv/bin/python
 mkdir -p "$OUT"
 
@@ -13,7 +14,7 @@ $PY -m hetu_ext.megatron.preprocess_data --input hetu_ext/data/samples/python_re
     --output-prefix "$OUT/pyref" --tokenizer-type ByteLevelTokenizer --append-eod
 
 COMMON=(--num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 128
-        --micro-batch-size 2 --global-batch-size 24 --train-iters 36 --lr 1e-3 --min-lr 1e-4
+        --micro-batch-size 2 --global-batch-size 24 --train-iters "$ITERS" --lr 1e-3 --min-lr 1e-4
         --lr-decay-style cosine --lr-warmup-iters 3 --clip-grad 1.0 --hidden-dropout 0 --attention-dropout 0
         --data-path "$OUT/pyref_text_document" --split 98,2,0 --data-cache-path "$OUT/cache" --log-interval 1
         --hetu-emulate-slowdown step=12:rank=3:x=4 --hetu-straggler-interval 2 --hetu-straggler-window 3

@@ -25,6 +25,7 @@ import difflib
 import json
 import os
 import sys
+import time
 import types
 import typing
 from pathlib import Path
@@ -40,10 +41,18 @@ LEGACY_TOP_LEVEL = {"plan": "parallel", "runtime": "parallel", "cpu_patches": "p
 """Keys earlier ``--hetu-config`` files held at the top level, and the section they belong to."""
 
 
+OTHER_RANKS_WAIT_S = 3.0
+"""How long a rank other than 0 waits before it exits on bad input: every rank finds the same error, and torchrun
+stops the whole job at the first exit, so rank 0 must have printed the line by then."""
+
+
 def report_error(prog: str, message: str) -> None:
-    """Print ``prog: error: message`` once per job (rank 0 of a torchrun job; other ranks stay silent)."""
+    """Print ``prog: error: message`` once per job: rank 0 of a torchrun job prints, other ranks stay silent and
+    wait a moment before the caller exits (see OTHER_RANKS_WAIT_S)."""
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
+    else:
+        time.sleep(OTHER_RANKS_WAIT_S)
 
 
 class FlagParser(argparse.ArgumentParser):
