@@ -73,6 +73,6 @@ def test_readme_block_runs(index, scratch, model_dir):  # noqa: F811 - model_dir
                           timeout=600, env=env)
     assert proc.returncode == 0, f"{script}\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-5000:]}"
     assert "Traceback" not in proc.stderr, proc.stderr[-5000:]
-    if "pretrain_gpt" in script:  # a training block: Megatron-LM's log lines, finite losses
+    if "launch/pretrain_gpt" in script:  # a training block: Megatron-LM's log lines, finite losses
         losses = [float(m) for m in re.findall(r"lm loss: ([0-9.E+-]+)", proc.stdout)]
         assert losses and all(0 < loss < 20 for loss in losses), proc.stdout[-3000:]
