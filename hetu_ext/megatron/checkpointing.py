@@ -145,12 +145,10 @@ def _decide_save(trainer, directory: str) -> list:
     return [run_id, error]
 
 
-def save_hetu(trainer, directory: str, *, blocking: bool | None = None) -> Checkpointer:
-    """Collective over the plan's used ranks: snapshot now, write in the background (blocking at the end of
-    training, so the last checkpoint is committed before the job exits)."""
+def save_hetu(trainer, directory: str, *, blocking: bool) -> Checkpointer:
+    """Collective over the plan's used ranks: snapshot now, write in the background unless ``blocking`` (the
+    last save of a run blocks, so it is committed before the job exits: :func:`save`)."""
     placement = trainer.placement
-    if blocking is None:
-        blocking = trainer.iteration >= trainer.config.training.train_iters
     state = run_state(trainer)
     packed = state["data"]["packing"] not in (None, "off")
     info = {"consumed_samples": None if packed else trainer.iteration * state["data"]["global_batch_size"],

@@ -74,6 +74,10 @@ class Trainer:
     logging rank, the new one appends to the same file)."""
     flops_per_token: float = 0.0
     """Training FLOPs per token of the model (metrics' utilisation estimate)."""
+    peak_tflops: float | None = None
+    """The device's dense bf16 peak (None: unknown, e.g. a CPU): the denominator of ``mfu``."""
+    plan_key: str = ""
+    """:func:`plan_id` of the current plan, hashed when the plan is set (the step record carries it)."""
     iteration: int = 0
     losses: list[float] = field(default_factory=list)
 
@@ -169,12 +173,12 @@ class Trainer:
         """This step's metrics record (written by the logging rank), the source of its log line."""
         used = len(self.plan.used_ranks)
         tflops = self.flops_per_token * tokens / step_s / used / 1e12
-        peak = peak_tflops(torch.cuda.get_device_name() if self.host.device.type == "cuda" else None)
         record = {"iteration": self.iteration, "train_iters": self.config.training.train_iters, "loss": loss,
                   "lr": self.optimizer.param_groups[0]["lr"], "grad_norm": grad_norm, "samples": samples,
                   "tokens": tokens, "consumed_samples": consumed, "step_ms": step_s * 1e3,
                   "tokens_per_s": tokens / step_s, "tflops_per_rank": tflops,
-                  "mfu": tflops / peak if peak else None, "plan_id": plan_id(self.plan), "ranks": used}
+                  "mfu": tflops / self.peak_tflops if self.peak_tflops else None,
+                  "plan_id": self.plan_key, "ranks": used}
         if self.monitor is not None and self.monitor.exchanged_at == self.iteration:  # measured at this step
             record["compute_ms"] = {str(r): ms for r, ms in self.monitor.compute_ms.items()}
             record["slowdowns"] = {str(r): x for r, x in self.monitor.estimates.items()}
@@ -224,7 +228,7 @@ class Trainer:
             self.placement,
             lambda: build_plan_placement(self.config.training, self.spec, plan, self.host, self.numerics),
             self.iteration)
-        self.plan, self.placement = plan, placement
+        self.plan, self.placement, self.plan_key = plan, placement, plan_id(plan)
         self.scheduler = make_scheduler(self.config.training, self.config.packing, placement, plan)
         if self.scheduler is not None and old_scheduler is not None:
             self.scheduler.load_state_dict(old_scheduler.state_dict())
@@ -241,7 +245,7 @@ class Trainer:
         if self.host.rank == report_rank:
             if self.metrics is not None:
                 self.metrics.event("migration", iteration=self.iteration, seconds=report.seconds,
-                                   bytes_sent=int(sent[0]), bytes_kept=int(sent[1]), plan_id=plan_id(plan),
+                                   bytes_sent=int(sent[0]), bytes_kept=int(sent[1]), plan_id=self.plan_key,
                                    plan=plan_to_dict(plan))
             log(f"migrated to a new plan after step {self.iteration} in {report.seconds:.2f} s: "
                 f"{sent[0] / 2**20:.2f} MiB sent between ranks, {sent[1] / 2**20:.2f} MiB kept in place\n"
@@ -412,7 +416,9 @@ def build_trainer(config: RunConfig) -> Trainer:
                       dataset=dataset,
                       monitor=_straggler_monitor(config.straggler, training.micro_batch_size,
                                                  config.logging.log_interval, spec, plan, h, placement),
-                      numerics=numerics, migrations=migrations, documents=documents, flops_per_token=flops)
+                      numerics=numerics, migrations=migrations, documents=documents, flops_per_token=flops,
+                      peak_tflops=peak_tflops(torch.cuda.get_device_name() if h.device.type == "cuda" else None),
+                      plan_key=plan_id(plan))
     trainer.follow_log_rank()
     if config.checkpoint.load:
         trainer.load(config.checkpoint.load)
