@@ -204,6 +204,10 @@ class StragglerConfig:
     emulate_layer_ms: float | None = setting(flag="--hetu-emulate-layer-ms",
                                              help="emulated device time of one layer's forward per microbatch "
                                                   "(backward 2x) on every rank (needs the straggler monitor)")
+    emulate_cost: str | None = setting(flag="--hetu-emulate-cost", path=True, metavar="FILE",
+                                       help="pad each layer's forward and backward to the time a cost table "
+                                            "(YAML of python -m hetu_ext.megatron.calibrate) gives for the "
+                                            "microbatch it ran at its stage's TP degree (forward 1/3, backward 2/3)")
 
 
 SECTIONS: dict[str, type] = {

@@ -69,13 +69,14 @@ def _validate_files(args: argparse.Namespace) -> None:
             raise ValueError(f"--data-path {prefix}: {' and '.join(prefix + s for s in missing)} not found; give the "
                              "prefix python -m hetu_ext.megatron.preprocess_data wrote (--output-prefix P makes "
                              "P_text_document.bin/.idx: pass P_text_document)")
-    if args.hetu_cost_model is not None:
-        from hetu_ext.data.cost import load_cost_table
+    for flag in ("hetu_cost_model", "hetu_emulate_cost"):
+        if getattr(args, flag) is not None:
+            from hetu_ext.data.cost import load_cost_table
 
-        try:
-            load_cost_table(args.hetu_cost_model)
-        except ValueError as exc:
-            raise ValueError(f"--hetu-cost-model: {exc}") from exc
+            try:
+                load_cost_table(getattr(args, flag))
+            except ValueError as exc:
+                raise ValueError(f"--{flag.replace('_', '-')}: {exc}") from exc
     if args.hetu_varlen_mock is not None:
         from hetu_ext.data.lengths import parse_length_spec
 
@@ -125,6 +126,9 @@ def validate_args(args: argparse.Namespace) -> None:
                                                     not args.hetu_straggler_interval):
         raise ValueError(f"--hetu-emulate-layer-ms must be > 0 and needs --hetu-straggler-interval N (got "
                          f"{args.hetu_emulate_layer_ms}, interval {args.hetu_straggler_interval})")
+    if args.hetu_emulate_cost and args.hetu_emulate_layer_ms is not None:
+        raise ValueError(f"--hetu-emulate-cost {args.hetu_emulate_cost} and --hetu-emulate-layer-ms "
+                         f"{args.hetu_emulate_layer_ms} both set a layer's emulated time; give one")
     if args.hetu_straggler_interval < 0:
         raise ValueError(f"--hetu-straggler-interval must be >= 0, got {args.hetu_straggler_interval}")
     if args.hetu_emulate_slowdown:

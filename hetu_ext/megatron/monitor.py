@@ -27,6 +27,7 @@ the plan file.
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -34,7 +35,7 @@ import torch
 from hetu_ext.plan import ModelSpec, Plan, dump_plan, format_plan, plan_to_dict
 from hetu_ext.plan.cost import layer_forward_flops, pack_forward_flops
 from hetu_ext.plan.straggler_policy import StragglerDetector, StragglerPolicy, replan
-from hetu_ext.runtime.straggler import LayerTimer, SlowdownEvent, exchange_timings, factor_at, onset_latency
+from hetu_ext.runtime.straggler import CostFn, LayerTimer, SlowdownEvent, exchange_timings, factor_at, onset_latency
 
 
 @dataclass
@@ -52,6 +53,8 @@ class StragglerMonitor:
     log_interval: int = 1
     """Print the estimate every this many steps (at the exchanges; 0: only when the stragglers change)."""
     timer: LayerTimer = field(default_factory=LayerTimer)
+    layer_cost: Callable[[int], CostFn] | None = None
+    """--hetu-emulate-cost: TP degree -> one layer's emulated seconds for a microbatch's shape."""
     detector: StragglerDetector = field(init=False)
     detections: list[tuple[int, dict[int, float]]] = field(default_factory=list)
     estimates: dict[int, float] = field(default_factory=dict)
@@ -100,8 +103,9 @@ class StragglerMonitor:
             self._flops = 3 * stage.num_layers / stage.tp * sum(
                 pack_forward_flops(self.spec, tokens=t, sum_sq=q) for t, q in shapes)
 
-    def attach(self, layers) -> None:
-        self.timer.attach(list(layers))
+    def attach(self, layers, tp: int = 1) -> None:
+        """Time ``layers`` (a stage of TP degree ``tp``: the cost emulation's strategy)."""
+        self.timer.attach(list(layers), cost=self.layer_cost(tp) if self.layer_cost else None)
 
     def before_step(self, step: int) -> None:
         """``step``: the 1-based number of the step about to run (as in the log lines)."""
@@ -122,10 +126,11 @@ class StragglerMonitor:
         if id(layer) not in self._warm:
             run()  # the first pass pays one-off costs (allocation, kernel selection) the training steps do not
             self._warm.add(id(layer))
-        handles = self.timer.attach([layer])
+        handles = self.timer.attach([layer], cost=self.layer_cost(1) if self.layer_cost else None)
         self.before_step(iteration)
         run()
-        self._samples.append((self.timer.take(), 3 * layer_forward_flops(self.spec, b)))
+        work = self.timer.take_work() if self.timer.cost_emulated else 3 * layer_forward_flops(self.spec, b)
+        self._samples.append((self.timer.take(), work))
         for handle in handles:
             handle.remove()
 
@@ -144,7 +149,11 @@ class StragglerMonitor:
     def after_step(self, iteration: int, log) -> Plan | None:
         """Record the step; every ``interval`` steps exchange timings (collective over all ranks, idle ones
         included) and return a new plan when the slowdowns moved past the hysteresis, else None."""
-        if self._flops:
+        if self.timer.cost_emulated:  # the emulated cost model's seconds are the work, whatever the packs
+            work = self.timer.take_work()
+            if work:
+                self._samples.append((self.timer.take(), work))
+        elif self._flops:
             self._samples.append((self.timer.take(), self._flops))
         if iteration % self.interval:
             return None

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -34,7 +35,7 @@ from hetu_ext.plan import (
     plan_to_dict,
 )
 from hetu_ext.plan.straggler_policy import StragglerPolicy
-from hetu_ext.runtime.straggler import parse_schedule
+from hetu_ext.runtime.straggler import CostFn, LayerTimer, factor_at, parse_schedule
 
 from . import checkpointing, host
 from .data import DataSpec, build_train_dataset, make_tokenizer, microbatch_iterator
@@ -78,8 +79,14 @@ class Trainer:
     """The device's dense bf16 peak (None: unknown, e.g. a CPU): the denominator of ``mfu``."""
     plan_key: str = ""
     """:func:`plan_id` of the current plan, hashed when the plan is set (the step record carries it)."""
+    timer: LayerTimer | None = None
+    """The layers' timer: the monitor's, or one of its own for --hetu-emulate-cost without the monitor."""
+    layer_cost: Callable[[int], CostFn] | None = None
+    """--hetu-emulate-cost: TP degree -> one layer's emulated seconds for a microbatch's shape."""
     iteration: int = 0
     losses: list[float] = field(default_factory=list)
+    overruns: int = 0
+    """Layer passes of the last step, over all used ranks, whose real time exceeded the emulated one."""
 
     @property
     def model(self):
@@ -179,6 +186,8 @@ class Trainer:
                   "tokens_per_s": tokens / step_s, "tflops_per_rank": tflops,
                   "mfu": tflops / self.peak_tflops if self.peak_tflops else None,
                   "plan_id": self.plan_key, "ranks": used}
+        if self.timer is not None and (self.timer.nominal_s is not None or self.layer_cost is not None):
+            record["emulation_overruns"] = self.overruns
         if self.monitor is not None and self.monitor.exchanged_at == self.iteration:  # measured at this step
             record["compute_ms"] = {str(r): ms for r, ms in self.monitor.compute_ms.items()}
             record["slowdowns"] = {str(r): x for r, x in self.monitor.estimates.items()}
@@ -206,6 +215,9 @@ class Trainer:
             self.monitor.before_step(self.iteration + 1)
             if isinstance(data, PackedSteps):
                 self.monitor.use_microbatches(step.shapes)
+        elif self.timer is not None:
+            self.timer.factor = factor_at(parse_schedule(self.config.straggler.emulate_slowdown or ""),
+                                          self.host.rank, self.iteration + 1)
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         reports = placement.forward_backward(
@@ -238,8 +250,7 @@ class Trainer:
         self.follow_log_rank()
         if self.monitor:
             self.monitor.use_plan(plan)
-            if placement.active:
-                self.monitor.attach(_transformer_layers(placement.model))
+        self.attach_timer()
         sent = torch.tensor([float(report.bytes_sent), float(report.bytes_kept)], dtype=torch.float64)
         dist.all_reduce(sent)
         if self.host.rank == report_rank:
@@ -283,13 +294,25 @@ class Trainer:
         if self.monitor is not None:
             self.monitor.metrics = self.metrics
 
+    def attach_timer(self) -> None:
+        """Time (and emulate) the current placement's transformer layers at its stage's TP degree."""
+        if self.timer is None or not self.placement.active:
+            return
+        stage = self.plan.pipelines[self.placement.pipeline_index].stages[self.plan.stage_of(self.host.rank)[1]]
+        cost = self.layer_cost(stage.tp) if self.layer_cost else None
+        self.timer.attach(_transformer_layers(self.placement.model), cost=cost)
+
     def _global_loss(self, reports: list[dict]) -> float:
-        """Mean per-token loss of the whole global batch: sums from every pipeline's last stage."""
-        total = torch.zeros(2, dtype=torch.float64)
+        """Mean per-token loss of the whole global batch: sums from every pipeline's last stage. Also sums, over
+        the used ranks, the layer passes whose real time overran the emulated one (``self.overruns``)."""
+        total = torch.zeros(3, dtype=torch.float64)
         if self.placement.is_last_stage and self.placement.tp_rank == 0:
             for report in reports:
-                total += report["lm loss"].double().cpu()
+                total[:2] += report["lm loss"].double().cpu()
+        if self.timer is not None:
+            total[2] = self.timer.take_overruns()
         dist.all_reduce(total, group=self.placement.report_group)
+        self.overruns = int(total[2])
         return float(total[0] / total[1])
 
 
@@ -351,9 +374,23 @@ def _straggler_monitor(straggler: StragglerConfig, micro_batch: int, log_interva
         log_interval=log_interval)
     if straggler.emulate_layer_ms:
         monitor.timer.nominal_s = straggler.emulate_layer_ms / 1e3
-    if placement.active:
-        monitor.attach(_transformer_layers(placement.model))
+    monitor.layer_cost = emulated_layer_cost(straggler)
     return monitor
+
+
+def emulated_layer_cost(straggler: StragglerConfig) -> Callable[[int], CostFn] | None:
+    """--hetu-emulate-cost FILE: TP degree -> (tokens, sum of squares) -> one layer's fwd + bwd seconds."""
+    if not straggler.emulate_cost:
+        return None
+    from hetu_ext.data.cost import load_cost_table
+
+    table = load_cost_table(straggler.emulate_cost)
+
+    def per_tp(tp: int) -> CostFn:
+        cost = table.for_tp(tp)
+        return lambda tokens, sum_sq: cost.moments_s(sum_sq, tokens)
+
+    return per_tp
 
 
 def open_metrics(config: RunConfig) -> MetricsWriter:
@@ -412,13 +449,16 @@ def build_trainer(config: RunConfig) -> Trainer:
     flops = model_flops_per_token(num_layers=spec.num_layers, hidden_size=spec.hidden_size,
                                   ffn_hidden_size=spec.ffn_hidden_size or 4 * spec.hidden_size,
                                   vocab_size=spec.padded_vocab_size, seq_length=spec.seq_length)
+    monitor = _straggler_monitor(config.straggler, training.micro_batch_size, config.logging.log_interval, spec,
+                                 plan, h, placement)
+    layer_cost = emulated_layer_cost(config.straggler)
     trainer = Trainer(config=config, spec=spec, plan=plan, host=h, placement=placement, scheduler=scheduler,
-                      dataset=dataset,
-                      monitor=_straggler_monitor(config.straggler, training.micro_batch_size,
-                                                 config.logging.log_interval, spec, plan, h, placement),
+                      dataset=dataset, monitor=monitor,
                       numerics=numerics, migrations=migrations, documents=documents, flops_per_token=flops,
                       peak_tflops=peak_tflops(torch.cuda.get_device_name() if h.device.type == "cuda" else None),
-                      plan_key=plan_id(plan))
+                      plan_key=plan_id(plan), layer_cost=layer_cost,
+                      timer=monitor.timer if monitor else (LayerTimer() if layer_cost else None))
+    trainer.attach_timer()
     trainer.follow_log_rank()
     if config.checkpoint.load:
         trainer.load(config.checkpoint.load)

@@ -9,7 +9,10 @@ everything; nothing is lost: every destination element must be covered by some s
 before sending anything.
 
 The engine knows nothing of models: parameters, fp32 master weights and optimizer moments are resharded the
-same way, and checkpoint loading can feed it a file layout as the source.
+same way, and checkpoint loading can feed it a file layout as the source. With ``op="add"`` destinations are
+added to instead of overwritten (HotSPa pulls a strategy's gradients into the home layout's buffer this way);
+``op`` may map key prefixes (the part before ``:``) to operations, so that one exchange both copies weights
+and adds gradients.
 """
 
 from __future__ import annotations
@@ -60,8 +63,23 @@ class ReshardReport:
     """Bytes this rank kept (source and destination on the same rank)."""
 
 
-def reshard(sources: list[Piece], destinations: list[Piece], group=None) -> ReshardReport:
-    """Fill every destination piece on every rank from the source pieces (collective over ``group``)."""
+OPS = ("copy", "add")
+
+
+def _op_of(op: str | dict[str, str], key: str) -> str:
+    chosen = op if isinstance(op, str) else op.get(key.split(":", 1)[0], "copy")
+    if chosen not in OPS:
+        raise ValueError(f"reshard: op {chosen!r} for {key!r} is not one of {list(OPS)}")
+    return chosen
+
+
+def reshard(sources: list[Piece], destinations: list[Piece], group=None,
+            op: str | dict[str, str] = "copy", ranks_per_node: int | None = None) -> ReshardReport:
+    """Fill every destination piece on every rank from the source pieces (collective over ``group``): copy into
+    it, or add to it where ``op`` (one operation, or key prefix -> operation) says ``"add"``. With
+    ``ranks_per_node``, a holder on the destination's node is preferred to a remote one (then the least loaded)."""
+    for p in destinations:
+        _op_of(op, p.key)
     rank = dist.get_rank()
     world = dist.get_world_size(group)
     everyone: list = [None] * world
@@ -81,7 +99,11 @@ def reshard(sources: list[Piece], destinations: list[Piece], group=None) -> Resh
                 if not candidates:
                     raise HetuExtError(f"reshard: {p.key}{list(p.index)} elements {cell} wanted by rank "
                                        f"{dst_rank} are held by no rank; nothing was moved")
-                chosen = dst_rank if dst_rank in candidates else min(candidates, key=lambda h: (load[h], h))
+                def rank_of(h, dst_rank=dst_rank):
+                    remote = ranks_per_node is not None and h // ranks_per_node != dst_rank // ranks_per_node
+                    return (remote, load[h], h)
+
+                chosen = dst_rank if dst_rank in candidates else min(candidates, key=rank_of)
                 if chosen != dst_rank:
                     load[chosen] += _numel(cell)
                 transfers.append((chosen, dst_rank, p.key, p.index, cell))
@@ -104,24 +126,25 @@ def reshard(sources: list[Piece], destinations: list[Piece], group=None) -> Resh
                 return p.tensor[_local(box, p.box)]
         raise AssertionError(f"{key}: rank {rank} receives {box} it did not ask for")
 
-    ops, receives, sent, local = [], [], 0, 0
+    p2p, receives, sent, local = [], [], 0, 0
     for src, dst, key, index, box in transfers:
         if src == rank and dst == rank:
             view = source_view(key, index, box)
-            dest_view(key, index, box).copy_(view)
+            target = dest_view(key, index, box)
+            target.add_(view) if _op_of(op, key) == "add" else target.copy_(view)
             local += view.numel() * view.element_size()
         elif src == rank:
             view = source_view(key, index, box).contiguous()
-            ops.append(dist.P2POp(dist.isend, view, dst))
+            p2p.append(dist.P2POp(dist.isend, view, dst))
             sent += view.numel() * view.element_size()
         elif dst == rank:
             target = dest_view(key, index, box)
             buffer = torch.empty(target.shape, dtype=target.dtype, device=target.device)
-            ops.append(dist.P2POp(dist.irecv, buffer, src))
-            receives.append((target, buffer))
-    if ops:
-        for req in dist.batch_isend_irecv(ops):
+            p2p.append(dist.P2POp(dist.irecv, buffer, src))
+            receives.append((target, buffer, _op_of(op, key)))
+    if p2p:
+        for req in dist.batch_isend_irecv(p2p):
             req.wait()
-    for target, buffer in receives:
-        target.copy_(buffer)
+    for target, buffer, how in receives:
+        target.add_(buffer) if how == "add" else target.copy_(buffer)
     return ReshardReport(bytes_sent=sent, bytes_copied_locally=local)

@@ -6,11 +6,15 @@ output mark's backward (the gradient arrives) and the input mark's backward (it 
 measured: pipeline and gradient communication happen outside the layers.
 
 Emulation (``--hetu-emulate-slowdown "step=20:rank=3:x=4"``) pads each layer's forward and backward to x times
-its measured duration: a sleep on CPU, ``torch.cuda._sleep`` on GPU (timed with CUDA events there). The padding is counted as compute, so the
-measurement sees an emulated straggler exactly as it would a slow GPU. On a CPU shared by many ranks, a sleeping
-straggler frees cores for the others and its own measured duration shrinks; ``--hetu-emulate-layer-ms T`` fixes
-that by giving every layer an emulated device time (T forward, 2T backward, times x), so all ranks keep the pace
-of the emulated cluster.
+its measured duration: a sleep on CPU, ``torch.cuda._sleep`` on GPU (timed with CUDA events there). The padding is
+counted as compute, so the measurement sees an emulated straggler exactly as it would a slow GPU. On a CPU shared
+by many ranks, a sleeping straggler frees cores for the others and its own measured duration shrinks;
+``--hetu-emulate-layer-ms T`` fixes that by giving every layer an emulated device time (T forward, 2T backward,
+times x), so all ranks keep the pace of the emulated cluster. ``--hetu-emulate-cost FILE`` makes that time the cost model's for the microbatch the layer
+just ran (``a sum(s^2) + b sum(s) + c`` at the stage's TP degree, forward 1/3, backward 2/3; the lengths read from
+the layer's own input), so a CPU run behaves like the modelled cluster for length- and TP-dependent work; the
+monitor then divides measured time by that emulated work (not FLOPs), so varying packs make no false stragglers.
+A layer whose real time exceeds its emulated time is an *overrun* (the emulation no longer holds there): counted.
 
 :func:`exchange_timings` is the one collective: every rank's (compute seconds, FLOPs) samples since the last
 exchange, gathered on every rank; the timer and the emulation need no process group.
@@ -19,7 +23,7 @@ exchange, gathered on every rank; the timer and the emulation need no process gr
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -144,14 +148,30 @@ class _CudaClock:
 
 class _Mark(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, timer, edge):
-        ctx.timer, ctx.edge = timer, edge
+    def forward(ctx, x, timer, edge, emulated):
+        ctx.timer, ctx.edge, ctx.emulated = timer, edge, emulated
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.timer._backward_edge(ctx.edge)
-        return grad, None, None
+        ctx.timer._backward_edge(ctx.edge, ctx.emulated)
+        return grad, None, None, None
+
+
+CostFn = Callable[[int, int], float]
+"""(tokens, sum of squared document lengths) of a microbatch -> seconds of one layer's forward + backward."""
+
+
+def microbatch_shape(args, kwargs) -> tuple[int, int]:
+    """(tokens, sum of squared sequence lengths) of the microbatch entering a transformer layer: from the THD
+    pack's ``cu_seqlens`` when packed, else the ``(s, b, h)`` hidden states' ``b`` sequences of ``s``."""
+    packed = kwargs.get("packed_seq_params")
+    if packed is not None and getattr(packed, "cu_seqlens_q", None) is not None:
+        lengths = torch.diff(packed.cu_seqlens_q.detach().cpu().long())
+        return int(lengths.sum()), int((lengths * lengths).sum())
+    hidden = kwargs.get("hidden_states", args[0] if args else None)
+    s, b = int(hidden.shape[0]), int(hidden.shape[1])
+    return s * b, b * s * s
 
 
 @dataclass
@@ -166,12 +186,23 @@ class LayerTimer:
     pace is the emulated cluster's and not that of processes sharing CPU cores."""
     seconds: float = 0.0
     """Compute seconds accumulated since the last :meth:`take` (CUDA spans are added at :meth:`take`)."""
+    work: float = 0.0
+    """Emulated seconds (before ``factor``) of the passes since the last :meth:`take_work` (cost emulation)."""
+    overruns: int = 0
+    """Layer passes whose real time exceeded their emulated time since the last :meth:`take_overruns`."""
     _starts: list = field(default_factory=list)
     _bwd_start: object = None
+    _costs: dict = field(default_factory=dict)
+    """id(layer) -> its :data:`CostFn` (layers attached with a cost are emulated from the cost model)."""
     _clock: _CpuClock | _CudaClock = field(default_factory=_CpuClock)
 
-    def attach(self, layers: list[torch.nn.Module]) -> list:
-        """Time these layers; returns the hook handles (remove them to detach).
+    @property
+    def cost_emulated(self) -> bool:
+        return bool(self._costs)
+
+    def attach(self, layers: list[torch.nn.Module], cost: CostFn | None = None) -> list:
+        """Time these layers; returns the hook handles (remove them to detach). With ``cost`` (one layer's
+        forward + backward seconds for a microbatch's shape), each pass is padded to the cost model's time.
 
         Layers whose parameters live on a CUDA device are timed with CUDA events, others with the host clock.
         """
@@ -180,6 +211,8 @@ class LayerTimer:
             self._clock = _CudaClock()
         handles = []
         for layer in layers:
+            if cost is not None:
+                self._costs[id(layer)] = cost
             handles.append(layer.register_forward_pre_hook(self._pre, with_kwargs=True))
             handles.append(layer.register_forward_hook(self._post, with_kwargs=True))
         return handles
@@ -188,38 +221,56 @@ class LayerTimer:
         seconds, self.seconds = self.seconds + self._clock.drain(), 0.0
         return seconds
 
-    def _stop(self, start, backward: bool = False) -> None:
-        emulating = self.factor != 1.0 or self.nominal_s is not None
+    def take_work(self) -> float:
+        work, self.work = self.work, 0.0
+        return work
+
+    def take_overruns(self) -> int:
+        overruns, self.overruns = self.overruns, 0
+        return overruns
+
+    def _stop(self, start, backward: bool = False, emulated: float | None = None) -> None:
+        """``emulated``: the cost model's seconds of this pass (None: the nominal time, or no emulation)."""
+        if emulated is None and self.nominal_s is not None:
+            emulated = self.nominal_s * (2.0 if backward else 1.0)
+        emulating = self.factor != 1.0 or emulated is not None
         elapsed = self._clock.stop(start, wait=emulating)
         if not emulating:
             if elapsed is not None:
                 self.seconds += elapsed
             return
-        if self.nominal_s is None:
+        if emulated is None:
             target = self.factor * elapsed
         else:
-            target = max(elapsed, self.factor * self.nominal_s * (2.0 if backward else 1.0))
+            self.work += emulated
+            target = self.factor * emulated
+            if elapsed > target:
+                self.overruns += 1
+                target = elapsed
         self._clock.pause(target - elapsed)
         self.seconds += target
 
     def _pre(self, module, args, kwargs):
-        self._starts.append(self._clock.start())
+        cost = self._costs.get(id(module))
+        emulated = cost(*microbatch_shape(args, kwargs)) if cost is not None else None
+        self._starts.append((self._clock.start(), emulated))
         if "hidden_states" in kwargs and torch.is_grad_enabled():
-            kwargs["hidden_states"] = _Mark.apply(kwargs["hidden_states"], self, "in")
+            kwargs["hidden_states"] = _Mark.apply(kwargs["hidden_states"], self, "in", emulated)
         elif args and torch.is_grad_enabled():
-            args = (_Mark.apply(args[0], self, "in"), *args[1:])
+            args = (_Mark.apply(args[0], self, "in", emulated), *args[1:])
         return args, kwargs
 
     def _post(self, module, args, kwargs, output):
-        self._stop(self._starts.pop())
+        start, emulated = self._starts.pop()
+        self._stop(start, emulated=None if emulated is None else emulated / 3)
         if torch.is_grad_enabled():
             if isinstance(output, tuple):
-                return (_Mark.apply(output[0], self, "out"), *output[1:])
-            return _Mark.apply(output, self, "out")
+                return (_Mark.apply(output[0], self, "out", emulated), *output[1:])
+            return _Mark.apply(output, self, "out", emulated)
         return output
 
-    def _backward_edge(self, edge: str) -> None:
+    def _backward_edge(self, edge: str, emulated: float | None) -> None:
         if edge == "out":
             self._bwd_start = self._clock.start()
         else:
-            self._stop(self._bwd_start, backward=True)
+            self._stop(self._bwd_start, backward=True, emulated=None if emulated is None else emulated * 2 / 3)
