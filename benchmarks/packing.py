@@ -14,6 +14,8 @@ style, by tokens), ``hetu`` (two-stage). For each (max_len, replicas, method), o
 median of max/mean of the replicas' predicted times, of the certified gap to the lower bound, and of the planning
 time of one ``assign`` call (bound and invariant checks included).
 
+``--lognormal SIGMA`` replaces the file by lognormal lengths (sigma 2: heavy-tailed, many full-length pieces).
+
 Real (``--real``): see :func:`real_rows`. The last line is one JSON object.
 """
 
@@ -32,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from hetu_ext.data.cost import CostTable, load_cost_table
-from hetu_ext.data.lengths import batch_bounds, concat_split, read_lengths, split_long
+from hetu_ext.data.lengths import LognormalLengths, batch_bounds, concat_split, read_lengths, split_long
 from hetu_ext.data.packing import METHODS, assign, replica_specs
 from hetu_ext.plan.model_spec import ModelSpec
 from hetu_ext.plan.plan import uniform_plan
@@ -42,7 +44,11 @@ NUM_LAYERS = 32
 
 def balance_rows(args: argparse.Namespace, log: Callable[[str], None] = print) -> list[dict]:
     """One row per (max_len, replicas, method): medians over ``args.steps`` global batches; prints a table."""
-    lengths = read_lengths(args.lengths)
+    if args.lognormal:  # a heavy-tailed batch: many documents longer than the pack, cut into full-length pieces
+        lengths = LognormalLengths(min_seq_len=8, max_seq_len=500_000, mean_seq_len=3000,
+                                   lognormal_sigma=args.lognormal).sample(200_000, seed=args.seed)
+    else:
+        lengths = read_lengths(args.lengths)
     lengths = lengths[np.random.default_rng(args.seed).permutation(lengths.size)]
     cost = load_cost_table(args.cost) if args.cost else CostTable()
     rows = []
@@ -91,6 +97,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--lengths", default=str(Path(__file__).resolve().parents[2] / "shared/data/seqlens/"
                                                  "wikipedia.txt.gz"))
+    parser.add_argument("--lognormal", type=float, default=None, metavar="SIGMA",
+                        help="instead of --lengths: 200,000 lognormal lengths (mean 3000, this sigma; 2.0 is heavy-"
+                        "tailed: many documents cut into full-length pieces)")
     parser.add_argument("--max-lens", type=lambda s: [int(x) for x in s.split(",")], default=[4096, 16384, 65536])
     parser.add_argument("--replicas", type=lambda s: [int(x) for x in s.split(",")], default=[8, 64, 512])
     parser.add_argument("--methods", type=lambda s: s.split(","), default=list(METHODS))
@@ -111,7 +120,8 @@ def main() -> None:
     cost = args.cost or "built-in A100 FLOP model (hetu_ext.data.cost)"
     print(f"# date {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.machine()}, {os.cpu_count()} "
           f"CPUs, Python {platform.python_version()}, numpy {np.__version__}, scipy {scipy.__version__}")
-    print(f"config: lengths {args.lengths} (seed {args.seed} order), max_len {args.max_lens}, replicas "
+    source = f"lognormal(mean 3000, sigma {args.lognormal})" if args.lognormal else args.lengths
+    print(f"config: lengths {source} (seed {args.seed} order), max_len {args.max_lens}, replicas "
           f"{args.replicas}, global batch = replicas x {args.tokens_per_replica} x max_len tokens, uniform plan "
           f"TP 1 x PP {args.pp}, {NUM_LAYERS} layers, cost {cost}, {args.steps} steps per row (medians; gap_max = "
           "worst step)")

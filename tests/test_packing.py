@@ -26,7 +26,7 @@ from hetu_ext.data.lengths import (
 )
 from hetu_ext.data.packing import METHODS, ReplicaSpec, assign, replica_specs
 from hetu_ext.plan.model_spec import ModelSpec
-from hetu_ext.plan.plan import Pipeline, Plan, Stage
+from hetu_ext.plan.plan import Pipeline, Plan, Stage, uniform_plan
 
 LAYER = LengthCost(a=1.6e-10, b=8e-6, c=1e-4)
 WIKI_LIKE = LognormalLengths(min_seq_len=8, max_seq_len=200_000, mean_seq_len=1014, lognormal_sigma=1.26)
@@ -224,3 +224,74 @@ def test_fit_recovers_known_coefficients():
     assert fit.max_rel_error < 0.02
     with pytest.raises(ValueError, match="need >= 3 distinct lengths"):
         fit_length_cost([1, 1, 2], [1.0, 1.0, 2.0])
+
+
+def _heavy_tailed_instance(seed: int) -> tuple[list[int], list[ReplicaSpec]]:
+    """Full-length pieces (what cutting a heavy-tailed batch at the pack length leaves) plus a few short documents,
+    on 2-3 replicas: identical for even seeds (pp 1, or 2 for seeds 2 and 6), differing in speed, depth and
+    capacity for odd ones."""
+    rng = np.random.default_rng(200 + seed)
+    r, cap = int(rng.integers(2, 4)), 4096
+    full = int(rng.integers(r + 1, 2 * r))  # more full packs than replicas, not a multiple of them
+    lengths = [cap] * full + np.rint(rng.lognormal(6.0, 1.0, 7 - full)).clip(8, 1500).astype(int).tolist()
+    cost = LengthCost(a=1e-9, b=1e-5, c=1e-3)
+    if seed % 2 == 0:
+        pp = 1 + seed // 2 % 2
+        return lengths, [ReplicaSpec(stage_costs=(cost,) * pp, token_capacity=cap)] * r
+    return lengths, [ReplicaSpec(stage_costs=(cost.scaled(1 + 0.5 * k),) * (1 + k % 2), token_capacity=cap
+                                 if k < 2 else 3000) for k in range(r)]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 4, 5])
+def test_full_length_pack_bound_is_the_milp_optimum(seed):
+    """The exclusive-document term (documents over half the pack length never share a microbatch, so some replica
+    runs ceil(F / R) full packs, plus its fill and drain) must equal the HiGHS optimum on these instances (identical
+    replicas or not, pp 1 or 2), where the work and anchored bounds alone stopped 10-32% below it."""
+    lengths, replicas = _heavy_tailed_instance(seed)
+    optimum = optimal_max_time(lengths, replicas)
+    a = assign(lengths, replicas)
+    _check_invariants(a, lengths, replicas)
+    assert a.lower_bound_s == pytest.approx(optimum, rel=1e-6)
+    assert max(a.predicted_s) == pytest.approx(optimum, rel=1e-6)
+
+
+def test_heavy_tailed_batch_gap_closes_where_the_packer_is_optimal():
+    """A heavy-tailed batch (lognormal sigma 2, 4K packs, 8 replicas) whose 9 full-length pieces put 2 on one
+    replica: the work bound alone left a 7.7% gap; with the full-length term the packer is certified optimal."""
+    lengths = LognormalLengths(min_seq_len=8, max_seq_len=500_000, mean_seq_len=3000, lognormal_sigma=2.0)
+    pieces = split_long(lengths.sample(50000, seed=1), 4096).length
+    batch = pieces[:int(batch_bounds(pieces, tokens=8 * 2 * 4096)[1])]
+    assert int((batch == 4096).sum()) == 9
+    model = ModelSpec(num_layers=32, hidden_size=64, num_attention_heads=4, seq_length=4096)
+    specs = replica_specs(uniform_plan(world_size=8, pp=1, num_layers=32), model, CostTable(), max_pack_tokens=4096)
+    a = assign(batch.tolist(), specs)
+    _check_invariants(a, batch.tolist(), specs)
+    assert a.gap <= 1e-9
+
+
+def test_measured_tp_efficiency_round_trip_and_cost_model(tmp_path):
+    """python -m hetu_ext.data.calibrate's efficiency T_1 / (t T_t) from a measured table, its file read back by the
+    planner's cost model, which then drops the all-reduce term for the measured degree (it is in the measurement)."""
+    from hetu_ext.data.calibrate import main as calibrate_main
+    from hetu_ext.data.calibrate import tp_efficiency
+    from hetu_ext.plan.cost import CostModel, load_tp_efficiency, stage_cost, with_measured_tp
+
+    table = CostTable(per_tp={1: LengthCost(a=0.0, b=1e-5, c=0.0), 2: LengthCost(a=0.0, b=0.625e-5, c=0.0)},
+                      device="test")
+    assert tp_efficiency(table, 4096) == {1: 1.0, 2: 0.8}
+    save_cost_table(table, tmp_path / "table.yaml")
+    calibrate_main(["--cost-table", str(tmp_path / "table.yaml"), "--out", str(tmp_path / "eff.yaml")])
+    measured = load_tp_efficiency(tmp_path / "eff.yaml")
+    assert measured == {1: 1.0, 2: 0.8}
+    cost = with_measured_tp(CostModel(), measured)
+    assert cost.tp_efficiency == {1: 1.0, 2: 0.8, 4: 0.9, 8: 0.85} and cost.tp_measured == (1, 2)
+    spec = ModelSpec(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=128)
+    kw = dict(num_layers=4, tp=2, slowdown=1.0, micro_batch=1, first=False, last=False, in_flight=1)
+    assumed, measured_cost = stage_cost(spec, CostModel(), **kw), stage_cost(spec, cost, **kw)
+    flops = 4 * (2 * 128 * (4 * 64 * 64 + 2 * 64 * 256) + 4 * 128 * 128 * 64)  # 4 layers, matmuls and attention
+    compute = lambda c, eff: flops / (c.flops_per_s * 2 * eff)  # noqa: E731
+    assert measured_cost.forward_s == pytest.approx(compute(cost, 0.8))
+    assert assumed.forward_s > compute(CostModel(), 0.95)  # the assumed degree adds its all-reduces
+    (tmp_path / "bad.yaml").write_text("tp_eficiency: {2: 0.9}\n")
+    with pytest.raises(ValueError, match="unknown key 'tp_eficiency'.*did you mean 'tp_efficiency'"):
+        load_tp_efficiency(tmp_path / "bad.yaml")
