@@ -1,4 +1,8 @@
-"""Fit the length cost ``t(s) = a s^2 + b s + c`` (seconds per layer) to measured times (pure numpy).
+"""Fit the length cost ``t(s) = a s^2 + b s + c`` (seconds per layer) to measured times (pure numpy); derive the
+measured TP efficiencies the Malleus planner reads.
+
+    python -m hetu_ext.data.calibrate --cost-table configs/calibration/cpu.yaml \
+        --out configs/calibration/tp_efficiency_cpu.yaml [--tokens 4096]
 
 The times come from ``python -m hetu_ext.megatron.calibrate --out FILE``, which measures one Megatron-core
 transformer layer on the device (hetu_ext/megatron/calibrate.py) and writes the cost table this fit gives.
@@ -8,12 +12,15 @@ The fit is linear least squares on ``(s^2, s, 1)`` weighted by ``1 / t`` (relati
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
+import yaml
 
-from .cost import LengthCost
+from .cost import CostTable, LengthCost, load_cost_table
 
 
 @dataclass(frozen=True)
@@ -68,3 +75,47 @@ def length_cost(lengths: Sequence[int], seconds: Sequence[float], saved_bytes: S
     cost = LengthCost(a=fit.a, b=fit.b, c=fit.c, memory_per_token_bytes=saved_bytes[-1] / lengths[-1],
                       memory_fixed_bytes=params * dtype_bytes * 4)
     return cost, fit
+
+
+def tp_efficiency(table: CostTable, tokens: int) -> dict[int, float]:
+    """Per measured TP degree t, ``T_1(s) / (t T_t(s))`` at ``tokens`` from the table's fitted layer times: the
+    fraction of the t-fold speed-up one layer reached on the device, its all-reduces included (each degree of a
+    table from ``hetu_ext.megatron.calibrate`` is measured on t ranks, not derived). ValueError without TP 1."""
+    one = table.for_tp(1).document_s(tokens)
+    return {tp: round(one / (tp * cost.document_s(tokens)), 4) for tp, cost in sorted(table.per_tp.items())}
+
+
+def save_tp_efficiency(table: CostTable, tokens: int, path: str | Path, source: str = "") -> dict[int, float]:
+    """Write :func:`tp_efficiency` as the file :func:`hetu_ext.plan.cost.load_tp_efficiency` reads."""
+    eff = tp_efficiency(table, tokens)
+    note = (f"T_1 / (t T_t) of one layer at {tokens} tokens, from the fitted cost table {source or '(given)'}; "
+            f"all-reduces included; {table.note}")
+    Path(path).write_text(yaml.safe_dump({"device": table.device, "tp_efficiency": eff, "note": note},
+                                         sort_keys=False))
+    return eff
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m hetu_ext.data.calibrate",
+                                     description="TP efficiencies of a device from its measured cost table")
+    parser.add_argument("--cost-table", required=True, help="the table python -m hetu_ext.megatron.calibrate "
+                        "wrote (with --tp 1,2,...)")
+    parser.add_argument("--out", required=True, help="YAML file for the efficiencies (read by --tp-efficiency)")
+    parser.add_argument("--tokens", type=int, default=4096, help="sequence length the efficiency is taken at")
+    args = parser.parse_args(argv)
+    try:
+        table = load_cost_table(args.cost_table)
+        eff = save_tp_efficiency(table, args.tokens, args.out, source=args.cost_table)
+    except ValueError as exc:
+        parser.exit(2, f"error: {exc}\n")
+    if len(eff) < 2:
+        print(f"warning: {args.cost_table} holds TP {sorted(eff)} only; measure more degrees with "
+              "python -m hetu_ext.megatron.calibrate --tp 1,2")
+    print(f"device: {table.device}")
+    for tp, e in eff.items():
+        print(f"TP {tp}: efficiency {e:.3f} at {args.tokens} tokens")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,7 +1,8 @@
 """Measure one Megatron-core transformer layer and fit the length cost ``t(s) = a s^2 + b s + c`` (seconds).
 
     python -m hetu_ext.megatron.calibrate --out configs/calibration/cpu.yaml [--hidden-size 256 \\
-        --num-attention-heads 8 --seq-lengths 128,256,512,1024,2048,4096 --repeats 5 --tp 1,2]
+        --num-attention-heads 8 --seq-lengths 128,256,512,1024,2048,4096 --repeats 5 --tp 1,2 \\
+        --tp-efficiency-out configs/calibration/tp_efficiency_cpu.yaml]
 
 Measured: forward + backward of one GPTModel stage holding one transformer layer (no embedding, no output
 layer; Megatron-core's local layer spec, built by :func:`hetu_ext.megatron.model.build_gpt_stage`) on a THD pack
@@ -16,6 +17,10 @@ tensor parallelism, all-reduces included, and fitted on its own. Memory per toke
 layer saves for backward at the longest measured length, divided by it (so it includes the s x s attention
 scores the local spec keeps at that length); fixed memory: parameters x (weight + gradient + two Adam moments).
 
+``--tp-efficiency-out FILE`` also writes each measured degree's efficiency ``T_1 / (t T_t)`` at the longest length
+(hetu_ext.data.calibrate.save_tp_efficiency), the file the Malleus planner's cost model reads
+(hetu_ext.plan.cost.load_tp_efficiency); the same from a stored table: ``python -m hetu_ext.data.calibrate``.
+
 Torch and megatron are imported only to measure (the ``--help`` and argument errors stay fast).
 """
 
@@ -27,7 +32,7 @@ import platform
 import time
 from collections.abc import Sequence
 
-from hetu_ext.data.calibrate import Fit, length_cost
+from hetu_ext.data.calibrate import Fit, length_cost, save_tp_efficiency
 from hetu_ext.data.cost import CostTable, save_cost_table
 from hetu_ext.hostlog import quiet_host_frameworks
 
@@ -144,6 +149,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="comma-separated document lengths (tokens) to measure")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--tp", default="1", help="comma-separated TP degrees to measure (t > 1 starts t ranks)")
+    parser.add_argument("--tp-efficiency-out", default=None, help="also write the measured TP efficiencies "
+                        "(at the longest length) to this YAML file, for the planner's cost model")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
     args = parser.parse_args(argv)
     try:
@@ -169,6 +176,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"max relative error {fit.max_rel_error:.3f}")
     save_cost_table(table, args.out)
     print(f"wrote {args.out}")
+    if args.tp_efficiency_out:
+        eff = save_tp_efficiency(table, max(lengths), args.tp_efficiency_out, source=args.out)
+        print("TP efficiency " + ", ".join(f"TP {tp}: {e:.3f}" for tp, e in eff.items()) + f" at {max(lengths)} "
+              f"tokens; wrote {args.tp_efficiency_out}")
 
 
 if __name__ == "__main__":

@@ -4,8 +4,10 @@ Time: the forward FLOPs of one transformer layer for ``b`` samples of ``s`` toke
 ``2 b s (4 h^2 + 2 h f) + 4 b s^2 h`` (QKV/projection and MLP matmuls, then scores and values); backward costs
 twice the forward. A TP group of degree t divides the work by t at ``tp_efficiency[t]`` and adds its all-reduces
 (4 per layer per microbatch, forward and backward, of ``b s h`` values, ring cost 2 (t-1)/t) over the node's
-link. The slowest member sets a TP group's pace. Embedding and output layer add ``2 b s h V`` FLOPs to the first
-and last stages.
+link. The efficiencies are assumed constants unless measured ones are given (:func:`load_tp_efficiency`: the
+file ``python -m hetu_ext.data.calibrate`` derives from a device's calibration, all-reduces included, so for those
+degrees the all-reduce term is not added again). The slowest member sets a TP group's pace. Embedding and output
+layer add ``2 b s h V`` FLOPs to the first and last stages.
 
 Memory per rank (bytes): weights (dtype), fp32 gradient buffer, optimizer state (Adam: two fp32 moments, plus
 fp32 master weights under bf16), all divided by TP; activations of one layer for one microbatch
@@ -15,7 +17,13 @@ microbatches a stage holds in flight under 1F1B: ``min(pp - stage, m)``, more on
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from hetu_ext.keys import check_keys
 
 from .model_spec import ModelSpec
 
@@ -33,6 +41,40 @@ class CostModel:
     """Per parameter element: Adam's two fp32 moments and the fp32 master weight (bf16 training)."""
     grad_bytes: int = 4
     tp_efficiency: dict[int, float] = field(default_factory=lambda: {1: 1.0, 2: 0.95, 4: 0.9, 8: 0.85})
+    """Per TP degree t, the fraction of the t-fold speed-up a TP group reaches (assumed; see ``tp_measured``)."""
+    tp_measured: tuple[int, ...] = ()
+    """Degrees whose efficiency was measured with the all-reduces running (:func:`with_measured_tp`): their
+    all-reduce term is in the efficiency already."""
+
+
+TP_EFFICIENCY_KEYS = ("device", "tp_efficiency", "note")
+
+
+def load_tp_efficiency(path: str | Path) -> dict[int, float]:
+    """Measured TP efficiencies ``{t: T_1 / (t T_t)}`` from a file written by ``python -m hetu_ext.data.calibrate``
+    (keys: ``device``, ``tp_efficiency``, ``note``); ValueError naming the file and the rule otherwise."""
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ValueError(f"TP efficiency file {str(path)!r} cannot be read ({exc}); write it with python -m "
+                         "hetu_ext.data.calibrate") from None
+    data = check_keys(data, TP_EFFICIENCY_KEYS, f"TP efficiency file {str(path)!r}", required=("tp_efficiency",))
+    table = data["tp_efficiency"]
+    if not isinstance(table, dict) or not table:
+        raise ValueError(f"TP efficiency file {str(path)!r}: tp_efficiency must map TP degrees to efficiencies")
+    out = {}
+    for tp, value in table.items():
+        if not isinstance(tp, int) or tp < 1 or not isinstance(value, (int, float)) or not 0 < value <= 1.5:
+            raise ValueError(f"TP efficiency file {str(path)!r}: entry {tp!r}: {value!r} must be a TP degree >= 1 "
+                             "and an efficiency in (0, 1.5]")
+        out[tp] = float(value)
+    return out
+
+
+def with_measured_tp(cost: CostModel, measured: dict[int, float]) -> CostModel:
+    """``cost`` with the measured efficiencies in place of the assumed ones (other degrees keep theirs)."""
+    return dataclasses.replace(cost, tp_efficiency={**cost.tp_efficiency, **measured},
+                               tp_measured=tuple(sorted(set(cost.tp_measured) | set(measured))))
 
 
 @dataclass(frozen=True)
@@ -76,7 +118,7 @@ def stage_cost(spec: ModelSpec, cost: CostModel, *, num_layers: int, tp: int, sl
     efficiency = cost.tp_efficiency.get(tp, 0.8)
     compute = flops / (cost.flops_per_s * tp * efficiency) * slowdown
     comm = 0.0
-    if tp > 1:
+    if tp > 1 and tp not in cost.tp_measured:
         comm = num_layers * 2 * micro_batch * s * h * cost.dtype_bytes * 2 * (tp - 1) / tp / cost.intra_node_bytes_per_s
     params = (num_layers * layer_params(spec) + extra_params) / tp
     static = params * (cost.dtype_bytes + cost.grad_bytes + cost.optimizer_state_bytes)
