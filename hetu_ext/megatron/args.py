@@ -136,8 +136,5 @@ def validate_args(args: argparse.Namespace) -> None:
 
         parse_schedule(args.hetu_emulate_slowdown)
     _positive(args, "hetu_ckpt_keep")
-    if args.hetu_ckpt_format == "hetu" and args.use_distributed_optimizer and args.save:
-        raise ValueError("--hetu-ckpt-format hetu cannot save --use-distributed-optimizer's flat ZeRO-1 shards yet; "
-                         "use --hetu-ckpt-format torch_dist (or auto)")
     if args.save_interval is not None and args.save is None:
         raise ValueError(f"--save-interval {args.save_interval} needs --save DIR to save into")

@@ -223,7 +223,9 @@ def load(trainer, directory: str) -> bool:
     from hetu_ext.deepspeed.zero_checkpoint import is_deepspeed
 
     deepspeed, hetu = is_deepspeed(directory), _is_hetu(directory)
-    if trainer.config.parallel.use_distributed_optimizer and (deepspeed or hetu):
+    plan_runtime = trainer.placement.grad_sync is not None or not trainer.placement.active
+    # the plan runtime's sharded optimizer loads per-parameter state through the reshard engine (state_pieces)
+    if trainer.config.parallel.use_distributed_optimizer and (deepspeed or hetu) and not plan_runtime:
         raise CheckpointError(f"--load {directory}: a {'DeepSpeed' if deepspeed else 'hetu'} checkpoint holds "
                               "optimizer state per parameter, which --use-distributed-optimizer's flat ZeRO-1 "
                               "buffers cannot take yet; resume without --use-distributed-optimizer")
@@ -237,7 +239,7 @@ def load(trainer, directory: str) -> bool:
         if trainer.host.rank == 0:
             logger.warning("--load %s: no checkpoint found, starting from scratch", directory)
         return False
-    elif trainer.placement.grad_sync is not None or not trainer.placement.active:  # the plan runtime
+    elif plan_runtime:
         state = load_torch_dist_resharded(trainer, directory)
     else:
         state = load_torch_dist(trainer, directory)

@@ -73,16 +73,17 @@ def parse_migrations(text: str) -> list[tuple[int, str]]:
     return out
 
 
-def save_format(checkpoint: CheckpointConfig, parallel: ParallelConfig) -> str:
-    """The format ``--save`` writes: ``hetu`` or ``torch_dist`` (``auto`` resolved)."""
+def save_format(checkpoint: CheckpointConfig, parallel: ParallelConfig, runtime: str = "megatron") -> str:
+    """The format ``--save`` writes: ``hetu`` or ``torch_dist`` (``auto`` resolved: torch_dist for Megatron's
+    ZeRO-1 on its uniform runtime, hetu otherwise, the plan runtime's sharded optimizer included)."""
     if checkpoint.format == "auto":
-        return "torch_dist" if parallel.use_distributed_optimizer else "hetu"
+        return "torch_dist" if parallel.use_distributed_optimizer and runtime == "megatron" else "hetu"
     return checkpoint.format
 
 
 def check_plan_runtime(checkpoint: CheckpointConfig, parallel: ParallelConfig) -> None:
     """The plan runtime saves the hetu format only (dist_checkpointing needs parallel_state's uniform grid)."""
-    if checkpoint.save and save_format(checkpoint, parallel) == "torch_dist":
+    if checkpoint.save and save_format(checkpoint, parallel, "plan") == "torch_dist":
         raise PlanError("--hetu-ckpt-format torch_dist runs on Megatron's uniform runtime only; this plan runs on "
                         "the plan runtime, so save with --hetu-ckpt-format hetu (or auto)")
 
@@ -104,10 +105,11 @@ def select_runtime(config: RunConfig, plan: Plan) -> str:
                         "--hetu-runtime megatron")
     if parallel.runtime == "plan" or uniform_shape(plan) is None or online:
         check_plan_runtime(config.checkpoint, parallel)
-        if parallel.use_distributed_optimizer:
-            raise PlanError("--use-distributed-optimizer (ZeRO-1) is not yet supported on the plan runtime; drop "
-                            "it or run a uniform plan")
         return "plan"
+    if parallel.use_distributed_optimizer and config.checkpoint.save and config.checkpoint.format == "hetu":
+        raise PlanError("--hetu-ckpt-format hetu cannot save Megatron's --use-distributed-optimizer flat ZeRO-1 "
+                        "shards (uniform runtime); use --hetu-ckpt-format torch_dist (or auto), or --hetu-runtime "
+                        "plan, whose sharded optimizer saves hetu")
     return "megatron"
 
 

@@ -63,6 +63,19 @@ def _pieces(placement: Placement, *, create_state_at_step: int | None = None) ->
                 if create_state_at_step is not None:
                     opt.state[p] = _new_state(opt, p, create_state_at_step)
                 states[id(p)] = opt.state.get(p, {})
+    sharded = getattr(placement.optimizer, "hetu_sharded", None)
+    if sharded is not None:  # --- the plan runtime's sharded optimizer: owned boxes (masters under --bf16)
+        entries = sharded.entries()
+        pieces = []
+        if all(p.dtype == torch.float32 for p in placement.model.parameters()):  # fp32: every holder's weights
+            pieces = [Piece(f"param:{s.key}", s.index, tuple((sl.start, sl.stop) for sl in s.slices), s.data.data)
+                      for s in local_shards(placement.model, **placement.shard_kwargs)]
+        for e in entries:
+            if e.master is not None:
+                pieces.append(Piece(f"param:{e.key}", e.index, e.box, e.master.data))
+            pieces.extend(Piece(f"{m}:{e.key}", e.index, e.box, e.state[m])
+                          for m in (*_MOMENTS["adam"], *_MOMENTS["sgd"]) if e.state.get(m) is not None)
+        return pieces
     masters = master_weights(placement.optimizer)
     pieces = []
     for s in local_shards(placement.model, **placement.shard_kwargs):
@@ -87,6 +100,8 @@ def migrate(old: Placement, build_new, iteration: int) -> tuple[Placement, Migra
         for opt in _megatron_optimizers(new.optimizer):
             if getattr(opt, "float16_groups", None):
                 opt._copy_main_params_to_model_params()
+        if getattr(new.optimizer, "hetu_sharded", None) is not None:  # sharded: owners -> every holder
+            new.optimizer.hetu_sharded.sync.gather()
     return new, MigrationReport(bytes_sent=report.bytes_sent, bytes_kept=report.bytes_copied_locally,
                                 seconds=time.perf_counter() - start)
 

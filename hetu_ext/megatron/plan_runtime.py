@@ -24,14 +24,17 @@ import torch.distributed as dist
 from hetu_ext.config import TrainingConfig
 from hetu_ext.plan import ModelSpec, Plan, PlanError
 from hetu_ext.plan.layout import ShardInfo, in_place_lanes, reduction_layout
+from hetu_ext.plan.optimizer_shards import optimizer_shards
 from hetu_ext.plan.plan import neighbours
 from hetu_ext.runtime.grad_sync import GradSync, LocalTensor
 from hetu_ext.runtime.groups import PlanGroups, add_lane_groups, build_groups
+from hetu_ext.runtime.sharded_optimizer import ShardedGradSync
 
 from .launch_plan import check_runnable
 from .model import TrainingNumerics, build_gpt_stage, optimizer_config, transformer_config, with_precision
 from .p2p import StagePosition
 from .placement import Placement
+from .sharded_optimizer import build_sharded_optimizer, join_sharded_setup
 from .weights import init_weights, local_shards
 
 
@@ -92,10 +95,11 @@ def _join_optimizer_setup(training: TrainingConfig, spec: ModelSpec, numerics: T
     get_megatron_optimizer(opt_config, [idle], use_gloo_process_groups=False, pg_collection=pgc)
 
 
-def build_plan_placement(training: TrainingConfig, spec: ModelSpec, plan: Plan, host, numerics: TrainingNumerics
-                         ) -> Placement:
+def build_plan_placement(training: TrainingConfig, spec: ModelSpec, plan: Plan, host, numerics: TrainingNumerics,
+                         *, use_distributed_optimizer: bool = False) -> Placement:
     """Groups, stage model, DDP, optimizer, schedule and gradient sync for this rank under ``plan`` (reads the
-    seed and the optimizer settings of ``training``)."""
+    seed and the optimizer settings of ``training``). ``use_distributed_optimizer``: each element's optimizer
+    state on one of its holders (megatron/sharded_optimizer.py)."""
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import get_megatron_optimizer
@@ -145,14 +149,26 @@ def build_plan_placement(training: TrainingConfig, spec: ModelSpec, plan: Plan, 
     all_shards = [s for part in everyone for s in part]
     layout = reduction_layout(all_shards)
     add_lane_groups(groups, list(layout.lanes))
+    # --- sharded optimizer (--use-distributed-optimizer): a group per holder set; idle ranks join its set-up
+    if use_distributed_optimizer:
+        opt_shards = optimizer_shards(all_shards)
+        add_lane_groups(groups, [h for h in opt_shards.holder_sets() if h not in layout.lanes])
+        if where is None:
+            join_sharded_setup(optimizer_config(training, numerics))
+            return Placement(active=False, probe_layer=_probe_layer(training, spec, numerics, groups, host))
+    # --- end sharded optimizer
     if where is None:
         _join_optimizer_setup(training, spec, numerics, groups, host)
         return Placement(active=False, probe_layer=_probe_layer(training, spec, numerics, groups, host))
 
-    sync = GradSync(layout=layout, groups=groups, local=local, flat_buffers=flat,
-                    in_place=in_place_lanes(layout, all_shards))
     opt_config = optimizer_config(training, numerics)
-    optimizer = get_megatron_optimizer(opt_config, [model], use_gloo_process_groups=False, pg_collection=pgc)
+    if use_distributed_optimizer:  # --- sharded optimizer: reduce-scatter, owners step, all-gather
+        sync = ShardedGradSync(shards=opt_shards, groups=groups, local=local)
+        optimizer = build_sharded_optimizer(opt_config, model, sync, pgc, groups.used)
+    else:
+        sync = GradSync(layout=layout, groups=groups, local=local, flat_buffers=flat,
+                        in_place=in_place_lanes(layout, all_shards))
+        optimizer = get_megatron_optimizer(opt_config, [model], use_gloo_process_groups=False, pg_collection=pgc)
     for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
         # the global norm counts every element once over the whole plan
         inner.get_main_grads_for_grad_norm = sync.owned_grads

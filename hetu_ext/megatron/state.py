@@ -98,6 +98,15 @@ def state_pieces(placement, *, moments: set[str] | None = None, step: float | No
         return []
     if moments is not None:
         create_optimizer_state(placement, moments, step)
+    sharded = getattr(placement.optimizer, "hetu_sharded", None)
+    if sharded is not None:  # --- the plan runtime's sharded optimizer: state of the owned boxes only
+        pieces = [Piece(f"param/{s.key}", s.index, tuple((sl.start, sl.stop) for sl in s.slices), s.data.data)
+                  for s in local_shards(placement.model, **placement.shard_kwargs)]
+        for e in sharded.entries():
+            if e.master is not None:
+                pieces.append(Piece(f"master/{e.key}", e.index, e.box, e.master.data))
+            pieces.extend(Piece(f"{m}/{e.key}", e.index, e.box, e.state[m]) for m in MOMENTS if m in e.state)
+        return pieces
     states = {id(p): opt.state.get(p, {}) for opt in optimizers(placement.optimizer)
               for group in opt.param_groups for p in group["params"]}
     pieces = []

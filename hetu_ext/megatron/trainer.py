@@ -9,6 +9,7 @@ what it holds comes from a runtime: Megatron's own ``parallel_state`` grid for u
 from __future__ import annotations
 
 import hashlib
+import dataclasses
 import json
 import logging
 import os
@@ -238,7 +239,8 @@ class Trainer:
         old_scheduler = self.scheduler
         placement, report = migrate(
             self.placement,
-            lambda: build_plan_placement(self.config.training, self.spec, plan, self.host, self.numerics),
+            lambda: build_plan_placement(self.config.training, self.spec, plan, self.host, self.numerics,
+                                         use_distributed_optimizer=self.config.parallel.use_distributed_optimizer),
             self.iteration)
         self.plan, self.placement, self.plan_key = plan, placement, plan_id(plan)
         self.scheduler = make_scheduler(self.config.training, self.config.packing, placement, plan)
@@ -414,6 +416,9 @@ def build_trainer(config: RunConfig) -> Trainer:
     world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     launch = check_launch(config, world_size)
     spec, plan, migrations, runtime = launch.spec, launch.plan, launch.migrations, launch.runtime
+    if config.checkpoint.format == "auto":  # the format --save writes on this runtime, decided once
+        config = dataclasses.replace(config, checkpoint=dataclasses.replace(
+            config.checkpoint, format=save_format(config.checkpoint, config.parallel, runtime)))
     tokenizer = make_tokenizer(config.data.tokenizer_type, config.data.vocab_size)
     training, packed = config.training, config.packing.method != "off"
     # packed documents are read (and checked) before any process group exists
@@ -428,7 +433,8 @@ def build_trainer(config: RunConfig) -> Trainer:
         placement = build_megatron_placement(training, spec, plan, h, numerics,
                                              use_distributed_optimizer=config.parallel.use_distributed_optimizer)
     else:
-        placement = build_plan_placement(training, spec, plan, h, numerics)
+        placement = build_plan_placement(training, spec, plan, h, numerics,
+                                         use_distributed_optimizer=config.parallel.use_distributed_optimizer)
 
     scheduler = make_scheduler(training, config.packing, placement, plan)
     gbs = global_batch_size(plan, training.micro_batch_size)
@@ -440,7 +446,7 @@ def build_trainer(config: RunConfig) -> Trainer:
         dataset = build_train_dataset(data_spec, tokenizer, training.train_iters * gbs)
     where = plan.stage_of(h.rank)
     table = memory_table(placement.model, training.optimizer, training.bf16,
-                         f"pipeline {where[0]} stage {where[1]}" if where else "unused")
+                         f"pipeline {where[0]} stage {where[1]}" if where else "unused", optimizer=placement.optimizer)
     if table:
         logger.info("%s", table)
     if h.rank == 0:
