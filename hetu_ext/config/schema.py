@@ -179,6 +179,12 @@ class PackingConfig:
                                            '"max_seq_len": ..., "mean_seq_len": ..., "lognormal_sigma": ...}')
     mock_documents: int = setting(100_000, flag="--hetu-mock-documents", help="documents drawn for "
                                                                               "--hetu-varlen-mock")
+    hotspa: str | None = setting(flag="--hetu-hotspa", metavar="FILE|auto",
+                                 help="HotSPa: train each length group of a step under its own strategy (YAML list "
+                                      "of strategies with max_len; auto: chosen per step), switching weights and "
+                                      "gradients to and from the home strategy that holds the optimizer")
+    hotspa_bandwidth_gbs: float = setting(100.0, flag="--hetu-hotspa-bandwidth",
+                                          help="GB/s per device assumed for the predicted switch time (auto)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -210,10 +216,22 @@ class StragglerConfig:
                                             "microbatch it ran at its stage's TP degree (forward 1/3, backward 2/3)")
 
 
+# --- LobRA (issue 16): joint multi-LoRA fine-tuning ---
+@dataclass(frozen=True, kw_only=True)
+class LoRAConfig:
+    """LobRA: many tenants' LoRA adapters trained jointly over one frozen base (hetu_ext.lora)."""
+
+    tenants: str | None = setting(flag="--hetu-lora-tenants", path=True, metavar="YAML",
+                                  help="train the tenants of this file (data, per-step share, LoRA settings; "
+                                       "configs/lobra/) jointly, each its own adapter over the frozen base")
+# --- end LobRA ---
+
+
 SECTIONS: dict[str, type] = {
     "launch": LaunchConfig, "model": ModelConfig, "parallel": ParallelConfig, "training": TrainingConfig,
     "checkpoint": CheckpointConfig, "logging": LoggingConfig, "data": DataConfig, "packing": PackingConfig,
     "straggler": StragglerConfig,
+    "lora": LoRAConfig,  # LobRA (issue 16)
 }
 """YAML section -> its dataclass; also the groups of ``--help``."""
 
@@ -231,6 +249,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     packing: PackingConfig = field(default_factory=PackingConfig)
     straggler: StragglerConfig = field(default_factory=StragglerConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)  # LobRA (issue 16)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """The YAML form: ``{section: {key: value}}`` (a file of this reproduces the run)."""

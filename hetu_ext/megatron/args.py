@@ -117,7 +117,11 @@ def validate_args(args: argparse.Namespace) -> None:
     if not (0 <= args.hidden_dropout < 1 and 0 <= args.attention_dropout < 1):
         raise ValueError(f"dropout must be in [0, 1), got --hidden-dropout {args.hidden_dropout} "
                          f"--attention-dropout {args.attention_dropout}")
-    if bool(args.mock_data) == bool(args.data_path):
+    if args.hetu_lora_tenants is not None:  # --- LobRA (issue 16): the tenants file gives the data ---
+        from hetu_ext.lora.args import validate_lora_args
+
+        validate_lora_args(args)
+    elif bool(args.mock_data) == bool(args.data_path):
         raise ValueError("give exactly one data source: --mock-data or --data-path PREFIX "
                          f"(got --mock-data={args.mock_data}, --data-path={args.data_path})")
     _validate_packing(args)

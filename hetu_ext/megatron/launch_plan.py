@@ -123,6 +123,8 @@ class LaunchCheck:
     migrations: list[tuple[int, Plan]]
     runtime: str
     """``megatron`` or ``plan`` (select_runtime)."""
+    strategies: object = None
+    """--hetu-hotspa: the :class:`hetu_ext.data.hotspa.Strategies` (``plan`` is then the home strategy's)."""
 
 
 def check_launch(config: RunConfig, world_size: int) -> LaunchCheck:
@@ -138,7 +140,42 @@ def check_launch(config: RunConfig, world_size: int) -> LaunchCheck:
                             f"the run has {plan.num_microbatches}; keep the global batch the same")
         check_runnable(target)
         migrations.append((step, target))
-    runtime = select_runtime(config, plan)
+    strategies = hotspa_strategies(config, spec, world_size) if config.packing.hotspa else None
+    if strategies is not None:
+        plan = strategies.items[strategies.home].plan
+        for strategy in strategies.items:
+            check_runnable(strategy.plan)
+    runtime = "plan" if strategies is not None else select_runtime(config, plan)
     if runtime == "plan":
         check_runnable(plan)
-    return LaunchCheck(spec=spec, plan=plan, migrations=migrations, runtime=runtime)
+    return LaunchCheck(spec=spec, plan=plan, migrations=migrations, runtime=runtime, strategies=strategies)
+
+
+HOTSPA_METHODS = ("unpacked", "ffd", "greedy", "balanced")
+
+
+def hotspa_strategies(config: RunConfig, spec: ModelSpec, world_size: int):
+    """--hetu-hotspa FILE or auto: the strategies, checked against the run (one-line errors)."""
+    from hetu_ext.data.cost import CostTable, load_cost_table
+    from hetu_ext.data.hotspa import auto_strategies, load_strategies
+
+    packing, straggler = config.packing, config.straggler
+    if packing.method not in HOTSPA_METHODS:
+        raise ValueError(f"--hetu-hotspa needs --hetu-packing one of {list(HOTSPA_METHODS)} (each length group is "
+                         f"packed for its strategy), got --hetu-packing {packing.method}")
+    if straggler.migrate or straggler.replan == "online" or config.parallel.use_distributed_optimizer:
+        raise ValueError("--hetu-hotspa runs with a fixed home plan and a replicated optimizer: drop --hetu-migrate, "
+                         "--hetu-straggler-replan online and --use-distributed-optimizer")
+    if config.parallel.plan:
+        raise ValueError(f"--hetu-hotspa sets the plans (its home strategy holds the optimizer); drop --hetu-plan "
+                         f"{config.parallel.plan} or give that plan as a strategy in the HotSPa file")
+    if packing.hotspa == "auto":
+        cost = load_cost_table(packing.cost_model) if packing.cost_model else CostTable()
+        strategies = auto_strategies(spec, world_size, cost)
+    else:
+        strategies = load_strategies(packing.hotspa, model=spec, world_size=world_size)
+    home = strategies.items[strategies.home]
+    if set(home.plan.used_ranks) != set(range(world_size)):
+        raise ValueError(f"--hetu-hotspa: the home strategy {home.name!r} uses ranks {list(home.plan.used_ranks)} "
+                         f"of {world_size}; the home holds the optimizer and must use every rank")
+    return strategies

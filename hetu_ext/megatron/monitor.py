@@ -103,6 +103,16 @@ class StragglerMonitor:
             self._flops = 3 * stage.num_layers / stage.tp * sum(
                 pack_forward_flops(self.spec, tokens=t, sum_sq=q) for t, q in shapes)
 
+    def use_group_microbatches(self, groups: list[tuple[Plan, list[tuple[int, int]]]]) -> None:
+        """HotSPa: this step's work is the sum over its groups of this rank's share under each group's plan."""
+        self._flops = 0.0
+        for plan, shapes in groups:
+            where = plan.stage_of(self.rank)
+            if where is not None:
+                stage = plan.pipelines[where[0]].stages[where[1]]
+                self._flops += 3 * stage.num_layers / stage.tp * sum(
+                    pack_forward_flops(self.spec, tokens=t, sum_sq=q) for t, q in shapes)
+
     def attach(self, layers, tp: int = 1) -> None:
         """Time ``layers`` (a stage of TP degree ``tp``: the cost emulation's strategy)."""
         self.timer.attach(list(layers), cost=self.layer_cost(tp) if self.layer_cost else None)

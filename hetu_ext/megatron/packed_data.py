@@ -135,6 +135,10 @@ class PackedSteps:
         """Step ``g``'s sequence ids and every pipeline's microbatches as segments, with their predicted times."""
         with self._lock:
             ids = self.batches[g]
+        return self.plan_sequences(ids)
+
+    def plan_sequences(self, ids: np.ndarray) -> tuple[np.ndarray, list[list[list[Segment]]], tuple[float, ...]]:
+        """These sequences' assignment to the pipelines' microbatches (segments), with predicted times."""
         lengths = self.table.length[ids]
         if self.method == "unpacked":
             runs = np.array_split(np.arange(ids.size), len(self.replicas))
@@ -154,6 +158,11 @@ class PackedSteps:
         future = self._ahead.pop(g, None)
         ids, per, predicted = future.result() if future is not None else self.plan_step(g)
         self._ahead = {g + 1: self._pool.submit(self.plan_step, g + 1)}
+        return self.step_data(g, ids, per, predicted)
+
+    def step_data(self, g: int, ids: np.ndarray, per: list[list[list[Segment]]], predicted: tuple[float, ...]
+                  ) -> StepData:
+        """This pipeline's collated microbatches of an assignment (``plan_sequences``) of step ``g``."""
         if sum(len(mb) for rep in per for mb in rep) < len(per):
             raise ValueError(f"step {g + 1}: the global batch has too few sequences ({ids.size}) to give each of "
                              f"the plan's {len(per)} pipelines a microbatch; raise --global-batch-size or "
@@ -231,14 +240,20 @@ def open_documents(data: DataConfig, packing: PackingConfig, tokenizer, *, seed:
 
 def build_packed_steps(packing: PackingConfig, spec: ModelSpec, plan: Plan, pipeline: int, documents,
                        device: torch.device, *, seed: int, global_batch_size: int | None,
-                       slowdowns: dict[int, float] | None = None) -> PackedSteps:
+                       slowdowns: dict[int, float] | None = None, max_pack_tokens: int | None = None
+                       ) -> PackedSteps:
     """The packed data of ``plan``'s pipeline ``pipeline``: packs of at most ``spec.seq_length`` tokens, global
     batches of ``packing.global_batch_tokens`` tokens or else ``global_batch_size`` sequences; ``slowdowns``
-    (rank -> x, from the straggler monitor) make slow pipelines' shares smaller."""
+    (rank -> x, from the straggler monitor) make slow pipelines' shares smaller; ``max_pack_tokens``: packs
+    of at most this many tokens instead (HotSPa: a strategy's ``max_len``); ``pipeline`` None: this rank runs
+    none of the plan's pipelines (it still plans, so every rank agrees)."""
     cost = load_cost_table(packing.cost_model) if packing.cost_model else CostTable()
     table = SequenceTable.from_documents(documents.token_counts, spec.seq_length)
     batches = GlobalBatches(table, seed=seed, tokens=packing.global_batch_tokens,
                             samples=None if packing.global_batch_tokens else global_batch_size)
-    replicas = replica_specs(plan, spec, cost, slowdowns=slowdowns, max_pack_tokens=spec.seq_length)
-    return PackedSteps(documents, table, batches, method=packing.method, replicas=replicas, pipeline=pipeline,
-                       max_len=spec.seq_length, device=device)
+    max_len = max_pack_tokens or spec.seq_length
+    replicas = replica_specs(plan, spec, cost, slowdowns=slowdowns, max_pack_tokens=max_len)
+    steps = PackedSteps(documents, table, batches, method=packing.method, replicas=replicas, pipeline=pipeline,
+                        max_len=max_len, device=device)
+    steps.cost = cost
+    return steps

@@ -31,3 +31,6 @@ class Placement:
     """On an idle rank: one transformer layer the straggler monitor times to measure this rank's speed."""
     shard_kwargs: dict = dataclasses.field(default_factory=dict)
     """How to read this stage's tensors' global identity (weights.local_shards)."""
+    normaliser: dict = dataclasses.field(default_factory=dict)
+    """Plan runtime: ``{"tokens": N}`` makes the gradient finalisation divide by N instead of the schedule's
+    token count (HotSPa: a step of several schedules is normalised once, by all its tokens)."""

@@ -96,10 +96,12 @@ def _join_optimizer_setup(training: TrainingConfig, spec: ModelSpec, numerics: T
 
 
 def build_plan_placement(training: TrainingConfig, spec: ModelSpec, plan: Plan, host, numerics: TrainingNumerics,
-                         *, use_distributed_optimizer: bool = False) -> Placement:
+                         *, use_distributed_optimizer: bool = False, with_optimizer: bool = True) -> Placement:
     """Groups, stage model, DDP, optimizer, schedule and gradient sync for this rank under ``plan`` (reads the
     seed and the optimizer settings of ``training``). ``use_distributed_optimizer``: each element's optimizer
-    state on one of its holders (megatron/sharded_optimizer.py)."""
+    state on one of its holders (megatron/sharded_optimizer.py). ``with_optimizer=False``: a compute placement
+    (HotSPa's strategies, megatron/switching.py): no optimizer; its gradients are reduced over its own holders,
+    then pulled into the home placement's."""
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import get_megatron_optimizer
@@ -150,7 +152,7 @@ def build_plan_placement(training: TrainingConfig, spec: ModelSpec, plan: Plan, 
     layout = reduction_layout(all_shards)
     add_lane_groups(groups, list(layout.lanes))
     # --- sharded optimizer (--use-distributed-optimizer): a group per holder set; idle ranks join its set-up
-    if use_distributed_optimizer:
+    if use_distributed_optimizer and with_optimizer:
         opt_shards = optimizer_shards(all_shards)
         add_lane_groups(groups, [h for h in opt_shards.holder_sets() if h not in layout.lanes])
         if where is None:
@@ -158,38 +160,48 @@ def build_plan_placement(training: TrainingConfig, spec: ModelSpec, plan: Plan, 
             return Placement(active=False, probe_layer=_probe_layer(training, spec, numerics, groups, host))
     # --- end sharded optimizer
     if where is None:
-        _join_optimizer_setup(training, spec, numerics, groups, host)
+        if with_optimizer:
+            _join_optimizer_setup(training, spec, numerics, groups, host)
         return Placement(active=False, probe_layer=_probe_layer(training, spec, numerics, groups, host))
 
     opt_config = optimizer_config(training, numerics)
-    if use_distributed_optimizer:  # --- sharded optimizer: reduce-scatter, owners step, all-gather
+    optimizer = None
+    if use_distributed_optimizer and with_optimizer:  # --- sharded optimizer: reduce-scatter, owners step, all-gather
         sync = ShardedGradSync(shards=opt_shards, groups=groups, local=local)
         optimizer = build_sharded_optimizer(opt_config, model, sync, pgc, groups.used)
     else:
         sync = GradSync(layout=layout, groups=groups, local=local, flat_buffers=flat,
                         in_place=in_place_lanes(layout, all_shards))
-        optimizer = get_megatron_optimizer(opt_config, [model], use_gloo_process_groups=False, pg_collection=pgc)
-    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if with_optimizer:
+            optimizer = get_megatron_optimizer(opt_config, [model], use_gloo_process_groups=False,
+                                               pg_collection=pgc)
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer] if optimizer is not None else []):
         # the global norm counts every element once over the whole plan
         inner.get_main_grads_for_grad_norm = sync.owned_grads
         inner.grad_stats_parallel_group = groups.used
 
     is_last = stage.has_output
+    normaliser: dict = {}
+    """``normaliser["tokens"]``, when set: divide gradients by it instead of this schedule's token count (HotSPa
+    runs one step as several schedules and normalises by the whole step's tokens)."""
 
     def finalize(model_chunks, num_tokens=None, pg_collection=None, force_all_reduce=False):
         for chunk in model_chunks:
             chunk.finish_grad_sync()
         sync.reduce()
-        tokens = torch.zeros(1, dtype=torch.float64)
-        if is_last and tp_rank == 0 and num_tokens is not None:
-            tokens += float(num_tokens)
-        dist.all_reduce(tokens, group=groups.used)
+        if normaliser.get("tokens") is not None:
+            tokens = torch.tensor([float(normaliser["tokens"])], dtype=torch.float64)
+        else:
+            tokens = torch.zeros(1, dtype=torch.float64)
+            if is_last and tp_rank == 0 and num_tokens is not None:
+                tokens += float(num_tokens)
+            dist.all_reduce(tokens, group=groups.used)
         for chunk in model_chunks:
             chunk.scale_gradients(1.0 / float(tokens))
 
     config.no_sync_func = model.no_sync
     config.finalize_model_grads_func = finalize
-    config.grad_scale_func = optimizer.scale_loss
+    config.grad_scale_func = optimizer.scale_loss if optimizer is not None else None
     pipeline = plan.pipelines[where[0]]
     from .p2p import StageP2P
 
@@ -198,4 +210,4 @@ def build_plan_placement(training: TrainingConfig, spec: ModelSpec, plan: Plan, 
                      is_last_stage=is_last, tp_rank=tp_rank, report_group=groups.used,
                      schedule_kwargs={"p2p_communicator": p2p, "pg_collection": pgc},
                      forward_backward=get_forward_backward_func(pp_size=pipeline.pp, vp_size=None),
-                     grad_sync=sync, shard_kwargs=shard_kwargs)
+                     grad_sync=sync, shard_kwargs=shard_kwargs, normaliser=normaliser)

@@ -8,8 +8,8 @@ what it holds comes from a runtime: Megatron's own ``parallel_state`` grid for u
 
 from __future__ import annotations
 
-import hashlib
 import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -45,10 +45,11 @@ from .memory import memory_table
 from .migrate import migrate
 from .model import TrainingNumerics
 from .monitor import StragglerMonitor
-from .packed_data import PackedSteps, build_packed_steps, open_documents
+from .packed_data import PackedSteps, StepData, build_packed_steps, open_documents
 from .placement import Placement
 from .plan_runtime import build_plan_placement
 from .state import scheduler_settings
+from .switching import SwitchedSteps, Switching, local_loss, predicted_switch_s
 from .uniform_runtime import build_megatron_placement
 
 logger = logging.getLogger(__name__)
@@ -86,6 +87,8 @@ class Trainer:
     """--hetu-emulate-cost: TP degree -> one layer's emulated seconds for a microbatch's shape."""
     iteration: int = 0
     losses: list[float] = field(default_factory=list)
+    switching: Switching | None = None
+    """--hetu-hotspa: the home (``placement``) and the strategies' compute placements."""
     overruns: int = 0
     """Layer passes of the last step, over all used ranks, whose real time exceeded the emulated one."""
 
@@ -147,13 +150,13 @@ class Trainer:
                 replan = None
             if replan is not None:
                 self._migrate(replan, log)
-                if isinstance(data, PackedSteps):
+                if isinstance(data, (PackedSteps, SwitchedSteps)):
                     data.close()
                 data = None
                 window, step_start = [], time.perf_counter()  # migrating is no step
         if save_dir and self.placement.active and (not save_interval or self.iteration % save_interval):
             self._save(save_dir)
-        if isinstance(data, PackedSteps):
+        if isinstance(data, (PackedSteps, SwitchedSteps)):
             data.close()
         if self.plan.unused_ranks:
             dist.barrier()  # release the idle ranks
@@ -162,11 +165,15 @@ class Trainer:
         return self.losses
 
     def _consumed(self, data, samples_per_step: int) -> int:
-        return data.consumed(self.iteration) if isinstance(data, PackedSteps) else self.iteration * samples_per_step
+        if isinstance(data, (PackedSteps, SwitchedSteps)):
+            return data.consumed(self.iteration)
+        return self.iteration * samples_per_step
 
     def _open_data(self):
         """This pipeline's data from the current step on: packed steps, or Megatron samples in microbatches."""
         training, placement = self.config.training, self.placement
+        if self.switching is not None:
+            return self._switched_data()
         if self.documents is not None:
             return build_packed_steps(self.config.packing, self.spec, self.plan, placement.pipeline_index,
                                       self.documents, self.host.device, seed=training.seed,
@@ -198,9 +205,61 @@ class Trainer:
             self.metrics.step(**record)
         return record
 
+    def _switched_data(self) -> SwitchedSteps:
+        """HotSPa: each strategy's packer over the same global batches, and the grouping of each step."""
+        packing, training, strategies = self.config.packing, self.config.training, self.switching.strategies
+        per_strategy = []
+        for strategy in strategies.items:
+            where = strategy.plan.stage_of(self.host.rank)
+            steps = build_packed_steps(packing, self.spec, strategy.plan, where[0] if where else None,
+                                       self.documents, self.host.device, seed=training.seed,
+                                       global_batch_size=training.global_batch_size,
+                                       max_pack_tokens=strategy.max_len)
+            steps.close()  # planning ahead happens once, for the whole step, in SwitchedSteps
+            per_strategy.append(steps)
+        cost = per_strategy[0].cost
+        switch_s = predicted_switch_s(strategies, self.spec, weight_bytes=2 if training.bf16 else 4,
+                                      bandwidth=packing.hotspa_bandwidth_gbs * 1e9)
+        return SwitchedSteps(per_strategy, strategies, auto=packing.hotspa == "auto", spec=self.spec, cost=cost,
+                             switch_s=switch_s)
+
+    def _run_schedule(self, placement: Placement, step: StepData) -> list:
+        """One schedule (Megatron's) over ``step``'s microbatches on ``placement``; its loss reports."""
+        return placement.forward_backward(
+            forward_step_func=_forward_step, data_iterator=iter(step.microbatches), model=[placement.model],
+            num_microbatches=len(step.microbatches), seq_length=self.spec.seq_length,
+            micro_batch_size=self.config.training.micro_batch_size, forward_only=False, **placement.schedule_kwargs)
+
+    def _switched_step(self, data: SwitchedSteps, log):
+        """HotSPa: the step's groups under their strategies (megatron/switching.py), one optimizer step."""
+        step = data.step(self.iteration)
+        if self.monitor:
+            self.monitor.before_step(self.iteration + 1)
+            self.monitor.use_group_microbatches(
+                [(self.switching.strategies.items[g.strategy].plan, g.data.shapes) for g in step.groups if g.data])
+        elif self.timer is not None:
+            self.timer.factor = factor_at(parse_schedule(self.config.straggler.emulate_slowdown or ""),
+                                          self.host.rank, self.iteration + 1)
+        results, switches = self.switching.run(step, self._run_schedule)
+        _, grad_norm, _ = self.optimizer.step()
+        self.scheduler.step(increment=1)
+        self.iteration += 1
+        loss = self._global_loss([], local=local_loss(results, self.switching.placement))
+        self.losses.append(loss)
+        replan = self.monitor.after_step(self.iteration, log) if self.monitor else None
+        names = [s.name for s in self.switching.strategies.items]
+        hotspa = {"groups": [{"strategy": names[g.strategy], "sequences": g.sequences, "tokens": g.tokens,
+                              "predicted_s": g.predicted_s} for g in step.groups],
+                  "switches": [{"from": None if w.strategy_from is None else names[w.strategy_from],
+                                "to": None if w.strategy_to is None else names[w.strategy_to],
+                                "bytes_sent": w.bytes_sent, "seconds": w.seconds} for w in switches]}
+        return loss, grad_norm, replan, step.sequences, step.tokens, {"hotspa": hotspa}
+
     def _step(self, data, log) -> tuple[float, float | None, Plan | None, int, int, dict | None]:
         """One training step of this rank's pipeline: the global loss, the grad norm, the plan the straggler
         monitor proposes (or None), the global batch's samples and tokens, and packing statistics (or None)."""
+        if self.switching is not None:
+            return self._switched_step(data, log)
         training, placement, seq_length = self.config.training, self.placement, self.spec.seq_length
         packing = None
         if isinstance(data, PackedSteps):
@@ -296,19 +355,31 @@ class Trainer:
         if self.monitor is not None:
             self.monitor.metrics = self.metrics
 
-    def attach_timer(self) -> None:
-        """Time (and emulate) the current placement's transformer layers at its stage's TP degree."""
-        if self.timer is None or not self.placement.active:
+    def attach_timer(self, placement: Placement | None = None, plan: Plan | None = None) -> None:
+        """Time (and emulate) a placement's transformer layers (default: the current one) at its stage's TP."""
+        placement, plan = placement or self.placement, plan or self.plan
+        if self.timer is None or not placement.active:
             return
-        stage = self.plan.pipelines[self.placement.pipeline_index].stages[self.plan.stage_of(self.host.rank)[1]]
+        stage = plan.pipelines[placement.pipeline_index].stages[plan.stage_of(self.host.rank)[1]]
         cost = self.layer_cost(stage.tp) if self.layer_cost else None
-        self.timer.attach(_transformer_layers(self.placement.model), cost=cost)
+        self.timer.attach(_transformer_layers(placement.model), cost=cost)
 
-    def _global_loss(self, reports: list[dict]) -> float:
-        """Mean per-token loss of the whole global batch: sums from every pipeline's last stage. Also sums, over
-        the used ranks, the layer passes whose real time overran the emulated one (``self.overruns``)."""
+    def build_strategy(self, k: int) -> Placement:
+        """HotSPa: strategy ``k``'s compute placement (collective; no optimizer), its layers timed."""
+        plan = self.switching.strategies.items[k].plan
+        placement = build_plan_placement(self.config.training, self.spec, plan, self.host, self.numerics,
+                                         with_optimizer=False)
+        self.attach_timer(placement, plan)
+        return placement
+
+    def _global_loss(self, reports: list[dict], local: torch.Tensor | None = None) -> float:
+        """Mean per-token loss of the whole global batch: sums from every pipeline's last stage (``local``: this
+        rank's (loss, tokens) sums, when several placements ran). Also sums, over the used ranks, the layer passes
+        whose real time overran the emulated one (``self.overruns``)."""
         total = torch.zeros(3, dtype=torch.float64)
-        if self.placement.is_last_stage and self.placement.tp_rank == 0:
+        if local is not None:
+            total[:2] = local
+        elif self.placement.is_last_stage and self.placement.tp_rank == 0:
             for report in reports:
                 total[:2] += report["lm loss"].double().cpu()
         if self.timer is not None:
@@ -412,6 +483,10 @@ def metrics_path(config: RunConfig) -> str | None:
 
 def build_trainer(config: RunConfig) -> Trainer:
     """Check the plan, start the process group, then place this rank and build its scheduler and dataset."""
+    if config.lora.tenants:  # --- LobRA (issue 16): tenants' adapters over a frozen base, hetu_ext/lora ---
+        from hetu_ext.lora.train import build_lora_trainer
+
+        return build_lora_trainer(config)
     # the plan is checked against the model before any process group exists
     world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     launch = check_launch(config, world_size)
@@ -465,6 +540,9 @@ def build_trainer(config: RunConfig) -> Trainer:
                       plan_key=plan_id(plan), layer_cost=layer_cost,
                       timer=monitor.timer if monitor else (LayerTimer() if layer_cost else None))
     trainer.attach_timer()
+    if launch.strategies is not None:
+        trainer.switching = Switching(launch.strategies, home=placement, build=trainer.build_strategy,
+                                      ranks_per_node=config.straggler.gpus_per_node)
     trainer.follow_log_rank()
     if config.checkpoint.load:
         trainer.load(config.checkpoint.load)

@@ -10,11 +10,12 @@ its measured duration: a sleep on CPU, ``torch.cuda._sleep`` on GPU (timed with 
 counted as compute, so the measurement sees an emulated straggler exactly as it would a slow GPU. On a CPU shared
 by many ranks, a sleeping straggler frees cores for the others and its own measured duration shrinks;
 ``--hetu-emulate-layer-ms T`` fixes that by giving every layer an emulated device time (T forward, 2T backward,
-times x), so all ranks keep the pace of the emulated cluster. ``--hetu-emulate-cost FILE`` makes that time the cost model's for the microbatch the layer
-just ran (``a sum(s^2) + b sum(s) + c`` at the stage's TP degree, forward 1/3, backward 2/3; the lengths read from
-the layer's own input), so a CPU run behaves like the modelled cluster for length- and TP-dependent work; the
-monitor then divides measured time by that emulated work (not FLOPs), so varying packs make no false stragglers.
-A layer whose real time exceeds its emulated time is an *overrun* (the emulation no longer holds there): counted.
+times x), so all ranks keep the pace of the emulated cluster. ``--hetu-emulate-cost FILE`` makes that time the
+cost model's for the microbatch the layer just ran (``a sum(s^2) + b sum(s) + c`` at the stage's TP degree,
+forward 1/3, backward 2/3; the lengths read from the layer's own input), so a CPU run behaves like the modelled
+cluster for length- and TP-dependent work; the monitor then divides measured time by that emulated work (not
+FLOPs), so varying packs make no false stragglers. A layer whose real time exceeds its emulated time is an
+*overrun* (the emulation no longer holds there): counted.
 
 :func:`exchange_timings` is the one collective: every rank's (compute seconds, FLOPs) samples since the last
 exchange, gathered on every rank; the timer and the emulation need no process group.

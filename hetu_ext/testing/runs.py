@@ -6,9 +6,11 @@ import time
 from typing import Any
 
 
-def train(rank: int, world_size: int, argv: list[str], gather: bool = True) -> dict[str, Any] | None:
+def train(rank: int, world_size: int, argv: list[str], gather: bool = True,
+          hotspa_per_group_normalisation: bool = False) -> dict[str, Any] | None:
     """Parse ``argv`` as pretrain_gpt.py does, train; the plan's lowest used rank returns losses, log lines and
-    the full gathered weights, every other rank None."""
+    the full gathered weights, every other rank None. ``hotspa_per_group_normalisation``: a negative control
+    (HotSPa groups each divided by their own tokens)."""
     from hetu_ext.megatron.args import parse_run_config
     from hetu_ext.megatron.migrate import master_weights
     from hetu_ext.megatron.trainer import build_trainer
@@ -16,6 +18,8 @@ def train(rank: int, world_size: int, argv: list[str], gather: bool = True) -> d
 
     config = parse_run_config(argv)
     trainer = build_trainer(config)
+    if hotspa_per_group_normalisation:
+        trainer.switching.per_group_normalisation = True
     lines: list[str] = []
     start = time.perf_counter()
     losses = trainer.train(log=lines.append)

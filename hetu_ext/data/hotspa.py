@@ -1,0 +1,336 @@
+"""HotSPa: which parallel strategy trains which sequences of a step (pure: numpy and PyYAML, no torch).
+
+A step's global batch is split by length into groups; each group trains under its own strategy (a plan over the
+same ranks), one group after another, and one strategy, the *home*, holds the optimizer (HotSPa, SOSP'24). This
+module decides the groups; hetu_ext.megatron.switching runs them.
+
+Strategies come from a YAML file (``--hetu-hotspa FILE``)::
+
+    home: long            # the strategy holding the optimizer (default: the one taking the longest sequences)
+    home_first: true      # run the home's group first (default) or last
+    strategies:
+      - name: short
+        dp: 2             # a uniform TP x PP x DP shape (tp, pp default 1; dp default: the ranks left) ...
+        max_len: 256      # ... and the longest sequence it takes (tokens)
+      - name: long
+        plan: plans/long.yaml   # ... or a plan file (a path relative to this file)
+        max_len: 1024
+
+or from ``auto``: every uniform TP x PP x DP shape over the world whose memory (the cost table's model) holds at
+least one pack, grouped by :func:`auto_groups`: a dynamic program over split points of the step's sorted lengths
+that minimises the sum over groups of the packer's predicted time plus the predicted switch time.
+
+Fixed grouping: every sequence goes to the strategy with the smallest ``max_len`` that takes it. A group with fewer
+sequences than its strategy has pipelines moves up into the next strategy (which takes longer ones, so it takes
+them too); the longest group, if short of sequences, borrows the longest sequences of the groups below it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from hetu_ext.keys import check_keys
+from hetu_ext.plan.io import load_plan
+from hetu_ext.plan.model_spec import ModelSpec
+from hetu_ext.plan.plan import Plan, PlanError, uniform_plan, validate_plan
+
+from .cost import CostTable
+from .packing import ReplicaSpec, assign, replica_specs
+
+_FILE_KEYS = {"home", "home_first", "strategies"}
+_STRATEGY_KEYS = {"name", "plan", "tp", "pp", "dp", "max_len"}
+
+
+@dataclass(frozen=True)
+class Strategy:
+    name: str
+    plan: Plan
+    max_len: int
+    """The longest sequence (tokens) this strategy takes."""
+
+
+@dataclass(frozen=True)
+class Strategies:
+    """The candidate strategies, ordered by ``max_len``, and which one is home."""
+
+    items: tuple[Strategy, ...]
+    home: int
+    """Index into ``items`` of the strategy that holds the optimizer."""
+    home_first: bool = True
+
+    @property
+    def capacity(self) -> int:
+        return max(s.max_len for s in self.items)
+
+
+def _strategy(raw: dict, where: str, *, model: ModelSpec, world_size: int, base: Path) -> Strategy:
+    raw = check_keys(raw, _STRATEGY_KEYS, where, type_error=ValueError)
+    if "max_len" not in raw:
+        raise ValueError(f"{where}: max_len (the longest sequence it takes, tokens) is required")
+    max_len = raw["max_len"]
+    if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
+        raise ValueError(f"{where}: max_len must be an integer >= 1, got {max_len!r}")
+    if max_len > model.seq_length:
+        raise ValueError(f"{where}: max_len {max_len} exceeds --seq-length {model.seq_length} (the longest "
+                         "sequence the model's positions take); lower max_len or raise --seq-length")
+    name = str(raw.get("name", f"strategy{where[-2:-1]}"))
+    if "plan" in raw:
+        if {"tp", "pp", "dp"} & set(raw):
+            raise ValueError(f"{where}: give either plan: FILE or a tp/pp/dp shape, not both")
+        path = Path(raw["plan"])
+        plan = load_plan(path if path.is_absolute() else base / path)
+    else:
+        shape = {k: raw.get(k, 1) for k in ("tp", "pp")}
+        for key, value in shape.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{where}: {key} must be an integer >= 1, got {value!r}")
+        dp = raw.get("dp", world_size // (shape["tp"] * shape["pp"]))
+        if shape["tp"] * shape["pp"] * dp > world_size or dp < 1:
+            raise ValueError(f"{where}: tp {shape['tp']} x pp {shape['pp']} x dp {dp} = "
+                             f"{shape['tp'] * shape['pp'] * dp} ranks does not fit the world size {world_size}; "
+                             "shrink the shape or launch more ranks")
+        try:
+            plan = uniform_plan(world_size=shape["tp"] * shape["pp"] * dp, num_layers=model.num_layers,
+                                num_microbatches=dp, **shape)
+        except PlanError as exc:
+            raise ValueError(f"{where}: {exc}") from exc
+    try:
+        validate_plan(plan, model, world_size=world_size)
+    except PlanError as exc:
+        raise ValueError(f"{where}: {exc}") from exc
+    return Strategy(name=name, plan=plan, max_len=max_len)
+
+
+def strategies_from_dict(data, *, model: ModelSpec, world_size: int, where: str = "HotSPa strategies",
+                         base: Path = Path(".")) -> Strategies:
+    data = check_keys(data, _FILE_KEYS, where, type_error=ValueError)
+    items_raw = data.get("strategies")
+    if not isinstance(items_raw, list) or not items_raw:
+        raise ValueError(f"{where}: 'strategies' must be a non-empty list of strategies (each a tp/pp/dp shape or "
+                         "plan: FILE, with max_len)")
+    items = [_strategy(raw, f"{where} strategies[{i}]", model=model, world_size=world_size, base=base)
+             for i, raw in enumerate(items_raw)]
+    names = [s.name for s in items]
+    if len(set(names)) != len(names):
+        raise ValueError(f"{where}: strategy names must differ, got {names}")
+    items.sort(key=lambda s: s.max_len)
+    home_name = data.get("home", items[-1].name)
+    if home_name not in [s.name for s in items]:
+        raise ValueError(f"{where}: home {home_name!r} is not a strategy; choose one of {names}")
+    home_first = data.get("home_first", True)
+    if not isinstance(home_first, bool):
+        raise ValueError(f"{where}: home_first must be true or false, got {home_first!r}")
+    home = [s.name for s in items].index(home_name)
+    return Strategies(items=tuple(items), home=home, home_first=home_first)
+
+
+def load_strategies(path: str | Path, *, model: ModelSpec, world_size: int) -> Strategies:
+    """Read ``--hetu-hotspa FILE``; ValueError (one line) naming the file and what is wrong."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise ValueError(f"--hetu-hotspa {str(path)!r} cannot be read: {exc.strerror}; check the path") from exc
+    except yaml.YAMLError as exc:
+        raise ValueError(f"--hetu-hotspa {str(path)!r} is not valid YAML: {exc}".replace("\n", " ")) from exc
+    return strategies_from_dict(data, model=model, world_size=world_size, where=f"--hetu-hotspa {str(path)!r}",
+                                base=path.parent)
+
+
+def auto_strategies(model: ModelSpec, world_size: int, cost: CostTable) -> Strategies:
+    """Every uniform TP x PP x DP over ``world_size`` (TP degrees of ``cost``, PP dividing the layers) whose
+    memory holds a pack, ``max_len`` = its capacity (the cost table's memory model, at most --seq-length); home:
+    the one holding the longest sequences (ties: the fastest per token)."""
+    items = []
+    for tp in sorted(cost.per_tp):
+        for pp in range(1, model.num_layers + 1):
+            if world_size % (tp * pp) or model.num_layers % pp:
+                continue
+            plan = uniform_plan(world_size=world_size, tp=tp, pp=pp, num_layers=model.num_layers,
+                                num_microbatches=world_size // (tp * pp))
+            try:
+                replicas = replica_specs(plan, model, cost, max_pack_tokens=model.seq_length)
+            except ValueError:
+                continue  # not one token fits
+            items.append(Strategy(name=f"tp{tp}pp{pp}dp{world_size // (tp * pp)}", plan=plan,
+                                  max_len=min(r.token_capacity for r in replicas)))
+    if not items:
+        raise ValueError(f"HotSPa auto: no TP x PP x DP shape over {world_size} ranks holds one token in "
+                         f"{cost.device_memory_bytes} bytes per device; use more ranks")
+    items.sort(key=lambda s: (s.max_len, -len(s.plan.pipelines)))
+    longest = max(s.max_len for s in items)
+    home = min((i for i, s in enumerate(items) if s.max_len == longest),
+               key=lambda i: replica_specs(items[i].plan, model, cost, max_pack_tokens=longest)[0]
+               .microbatch_s(longest * longest, longest) / len(items[i].plan.pipelines))
+    return Strategies(items=tuple(items), home=home)
+
+
+@dataclass(frozen=True)
+class Group:
+    """Sequences (indices into the step's lengths) trained under one strategy."""
+
+    strategy: int
+    indices: tuple[int, ...]
+    predicted_s: float = 0.0
+    """The packer's predicted time of this group under its strategy (slowest pipeline)."""
+
+
+def check_capacity(lengths: Sequence[int], strategies: Strategies) -> None:
+    longest = max(lengths, default=0)
+    if longest > strategies.capacity:
+        raise ValueError(f"HotSPa: a sequence of {longest} tokens is longer than every strategy takes (the largest "
+                         f"capacity is {strategies.capacity} tokens); add a strategy with max_len >= {longest} or "
+                         "split documents at that length")
+
+
+def fixed_groups(lengths: Sequence[int], strategies: Strategies) -> list[Group]:
+    """Each sequence to the smallest strategy that takes it (module docstring); groups in strategy order, empty
+    ones dropped."""
+    check_capacity(lengths, strategies)
+    s = np.asarray(lengths, dtype=np.int64)
+    caps = np.array([st.max_len for st in strategies.items])
+    which = np.searchsorted(caps, s, side="left")  # first strategy with max_len >= length
+    order = np.argsort(s, kind="stable")
+    members = [[int(i) for i in order if which[i] == k] for k in range(len(caps))]
+    pipelines = [len(st.plan.pipelines) for st in strategies.items]
+    for k in range(len(members) - 1):
+        if 0 < len(members[k]) < pipelines[k]:
+            members[k + 1] = members[k] + members[k + 1]
+            members[k] = []
+    last = max((k for k, m in enumerate(members) if m), default=None)
+    if last is not None and len(members[last]) < pipelines[last]:
+        for k in range(last - 1, -1, -1):  # borrow the longest shorter sequences
+            while members[k] and len(members[last]) < pipelines[last]:
+                members[last].insert(0, members[k].pop())
+        if len(members[last]) < pipelines[last]:
+            raise ValueError(f"HotSPa: the step has {len(s)} sequences, fewer than the {pipelines[last]} pipelines "
+                             f"of strategy {strategies.items[last].name!r}; raise the global batch")
+        for k in range(last):
+            if 0 < len(members[k]) < pipelines[k]:
+                members[last] = members[k] + members[last]
+                members[k] = []
+    return [Group(strategy=k, indices=tuple(m)) for k, m in enumerate(members) if m]
+
+
+def run_order(groups: list[Group], strategies: Strategies) -> list[Group]:
+    """Groups in running order: the home's first (or last, ``home_first: false``), the others shortest first."""
+    home = [g for g in groups if g.strategy == strategies.home]
+    others = sorted((g for g in groups if g.strategy != strategies.home), key=lambda g: g.strategy)
+    return home + others if strategies.home_first else others + home
+
+
+def auto_groups(lengths: Sequence[int], strategies: Strategies, group_s: Callable[[int, list[int]], float],
+                switch_s: Sequence[float], *, points: int = 16) -> list[Group]:
+    """The grouping minimising ``sum over groups (group_s(strategy, lengths) + switch_s[strategy])`` (switch 0 for
+    home): a dynamic program over split points of the sorted lengths (every capacity boundary and ``points``
+    quantiles), each contiguous run of lengths given the strategy that takes its longest and has no more
+    pipelines than sequences."""
+    check_capacity(lengths, strategies)
+    s = np.asarray(lengths, dtype=np.int64)
+    order = np.argsort(s, kind="stable")
+    sorted_s = s[order]
+    n = s.size
+    cuts = {0, n}
+    cuts.update(int(np.searchsorted(sorted_s, st.max_len, side="right")) for st in strategies.items)
+    cuts.update(int(round(n * q / points)) for q in range(1, points))
+    cuts = sorted(c for c in cuts if 0 <= c <= n)
+    pipelines = [len(st.plan.pipelines) for st in strategies.items]
+    best = {0: (0.0, [])}
+    for j in cuts[1:]:
+        options = []
+        for i in cuts:
+            if i >= j or i not in best:
+                continue
+            longest = int(sorted_s[j - 1])
+            for k, st in enumerate(strategies.items):
+                if st.max_len < longest or pipelines[k] > j - i:
+                    continue
+                t = group_s(k, sorted_s[i:j].tolist()) + (0.0 if k == strategies.home else switch_s[k])
+                options.append((best[i][0] + t, best[i][1] + [(k, i, j, t)]))
+        if options:
+            best[j] = min(options, key=lambda o: o[0])
+    if n not in best:
+        raise ValueError(f"HotSPa auto: no grouping of the step's {n} sequences fits the strategies "
+                         f"{[st.name for st in strategies.items]}; raise the global batch")
+    merged: dict[int, list[int]] = {}
+    for k, i, j, _ in best[n][1]:
+        merged.setdefault(k, []).extend(int(x) for x in order[i:j])
+    return [Group(strategy=k, indices=tuple(ix)) for k, ix in sorted(merged.items())]
+
+
+# ---------------------------------------------------------------------------------------------- switch volume
+
+def _holdings(plan: Plan, spec: ModelSpec) -> dict[int, list[tuple[int, float, float]]]:
+    """rank -> (layer, start, stop): the fraction [start, stop) of each layer's parameters it holds (TP splits a
+    layer into equal parts; layer -1 is the embedding, ``num_layers`` the output layer)."""
+    out: dict[int, list] = {}
+    last = spec.num_layers
+    for pipeline in plan.pipelines:
+        for stage in pipeline.stages:
+            layers = list(stage.layers) + ([-1] if stage.has_embedding else []) + \
+                ([last] if stage.has_output and spec.untie_embeddings_and_output_weights else [])
+            for t, rank in enumerate(stage.ranks):
+                out.setdefault(rank, []).extend((layer, t / stage.tp, (t + 1) / stage.tp) for layer in layers)
+    return out
+
+
+def switch_elements(source: Plan, target: Plan, spec: ModelSpec) -> dict[int, float]:
+    """rank -> parameter elements it must receive to hold ``target``'s shards when it holds ``source``'s: what
+    a switch moves per rank, the receiving side (weights one way, gradients the other are the same volume)."""
+    from hetu_ext.plan.cost import layer_params
+
+    per_layer = float(layer_params(spec))
+    embedding = float(spec.padded_vocab_size * spec.hidden_size)
+    have, need = _holdings(source, spec), _holdings(target, spec)
+    out = {}
+    for rank, wanted in need.items():
+        mine = {}
+        for layer, a, b in have.get(rank, []):
+            mine.setdefault(layer, []).append((a, b))
+        total = 0.0
+        for layer, a, b in wanted:
+            size = per_layer if 0 <= layer < spec.num_layers else embedding
+            overlap = sum(max(0.0, min(b, d) - max(a, c)) for c, d in mine.get(layer, []))
+            total += (b - a - overlap) * size
+        out[rank] = total
+    return out
+
+
+def switch_seconds(home: Plan, target: Plan, spec: ModelSpec, *, weight_bytes: int, grad_bytes: int = 4,
+                   bandwidth: float) -> float:
+    """Predicted seconds of switching to ``target`` and back: the weights in (``weight_bytes`` per element) and
+    the gradients out (fp32), over the slowest rank's link of ``bandwidth`` bytes/s."""
+    into = switch_elements(home, target, spec)
+    back = switch_elements(target, home, spec)
+    ranks = set(into) | set(back)
+    return max((into.get(r, 0.0) * weight_bytes + back.get(r, 0.0) * grad_bytes) / bandwidth for r in ranks)
+
+
+def allreduce_seconds(plan: Plan, spec: ModelSpec, *, bandwidth: float, grad_bytes: int = 4) -> float:
+    """Predicted seconds of a data-parallel gradient all-reduce under ``plan`` (ring: 2 (d-1)/d of each rank's
+    gradient bytes, ``d`` the pipelines), the slowest rank's."""
+    from hetu_ext.plan.cost import layer_params
+
+    d = len(plan.pipelines)
+    if d == 1:
+        return 0.0
+    worst = 0.0
+    for stage in plan.pipelines[0].stages:
+        elements = layer_params(spec) * stage.num_layers / stage.tp
+        if stage.has_embedding:
+            elements += spec.padded_vocab_size * spec.hidden_size / stage.tp
+        worst = max(worst, 2 * (d - 1) / d * elements * grad_bytes / bandwidth)
+    return worst
+
+
+def group_seconds(plan: Plan, spec: ModelSpec, cost: CostTable, lengths: list[int], max_len: int) -> float:
+    """The packer's predicted time of these sequences under ``plan`` (the slowest pipeline, Hydraulis packing)."""
+    replicas: list[ReplicaSpec] = replica_specs(plan, spec, cost, max_pack_tokens=max_len)
+    if not lengths:
+        return 0.0
+    return max(assign(lengths, replicas, method="hetu").predicted_s)

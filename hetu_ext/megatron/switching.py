@@ -1,0 +1,216 @@
+"""The switching layer: one training step run as several schedules under different strategies (HotSPa).
+
+A *home* placement holds the optimizer (fp32 masters and moments under ``--bf16``, the grad norm, the LR
+schedule); *compute* placements, one per other strategy, are built on first use (every rank, collectively; the
+same plan runtime, without an optimizer) and kept. A step runs its length groups one after another
+(hetu_ext.data.hotspa decides them); for a group under a compute strategy:
+
+1. **push**: the home's weights, in the model's dtype (bf16 under ``--bf16``), resharded into the strategy's layout;
+2. its own schedule (Megatron's 1F1B over its pipelines) on the group's packs; its gradients are reduced over its
+   own holders and divided by the **whole step's** token count (not the group's);
+3. **pull**: its gradients added into the home's gradient buffer by an adding reshard.
+
+The pull of one group and the push of the next go in one batched exchange (``reshard(op={"param": "copy",
+"grad": "add"})``), senders on the receiver's node first, then the least loaded. A group under the home strategy
+runs in place; if gradients were already pulled into the home's buffer, they are set aside while it runs (its
+reduction would otherwise add them once per holder) and added back after. The home's optimizer then steps once.
+Every switch's bytes and seconds go into the step's metrics.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from hetu_ext.data.hotspa import Group, Strategies, auto_groups, fixed_groups, group_seconds, run_order, switch_seconds
+from hetu_ext.runtime.reshard import Piece, reshard
+
+from .packed_data import PackedSteps, StepData
+from .placement import Placement
+from .weights import local_shards
+
+
+@dataclass
+class GroupStep:
+    strategy: int
+    data: StepData | None
+    """This rank's microbatches under the strategy (None: the strategy leaves this rank idle)."""
+    sequences: int
+    tokens: int
+    predicted_s: float
+
+
+@dataclass
+class SwitchedStep:
+    groups: list[GroupStep]
+    sequences: int
+    tokens: int
+
+
+class SwitchedSteps:
+    """Step ``g`` -> its length groups, each packed for its strategy's pipelines (deterministic on every rank);
+    the next step is planned in the background, as packing does."""
+
+    def __init__(self, per_strategy: list[PackedSteps], strategies: Strategies, *, auto: bool, spec, cost,
+                 switch_s: list[float]) -> None:
+        self.per_strategy, self.strategies, self.auto = per_strategy, strategies, auto
+        self.spec, self.cost, self.switch_s = spec, cost, switch_s
+        first = per_strategy[0]
+        self.table, self.batches = first.table, first.batches
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hetu-hotspa")
+        self._ahead: dict = {}
+
+    def consumed(self, g: int) -> int:
+        with self._lock:
+            return self.batches.consumed(g)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def groups(self, lengths: list[int]) -> list[Group]:
+        if not self.auto:
+            return fixed_groups(lengths, self.strategies)
+        items = self.strategies.items
+        return auto_groups(lengths, self.strategies,
+                           lambda k, ls: group_seconds(items[k].plan, self.spec, self.cost, ls, items[k].max_len),
+                           self.switch_s)
+
+    def plan_step(self, g: int):
+        with self._lock:
+            ids = self.batches[g]
+        lengths = self.table.length[ids].tolist()
+        planned = []
+        for group in run_order(self.groups(lengths), self.strategies):
+            sub = ids[np.asarray(group.indices, dtype=np.int64)]
+            planned.append((group.strategy, sub, self.per_strategy[group.strategy].plan_sequences(sub)))
+        return ids, planned
+
+    def step(self, g: int) -> SwitchedStep:
+        future = self._ahead.pop(g, None)
+        ids, planned = future.result() if future is not None else self.plan_step(g)
+        self._ahead = {g + 1: self._pool.submit(self.plan_step, g + 1)}
+        groups = []
+        for k, sub, (sub_ids, per, predicted) in planned:
+            steps = self.per_strategy[k]
+            data = steps.step_data(g, sub_ids, per, predicted) if steps.pipeline is not None else None
+            groups.append(GroupStep(strategy=k, data=data, sequences=int(sub.size),
+                                    tokens=int(self.table.length[sub].sum()),
+                                    predicted_s=max(predicted) if predicted else 0.0))
+        return SwitchedStep(groups=groups, sequences=int(ids.size), tokens=int(self.table.length[ids].sum()))
+
+
+def _pieces(placement: Placement, kind: str) -> list[Piece]:
+    """This rank's weights (``param``: the model's own dtype) or gradients (``grad``: the fp32 main_grad)."""
+    if not placement.active:
+        return []
+    out = []
+    for s in local_shards(placement.model, **placement.shard_kwargs):
+        box = tuple((sl.start, sl.stop) for sl in s.slices)
+        tensor = s.data.data if kind == "param" else s.data.main_grad
+        out.append(Piece(f"{kind}:{s.key}", s.index, box, tensor))
+    return out
+
+
+@dataclass
+class SwitchReport:
+    strategy_from: int | None
+    strategy_to: int | None
+    bytes_sent: int
+    seconds: float
+
+
+@dataclass
+class Switching:
+    """HotSPa's placements on this rank: the home (the trainer's placement) and the cached compute ones."""
+
+    strategies: Strategies
+    home: Placement
+    build: object
+    """strategy index -> its compute Placement (collective: every rank calls it at the same point)."""
+    ranks_per_node: int | None = None
+    per_group_normalisation: bool = False
+    """A negative control for tests only: divide each group by its own tokens (wrong)."""
+    placements: dict = field(default_factory=dict)
+
+    def placement(self, k: int) -> Placement:
+        if k == self.strategies.home:
+            return self.home
+        if k not in self.placements:
+            self.placements[k] = self.build(k)
+        return self.placements[k]
+
+    def _exchange(self, pull: int | None, push: int | None) -> SwitchReport:
+        """Gradients of ``pull``'s placement added into the home, weights of the home copied into ``push``'s,
+        in one batched exchange (collective over the world)."""
+        start = time.perf_counter()
+        sources, destinations = [], []
+        if pull is not None:
+            sources += _pieces(self.placement(pull), "grad")
+            destinations += _pieces(self.home, "grad")
+        if push is not None:
+            sources += _pieces(self.home, "param")
+            destinations += _pieces(self.placement(push), "param")
+        report = reshard(sources, destinations, op={"param": "copy", "grad": "add"},
+                         ranks_per_node=self.ranks_per_node)
+        return SwitchReport(pull, push, report.bytes_sent, time.perf_counter() - start)
+
+    def run(self, step: SwitchedStep, run_schedule) -> tuple[list[tuple[int, list]], list[SwitchReport]]:
+        """Run every group of ``step`` (``run_schedule(placement, data)`` runs one schedule, returns its loss
+        reports); gradients end in the home's buffer, divided by the step's tokens. Returns each group's
+        (strategy, reports) and the switches."""
+        home_k = self.strategies.home
+        self.home.model.zero_grad_buffer()
+        self.home.optimizer.zero_grad()
+        results, switches, pending, pulled = [], [], None, False
+        for group in step.groups:
+            k = group.strategy
+            target = self.placement(k)  # built before any exchange that needs it
+            if pending is not None or k != home_k:
+                switches.append(self._exchange(pending, k if k != home_k else None))
+                pulled = pulled or pending is not None
+            tokens = group.tokens if self.per_group_normalisation else step.tokens
+            stash = None
+            if k == home_k and pulled:  # set aside what the other groups added, restore after the home's reduction
+                stash = [b.grad_data.clone() for b in self.home.model.buffers]
+                self.home.model.zero_grad_buffer()
+            if target.active:
+                target.normaliser["tokens"] = tokens
+                if k != home_k:
+                    target.model.zero_grad_buffer()
+                reports = run_schedule(target, group.data)
+                target.normaliser.pop("tokens", None)
+            else:
+                reports = []
+            if stash is not None:
+                for buffer, saved in zip(self.home.model.buffers, stash):
+                    buffer.grad_data.add_(saved)
+            results.append((k, reports))
+            pending = k if k != home_k else None
+        if pending is not None:
+            switches.append(self._exchange(pending, None))
+        return results, switches
+
+
+def predicted_switch_s(strategies: Strategies, spec, *, weight_bytes: int, bandwidth: float) -> list[float]:
+    """Per strategy, the predicted seconds of switching to it from home and back (0 for the home)."""
+    home = strategies.items[strategies.home].plan
+    return [0.0 if k == strategies.home else
+            switch_seconds(home, s.plan, spec, weight_bytes=weight_bytes, bandwidth=bandwidth)
+            for k, s in enumerate(strategies.items)]
+
+
+def local_loss(results: list[tuple[int, list]], placements) -> torch.Tensor:
+    """(loss sum, tokens) of the groups' last-stage reports on this rank (TP rank 0 of last stages only)."""
+    total = torch.zeros(2, dtype=torch.float64)
+    for k, reports in results:
+        placement = placements(k)
+        if placement.active and placement.is_last_stage and placement.tp_rank == 0:
+            for report in reports:
+                total += report["lm loss"].double().cpu()
+    return total

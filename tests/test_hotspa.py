@@ -1,0 +1,198 @@
+"""HotSPa gold tests: one step's length groups trained under different strategies, switching weights and
+gradients to and from the home strategy, equal the single-process reference on the unpacked documents.
+
+The model, data and tolerances are test_packed_training's (fp32, 3 Adam steps at lr 1e-3: losses 1e-6 relative,
+weights 2e-6 absolute). Sequences are cut at 64 tokens; the short strategies take sequences of at most 24 (or 16)
+tokens, the long ones the rest, so every step has both groups. A negative control (each group divided by its own
+token count instead of the step's) moves the losses by more than 1e-3.
+"""
+
+from __future__ import annotations
+
+import pytest
+from test_packed_training import _argv
+from test_uniform_equivalence import LOSS_RTOL, WEIGHT_ATOL, compare
+
+from hetu_ext.metrics import read_records
+from hetu_ext.testing.multiproc import run_ranks
+from hetu_ext.testing.runs import train
+
+TWO = """
+home: long
+home_first: {home_first}
+strategies:
+  - {{name: short, dp: 2, max_len: 24}}
+  - {{name: long, tp: 2, max_len: 64}}
+"""
+
+HETERO_HOME = """
+pipelines:
+  - num_microbatches: 1
+    stages:
+      - {ranks: [0], layers: [0, 4]}
+  - num_microbatches: 1
+    stages:
+      - {ranks: [1], layers: [0, 1]}
+      - {ranks: [2], layers: [1, 4]}
+"""
+
+THREE = """
+home: hetero
+strategies:
+  - {name: short, dp: 3, max_len: 16}
+  - {name: hetero, plan: hetero.yaml, max_len: 64}
+"""
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return run_ranks(train, 1, _argv("unpacked"), timeout=180)[0]
+
+
+def _write(tmp_path, text: str) -> str:
+    (tmp_path / "hetero.yaml").write_text(HETERO_HOME)
+    path = tmp_path / "hotspa.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+CASES = {  # name: (ranks, strategies file)
+    "tp2-home-first": (2, TWO.format(home_first="true")),
+    "tp2-home-last": (2, TWO.format(home_first="false")),
+    "hetero-pp2-home": (3, THREE),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_hotspa_matches_unpacked_reference(case, reference, tmp_path):
+    world, text = CASES[case]
+    metrics = tmp_path / "metrics.jsonl"
+    argv = _argv("balanced", "--hetu-hotspa", _write(tmp_path, text), "--hetu-metrics-file", str(metrics))
+    result = run_ranks(train, world, argv, timeout=300)[0]
+    loss_diff, weight_diff = compare(result, reference)
+    print(f"{case}: loss rel diff {loss_diff:.2e}, weight abs diff {weight_diff:.2e}")
+    assert loss_diff <= LOSS_RTOL and weight_diff <= WEIGHT_ATOL, (loss_diff, weight_diff)
+    steps = read_records(metrics, kind="step")
+    assert len(steps) == 3
+    for record in steps:  # both groups ran every step, and the switches moved bytes
+        groups = record["packing"]["hotspa"]["groups"]
+        assert len(groups) == 2 and sum(g["sequences"] for g in groups) == record["samples"], groups
+        switches = record["packing"]["hotspa"]["switches"]
+        assert switches and sum(s["bytes_sent"] for s in switches) > 0, switches
+    if case == "tp2-home-last":
+        assert steps[0]["packing"]["hotspa"]["groups"][-1]["strategy"] == "long"
+
+
+def test_per_group_normalisation_is_caught(reference, tmp_path):
+    """Negative control: dividing each group by its own tokens (not the step's) changes the losses by > 1e-3."""
+    argv = _argv("balanced", "--hetu-hotspa", _write(tmp_path, TWO.format(home_first="true")))
+    result = run_ranks(train, 2, argv, True, True, timeout=300)[0]
+    moved = max(abs(a - b) / abs(b) for a, b in zip(result["losses"], reference["losses"]))
+    assert moved > 1e-3, moved
+
+
+def test_bf16_hotspa_tracks_the_bf16_reference(tmp_path):
+    """--bf16: weights pushed in bf16, gradients pulled in fp32 into the home's fp32 masters. Losses within the
+    bf16 test's 1e-2 relative of the single-process bf16 run; the fp32 masters within 1e-3 (3 steps of lr 1e-3
+    move them by up to 3e-3)."""
+    ref = run_ranks(train, 1, _argv("unpacked", "--bf16"), timeout=180)[0]
+    argv = _argv("balanced", "--bf16", "--hetu-hotspa", _write(tmp_path, TWO.format(home_first="true")))
+    result = run_ranks(train, 2, argv, timeout=300)[0]
+    for got, want in zip(result["losses"], ref["losses"]):
+        assert abs(got - want) <= 1e-2 * abs(want)
+    worst = max(float((result["masters"][k] - ref["masters"][k]).abs().max()) for k in ref["masters"])
+    assert worst <= 1e-3, worst
+    start = max(float((ref["masters"][k]).abs().max()) for k in ref["masters"])
+    assert start > 0
+
+
+def test_adding_reshard_is_exact_on_integers():
+    """op="add" on integer-valued fp32 data: every destination element gains exactly its source's value."""
+    run_ranks(_add_reshard, 2, timeout=60)
+
+
+def _add_reshard(rank: int, world_size: int) -> None:
+    import torch
+
+    from hetu_ext.runtime.reshard import Piece, reshard
+
+    full = torch.arange(48, dtype=torch.float32).reshape(6, 8)
+    # source: rows split over the ranks; destination: columns split, starting from 1000 + rank
+    src = [Piece("grad:w", (), ((3 * rank, 3 * rank + 3), (0, 8)), full[3 * rank:3 * rank + 3].clone())]
+    dst_tensor = torch.full((6, 4), 1000.0 + rank)
+    dst = [Piece("grad:w", (), ((0, 6), (4 * rank, 4 * rank + 4)), dst_tensor)]
+    reshard(src, dst, op={"grad": "add"})
+    assert torch.equal(dst_tensor, full[:, 4 * rank:4 * rank + 4] + 1000.0 + rank), dst_tensor
+
+
+def test_lengths_are_grouped_and_bad_strategies_refused(tmp_path):
+    from hetu_ext.data.hotspa import fixed_groups, strategies_from_dict
+    from hetu_ext.plan import ModelSpec
+
+    spec = ModelSpec(num_layers=4, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, vocab_size=257,
+                     seq_length=64)
+    data = {"strategies": [{"name": "short", "dp": 2, "max_len": 24}, {"name": "long", "tp": 2, "max_len": 64}]}
+    strategies = strategies_from_dict(data, model=spec, world_size=2)
+    groups = fixed_groups([5, 30, 7, 64, 24, 1], strategies)
+    assert [(g.strategy, sorted(g.indices)) for g in groups] == [(0, [0, 2, 4, 5]), (1, [1, 3])]
+    # one short sequence cannot feed two pipelines: it moves up to the long strategy
+    assert [(g.strategy, sorted(g.indices)) for g in fixed_groups([5, 30, 40], strategies)] == [(1, [0, 1, 2])]
+    with pytest.raises(ValueError, match="unknown key 'max_lenn'"):
+        strategies_from_dict({"strategies": [{"dp": 2, "max_lenn": 3}]}, model=spec, world_size=2)
+    with pytest.raises(ValueError, match="does not fit the world size 2"):
+        strategies_from_dict({"strategies": [{"tp": 2, "dp": 2, "max_len": 64}]}, model=spec, world_size=2)
+    with pytest.raises(ValueError, match="a sequence of 70 tokens is longer than every strategy"):
+        fixed_groups([70], strategies)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("strategies:\n  - {name: a, tp: 2, max_len: 64, dpp: 1}\n", "unknown key 'dpp'"),
+    ("strategies:\n  - {name: a, tp: 2, dp: 2, max_len: 64}\n", "does not fit the world size 2"),
+])
+def test_bad_strategy_file_exits_2_with_one_line(tmp_path, text, message):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    root = Path(__file__).resolve().parents[1]
+    argv = [sys.executable, str(root / "launch" / "pretrain_gpt.py"), "--nproc-per-node", "2",
+            *_argv("balanced", "--hetu-hotspa", str(path))]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and message in lines[0], proc.stderr
+
+
+def test_auto_grouping_is_the_best_split():
+    """auto_groups equals brute force over contiguous splits of the sorted lengths, on a small case."""
+    import itertools
+
+    from hetu_ext.data.hotspa import Strategies, Strategy, auto_groups
+    from hetu_ext.plan import uniform_plan
+
+    items = (Strategy("dp2", uniform_plan(world_size=2, num_layers=4, num_microbatches=2), 20),
+             Strategy("tp2", uniform_plan(world_size=2, tp=2, num_layers=4), 64))
+    strategies = Strategies(items=items, home=1)
+    lengths = [3, 9, 17, 18, 30, 50, 2, 12]
+
+    def cost(k, ls):  # DP 2 is fast per token but holds 20; TP 2 holds all, slower per token
+        return (0.5 if k == 0 else 1.0) * sum(ls) + 0.01 * sum(x * x for x in ls) / (1 if k == 0 else 2)
+
+    switch = [5.0, 0.0]
+    got = auto_groups(lengths, strategies, cost, switch, points=len(lengths))
+    got_cost = sum(cost(g.strategy, [lengths[i] for i in g.indices]) + switch[g.strategy] for g in got)
+    s = sorted(lengths)
+    best = cost(1, s)
+    for cut in range(1, len(s)):
+        for k1, k2 in itertools.product(range(2), repeat=2):
+            lo, hi = s[:cut], s[cut:]
+            if max(lo) > items[k1].max_len or max(hi) > items[k2].max_len or len(lo) < 2 ** (k1 == 0) \
+                    or len(hi) < 2 ** (k2 == 0):
+                continue
+            total = cost(k1, lo) + cost(k2, hi) + (switch[k1] if k1 != k2 else 0) + switch[k2]
+            if k1 == k2:
+                total = cost(k1, s) + switch[k1]
+            best = min(best, total)
+    assert got_cost == pytest.approx(best), (got, got_cost, best)
