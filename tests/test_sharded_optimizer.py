@@ -23,10 +23,10 @@ from test_uniform_equivalence import LOSS_RTOL, WEIGHT_ATOL, _argv, compare
 from hetu_ext.testing.multiproc import run_ranks
 from hetu_ext.testing.runs import train
 
-SHARDED = ["microbatches_3_1", "tp_1_to_2_in_pipeline", "rank0_unused_and_rank_order", "three_pipelines",
-           "tp_2_1_2_chain", "one_pipeline_uneven"]
-"""Six plans: TP 2 -> 1 and 1 -> 2 along pipelines, TP 2 -> 1 -> 2, an unused rank 0 with ranks in decreasing
-order, three pipelines, a single pipeline whose only reduced tensor is the tied embedding."""
+SHARDED = ["microbatches_3_1", "tp_1_to_2_in_pipeline", "rank0_unused_and_rank_order", "unused_ranks",
+           "tp_differs_between_pipelines", "one_pipeline_uneven"]
+"""Six plans of 4-5 ranks: TP 2 -> 1 and 1 -> 2 along pipelines, unused ranks (rank 0; one in the middle and one
+at the end), TP 2 beside two TP-1 replicas, a single pipeline whose only reduced tensor is the tied embedding."""
 
 
 def train_and_measure(rank: int, world_size: int, argv: list[str]) -> dict:
@@ -80,3 +80,65 @@ def test_sharded_optimizer_matches_single_process(name, reference, sample_prefix
         assert r["assigned"] <= 1.05 * r["fair"], r
         assert r["sent"] == r["minimum"], r
     assert sum(r["assigned"] for r in rows if r["active"]) == pytest.approx(sum(r["fair"] for r in rows if r["active"]))
+
+
+# ---------------------------------------------------------------- checkpoints and migration with sharded state
+
+STEPS = ("--train-iters", "4", "--lr-decay-style", "linear")
+"""4 steps with a decaying LR: a resume that lost the schedule position, Adam's moments or step count, or the
+data position moves the losses of steps 3-4 by >1e-3."""
+
+
+def _plan(tmp_path, name: str) -> str:
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(next(p[3] for p in PLANS if p[0] == name))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def reference4(sample_prefix):
+    return run_ranks(train, 1, _argv(1, 1, sample_prefix, STEPS), timeout=120)[0]
+
+
+def _close(result: dict, ref: dict) -> None:
+    """Losses (a resumed run's include the checkpoint's) and final weights as the uninterrupted run's."""
+    got, want = result["losses"], ref["losses"][:len(result["losses"])]
+    assert len(got) == len(want) and all(abs(a - b) <= LOSS_RTOL * abs(b) for a, b in zip(got, want)), (got, want)
+    assert max(float((result["weights"][k] - w).abs().max()) for k, w in ref["weights"].items()) <= WEIGHT_ATOL
+
+
+def test_sharded_checkpoint_loads_into_other_plans_sharded_or_not(reference4, sample_prefix, tmp_path):
+    """Saved sharded under TP 2 beside two TP-1 replicas after step 2; loaded (a) sharded into TP 2 -> 1 along a
+    pipeline and (b) unsharded into TP 1 -> 2, each continuing to step 4 like the uninterrupted run; (b) saves
+    again unsharded after step 3, which (c) loads sharded back into the first plan for step 4. The hetu format
+    stores each owned box once; the reshard engine cuts boxes of any plan from it."""
+    first, second, third = (_plan(tmp_path, n) for n in ("tp_differs_between_pipelines", "microbatches_3_1",
+                                                         "tp_1_to_2_in_pipeline"))
+    sharded, plain = tmp_path / "sharded", tmp_path / "plain"
+    flag = ("--use-distributed-optimizer",)
+    two = ("--train-iters", "2", "--lr-decay-style", "linear", "--lr-decay-iters", "4")
+    saved = next(r for r in run_ranks(train, 4, _argv(1, 1, sample_prefix, two + flag + (
+        "--hetu-plan", first, "--save", str(sharded))), timeout=240) if r is not None)
+    assert saved["losses"] == pytest.approx(reference4["losses"][:2], rel=LOSS_RTOL)
+    a = next(r for r in run_ranks(train, 4, _argv(1, 1, sample_prefix, STEPS + flag + (
+        "--hetu-plan", second, "--load", str(sharded))), timeout=240) if r is not None)
+    _close(a, reference4)
+    b = next(r for r in run_ranks(train, 4, _argv(1, 1, sample_prefix, ("--train-iters", "3", "--lr-decay-style",
+             "linear", "--lr-decay-iters", "4", "--hetu-plan", third, "--load", str(sharded), "--save", str(plain))),
+             timeout=240) if r is not None)
+    assert b["losses"] == pytest.approx(reference4["losses"][:3], rel=LOSS_RTOL)
+    c = next(r for r in run_ranks(train, 4, _argv(1, 1, sample_prefix, STEPS + flag + (
+        "--hetu-plan", first, "--load", str(plain))), timeout=240) if r is not None)
+    _close(c, reference4)
+
+
+def test_migration_between_sharded_plans_continues_the_same_run(reference4, sample_prefix, tmp_path):
+    """--hetu-migrate with sharded state: after step 2 from TP 1 -> 2 along a pipeline beside a replica to TP 2
+    -> 1 (other owners, other holder sets); the owned masters' moments move through the reshard engine and
+    steps 3-4 match the uninterrupted run."""
+    first, second = _plan(tmp_path, "tp_1_to_2_in_pipeline"), _plan(tmp_path, "microbatches_3_1")
+    argv = _argv(1, 1, sample_prefix, STEPS + ("--use-distributed-optimizer", "--hetu-plan", first,
+                                               "--hetu-migrate", f"step=2:plan={second}"))
+    result = next(r for r in run_ranks(train, 4, argv, timeout=240) if r is not None)
+    assert any(line.startswith("migrated to a new plan after step 2") for line in result["log_lines"])
+    _close(result, reference4)
