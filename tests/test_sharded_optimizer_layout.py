@@ -1,0 +1,51 @@
+"""plan/optimizer_shards.py, pure (no process group): every element owned exactly once, by one of its holders, in
+equal parts; ranges cut back into boxes exactly; the bytes figure is (n-1) x part per collective."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import torch
+
+from hetu_ext.plan.layout import ShardInfo
+from hetu_ext.plan.optimizer_shards import flat_boxes, optimizer_shards
+
+
+def test_flat_boxes_cover_a_flat_range_exactly():
+    box = ((3, 7), (10, 15), (0, 6))  # (4, 5, 6) elements at offsets 3, 10, 0
+    full = torch.arange(4 * 5 * 6).reshape(4, 5, 6)
+    for start, stop in itertools.combinations(range(0, 121, 7), 2):
+        got = torch.cat([full[tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(b_, box))].reshape(-1)
+                         for b_ in flat_boxes(box, start, stop)])
+        assert torch.equal(got, torch.arange(start, stop)), (start, stop)
+        assert len(flat_boxes(box, start, stop)) <= 5
+
+
+def _shard(rank, stage, tp_index, key, box, index=()):
+    return ShardInfo(rank=rank, stage=stage, tp_index=tp_index, key=key, index=index, box=box)
+
+
+def test_every_element_owned_once_by_a_holder_in_equal_parts():
+    """Stage (0,0) = ranks 0,1 at TP 2; stage (1,0) = rank 2 at TP 1: a column-split weight, a replicated norm."""
+    shards = [_shard(0, (0, 0), 0, "w", ((0, 8), (0, 5))), _shard(1, (0, 0), 1, "w", ((8, 16), (0, 5))),
+              _shard(2, (1, 0), 0, "w", ((0, 16), (0, 5)))]
+    shards += [_shard(r, s, t, "norm", ((0, 7),)) for r, s, t in ((0, (0, 0), 0), (1, (0, 0), 1), (2, (1, 0), 0))]
+    layout = optimizer_shards(shards)
+    owners: dict = {}
+    for rank in range(3):
+        for cell, box in layout.owned(rank):
+            held = [s for s in shards if s.key == cell.key and s.rank == rank]
+            assert any(all(a <= lo and hi <= b for (a, b), (lo, hi) in zip(s.box, box)) for s in held)
+            for point in itertools.product(*(range(lo, hi) for lo, hi in box)):
+                assert (cell.key, point) not in owners
+                owners[(cell.key, point)] = rank
+    assert len(owners) == 16 * 5 + 7
+    sets = {s.ranks: s for s in layout.sets}
+    assert set(sets) == {(0, 2), (1, 2), (0, 1, 2)}
+    norm = sets[(0, 1, 2)]
+    assert norm.reduce and norm.contributors == (frozenset({0, 2}),)  # rank 1 is stage (0,0)'s second copy
+    for rank in range(3):
+        assert layout.owned_numel(rank) <= layout.fair_numel(rank) + len(layout.sets_of(rank))
+    # ring reduce-scatter + all-gather: (n-1) x ceil(B/n) elements each, per holder set
+    assert layout.exchange_bytes(2, 4, 2) == (1 * 20 * 6) * 2 + 2 * math.ceil(7 / 3) * 6
