@@ -1,0 +1,16 @@
+"""LobRA on Megatron-core: many tenants' LoRA adapters trained jointly over one frozen base model.
+
+* ``tenants.py`` (pure): the tenants file (``--hetu-lora-tenants``): data, per-step share, LoRA settings.
+* ``layers.py``: per-token multi-tenant LoRA on Megatron-core's Column/RowParallelLinear (TP-aware).
+* ``install.py``: the probed layer-spec patch that puts adapters into the stage models and freezes the base.
+* ``adapters.py``: adapters' global identity (keys, boxes), layout-independent init, gathering.
+* ``data.py``: every tenant's sequences of a step packed together, tokens tagged with their tenant.
+* ``sync.py``: adapters' gradient reduction under any plan, per-tenant clipping, absent tenants not stepped.
+* ``train.py``: the trainer with tenants (``pretrain_gpt.py --hetu-lora-tenants FILE``).
+* ``peft.py``: export of each tenant's adapter in the PEFT format (extra ``lora``).
+
+The deployment planner is pure and lives in ``hetu_ext/plan/lobra.py`` (``python -m hetu_ext.plan lobra``).
+This package is an adapter on Megatron-core (like ``deepspeed/`` on DeepSpeed) and composes
+``hetu_ext.megatron``'s trainer and plan runtime; ``hetu_ext.megatron.trainer.build_trainer`` reaches it
+through one lazy import when ``--hetu-lora-tenants`` is given.
+"""

@@ -1,0 +1,43 @@
+"""Checks of pretrain_gpt.py's flags with ``--hetu-lora-tenants`` (pure; called by validate_args before any
+process group): one-line errors naming the rule, the values and the fix."""
+
+from __future__ import annotations
+
+import argparse
+
+from .tenants import load_tenants
+
+
+def validate_lora_args(args: argparse.Namespace) -> None:
+    """The tenants file parses and names data that exists; flags that do not combine with tenants are refused."""
+    given = [flag for flag, value in (("--mock-data", args.mock_data), ("--data-path", args.data_path),
+                                      ("--hetu-varlen-mock", args.hetu_varlen_mock),
+                                      ("--hetu-global-batch-tokens", args.hetu_global_batch_tokens)) if value]
+    if given:
+        raise ValueError(f"--hetu-lora-tenants: the tenants file gives each tenant's data and share of a step; "
+                         f"drop {' '.join(given)}")
+    if args.micro_batch_size != 1:
+        raise ValueError(f"--hetu-lora-tenants: tenants' sequences are packed (a THD pack is one row), so "
+                         f"--micro-batch-size must be 1 (got {args.micro_batch_size}); --seq-length is the most "
+                         "tokens of a pack")
+    if args.hetu_packing in ("concat", "concat-causal"):
+        raise ValueError(f"--hetu-lora-tenants with --hetu-packing {args.hetu_packing}: a cut sequence would mix "
+                         "no tenants but Megatron-style packs are not supported here; use balanced (default), ffd, "
+                         "greedy or unpacked")
+    unsupported = [flag for flag, value in (
+        ("--use-distributed-optimizer", args.use_distributed_optimizer), ("--bf16", args.bf16),
+        ("--save", args.save), ("--load", args.load), ("--hetu-migrate", args.hetu_migrate),
+        ("--hetu-straggler-replan online", args.hetu_straggler_replan == "online")) if value]
+    if unsupported:
+        raise ValueError(f"--hetu-lora-tenants does not combine with {' '.join(unsupported)} yet (adapters are "
+                         "exported with hetu_ext.lora.peft); drop it")
+    tenants = load_tenants(args.hetu_lora_tenants)
+    for tenant in tenants:
+        if tenant.data_path is not None:
+            from pathlib import Path
+
+            missing = [s for s in (".bin", ".idx") if not Path(tenant.data_path + s).is_file()]
+            if missing:
+                raise ValueError(f"tenant {tenant.name!r} of --hetu-lora-tenants: data_path {tenant.data_path}: "
+                                 f"{' and '.join(tenant.data_path + s for s in missing)} not found; give the prefix "
+                                 "python -m hetu_ext.megatron.preprocess_data wrote")

@@ -1,0 +1,151 @@
+"""LobRA's joint training: many tenants' adapters over one frozen base, on any plan, through pretrain_gpt.py.
+
+``--hetu-lora-tenants FILE`` makes :func:`hetu_ext.megatron.trainer.build_trainer` hand over to
+:func:`build_lora_trainer`: the plan runtime builds Megatron-core's stage models with the tenants' adapters
+installed (hetu_ext.lora.install), every step packs all tenants' sequences together across the plan's pipelines
+(hetu_ext.lora.data), and the loss is
+
+    L = sum over tenants t of (sum of t's token losses) / (t's tokens in the global batch),
+
+so every adapter's gradient is that of its tenant trained alone on its own data, whatever pipeline, microbatch
+or pack its tokens landed in (the gold test, tests/test_lobra_training.py). Everything else (Megatron's
+schedule, DDP, optimizer, LR schedule, log lines, metrics) is the ordinary trainer's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from hetu_ext.config import RunConfig
+from hetu_ext.megatron import host
+from hetu_ext.megatron.data import make_tokenizer
+from hetu_ext.megatron.launch_plan import check_launch
+from hetu_ext.megatron.model import TrainingNumerics
+from hetu_ext.megatron.plan_runtime import build_plan_placement
+from hetu_ext.megatron.trainer import Trainer, make_scheduler, plan_id
+from hetu_ext.metrics import model_flops_per_token
+
+from .data import TenantCorpus, build_tenant_steps
+from .install import installed, routing_of
+from .sync import LoRASync, attach_sync
+from .tenants import TenantSpec, load_tenants
+
+
+@dataclass
+class LoRATrainer(Trainer):
+    """The trainer with tenants: the same loop, a tenant-aware step."""
+
+    tenants: tuple[TenantSpec, ...] = ()
+    lora: LoRASync | None = None
+    normalisation: str = "tenant"
+    """``tenant`` (LobRA's loss) or ``global``: one token mean over every tenant's tokens (a negative control:
+    an adapter then depends on the other tenants' token counts)."""
+    tenant_losses: list[list[float | None]] = field(default_factory=list)
+    """Per step, each tenant's mean token loss (None when absent)."""
+
+    def _open_data(self):
+        return build_tenant_steps(self.tenants, method=self.config.packing.method,
+                                  cost_model=self.config.packing.cost_model, spec=self.spec, plan=self.plan,
+                                  pipeline=self.placement.pipeline_index, device=self.host.device,
+                                  seed=self.config.training.seed, vocab_size=0, corpus=self.documents)
+
+    def _step(self, data, log):
+        g = self.iteration
+        counts = data.batches.tenant_tokens(g)
+        present = [bool(n) for n in counts]
+        self.iteration += 1
+        if not any(present):  # nobody has data: no step (every rank agrees: the batches are deterministic)
+            self.scheduler.step(increment=1)
+            self.losses.append(float("nan"))
+            self.tenant_losses.append([None] * len(self.tenants))
+            return float("nan"), None, None, 0, 0, None
+        step = data.step(g)
+        if self.normalisation == "tenant":
+            weights = torch.tensor([1.0 / n if n else 0.0 for n in counts], dtype=torch.float32)
+        else:
+            weights = torch.full((len(counts),), 1.0 / float(counts.sum()), dtype=torch.float32)
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        forward = partial(_forward_step, routing_of(self.model), weights.to(self.host.device), len(self.tenants))
+        reports = self.placement.forward_backward(
+            forward_step_func=forward, data_iterator=iter(step.microbatches), model=[self.model],
+            num_microbatches=len(step.microbatches), seq_length=self.spec.seq_length, micro_batch_size=1,
+            forward_only=False, **self.placement.schedule_kwargs)
+        grad_norm = self.lora.step(self.optimizer, present=present, clip_grad=self.config.training.clip_grad)
+        self.scheduler.step(increment=1)
+        loss = self._global_loss(reports)
+        self.losses.append(loss)
+        self.tenant_losses.append(self._tenant_losses(reports))
+        packing = {"microbatches": len(step.microbatches), "predicted_s": list(step.predicted_s),
+                   "tenant_tokens": [int(n) for n in counts]}
+        return loss, grad_norm, None, step.sequences, step.tokens, packing
+
+    def _tenant_losses(self, reports: list[dict]) -> list[float | None]:
+        total = torch.zeros(2 * len(self.tenants), dtype=torch.float64)
+        if self.placement.is_last_stage and self.placement.tp_rank == 0:
+            for report in reports:
+                total += report["tenant loss"].double().cpu()
+        dist.all_reduce(total, group=self.placement.report_group)
+        sums, counts = total[: len(self.tenants)], total[len(self.tenants):]
+        return [float(s / n) if n else None for s, n in zip(sums, counts)]
+
+
+def _forward_step(routing, weights, num_tenants, data_iterator, model):
+    batch = next(data_iterator)
+    ids = batch["tenant_ids"]
+    routing.set(ids)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
+                   packed_seq_params=batch.get("packed_seq_params"))
+    return output, partial(_tenant_loss, ids, batch["loss_mask"], weights, num_tenants)
+
+
+def _tenant_loss(ids, loss_mask, weights, num_tenants, per_token_loss):
+    """sum_i w[tenant(i)] l_i (w = 1 / tenant's tokens in the global batch); reports the plain sums per tenant."""
+    ids, mask = ids.reshape(-1), loss_mask.reshape(-1).float()
+    losses = per_token_loss.reshape(-1).float() * mask  # (t,)
+    loss = torch.sum(losses * weights[ids])
+    plain = torch.zeros(num_tenants, dtype=torch.float32, device=losses.device).index_add(0, ids, losses.detach())
+    tokens = torch.zeros(num_tenants, dtype=torch.float32, device=losses.device).index_add(0, ids, mask)
+    num_tokens = mask.sum().to(torch.int)
+    report = torch.stack([losses.detach().sum(), mask.sum()])
+    return loss, num_tokens, {"lm loss": report, "tenant loss": torch.cat([plain, tokens])}
+
+
+def build_lora_trainer(config: RunConfig) -> LoRATrainer:
+    """Check the launch and the tenants, start the process group, build the stage with adapters on the plan
+    runtime (whatever ``--hetu-runtime`` says: the adapters' reduction needs it), attach the adapters' sync."""
+    tenants = load_tenants(config.lora.tenants)
+    if config.packing.method == "off":  # tenants are always packed; balanced is Hydraulis' two-stage assignment
+        config = dataclasses.replace(config, packing=dataclasses.replace(config.packing, method="balanced"))
+    world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    launch = check_launch(config, world_size)
+    spec, plan = launch.spec, launch.plan
+    tokenizer = make_tokenizer(config.data.tokenizer_type, config.data.vocab_size)
+    training = config.training
+    corpus = TenantCorpus(tenants, vocab_size=tokenizer.vocab_size, seed=training.seed)  # checked before groups
+    force = {"auto": None, "on": True, "off": False}[config.parallel.cpu_patches]
+    h = host.init_distributed(force_cpu=force, timeout_minutes=config.parallel.distributed_timeout_minutes,
+                              backend=config.parallel.distributed_backend)
+    numerics = TrainingNumerics(bf16=training.bf16, hidden_dropout=config.model.hidden_dropout,
+                                attention_dropout=config.model.attention_dropout,
+                                init_method_std=config.model.init_method_std, variable_seq_lengths=True)
+    where = plan.stage_of(h.rank)
+    offset = plan.pipelines[where[0]].stages[where[1]].layer_start if where is not None else 0
+    with installed(tenants, seed=training.seed, layer_offset=offset):
+        placement = build_plan_placement(training, spec, plan, h, numerics)
+    lora = attach_sync(placement, plan, tuple(t.name for t in tenants), h.rank)
+    flops = model_flops_per_token(num_layers=spec.num_layers, hidden_size=spec.hidden_size,
+                                  ffn_hidden_size=spec.ffn_hidden_size or 4 * spec.hidden_size,
+                                  vocab_size=spec.padded_vocab_size, seq_length=spec.seq_length)
+    trainer = LoRATrainer(config=config, spec=spec, plan=plan, host=h, placement=placement,
+                          scheduler=make_scheduler(training, config.packing, placement, plan), dataset=None,
+                          numerics=numerics, documents=corpus, flops_per_token=flops, plan_key=plan_id(plan),
+                          tenants=tenants, lora=lora)
+    trainer.follow_log_rank()
+    return trainer
