@@ -49,3 +49,28 @@ def test_every_element_owned_once_by_a_holder_in_equal_parts():
         assert layout.owned_numel(rank) <= layout.fair_numel(rank) + len(layout.sets_of(rank))
     # ring reduce-scatter + all-gather: (n-1) x ceil(B/n) elements each, per holder set
     assert layout.exchange_bytes(2, 4, 2) == (1 * 20 * 6) * 2 + 2 * math.ceil(7 / 3) * 6
+
+
+def test_malleus_finds_plans_that_fit_only_with_a_sharded_optimizer():
+    """A 32-layer 4096-wide model on 16 GPUs of 24 GiB: with Adam's 12 bytes per parameter replicated, one TP-4
+    stage cannot hold all 32 layers, so Malleus needs 2 stages per pipeline; sharded over the 4 pipelines that
+    hold each layer, the optimizer state is a quarter, the whole model fits a TP-4 group and the plan without
+    pipeline bubbles is chosen (predicted faster)."""
+    from hetu_ext.plan.cluster import Cluster
+    from hetu_ext.plan.cost import CostModel, stage_cost
+    from hetu_ext.plan.malleus import plan_malleus
+    from hetu_ext.plan.model_spec import ModelSpec
+
+    spec = ModelSpec(num_layers=32, hidden_size=4096, num_attention_heads=32, ffn_hidden_size=16384,
+                     vocab_size=50257, seq_length=2048)
+    cluster = Cluster(world_size=16, gpus_per_node=8, gpu_memory_bytes=24 * 2**30, slowdowns={})
+    plain = plan_malleus(cluster, spec, micro_batch=1, num_microbatches=32)
+    sharded = plan_malleus(cluster, spec, micro_batch=1, num_microbatches=32, cost=CostModel(optimizer_sharded=True))
+    assert {len(p.stages) for p in plain.plan.pipelines} == {2}
+    assert {len(p.stages) for p in sharded.plan.pipelines} == {1} and len(sharded.plan.pipelines) == 4
+    assert sharded.predicted_step_s < plain.predicted_step_s
+    whole = {"num_layers": 32, "tp": 4, "slowdown": 1.0, "micro_batch": 1, "first": True, "last": True, "in_flight": 1}
+    assert stage_cost(spec, CostModel(), **whole).memory_bytes > cluster.gpu_memory_bytes
+    fits = stage_cost(spec, CostModel(optimizer_sharded=True), optimizer_holders=4, **whole).memory_bytes
+    assert fits <= cluster.gpu_memory_bytes
+    assert stage_cost(spec, CostModel(optimizer_sharded=True), **whole).memory_bytes > cluster.gpu_memory_bytes

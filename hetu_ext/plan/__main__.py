@@ -12,6 +12,7 @@ from pathlib import Path
 from hetu_ext.data.tokenizer import TOKENIZER_TYPES, tokenizer_vocab_size
 
 from .cluster import Cluster
+from .cost import CostModel
 from .io import dump_plan, format_plan, load_plan
 from .malleus import plan_malleus
 from .model_spec import ModelSpec
@@ -38,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     mal.add_argument("--vocab-size", type=int, default=50257, help="the tokenizer's vocabulary, before padding")
     mal.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     mal.add_argument("--output", "-o", default=None, help="write the plan here (default: print only)")
+    mal.add_argument("--use-distributed-optimizer", action="store_true",
+                     help="the run shards optimizer state over each element's holders: plan with that memory")
     args = parser.parse_args(argv)
     if args.command == "malleus":
         return _malleus(args, parser)
@@ -110,7 +113,8 @@ def _malleus(args, parser) -> int:
             raise ValueError(f"--global-batch-size {args.global_batch_size} must be a multiple of "
                              f"--micro-batch-size {args.micro_batch_size}")
         planned = plan_malleus(cluster, spec, micro_batch=args.micro_batch_size,
-                               num_microbatches=args.global_batch_size // args.micro_batch_size)
+                               num_microbatches=args.global_batch_size // args.micro_batch_size,
+                               cost=CostModel(optimizer_sharded=args.use_distributed_optimizer))
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -9,9 +9,10 @@ file ``python -m hetu_ext.data.calibrate`` derives from a device's calibration, 
 degrees the all-reduce term is not added again). The slowest member sets a TP group's pace. Embedding and output
 layer add ``2 b s h V`` FLOPs to the first and last stages.
 
-Memory per rank (bytes): weights (dtype), fp32 gradient buffer, optimizer state (Adam: two fp32 moments, plus
-fp32 master weights under bf16), all divided by TP; activations of one layer for one microbatch
-``b s h (34 + 5 a s / h)`` x dtype / 2 (Korthikanti et al.'s count for fp16), divided by TP, times the
+Memory per rank (bytes): weights (dtype), fp32 gradient buffer, optimizer state (Adam: two fp32 moments, plus fp32
+master weights under bf16), all divided by TP, the optimizer state further divided by the number of holders of each
+element when it is sharded (``optimizer_sharded``: --use-distributed-optimizer); activations of one layer for one
+microbatch ``b s h (34 + 5 a s / h)`` x dtype / 2 (Korthikanti et al.'s count for fp16), divided by TP, times the
 microbatches a stage holds in flight under 1F1B: ``min(pp - stage, m)``, more on early stages.
 """
 
@@ -40,6 +41,9 @@ class CostModel:
     optimizer_state_bytes: int = 12
     """Per parameter element: Adam's two fp32 moments and the fp32 master weight (bf16 training)."""
     grad_bytes: int = 4
+    optimizer_sharded: bool = False
+    """--use-distributed-optimizer: each element's optimizer state is kept by one of its holders, so a stage holds
+    ``optimizer_state_bytes / holders`` per element (stage_cost's ``optimizer_holders``)."""
     tp_efficiency: dict[int, float] = field(default_factory=lambda: {1: 1.0, 2: 0.95, 4: 0.9, 8: 0.85})
     """Per TP degree t, the fraction of the t-fold speed-up a TP group reaches (assumed; see ``tp_measured``)."""
     tp_measured: tuple[int, ...] = ()
@@ -105,8 +109,10 @@ def pack_forward_flops(spec: ModelSpec, *, tokens: int, sum_sq: int) -> float:
 
 
 def stage_cost(spec: ModelSpec, cost: CostModel, *, num_layers: int, tp: int, slowdown: float, micro_batch: int,
-               first: bool, last: bool, in_flight: int) -> StageCost:
-    """Time and memory of one stage of ``num_layers`` layers at TP ``tp`` whose slowest rank is ``slowdown``."""
+               first: bool, last: bool, in_flight: int, optimizer_holders: int = 1) -> StageCost:
+    """Time and memory of one stage of ``num_layers`` layers at TP ``tp`` whose slowest rank is ``slowdown``.
+    ``optimizer_holders``: the ranks holding each of its elements (one per pipeline of a Malleus template), over
+    which the optimizer state is divided when ``cost.optimizer_sharded``."""
     h, s, v = spec.hidden_size, spec.seq_length, spec.padded_vocab_size
     flops = num_layers * layer_forward_flops(spec, micro_batch)
     extra_params = 0
@@ -121,7 +127,8 @@ def stage_cost(spec: ModelSpec, cost: CostModel, *, num_layers: int, tp: int, sl
     if tp > 1 and tp not in cost.tp_measured:
         comm = num_layers * 2 * micro_batch * s * h * cost.dtype_bytes * 2 * (tp - 1) / tp / cost.intra_node_bytes_per_s
     params = (num_layers * layer_params(spec) + extra_params) / tp
-    static = params * (cost.dtype_bytes + cost.grad_bytes + cost.optimizer_state_bytes)
+    shards = optimizer_holders if cost.optimizer_sharded else 1
+    static = params * (cost.dtype_bytes + cost.grad_bytes + cost.optimizer_state_bytes / shards)
     per_layer_act = micro_batch * s * h * (34 + 5 * spec.num_attention_heads * s / h) * cost.dtype_bytes / 2 / tp
     activations = per_layer_act * num_layers * in_flight
     return StageCost(forward_s=compute + comm, backward_s=2 * compute + comm, memory_bytes=static + activations)

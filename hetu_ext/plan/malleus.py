@@ -119,15 +119,16 @@ def _evaluate(spec: ModelSpec, cost: CostModel, cluster: Cluster, pipelines_grou
     """Split layers and microbatches for pipelines given as lists of (ranks, slowdown); None if infeasible."""
     stages_all, bottleneck, fill = [], [], []
     memo: dict = {}
+    holders = len(pipelines_groups)  # every element is held once per pipeline: the sharded optimizer's divisor
 
     def terms(x: float, j: int, p: int) -> tuple[float, float, int]:
         """(seconds per layer, fixed seconds, layer capacity) of stage j of p at slowdown x (memoised)."""
         key = (x, j == 0, j == p - 1, p - j)
         if key not in memo:
             unit = stage_cost(spec, cost, num_layers=1, tp=tp, slowdown=x, micro_batch=micro_batch, first=False,
-                              last=False, in_flight=p - j)
+                              last=False, in_flight=p - j, optimizer_holders=holders)
             ends = stage_cost(spec, cost, num_layers=0, tp=tp, slowdown=x, micro_batch=micro_batch, first=j == 0,
-                              last=j == p - 1, in_flight=p - j)
+                              last=j == p - 1, in_flight=p - j, optimizer_holders=holders)
             memo[key] = (unit.forward_s + unit.backward_s, ends.forward_s + ends.backward_s,
                          int((cluster.gpu_memory_bytes - ends.memory_bytes) // unit.memory_bytes))
         return memo[key]
@@ -148,6 +149,8 @@ def _evaluate(spec: ModelSpec, cost: CostModel, cluster: Cluster, pipelines_grou
         bottleneck.append(max(times))
         fill.append(sum(times))
     mbs = split_microbatches(num_microbatches, bottleneck, fill)
+    if cost.optimizer_sharded and 0 in mbs:
+        return None  # a pipeline left idle would leave its share of the sharded optimizer state to the others
     step = max((m - 1) * b + s for m, b, s in zip(mbs, bottleneck, fill) if m > 0)
     return step, stages_all, mbs
 

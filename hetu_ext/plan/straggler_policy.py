@@ -26,6 +26,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from .cluster import Cluster
+from .cost import CostModel
 from .malleus import PlannedStep, plan_malleus
 from .model_spec import ModelSpec
 from .plan import Plan
@@ -138,10 +139,11 @@ class StragglerDetector:
 
 
 def replan(current: Plan, spec: ModelSpec, slowdowns: dict[int, float], *, micro_batch: int, gpus_per_node: int,
-           gpu_memory_bytes: int) -> PlannedStep:
+           gpu_memory_bytes: int, optimizer_sharded: bool = False) -> PlannedStep:
     """Malleus's plan for ``current``'s ranks and microbatch count under ``slowdowns`` (rank -> x), keeping
-    ``current`` when it is as good (``plan_malleus``'s ``current``). ValueError when no plan fits."""
+    ``current`` when it is as good (``plan_malleus``'s ``current``). ValueError when no plan fits.
+    ``optimizer_sharded``: the run's optimizer state is sharded (--use-distributed-optimizer)."""
     cluster = Cluster(world_size=current.world_size, gpus_per_node=gpus_per_node,
                       gpu_memory_bytes=gpu_memory_bytes, slowdowns=slowdowns)
     return plan_malleus(cluster, spec, micro_batch=micro_batch, num_microbatches=current.num_microbatches,
-                        current=current)
+                        current=current, cost=CostModel(optimizer_sharded=optimizer_sharded))
