@@ -1,0 +1,205 @@
+"""``--hetu-ckpt-format hetu`` on Megatron-LM's loop: hetu_ext's layout-agnostic checkpoints through Megatron-LM's
+own save and load call sites (``megatron.training.training``'s ``save_checkpoint`` and ``load_checkpoint``, same
+signatures), driven by its own ``--save``, ``--load``, ``--save-interval``, ``--exit-interval`` and
+``--ckpt-step`` flags.
+
+What is saved: every rank's parameters, fp32 master weights (``--bf16``) and Adam moments as pieces with global
+offsets (:func:`hetu_ext.megatron.state.state_pieces`: the same names as hetu_ext's trainer writes), Adam's step,
+Megatron-LM's LR scheduler state, ``consumed_train_samples`` and the FLOP count, each rank's RNG states, and the
+grid as a hetu_ext plan. The snapshot is taken at the call; the files are written in the background
+(:class:`hetu_ext.checkpoint.writer.Checkpointer`) while training goes on, except the run's last save, which is
+committed before the call returns. Loading reshards the pieces into the running grid, whatever its TP / PP / DP
+sizes; the LR scheduler goes through Megatron-LM's own ``load_state_dict`` (its override / use-checkpoint rules);
+RNG states are restored when the grid is the one that saved. A ``--load`` directory that holds no hetu checkpoint
+goes to Megatron-LM's own loader (its torch_dist checkpoints keep working).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from hetu_ext.checkpoint import LocalStorage
+from hetu_ext.checkpoint.load import load_pieces
+from hetu_ext.checkpoint.manifest import MANIFEST, Manifest
+from hetu_ext.checkpoint.ownership import new_run_id
+from hetu_ext.checkpoint.reader import latest_iteration
+from hetu_ext.checkpoint.writer import Checkpointer, SaveConfig, checkpoint_name
+from hetu_ext.megatron.state import MOMENTS, optimizer_step, rng_state, set_rng_state, state_pieces
+from hetu_ext.patches.base import Patch
+from hetu_ext.plan import plan_to_dict, uniform_plan
+
+logger = logging.getLogger(__name__)
+
+TRACKER = "latest_checkpointed_iteration.txt"
+TRAINING = "megatron.training.training"
+
+
+@dataclass
+class GridPlacement:
+    """Megatron-LM's model chunk and optimizer as :func:`state_pieces` reads them (Megatron numbers layers
+    globally, so no layer offset)."""
+
+    model: Any
+    optimizer: Any
+    active: bool = True
+    shard_kwargs: dict = field(default_factory=dict)
+
+
+def _placement(model: list, optimizer: Any) -> GridPlacement:
+    if len(model) != 1:
+        raise ValueError(f"--hetu-ckpt-format hetu: {len(model)} model chunks (virtual pipeline stages) are not "
+                         "supported yet; drop --num-layers-per-virtual-pipeline-stage or use --hetu-ckpt-format auto")
+    return GridPlacement(model=model[0], optimizer=optimizer)
+
+
+def grid(args) -> dict:
+    """The running grid, as recorded and compared (RNG states are restored only under the same grid)."""
+    return {"world": args.world_size, "tp": args.tensor_model_parallel_size,
+            "pp": args.pipeline_model_parallel_size}
+
+
+class StepStorage(LocalStorage):
+    """A checkpoint directory whose tracker reads ``step`` (Megatron-LM's ``--ckpt-step``: load that one)."""
+
+    def __init__(self, root: str, step: int) -> None:
+        super().__init__(root)
+        self.step = step
+
+    def list(self, path: str) -> list[str]:
+        names = super().list(path)
+        return names if path or TRACKER in names else [*names, TRACKER]
+
+    def read(self, path: str) -> bytes:
+        return str(self.step).encode() if path == TRACKER else super().read(path)
+
+
+def is_hetu(directory: str, step: int | None = None) -> bool:
+    root = Path(directory)
+    iteration = step if step is not None else latest_iteration(LocalStorage(root))
+    if iteration is not None:
+        return (root / checkpoint_name(iteration) / MANIFEST).exists()
+    return any(root.glob(f"iter_*/{MANIFEST}"))
+
+
+class HetuCheckpoints:
+    """The save and load hooks, one object per process (its checkpointer outlives a save)."""
+
+    def __init__(self, *, keep: int, fallback: bool, read: str) -> None:
+        self.keep, self.fallback, self.read = keep, fallback, read
+        self.run_id: str | None = None
+        self.loaded_from: str | None = None
+        self.loaded_run: str | None = None
+        self._checkpointers: dict[str, Checkpointer] = {}
+        atexit.register(self.wait)
+
+    def wait(self) -> None:
+        for ckpt in self._checkpointers.values():
+            ckpt.wait()
+
+    def _run_id(self, directory: str) -> str | None:
+        """This run's identity (rank 0's decision): the loaded checkpoint's when it resumes in place, else new."""
+        if self.run_id is None:
+            resumed = self.loaded_from == os.path.abspath(directory) and self.loaded_run is not None
+            decision = [self.loaded_run if resumed else (new_run_id() if dist.get_rank() == 0 else None)]
+            dist.broadcast_object_list(decision, src=0)
+            self.run_id = decision[0]
+        return self.run_id
+
+    def save(self, iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,
+             *args: Any, **kwargs: Any) -> None:
+        from megatron.training import get_args
+
+        margs = get_args()
+        directory = os.path.abspath(margs.save)
+        placement = _placement(model, optimizer)
+        if directory not in self._checkpointers:
+            Path(directory).mkdir(parents=True, exist_ok=True)
+            self._checkpointers[directory] = Checkpointer(LocalStorage(directory), SaveConfig(
+                keep=self.keep, run_id=self._run_id(directory)))
+        ckpt = self._checkpointers[directory]
+        last = iteration >= margs.train_iters or bool(margs.exit_interval and iteration % margs.exit_interval == 0)
+        plan = uniform_plan(world_size=margs.world_size, tp=margs.tensor_model_parallel_size,
+                            pp=margs.pipeline_model_parallel_size, num_layers=margs.num_layers)
+        state = {"iteration": iteration, "grid": grid(margs),
+                 "scheduler": opt_param_scheduler.state_dict() if opt_param_scheduler is not None else None,
+                 "optimizer_step": optimizer_step(placement),
+                 "consumed_train_samples": margs.consumed_train_samples,
+                 "num_floating_point_operations_so_far": num_floating_point_operations_so_far,
+                 "data": {"global_batch_size": margs.global_batch_size, "seed": margs.seed,
+                          "seq_length": margs.seq_length, "packing": None}}
+        info = {"consumed_samples": margs.consumed_train_samples, "plan": plan_to_dict(plan),
+                "config": {"megatron_lm": True}, "state": state}
+        ckpt.save(iteration=iteration, pieces=state_pieces(placement), rng=rng_state(dist.get_rank()), info=info,
+                  blocking=last)
+        if dist.get_rank() == 0:
+            logger.info("hetu checkpoint of iteration %d: %.1f ms blocking, %.2f MiB on rank 0 (%s)", iteration,
+                        ckpt.last["blocking_s"] * 1e3, ckpt.last["bytes"] / 2**20,
+                        "committed" if last else "persisting in the background")
+
+    def load(self, ddp_model, optimizer, opt_param_scheduler, load_arg="load", strict=True, *args: Any,
+             original=None, **kwargs: Any):
+        from megatron.core.num_microbatches_calculator import update_num_microbatches
+        from megatron.training import get_args
+
+        margs = get_args()
+        directory = getattr(margs, load_arg)
+        step = getattr(margs, "ckpt_step", None)
+        if directory is None or not is_hetu(directory, step):
+            return original(ddp_model, optimizer, opt_param_scheduler, load_arg, strict, *args, **kwargs)
+        placement = _placement(ddp_model, optimizer)
+        storage = StepStorage(directory, step) if step is not None else LocalStorage(directory)
+
+        def destinations(manifest: Manifest):
+            kinds = {t.name.split("/", 1)[0] for t in manifest.tensors}
+            saved_step = manifest.state.get("optimizer_step")
+            moments = {m for m in MOMENTS if m in kinds} if saved_step is not None and optimizer is not None \
+                else None
+            return state_pieces(placement, moments=moments, step=saved_step)
+
+        report = load_pieces(storage, destinations, fallback=self.fallback, read=self.read)
+        manifest = report.manifest
+        state = manifest.state
+        if opt_param_scheduler is not None and state.get("scheduler") is not None:
+            opt_param_scheduler.load_state_dict(state["scheduler"])
+        margs.consumed_train_samples = state.get("consumed_train_samples", 0)
+        update_num_microbatches(consumed_samples=margs.consumed_train_samples, verbose=True)
+        same_grid = state.get("grid") == grid(margs)
+        rng = next((r for r in manifest.rng.values() if r.get("rank") == dist.get_rank()), None)
+        if same_grid and rng is not None:
+            set_rng_state(rng)
+        self.loaded_from, self.loaded_run = os.path.abspath(directory), manifest.run_id
+        if dist.get_rank() == 0:
+            logger.info("loaded hetu checkpoint of iteration %d from %s into TP %d PP %d DP %d (%.2f s)%s",
+                        manifest.iteration, directory, margs.tensor_model_parallel_size,
+                        margs.pipeline_model_parallel_size, margs.data_parallel_size, report.seconds,
+                        "" if same_grid else "; another grid: RNG states stay as the seed sets them")
+            print(f" loaded hetu checkpoint from {directory} at iteration {manifest.iteration} "
+                  f"(saved on {state.get('grid')}, now {grid(margs)})", flush=True)
+        return manifest.iteration, state.get("num_floating_point_operations_so_far", 0)
+
+    def patches(self) -> list[Patch]:
+        def make_save(original):
+            def save_checkpoint(*args, **kwargs):
+                return self.save(*args, **kwargs)
+
+            return save_checkpoint
+
+        def make_load(original):
+            def load_checkpoint(*args, **kwargs):
+                return self.load(*args, original=original, **kwargs)
+
+            return load_checkpoint
+
+        return [
+            Patch(name="hetu_ckpt:save_checkpoint", target=f"{TRAINING}:save_checkpoint", make=make_save,
+                  reason="--hetu-ckpt-format hetu: Megatron-LM's save call sites write hetu checkpoints"),
+            Patch(name="hetu_ckpt:load_checkpoint", target=f"{TRAINING}:load_checkpoint", make=make_load,
+                  reason="--hetu-ckpt-format hetu: --load reads hetu checkpoints into any grid"),
+        ]

@@ -1,0 +1,222 @@
+"""The ``--hetu-*`` flags of a Megatron-LM command line: split off, parsed by hetu_ext's typed configuration and
+checked together with the Megatron-LM flags they depend on, before anything is imported or launched.
+
+Megatron-LM's ``pretrain_gpt.py`` parses its own flags (its ``extra_args_provider`` is the script's, and
+``--yaml-cfg`` replaces the namespace), so the ``--hetu-*`` flags are taken out of ``argv`` here; Megatron-LM sees
+its own flags only. Each ``--hetu-*`` flag is the field of :mod:`hetu_ext.config.schema` that
+``launch/pretrain_gpt.py`` takes too (same name, type, choices and help).
+
+Two modes:
+
+* **megatron** (the default): Megatron-LM's own loop runs; the flags ask for hooks on its patch points
+  (:mod:`.hooks`): hetu checkpoints, straggler measurement with per-data-parallel-rank microbatch weighting.
+* **handoff**: ``--hetu-plan``, ``--hetu-runtime plan``, ``--hetu-straggler-replan online``, ``--hetu-migrate`` or
+  ``--hetu-packing`` (other than off) need what Megatron-LM's uniform grid cannot hold; the run goes to hetu_ext's
+  trainer (:mod:`.handoff`), which is given the same command line. Megatron-LM flags it does not support are refused
+  by name.
+
+Bad input raises :class:`ValueError` with one line naming the flag, the value and the fix; the entry point prints
+it and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hetu_ext.config import SECTIONS, FlagParser
+from hetu_ext.config.parse import add_section_flags
+
+PROG = "hetu_ext.megatron_lm"
+HETU_PREFIX = "--hetu-"
+
+NATIVE_FLAGS = ("--hetu-cpu-patches", "--hetu-ckpt-format", "--hetu-ckpt-keep", "--hetu-ckpt-fallback",
+                "--hetu-ckpt-read", "--hetu-straggler-interval", "--hetu-straggler-threshold",
+                "--hetu-straggler-min-change", "--hetu-straggler-window", "--hetu-emulate-slowdown",
+                "--hetu-emulate-layer-ms")
+"""The ``--hetu-*`` flags served by hooks on Megatron-LM's own loop."""
+
+HANDOFF_FLAGS = ("--hetu-plan", "--hetu-runtime", "--hetu-straggler-replan", "--hetu-migrate", "--hetu-packing")
+"""Flags whose non-default value hands the run to hetu_ext's trainer (Megatron-LM's grid cannot hold it)."""
+
+MOE_FLAGS = ("--num-experts", "--moe-layer-freq", "--expert-model-parallel-size", "--moe-router-topk",
+             "--moe-grouped-gemm", "--moe-token-dispatcher-type", "--expert-tensor-parallel-size")
+"""Megatron-LM's MoE flags (named in the refusal of a hand-off, whose trainer builds dense GPT models only)."""
+
+
+@dataclass
+class MegatronFlags:
+    """The few Megatron-LM flags the ``--hetu-*`` checks depend on (parsed leniently; Megatron-LM parses all)."""
+
+    calculate_per_token_loss: bool = False
+    use_distributed_optimizer: bool = False
+    save: str | None = None
+    load: str | None = None
+    dataloader_type: str | None = None
+    rampup_batch_size: list[str] | None = None
+    micro_batch_size: int | None = None
+    global_batch_size: int | None = None
+    ckpt_step: int | None = None
+    present: list[str] = field(default_factory=list)
+    """Every ``--flag`` of the Megatron-LM command line (as typed, without ``=value``)."""
+
+
+@dataclass
+class Invocation:
+    """A checked command line: the script, Megatron-LM's argv (the ``--hetu-*`` flags taken out, and any flag a
+    feature sets added), hetu_ext's settings and the mode."""
+
+    script: Path
+    megatron_argv: list[str]
+    hetu: argparse.Namespace
+    """Destinations of every setting of hetu_ext's schema (``hetu_ckpt_format``, ...); non-hetu ones unset."""
+    hetu_argv: list[str]
+    megatron: MegatronFlags
+    mode: str
+    """``megatron`` (hooks on Megatron-LM's loop) or ``handoff`` (hetu_ext's trainer)."""
+    notes: list[str] = field(default_factory=list)
+    """What the checks changed (said once on rank 0): e.g. ``--calculate-per-token-loss`` added."""
+
+    @property
+    def checkout(self) -> Path:
+        return self.script.parent
+
+    @property
+    def weighting(self) -> bool:
+        return bool(self.hetu.hetu_straggler_interval)
+
+    @property
+    def hetu_checkpoints(self) -> bool:
+        return self.hetu.hetu_ckpt_format == "hetu"
+
+
+def hetu_parser() -> FlagParser:
+    """Every setting of hetu_ext's schema as a flag (only the ``--hetu-*`` ones are ever given to it)."""
+    parser = FlagParser(prog=PROG, allow_abbrev=False)
+    for name, cls in SECTIONS.items():
+        add_section_flags(parser, name, cls)
+    return parser
+
+
+def split_argv(argv: list[str], parser: argparse.ArgumentParser) -> tuple[list[str], list[str]]:
+    """``argv`` -> (Megatron-LM's tokens, the ``--hetu-*`` tokens with their values), order kept."""
+    takes_value = {s: a.nargs != 0 for a in parser._actions for s in a.option_strings}
+    megatron, hetu, i = [], [], 0
+    while i < len(argv):
+        token = argv[i]
+        flag = token.split("=", 1)[0]
+        if flag.startswith(HETU_PREFIX):
+            hetu.append(token)
+            if "=" not in token and takes_value.get(flag, False) and i + 1 < len(argv):
+                hetu.append(argv[i + 1])
+                i += 1
+        else:
+            megatron.append(token)
+        i += 1
+    return megatron, hetu
+
+
+def megatron_flags(argv: list[str]) -> MegatronFlags:
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--calculate-per-token-loss", action="store_true")
+    parser.add_argument("--use-distributed-optimizer", action="store_true")
+    parser.add_argument("--save")
+    parser.add_argument("--load")
+    parser.add_argument("--dataloader-type")
+    parser.add_argument("--rampup-batch-size", nargs="*")
+    parser.add_argument("--micro-batch-size", type=int)
+    parser.add_argument("--global-batch-size", type=int)
+    parser.add_argument("--ckpt-step", type=int)
+    known, _ = parser.parse_known_args(argv)
+    present = [t.split("=", 1)[0] for t in argv if t.startswith("--")]
+    return MegatronFlags(**vars(known), present=present)
+
+
+def _given(hetu_argv: list[str]) -> list[str]:
+    return [t.split("=", 1)[0] for t in hetu_argv if t.startswith(HETU_PREFIX)]
+
+
+def handoff_reasons(ns: argparse.Namespace) -> list[str]:
+    asked = []
+    if ns.hetu_plan is not None:
+        asked.append(f"--hetu-plan {ns.hetu_plan}")
+    if ns.hetu_runtime == "plan":
+        asked.append("--hetu-runtime plan")
+    if ns.hetu_straggler_replan != "off":
+        asked.append(f"--hetu-straggler-replan {ns.hetu_straggler_replan}")
+    if ns.hetu_migrate is not None:
+        asked.append("--hetu-migrate")
+    if ns.hetu_packing != "off":
+        asked.append(f"--hetu-packing {ns.hetu_packing}")
+    return asked
+
+
+def parse_invocation(argv: list[str]) -> Invocation:
+    """Split, parse and check; raises ValueError (one line) on bad input. An unknown ``--hetu-*`` flag or a bad
+    value is argparse's error (one line with the closest flag, exit 2)."""
+    if not argv or argv[0].startswith("-"):
+        raise ValueError("give the Megatron-LM script first: python -m hetu_ext.megatron_lm "
+                         "PATH/TO/Megatron-LM/pretrain_gpt.py <its flags> --hetu-...")
+    script = Path(argv[0]).resolve()
+    if not script.is_file():
+        raise ValueError(f"{argv[0]}: no such file; give the pretrain_gpt.py of your Megatron-LM checkout")
+    parser = hetu_parser()
+    megatron_argv, hetu_argv = split_argv(argv[1:], parser)
+    if "--hetu-config" in _given(hetu_argv):
+        raise ValueError("--hetu-config is launch/pretrain_gpt.py's; with Megatron-LM's script give --hetu-* flags "
+                         "(Megatron-LM's own settings stay on its command line or in its --yaml-cfg)")
+    ns = parser.parse_args(hetu_argv)
+    mflags = megatron_flags(megatron_argv)
+    inv = Invocation(script=script, megatron_argv=megatron_argv, hetu=ns, hetu_argv=hetu_argv, megatron=mflags,
+                     mode="handoff" if handoff_reasons(ns) else "megatron")
+    if inv.mode == "handoff":
+        moe = [f for f in mflags.present if f in MOE_FLAGS]
+        if moe:
+            raise ValueError(f"{moe[0]} (MoE) cannot go with {handoff_reasons(ns)[0]}: hetu_ext's trainer, which runs "
+                             "plans Megatron-LM's grid cannot hold, builds dense GPT models only; drop "
+                             f"{handoff_reasons(ns)[0]} to train MoE on Megatron-LM's grid")
+        return inv
+    _check_native(inv)
+    return inv
+
+
+def _check_native(inv: Invocation) -> None:
+    ns, m = inv.hetu, inv.megatron
+    unsupported = [f for f in _given(inv.hetu_argv) if f not in NATIVE_FLAGS and f not in HANDOFF_FLAGS]
+    if unsupported:
+        raise ValueError(f"{unsupported[0]} is not supported on Megatron-LM's own loop (supported there: "
+                         f"{', '.join(NATIVE_FLAGS)}); use launch/pretrain_gpt.py for it")
+    if ns.hetu_emulate_layer_ms is not None and (ns.hetu_emulate_layer_ms <= 0 or not ns.hetu_straggler_interval):
+        raise ValueError(f"--hetu-emulate-layer-ms must be > 0 and needs --hetu-straggler-interval N (got "
+                         f"{ns.hetu_emulate_layer_ms}, interval {ns.hetu_straggler_interval})")
+    if ns.hetu_emulate_slowdown and not ns.hetu_straggler_interval:
+        raise ValueError("--hetu-emulate-slowdown needs --hetu-straggler-interval N (the monitor that measures it)")
+    if ns.hetu_straggler_interval < 0:
+        raise ValueError(f"--hetu-straggler-interval must be >= 0, got {ns.hetu_straggler_interval}")
+    if ns.hetu_emulate_slowdown:
+        from hetu_ext.runtime.straggler import parse_schedule
+
+        parse_schedule(ns.hetu_emulate_slowdown)
+    if ns.hetu_straggler_interval:
+        if m.dataloader_type not in (None, "single"):
+            raise ValueError(f"--hetu-straggler-interval weights each data-parallel rank's microbatches, which "
+                             f"needs Megatron-LM's sequential sampler; got --dataloader-type {m.dataloader_type} "
+                             "(drop it or use single)")
+        if m.rampup_batch_size:
+            raise ValueError("--hetu-straggler-interval cannot go with --rampup-batch-size (the microbatch counts "
+                             "per rank are fixed by the global batch); drop one")
+        if not m.calculate_per_token_loss:
+            inv.megatron_argv.append("--calculate-per-token-loss")
+            inv.megatron.calculate_per_token_loss = True
+            inv.notes.append("--hetu-straggler-interval: added --calculate-per-token-loss (with microbatches "
+                             "weighted per data-parallel rank, only a per-token mean keeps the global batch's loss)")
+    if ns.hetu_ckpt_keep < 1:
+        raise ValueError(f"--hetu-ckpt-keep must be >= 1, got {ns.hetu_ckpt_keep}")
+    if inv.hetu_checkpoints:
+        if m.use_distributed_optimizer:
+            raise ValueError("--hetu-ckpt-format hetu cannot save --use-distributed-optimizer's flat ZeRO-1 shards "
+                             "yet; use Megatron-LM's own checkpoints (--hetu-ckpt-format auto) or drop "
+                             "--use-distributed-optimizer")
+        if m.load is not None and not Path(m.load).is_dir():
+            raise ValueError(f"--load {m.load}: no such directory; give the --save directory of an earlier run")
