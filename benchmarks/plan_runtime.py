@@ -13,6 +13,15 @@ the minimum for the plan: every element reduced once per lane over exactly the r
 (plan/layout.py's ReductionLayout.send_bytes), and beside what a plain all-reduce of each rank's whole gradient
 over all ranks holding any of its tensors would send.
 
+Part 3 (acceptance: the sharded optimizer within 10% of Megatron's): the same uniform TP2 x DP2 job with
+--use-distributed-optimizer, Megatron's DistributedOptimizer on its uniform runtime against the plan runtime's
+sharded optimizer, interleaved as in part 1. Part 2 also runs every plan with the flag: the bytes each rank hands
+to the reduce-scatter of gradients and the all-gather of weights (fp32) in one step, beside the minimum for
+reduce-scatter + all-gather over each holder set (plan/optimizer_shards.py's exchange_bytes: (n-1) x ceil(B/n)
+per collective with a ring).
+
+    python benchmarks/plan_runtime.py --parts 2,3   # a subset
+
 Ends with one JSON line.
 """
 
@@ -49,6 +58,8 @@ def grad_bytes(rank: int, world: int, argv: list[str]):
     sync = trainer.placement.grad_sync
     if sync is None:
         return None
+    if hasattr(sync, "shards"):  # the sharded optimizer (runtime/sharded_optimizer.py)
+        return {"rank": rank, "sharded": sync.bytes_sent, "sharded_minimum": sync.shards.exchange_bytes(rank, 4, 4)}
     local = sum(t.param.numel() * 4 for t in sync.local.values())
     peers = {r for lane in sync.layout.lanes_of(rank) for r in lane[0]}
     naive = round(2 * (len(peers) - 1) / len(peers) * local) if peers else 0
@@ -65,42 +76,62 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--iters", type=int, default=8)
+    parser.add_argument("--parts", default="1,2,3", help="which parts to run, e.g. 2,3")
     args = parser.parse_args()
+    parts = {int(p) for p in args.parts.split(",")}
     tmp = Path(tempfile.mkdtemp(prefix="hetu_bench_"))
     prefix, _ = preprocess(str(ROOT / "hetu_ext/data/samples/python_reference.jsonl"), str(tmp / "pyref"))
     data = ["--data-path", prefix, "--split", "100,0,0", "--train-iters", str(args.iters)]
     print(f"config: 4 CPU ranks, TP2 x DP2, {' '.join(MODEL)} --train-iters {args.iters}, reps {args.reps}")
+    out: dict = {"benchmark": "plan_runtime"}
 
-    print("\n1) uniform TP2 x DP2: Megatron's path vs the plan runtime (median ms per iteration)")
-    print(f"{'rep':>4} {'megatron':>10} {'plan':>10} {'ratio':>7}")
-    megatron, plan = [], []
-    for rep in range(args.reps):
-        base = MODEL + ["--tensor-model-parallel-size", "2"] + data
-        for runtime, times in (("megatron", megatron), ("plan", plan)):
-            metrics = tmp / f"{runtime}{rep}.jsonl"
-            run_ranks(train, 4, base + ["--hetu-runtime", runtime, "--hetu-metrics-file", str(metrics)], False,
-                      timeout=600)
-            times.append(step_ms(metrics))
-        print(f"{rep:>4} {megatron[-1]:>10.1f} {plan[-1]:>10.1f} {plan[-1] / megatron[-1]:>7.3f}")
-    ratio = statistics.median(plan) / statistics.median(megatron)
-    print(f"{'med':>4} {statistics.median(megatron):>10.1f} {statistics.median(plan):>10.1f} {ratio:>7.3f}")
+    def interleaved(title: str, extra: list[str], key: str) -> None:
+        print(f"\n{title} (median ms per iteration)")
+        print(f"{'rep':>4} {'megatron':>10} {'plan':>10} {'ratio':>7}")
+        megatron, plan = [], []
+        for rep in range(args.reps):
+            base = MODEL + ["--tensor-model-parallel-size", "2"] + data + extra
+            for runtime, times in (("megatron", megatron), ("plan", plan)):
+                metrics = tmp / f"{key}_{runtime}{rep}.jsonl"
+                run_ranks(train, 4, base + ["--hetu-runtime", runtime, "--hetu-metrics-file", str(metrics)], False,
+                          timeout=600)
+                times.append(step_ms(metrics))
+            print(f"{rep:>4} {megatron[-1]:>10.1f} {plan[-1]:>10.1f} {plan[-1] / megatron[-1]:>7.3f}")
+        ratio = statistics.median(plan) / statistics.median(megatron)
+        print(f"{'med':>4} {statistics.median(megatron):>10.1f} {statistics.median(plan):>10.1f} {ratio:>7.3f}")
+        out.update({f"{key}_step_ms_megatron": statistics.median(megatron),
+                    f"{key}_step_ms_plan": statistics.median(plan), f"{key}_plan_over_megatron": round(ratio, 4),
+                    f"{key}_within_10_percent": ratio <= 1.10})
 
-    print("\n2) gradient bytes sent per rank per step (fp32), heterogeneous plans")
-    print(f"{'plan':<30} {'rank':>4} {'measured':>10} {'minimum':>10} {'naive':>10}")
-    all_minimal = True
-    rows = []
-    for name, world, _, text in PLANS:
-        path = tmp / f"{name}.yaml"
-        path.write_text(text)
-        argv = MODEL + ["--hetu-plan", str(path)] + data[:4] + ["--train-iters", "1"]
-        for row in filter(None, run_ranks(grad_bytes, world, argv, timeout=600)):
-            all_minimal &= row["measured"] == row["minimum"]
-            rows.append({"plan": name, **row})
-            print(f"{name:<30} {row['rank']:>4} {row['measured']:>10} {row['minimum']:>10} {row['naive']:>10}")
-    print(json.dumps({"benchmark": "plan_runtime", "uniform_step_ms_megatron": statistics.median(megatron),
-                      "uniform_step_ms_plan": statistics.median(plan), "plan_over_megatron": round(ratio, 4),
-                      "within_10_percent": ratio <= 1.10, "grad_bytes_all_minimal": all_minimal,
-                      "grad_bytes": rows}))
+    if 1 in parts:
+        interleaved("1) uniform TP2 x DP2: Megatron's path vs the plan runtime", [], "uniform")
+    if 2 in parts:
+        print("\n2) bytes sent per rank per step (fp32), heterogeneous plans: gradient all-reduces (replicated "
+              "optimizer), and with --use-distributed-optimizer gradient reduce-scatter + weight all-gather")
+        print(f"{'plan':<30} {'rank':>4} {'measured':>10} {'minimum':>10} {'naive':>10} {'sharded':>10} "
+              f"{'sh. min':>10}")
+        all_minimal = sharded_minimal = True
+        rows = []
+        for name, world, _, text in PLANS:
+            path = tmp / f"{name}.yaml"
+            path.write_text(text)
+            argv = MODEL + ["--hetu-plan", str(path)] + data[:4] + ["--train-iters", "1"]
+            plain = {r["rank"]: r for r in filter(None, run_ranks(grad_bytes, world, argv, timeout=600))}
+            sharded = {r["rank"]: r for r in filter(None, run_ranks(
+                grad_bytes, world, argv + ["--use-distributed-optimizer"], timeout=600))}
+            for rank, row in sorted(plain.items()):
+                row = {**row, **sharded[rank]}
+                all_minimal &= row["measured"] == row["minimum"]
+                sharded_minimal &= row["sharded"] == row["sharded_minimum"]
+                rows.append({"plan": name, **row})
+                print(f"{name:<30} {rank:>4} {row['measured']:>10} {row['minimum']:>10} {row['naive']:>10} "
+                      f"{row['sharded']:>10} {row['sharded_minimum']:>10}")
+        out.update({"grad_bytes_all_minimal": all_minimal, "sharded_bytes_all_minimal": sharded_minimal,
+                    "grad_bytes": rows})
+    if 3 in parts:
+        interleaved("3) uniform TP2 x DP2 with --use-distributed-optimizer: Megatron's DistributedOptimizer vs the "
+                    "plan runtime's sharded optimizer", ["--use-distributed-optimizer"], "distopt")
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ def memory_table(model, optimizer_name: str, bf16: bool, where: str, optimizer=N
     if dist.get_rank() != 0:
         return None
     mib = 1 << 20
-    sharded = " (sharded: owned elements only)" if any(row[3] for row in rows) else ""
+    sharded = "; sharded: the elements the rank owns" if any(row[3] for row in rows) else ""
     lines = [f"memory per rank (MiB, optimizer state as allocated by the first step{sharded}):",
              "rank  placement             params     grads  optimizer      total"]
     for rank, place, mem, _ in sorted(rows):
