@@ -1,0 +1,353 @@
+"""LobRA's deployment planner (pure): which replicas, of which shapes, to run many tenants' LoRA fine-tuning on.
+
+Tenants' sequence lengths differ and are skewed per step; one replica shape is either too small for the longest
+sequences or wasteful for the short ones. Given the cluster (GPUs, GPUs per node, memory per GPU), the model and
+the tenants' length distributions and per-step shares, the planner chooses a *deployment*, a count of replicas
+for each strategy (TP x PP), minimising the expected step time, as LobRA does:
+
+1. **Strategy pool.** Every (tp, pp) with tp <= GPUs per node and pp dividing the layers; each strategy's
+   per-layer time comes from the FLOP / all-reduce model of hetu_ext.plan.cost (as a ``a s^2 + b s + c``
+   LengthCost) and its token capacity from memory: frozen bf16 base weights (no gradients, no optimizer state:
+   adapters are negligible) plus FlashAttention-style activations (34 h bytes per token and layer, divided by
+   tp) for the microbatches 1F1B keeps in flight. Per TP degree only the fewest pipeline stages that hold
+   MIN_CAPACITY tokens are kept (more stages add GPUs and bubbles, not capacity), and a strategy is pruned when
+   another one of no more GPUs holds at least as many tokens at no higher GPU-seconds per token.
+2. **Enumeration.** Every combination of pool strategies filling the GPUs (fewer idle GPUs than the smallest
+   strategy) whose largest replica holds the longest sequence; each is scored by a capacity-aware lower bound
+   (:func:`capacity_bound_s`), and the best few (and every homogeneous one) are evaluated exactly.
+3. **Evaluation.** The existing two-stage assignment (hetu_ext.data.packing.assign, ``hetu``) of every sampled
+   step's sequences over the deployment's replicas; the step time is the slowest replica's predicted time.
+
+The same functions price the baselines: homogeneous replicas of the smallest strategy able to hold the longest
+sequence with Megatron-style packs (``concat``: sequences laid end to end and cut every ``max_len`` tokens, each
+piece attending to itself; ``concat-causal``: Megatron-LM's default, attention over the whole pack), and the
+tenants trained one after another (each on all GPUs, on its own smallest strategy, Megatron-style packs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from hetu_ext.data.cost import LengthCost
+from hetu_ext.data.lengths import concat_split
+from hetu_ext.data.packing import ReplicaSpec, assign
+
+from .cost import CostModel, layer_params
+from .model_spec import ModelSpec
+from .plan import Pipeline, Plan, Stage
+
+DEGREES = (1, 2, 4, 8, 16)
+MIN_CAPACITY = 1024
+"""Fewest tokens a pool strategy must hold per microbatch (else more pipeline stages are tried)."""
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One replica shape: ``tp`` x ``pp`` GPUs, what one microbatch may hold, its per-stage cost."""
+
+    tp: int
+    pp: int
+    capacity: int
+    """Most tokens of one microbatch (memory bound)."""
+    replica: ReplicaSpec
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp
+
+    @property
+    def name(self) -> str:
+        return f"TP{self.tp}PP{self.pp}"
+
+
+@dataclass(frozen=True)
+class TenantLengths:
+    """A tenant as the planner sees it: a pool of its sequence lengths and its sequences per step."""
+
+    name: str
+    lengths: np.ndarray
+    samples: int
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """Replicas per strategy, and the predicted mean step time of the tenants' batches on them."""
+
+    counts: tuple[tuple[Strategy, int], ...]
+    step_s: float
+
+    @property
+    def gpus(self) -> int:
+        return sum(s.gpus * n for s, n in self.counts)
+
+    def describe(self) -> str:
+        return " + ".join(f"{n} x {s.name}" for s, n in self.counts if n)
+
+    def replicas(self) -> list[ReplicaSpec]:
+        return [s.replica for s, n in self.counts for _ in range(n)]
+
+
+def layer_cost(spec: ModelSpec, cost: CostModel, tp: int) -> LengthCost:
+    """Forward + backward seconds and memory of one transformer layer at TP ``tp`` with a frozen base (LoRA)."""
+    h, f = spec.hidden_size, spec.ffn_hidden_size
+    eff = cost.tp_efficiency.get(tp, 0.8)
+    b = 3 * 2.0 * (4 * h * h + 2 * h * f) / (cost.flops_per_s * tp * eff)
+    if tp > 1 and tp not in cost.tp_measured:  # 2 all-reduces of s x h forward, 2 backward, ring 2 (t-1)/t
+        b += 2 * 2 * h * cost.dtype_bytes * 2 * (tp - 1) / tp / cost.intra_node_bytes_per_s
+    a = 3 * 4.0 * h / (cost.flops_per_s * tp * eff)
+    return LengthCost(a=a, b=b, c=1e-4, memory_per_token_bytes=34 * h * cost.dtype_bytes / 2 / tp,
+                      memory_fixed_bytes=layer_params(spec) * cost.dtype_bytes / tp)
+
+
+def strategy_pool(spec: ModelSpec, cost: CostModel, *, gpu_memory_bytes: float, gpus_per_node: int,
+                  max_gpus: int, prune: bool = True) -> list[Strategy]:
+    """Every feasible (tp, pp) (holds >= 1 token per microbatch), dominated ones pruned (module docstring)."""
+    out = []
+    for tp, pp in itertools.product(DEGREES, DEGREES):
+        if tp > gpus_per_node or tp * pp > max_gpus or spec.num_layers % pp or spec.num_attention_heads % tp:
+            continue
+        layer = layer_cost(spec, cost, tp)
+        stage = layer.times_layers(spec.num_layers // pp)
+        capacity = int((gpu_memory_bytes - stage.memory_fixed_bytes) // (stage.memory_per_token_bytes * pp))
+        if capacity < 1:
+            continue
+        out.append(Strategy(tp, pp, capacity, ReplicaSpec(stage_costs=(stage,) * pp, token_capacity=capacity)))
+    if not prune:
+        return out
+    # pipeline stages add GPUs and bubbles but barely any capacity (1F1B keeps pp microbatches in flight on the
+    # first stage): per TP degree keep the fewest stages holding MIN_CAPACITY tokens; then drop a strategy when
+    # another of no more GPUs holds as many tokens at no higher GPU-seconds per token
+    per_tp = {}
+    for s in sorted(out, key=lambda s: s.pp):
+        if s.tp not in per_tp and (s.capacity >= MIN_CAPACITY or s.pp == max(o.pp for o in out if o.tp == s.tp)):
+            per_tp[s.tp] = s
+    kept = list(per_tp.values())
+
+    def per_token_gpu_s(s: Strategy) -> float:
+        return s.replica.stage_costs[0].b * s.gpus
+
+    return [s for s in kept if not any(o is not s and o.gpus <= s.gpus and o.capacity >= s.capacity
+                                       and per_token_gpu_s(o) <= per_token_gpu_s(s) for o in kept)]
+
+
+def sample_steps(tenants: Sequence[TenantLengths], *, steps: int, seed: int, max_len: int
+                 ) -> list[list[np.ndarray]]:
+    """Per step, each tenant's sequence lengths (drawn from its pool, truncated to ``max_len``)."""
+    rng = np.random.default_rng(seed)
+    return [[np.minimum(rng.choice(t.lengths, size=t.samples), max_len).astype(np.int64) for t in tenants]
+            for _ in range(steps)]
+
+
+def joint_time_s(lengths: np.ndarray, replicas: list[ReplicaSpec]) -> float:
+    """LobRA's step: the two-stage assignment of the whole batch over the replicas; the slowest replica's time."""
+    return max(assign(lengths.tolist(), replicas, method="hetu").predicted_s)
+
+
+def megatron_time_s(lengths: np.ndarray, replicas: list[ReplicaSpec], max_len: int, *, causal: bool) -> float:
+    """Megatron-style step: sequences end to end cut every ``max_len`` tokens, packs dealt to replicas in equal
+    runs; each piece attends to itself, or (``causal``) each pack attends over its whole length."""
+    pieces = concat_split(lengths, max_len)
+    if causal:
+        total = int(pieces.length.sum())
+        units = [max_len] * (total // max_len) + ([total % max_len] if total % max_len else [])
+    else:
+        units = pieces.length.tolist()
+    return max(assign(units, replicas, method="megatron").predicted_s)
+
+
+def smallest_holding(pool: list[Strategy], length: int) -> Strategy:
+    """The strategy of fewest GPUs holding ``length`` tokens (ties: the fastest per token)."""
+    fits = [s for s in pool if s.capacity >= length]
+    if not fits:
+        raise ValueError(f"no strategy holds a {length}-token sequence (largest capacity "
+                         f"{max(s.capacity for s in pool)} tokens); lower the max length or use GPUs with more memory")
+    return min(fits, key=lambda s: (s.gpus, s.replica.stage_costs[0].b * s.gpus))
+
+
+def homogeneous_s(pool, batches, *, world_size: int, max_len: int, packing: str = "concat"
+                  ) -> tuple[Strategy, float]:
+    """Mean step seconds of world_size // g replicas of the smallest strategy holding ``max_len``, with
+    Megatron-style packs of ``max_len`` tokens (``concat``, ``concat-causal``) or LobRA's dispatch (``hetu``)."""
+    strategy = smallest_holding(pool, max_len)
+    if packing == "hetu":
+        replicas = [strategy.replica] * (world_size // strategy.gpus)
+        return strategy, float(np.mean([joint_time_s(np.concatenate(step), replicas) for step in batches]))
+    replicas = [dataclasses.replace(strategy.replica, token_capacity=max_len)] * (world_size // strategy.gpus)
+    times = [megatron_time_s(np.concatenate(step), replicas, max_len, causal=packing == "concat-causal")
+             for step in batches]
+    return strategy, float(np.mean(times))
+
+
+def sequential_s(pool, batches, *, world_size: int, max_len: int) -> float:
+    """Mean step seconds of the tenants trained one after another, each on all GPUs with the smallest strategy
+    holding its own longest sequence and Megatron-style packs of that length."""
+    total = 0.0
+    for k in range(len(batches[0])):
+        longest = min(max(int(step[k].max()) for step in batches), max_len)
+        strategy = smallest_holding(pool, longest)
+        replicas = [dataclasses.replace(strategy.replica, token_capacity=longest)] * (world_size // strategy.gpus)
+        total += float(np.mean([megatron_time_s(step[k], replicas, longest, causal=False) for step in batches]))
+    return total
+
+
+def _fillings(pool: list[Strategy], world_size: int):
+    """Counts per pool strategy using the GPUs with fewer idle than the smallest strategy needs."""
+    smallest = min(s.gpus for s in pool)
+
+    def rec(i: int, left: int):
+        if i == len(pool):
+            if left < smallest:
+                yield ()
+            return
+        for n in range(left // pool[i].gpus, -1, -1):
+            for rest in rec(i + 1, left - n * pool[i].gpus):
+                yield (n, *rest)
+
+    yield from rec(0, world_size)
+
+
+def capacity_bound_s(lengths: np.ndarray, chosen: Sequence[tuple[Strategy, int]]) -> float:
+    """A fast capacity-aware lower bound on a deployment's step time for ``lengths``: for every capacity level
+    theta of the deployment, the sequences longer than theta can only run on replicas holding more than theta,
+    and even perfectly divided over those replicas' speeds their work takes at least this long; also the longest
+    sequence alone on the best replica that holds it. (hetu_ext.data.packing_bound prices all work on every
+    replica, which is loose when only a few replicas hold the long sequences.)"""
+    s = np.sort(lengths.astype(np.float64))
+    sq, tokens = np.cumsum((s * s)[::-1])[::-1], np.cumsum(s[::-1])[::-1]  # suffix sums from each position
+    stages = {id(st): st.replica.stage_costs[0] for st, _ in chosen}
+    bound = min(stages[id(st)].a * s[-1] ** 2 + stages[id(st)].b * s[-1] + stages[id(st)].c
+                for st, _ in chosen if st.capacity >= s[-1]) if s.size else 0.0
+    for theta in [0] + sorted({st.capacity for st, _ in chosen}):
+        first = int(np.searchsorted(s, theta, side="right"))
+        if first >= s.size:
+            break
+        holders = [(st, n) for st, n in chosen if st.capacity > theta]
+        if not holders:
+            return float("inf")
+        # replica r does work (a_r, b_r) per (sum s^2, sum s): divided optimally, the rates add
+        rate = sum(n / (stages[id(st)].a * sq[first] + stages[id(st)].b * tokens[first]) for st, n in holders)
+        bound = max(bound, 1.0 / rate)
+    return bound
+
+
+def plan_deployment(pool: list[Strategy], batches: list[list[np.ndarray]], *, world_size: int, max_len: int,
+                    keep: int = 8) -> Deployment:
+    """The deployment minimising the mean step time of ``batches`` (module docstring, steps 2-3): every filling
+    scored by :func:`capacity_bound_s` summed over the steps, the ``keep`` best (and every one-strategy filling)
+    evaluated with the two-stage assignment."""
+    steps = [np.concatenate(step) for step in batches]
+    longest = max(int(step.max()) for step in steps)
+    scored = []
+    for counts in _fillings(pool, world_size):
+        chosen = tuple((s, n) for s, n in zip(pool, counts) if n)
+        if not chosen or max(s.capacity for s, _ in chosen) < longest:
+            continue
+        scored.append((sum(capacity_bound_s(step, chosen) for step in steps), chosen))
+    if not scored:
+        raise ValueError(f"no deployment of {world_size} GPUs holds the longest sequence ({longest} tokens); "
+                         "use more GPUs, GPUs with more memory, or a shorter max length")
+    scored.sort(key=lambda item: item[0])
+    candidates = [chosen for _, chosen in scored[:keep]] + [c for _, c in scored[keep:] if len(c) == 1]
+    best = None
+    for chosen in candidates:
+        replicas = [s.replica for s, n in chosen for _ in range(n)]
+        step = float(np.mean([joint_time_s(b, replicas) for b in steps]))
+        if best is None or step < best.step_s:
+            best = Deployment(counts=chosen, step_s=step)
+    return best
+
+
+def deployment_plan(deployment: Deployment, *, num_layers: int, gpus_per_node: int) -> Plan:
+    """The deployment as a Plan: larger strategies first so that TP groups stay inside nodes; layers split evenly
+    over each pipeline's stages; one microbatch (packed runs choose their count per step)."""
+    pipelines, rank = [], 0
+    for strategy, n in sorted(deployment.counts, key=lambda item: -item[0].tp):
+        per = num_layers // strategy.pp
+        for _ in range(n):
+            stages = []
+            for p in range(strategy.pp):
+                if rank % gpus_per_node + strategy.tp > gpus_per_node:
+                    rank += gpus_per_node - rank % gpus_per_node  # not across a node boundary (never with powers of 2)
+                stages.append(Stage(ranks=tuple(range(rank, rank + strategy.tp)), layer_start=p * per,
+                                    layer_stop=(p + 1) * per, has_embedding=p == 0, has_output=p == strategy.pp - 1))
+                rank += strategy.tp
+            pipelines.append(Pipeline(stages=tuple(stages), num_microbatches=1))
+    return Plan(pipelines=tuple(pipelines))
+
+
+def lobra_cost_model(**overrides) -> CostModel:
+    """hetu_ext.plan.cost's A100-class defaults (bf16 weights), fields overridable."""
+    return dataclasses.replace(CostModel(), **overrides)
+
+
+
+def tenant_lengths(tenants, *, seed: int) -> list[TenantLengths]:
+    """The planner's view of a tenants file (hetu_ext.lora.tenants): each tenant's length pool from its
+    ``lengths`` spec and its sequences per step (the mean of a ``samples`` schedule, at least 1)."""
+    from hetu_ext.data.lengths import parse_length_spec
+
+    out = []
+    for t in tenants:
+        if t.lengths is None:
+            raise ValueError(f"tenant {t.name!r}: the planner reads sequence lengths from a 'lengths' spec; give one "
+                             "that describes its data_path's documents (e.g. {mode: file, path: lengths.txt})")
+        if t.samples is None:
+            raise ValueError(f"tenant {t.name!r}: the planner needs 'samples' (sequences per step), not 'tokens'")
+        lengths = np.asarray(parse_length_spec(dict(t.lengths)).sample(t.documents, seed + t.seed_offset))
+        out.append(TenantLengths(t.name, np.maximum(lengths, 1).astype(np.int64),
+                                 max(1, round(sum(t.samples) / len(t.samples)))))
+    return out
+
+
+def add_arguments(parser) -> None:
+    """``python -m hetu_ext.plan lobra``'s flags."""
+    parser.add_argument("--tenants", required=True, help="tenants file (YAML, as --hetu-lora-tenants)")
+    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory per GPU usable by a stage")
+    for flag in ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length"):
+        parser.add_argument(flag, type=int, required=True)
+    parser.add_argument("--ffn-hidden-size", type=int, default=None)
+    parser.add_argument("--vocab-size", type=int, default=50257)
+    parser.add_argument("--steps", type=int, default=8, help="sampled steps the deployment is evaluated on")
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--output", "-o", default=None, help="write the plan here (YAML, for --hetu-plan)")
+
+
+def run(args) -> tuple[Plan, str]:
+    """Plan a deployment for ``args`` (add_arguments' flags); the Plan and a report (table) to print."""
+    from hetu_ext.lora.tenants import load_tenants
+
+    for flag in ("world_size", "gpus_per_node", "num_layers", "hidden_size", "num_attention_heads", "seq_length",
+                 "steps"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    spec = ModelSpec(num_layers=args.num_layers, hidden_size=args.hidden_size,
+                     num_attention_heads=args.num_attention_heads, ffn_hidden_size=args.ffn_hidden_size,
+                     vocab_size=args.vocab_size, seq_length=args.seq_length)
+    tenants = tenant_lengths(load_tenants(args.tenants), seed=args.seed)
+    pool = strategy_pool(spec, lobra_cost_model(), gpu_memory_bytes=args.gpu_memory_gib * 2**30,
+                         gpus_per_node=args.gpus_per_node, max_gpus=args.world_size)
+    if not pool:
+        raise ValueError(f"no (tp, pp) of at most {args.world_size} GPUs holds one token of this model in "
+                         f"{args.gpu_memory_gib} GiB per GPU; use more GPUs or GPUs with more memory")
+    batches = sample_steps(tenants, steps=args.steps, seed=args.seed, max_len=args.seq_length)
+    best = plan_deployment(pool, batches, world_size=args.world_size, max_len=args.seq_length)
+    strategy, homo = homogeneous_s(pool, batches, world_size=args.world_size, max_len=args.seq_length)
+    seq = sequential_s(pool, batches, world_size=args.world_size, max_len=args.seq_length)
+    plan = deployment_plan(best, num_layers=args.num_layers, gpus_per_node=args.gpus_per_node)
+    n = args.world_size
+    lines = ["strategy  GPUs  capacity (tokens)  replicas",
+             "--------  ----  -----------------  --------"]
+    chosen = dict((s.name, k) for s, k in best.counts)
+    lines += [f"{s.name:<8}  {s.gpus:>4}  {s.capacity:>17}  {chosen.get(s.name, 0):>8}" for s in pool]
+    lines += ["", f"deployment: {best.describe()} ({best.gpus} of {n} GPUs)",
+              f"predicted step: LobRA {best.step_s:.3f} s ({best.step_s * n:.1f} GPU-s); homogeneous {n // strategy.gpus}"
+              f" x {strategy.name}, Megatron-style packs {homo:.3f} s ({homo * n:.1f} GPU-s); tenants one after "
+              f"another {seq:.3f} s ({seq * n:.1f} GPU-s)"]
+    return plan, "\n".join(lines)
