@@ -1,5 +1,6 @@
 """``python -m hetu_ext.plan show FILE``: print a plan as a table, after validating it.
-``python -m hetu_ext.plan malleus ...``: plan around stragglers (Malleus) and write the plan as YAML."""
+``python -m hetu_ext.plan malleus ...``: plan around stragglers (Malleus) and write the plan as YAML.
+``python -m hetu_ext.plan lobra ...``: replicas for many tenants' LoRA fine-tuning (LobRA), written as YAML."""
 
 from __future__ import annotations
 
@@ -41,9 +42,17 @@ def main(argv: list[str] | None = None) -> int:
     mal.add_argument("--output", "-o", default=None, help="write the plan here (default: print only)")
     mal.add_argument("--use-distributed-optimizer", action="store_true",
                      help="the run shards optimizer state over each element's holders: plan with that memory")
+    # --- LobRA (issue 16): deployment of heterogeneous replicas for tenants' LoRA fine-tuning ---
+    from . import lobra
+
+    lobra.add_arguments(sub.add_parser("lobra", help="choose replicas (TP x PP each) for many tenants' LoRA "
+                                                     "fine-tuning and write the plan (YAML) for --hetu-plan"))
+    # --- end LobRA ---
     args = parser.parse_args(argv)
     if args.command == "malleus":
         return _malleus(args, parser)
+    if args.command == "lobra":  # LobRA (issue 16)
+        return _lobra(args)
     try:
         plan = load_plan(args.file)
         model, checked = _model_to_check(args, plan)
@@ -128,6 +137,23 @@ def _malleus(args, parser) -> int:
         sys.stdout.flush()
     except BrokenPipeError:  # the reader stopped early (| head): the plan is written, the rest is not wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at interpreter exit
+    return 0
+
+
+def _lobra(args) -> int:  # --- LobRA (issue 16) ---
+    from .lobra import run
+
+    try:
+        plan, report = run(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.output:
+        _write_atomically(Path(args.output), dump_plan(plan))
+    print(format_plan(plan))
+    print(report)
+    if args.output:
+        print(f"wrote {args.output} (train with --hetu-plan {args.output} --hetu-lora-tenants {args.tenants})")
     return 0
 
 
