@@ -10,7 +10,7 @@ One launch per group of checks:
 * **C**: rank 1 emulated 4x slow from step 1, ``--hetu-straggler-interval 1``: the monitor detects it, the slow rank
   runs fewer microbatches (e.g. 6 and 2 instead of 4 and 4), and every loss equals A's (the entry point added
   ``--calculate-per-token-loss``, so the global batch's loss does not depend on which rank ran which sample);
-* **H**: a heterogeneous plan (pipelines of 3 and 1 microbatches) handed to hetu_ext's trainer;
+* **H**: a heterogeneous plan (pipelines of 6 and 2 microbatches) handed to hetu_ext's trainer;
 * a checkout whose ``train_step`` is gone is refused naming the symbol and the tested tag; bad combinations exit 2
   with one line (no launch).
 
@@ -128,10 +128,10 @@ def test_megatron_lm_straggler_weighting(reference):
 
 HETERO = """
 pipelines:
-  - num_microbatches: 3
+  - num_microbatches: 6
     stages:
       - {ranks: [0], layers: [0, 2]}
-  - num_microbatches: 1
+  - num_microbatches: 2
     stages:
       - {ranks: [1], layers: [0, 2]}
 """
@@ -146,7 +146,7 @@ def test_megatron_lm_hetero_plan_handed_to_hetu_trainer(tmp_path):
     flags[flags.index("--train-iters") + 1] = "4"
     proc = torchrun(tmp_path, *flags, "--hetu-plan", str(plan))
     out = proc.stdout + proc.stderr
-    assert "2 pipeline(s), 4 microbatches per global batch" in out, out[-3000:]
+    assert "2 pipeline(s), 8 microbatches per global batch" in out, out[-3000:]
     losses = step_losses(out)
     assert sorted(losses) == [1, 2, 3, 4] and losses[4] < losses[1], out[-3000:]
 

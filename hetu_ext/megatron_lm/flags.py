@@ -158,7 +158,7 @@ def parse_invocation(argv: list[str]) -> Invocation:
     if not argv or argv[0].startswith("-"):
         raise ValueError("give the Megatron-LM script first: python -m hetu_ext.megatron_lm "
                          "PATH/TO/Megatron-LM/pretrain_gpt.py <its flags> --hetu-...")
-    script = Path(argv[0]).resolve()
+    script = Path(argv[0]).absolute()  # not resolve(): a linked script keeps its checkout
     if not script.is_file():
         raise ValueError(f"{argv[0]}: no such file; give the pretrain_gpt.py of your Megatron-LM checkout")
     parser = hetu_parser()
