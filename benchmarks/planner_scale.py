@@ -1,13 +1,21 @@
-"""Malleus planner: planning time and predicted speed-up over Megatron's uniform plan, 64 to 4096 GPUs.
+"""Malleus planner: planning time and predicted speed-up over Megatron's uniform plans, 64 to 4096 GPUs.
 
-    python benchmarks/planner_scale.py [--seed 0]
+    python benchmarks/planner_scale.py [--seed 0] [--tp-efficiency configs/calibration/tp_efficiency_cpu.yaml]
 
 A GPT of 32 layers, hidden 4096, 32 heads, sequence 4096, micro batch 1, 4 microbatches per GPU of global batch;
 nodes of 8 GPUs with 80 GiB. Stragglers: 1% and 5% of the GPUs, slowdowns drawn from Malleus's experiments
-{1.5, 2, 3, 5, 12.5}. Uniform baseline: TP 8, PP 4, DP = GPUs / 32 (Megatron-LM's usual layout for this size),
-its step time predicted by the same cost model (a straggler slows its stage, so its whole step). Planning time is
-the median of 3 runs of the pure planner (no process group). Targets: <= 0.1 s at 64 GPUs, <= 1 s at 1024.
-Ends with one JSON line.
+{1.5, 2, 3, 5, 12.5}. Two uniform baselines, their step times predicted by the same cost model:
+
+* TP 8 x PP 4 x DP = GPUs / 32 (Megatron-LM's usual layout for this size, all GPUs kept: a straggler slows its
+  stage, so its whole step);
+* the best uniform layout (:func:`best_uniform`): every TP x PP x DP that fits memory (TP in a node, PP dividing
+  the layers, DP dividing the global batch's microbatches), on all GPUs or after dropping the slowest (every
+  cutoff: the ranks slower than it are left out, restart cost not counted), stragglers kept placed where they
+  cost least. This is what a user restarting without the slow GPUs would pick.
+
+Planning time is the median of 3 runs of the pure planner (no process group). Targets: <= 0.1 s at 64 GPUs,
+<= 1 s at 1024. The TP efficiencies are the cost model's assumed constants unless ``--tp-efficiency FILE`` gives
+measured ones (``python -m hetu_ext.data.calibrate``; degrees not in it keep the constants). Ends with one JSON line.
 """
 
 from __future__ import annotations
@@ -19,21 +27,85 @@ import statistics
 import time
 
 from hetu_ext.plan.cluster import Cluster
-from hetu_ext.plan.malleus import plan_malleus, predict_uniform
+from hetu_ext.plan.cost import CostModel, load_tp_efficiency, stage_cost, with_measured_tp
+from hetu_ext.plan.malleus import plan_malleus, predict, predict_uniform
 from hetu_ext.plan.model_spec import ModelSpec
+from hetu_ext.plan.plan import uniform_plan
 
 SPEC = ModelSpec(num_layers=32, hidden_size=4096, num_attention_heads=32, vocab_size=50257, seq_length=4096)
 SLOWDOWNS = (1.5, 2.0, 3.0, 5.0, 12.5)
 
 
+def best_uniform(cluster: Cluster, spec: ModelSpec, *, micro_batch: int, num_microbatches: int,
+                 cost: CostModel = CostModel(), tp_degrees: tuple[int, ...] = (1, 2, 4, 8)) -> dict:
+    """The fastest Megatron uniform layout (TP x PP x DP, rank order tp-dp-pp) on the cluster or on what is left
+    of it after dropping every rank slower than a cutoff (each distinct slowdown tried, keep-all included).
+
+    TP groups form inside a node from its kept ranks (fastest first); the layout uses the pp x dp groups whose
+    slowest member is least; DP divides ``num_microbatches`` (Megatron's global batch rule) and PP the layers;
+    every stage must fit ``cluster.gpu_memory_bytes`` with 1F1B's in-flight microbatches. The kept stragglers are
+    placed along pipeline 0's stages, slowest first (one slowed pipeline, the others healthy: the least a uniform
+    layout loses to them). Ranks beyond the pp x dp groups stay spare (DP must divide the global batch: with 256
+    microbatches, 63 healthy GPUs run a layout of 32). Returns ``{"step_s", "tp", "pp", "dp", "ranks", "dropped",
+    "slowdowns"}``: ``ranks`` the original ranks in the layout's rank order, ``slowdowns`` by the layout's rank,
+    ``dropped`` the ranks it leaves out (too slow, or spare)."""
+    best = None
+    cutoffs = sorted({cluster.slowdown(r) for r in range(cluster.world_size)}, reverse=True)
+    for cutoff in cutoffs:
+        kept_by_node = [sorted((r for r in node if cluster.slowdown(r) <= cutoff), key=cluster.slowdown)
+                        for node in cluster.nodes]
+        for tp in tp_degrees:
+            if tp > cluster.gpus_per_node or spec.num_attention_heads % tp or spec.ffn_hidden_size % tp:
+                continue
+            groups = [ranks[k:k + tp] for ranks in kept_by_node for k in range(0, len(ranks) - tp + 1, tp)]
+            groups.sort(key=lambda g: (max(map(cluster.slowdown, g)), g))
+            for pp in (p for p in range(1, spec.num_layers + 1) if spec.num_layers % p == 0):
+                for dp in (d for d in range(1, len(groups) // pp + 1) if num_microbatches % d == 0):
+                    m = num_microbatches // dp
+                    if not _fits(spec, cost, cluster.gpu_memory_bytes, tp, pp, m, micro_batch):
+                        continue
+                    used = groups[:pp * dp]
+                    slow = sorted((cluster.slowdown(r) for g in used for r in g if cluster.slowdown(r) > 1),
+                                  reverse=True)
+                    order = [t + tp * (d + dp * p) for d in range(dp) for p in range(pp) for t in range(tp)]
+                    layout_slow = dict(zip(order, slow))
+                    n = tp * pp * dp
+                    virtual = Cluster(world_size=n, gpus_per_node=cluster.gpus_per_node,
+                                      gpu_memory_bytes=cluster.gpu_memory_bytes, slowdowns=layout_slow)
+                    plan = uniform_plan(world_size=n, tp=tp, pp=pp, num_layers=spec.num_layers, num_microbatches=m)
+                    step = predict(plan, virtual, spec, micro_batch=micro_batch, cost=cost)
+                    if best is None or step < best["step_s"]:
+                        ranks = [r for g in used for r in g]
+                        best = {"step_s": step, "tp": tp, "pp": pp, "dp": dp, "ranks": ranks,
+                                "dropped": sorted(set(range(cluster.world_size)) - set(ranks)),
+                                "slowdowns": layout_slow}
+    if best is None:
+        raise ValueError("best_uniform: no uniform layout fits")
+    return best
+
+
+def _fits(spec: ModelSpec, cost: CostModel, memory: int, tp: int, pp: int, m: int, micro_batch: int) -> bool:
+    per_stage = spec.num_layers // pp
+    return all(stage_cost(spec, cost, num_layers=per_stage, tp=tp, slowdown=1.0, micro_batch=micro_batch,
+                          first=j == 0, last=j == pp - 1, in_flight=min(pp - j, m)).memory_bytes <= memory
+               for j in range(pp))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tp-efficiency", default=None, help="measured TP efficiencies (YAML from python -m "
+                        "hetu_ext.data.calibrate); default: the cost model's constants")
     args = parser.parse_args()
     rng = random.Random(args.seed)
-    print(f"config: {SPEC}, micro batch 1, 4 microbatches per GPU, 8 GPUs x 80 GiB per node, seed {args.seed}")
-    print(f"{'gpus':>6} {'stragglers':>10} {'plan_s':>8} {'template':<34} {'uniform_s':>10} {'hetu_s':>9} "
-          f"{'speedup':>8}")
+    cost = CostModel()
+    if args.tp_efficiency:
+        cost = with_measured_tp(cost, load_tp_efficiency(args.tp_efficiency))
+    source = f"measured {args.tp_efficiency}" if args.tp_efficiency else "assumed constants"
+    print(f"config: {SPEC}, micro batch 1, 4 microbatches per GPU, 8 GPUs x 80 GiB per node, seed {args.seed}; "
+          f"TP efficiency {cost.tp_efficiency} ({source})")
+    print(f"{'gpus':>6} {'stragglers':>10} {'plan_s':>8} {'template':<34} {'tp8pp4_s':>9} {'best_uniform':<28} "
+          f"{'best_s':>7} {'hetu_s':>7} {'vs_tp8pp4':>9} {'vs_best':>7}")
     results = []
     for gpus in (64, 256, 1024, 4096):
         for share in (0.01, 0.05):
@@ -44,16 +116,22 @@ def main() -> None:
             times = []
             for _ in range(3):
                 start = time.perf_counter()
-                planned = plan_malleus(cluster, SPEC, micro_batch=1, num_microbatches=microbatches)
+                planned = plan_malleus(cluster, SPEC, micro_batch=1, num_microbatches=microbatches, cost=cost)
                 times.append(time.perf_counter() - start)
-            uniform = predict_uniform(cluster, SPEC, tp=8, pp=4, micro_batch=1, num_microbatches=microbatches)
-            speedup = uniform / planned.predicted_step_s
+            uniform = predict_uniform(cluster, SPEC, tp=8, pp=4, micro_batch=1, num_microbatches=microbatches,
+                                      cost=cost)
+            best = best_uniform(cluster, SPEC, micro_batch=1, num_microbatches=microbatches, cost=cost)
+            layout = f"tp{best['tp']} pp{best['pp']} dp{best['dp']} on {len(best['ranks'])}/{gpus}"
+            speedup, best_speedup = uniform / planned.predicted_step_s, best["step_s"] / planned.predicted_step_s
             seconds = statistics.median(times)
-            print(f"{gpus:>6} {count:>10} {seconds:>8.3f} {planned.template:<34} {uniform:>10.2f} "
-                  f"{planned.predicted_step_s:>9.2f} {speedup:>8.2f}")
+            print(f"{gpus:>6} {count:>10} {seconds:>8.3f} {planned.template:<34} {uniform:>9.2f} {layout:<28} "
+                  f"{best['step_s']:>7.2f} {planned.predicted_step_s:>7.2f} {speedup:>9.2f} {best_speedup:>7.2f}")
             results.append({"gpus": gpus, "stragglers": count, "plan_seconds": round(seconds, 4),
-                            "predicted_speedup": round(speedup, 3)})
-    print(json.dumps({"results": results}))
+                            "predicted_speedup": round(speedup, 3), "best_uniform_speedup": round(best_speedup, 3),
+                            "best_uniform": {k: best[k] for k in ("tp", "pp", "dp")} | {
+                                "gpus_used": len(best["ranks"]), "step_s": round(best["step_s"], 3)}})
+    print(json.dumps({"tp_efficiency": {str(k): v for k, v in cost.tp_efficiency.items()},
+                      "tp_efficiency_source": source, "results": results}))
 
 
 if __name__ == "__main__":
