@@ -229,9 +229,12 @@ def capacity_bound_s(lengths: np.ndarray, chosen: Sequence[tuple[Strategy, int]]
         holders = [(st, n) for st, n in chosen if st.capacity > theta]
         if not holders:
             return float("inf")
-        # replica r does work (a_r, b_r) per (sum s^2, sum s): divided optimally, the rates add
-        rate = sum(n / (stages[id(st)].a * sq[first] + stages[id(st)].b * tokens[first]) for st, n in holders)
-        bound = max(bound, 1.0 / rate)
+        # price the work on a reference cost; replica r needs at least m_r = min(a_r / a_ref, b_r / b_ref) seconds
+        # per reference second of any part of it, so T >= W_ref / sum_r (1 / m_r) however the work is divided
+        ref = stages[id(holders[0][0])]
+        work = ref.a * sq[first] + ref.b * tokens[first]
+        speed = sum(n / min(stages[id(st)].a / ref.a, stages[id(st)].b / ref.b) for st, n in holders)
+        bound = max(bound, work / speed)
     return bound
 
 
