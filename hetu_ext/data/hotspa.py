@@ -334,3 +334,15 @@ def group_seconds(plan: Plan, spec: ModelSpec, cost: CostTable, lengths: list[in
     if not lengths:
         return 0.0
     return max(assign(lengths, replicas, method="hetu").predicted_s)
+
+
+def frontier(strategies: Strategies, probe_s: Sequence[float]) -> Strategies:
+    """The strategies no other one dominates (holds as long sequences and is as fast on a probe, ``probe_s``:
+    each strategy's predicted seconds for the same short sequences), the home always kept: the dynamic program's
+    candidates (auto mode offers every uniform shape; most are slower than another that holds as much)."""
+    items = strategies.items
+    keep = [k for k in range(len(items)) if k == strategies.home or not any(
+        j != k and items[j].max_len >= items[k].max_len and probe_s[j] <= probe_s[k]
+        and (items[j].max_len > items[k].max_len or probe_s[j] < probe_s[k] or j < k) for j in range(len(items)))]
+    return Strategies(items=tuple(items[k] for k in keep), home=keep.index(strategies.home),
+                      home_first=strategies.home_first)
