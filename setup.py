@@ -12,7 +12,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["hetu_ext", "hetu_ext.*"]) + ["hetu_ext.patches"],
     package_dir={"hetu_ext.patches": "patches"},
-    package_data={"hetu_ext": ["data/samples/*", "diffusion/toy_model/*", "diffusion/toy_model/*/*"]},
+    package_data={"hetu_ext": ["data/samples/*"]},
     install_requires=["numpy", "pyyaml>=6", "safetensors>=0.4"],
     extras_require={
         "cpu": [TORCH],
@@ -22,8 +22,8 @@ setup(
         "dev": ["pytest>=8", "pytest-timeout", "scipy>=1.9", "tensorboard>=2.14"],
         "diffusion": [TORCH, "diffusers>=0.30", "transformers>=4.40"],
         "plot": ["matplotlib>=3.7"],
-        "metrics": ["tensorboard>=2.14"],
-        "lora": [TORCH, "peft>=0.13", "transformers>=4.40"],  # LobRA: PEFT export of tenants' adapters (tests load it)  # --tensorboard-dir (wandb for --wandb-project is the user's to install)
+        "metrics": ["tensorboard>=2.14"],  # --tensorboard-dir (wandb for --wandb-project is the user's to install)
+        "lora": [TORCH, "peft>=0.13", "transformers>=4.40"],  # LobRA: PEFT export of tenants' adapters
     },
     entry_points={"console_scripts": ["hetu-plan=hetu_ext.plan.__main__:main",
                                       "hetu-ckpt=hetu_ext.checkpoint.__main__:main"]},
