@@ -10,6 +10,7 @@ One launch per group of checks:
 * **C**: rank 1 emulated 4x slow from step 1, ``--hetu-straggler-interval 1``: the monitor detects it, the slow rank
   runs fewer microbatches (e.g. 6 and 2 instead of 4 and 4), and every loss equals A's (the entry point added
   ``--calculate-per-token-loss``, so the global batch's loss does not depend on which rank ran which sample);
+* **P**: ``--hetu-packing balanced`` on DP 2 equals ``--hetu-packing unpacked`` on one rank;
 * **H**: a heterogeneous plan (pipelines of 6 and 2 microbatches) handed to hetu_ext's trainer;
 * a checkout whose ``train_step`` is gone is refused naming the symbol and the tested tag; bad combinations exit 2
   with one line (no launch).
@@ -126,6 +127,37 @@ def test_megatron_lm_straggler_weighting(reference):
     assert_close(step_losses(out), step_losses(log), range(1, 7))
 
 
+LENGTHS = ('{"mode": "distribution", "type": "lognormal", "min_seq_len": 2, "max_seq_len": 300, '
+           '"mean_seq_len": 40, "lognormal_sigma": 1.0}')
+PACKING = [*COMMON, "--global-batch-size", "16", "--train-iters", "3", "--hetu-varlen-mock", LENGTHS,
+           "--hetu-mock-documents", "2000"]  # the later --global-batch-size and --train-iters win (argparse)
+
+
+@needs_checkout
+def test_megatron_lm_packing_equals_unpacked(tmp_path):
+    """Launch P: Hydraulis's balanced packs on DP 2 (THD packs through pretrain_gpt.py's get_batch into hetu_ext's
+    packed attention, fewer microbatches than sequences) train as the unpacked reference on one rank (one sequence
+    per microbatch, ordinary causal attention; a single process, no torchrun)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "TMPDIR": str(tmp_path), "RANK": "0",
+           "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    ref = subprocess.run([sys.executable, "-m", "hetu_ext.megatron_lm", str(SCRIPT), *PACKING, "--hetu-packing",
+                          "unpacked"], capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
+    proc = torchrun(tmp_path, *PACKING, "--hetu-packing", "balanced")
+    out = proc.stdout + proc.stderr
+    packs = [(int(s), int(p)) for s, p in re.findall(r"(\d+) sequences, \d+ tokens \| (\d+) packs", out)]
+    assert len(packs) == 3 and all(p < s / 2 for s, p in packs), out[-3000:]  # DP rank 0 packs < its share
+    assert_close(step_losses(out), step_losses(ref.stdout + ref.stderr), [1, 2, 3])
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 HETERO = """
 pipelines:
   - num_microbatches: 6
@@ -191,6 +223,11 @@ def test_megatron_lm_patch_point_check_names_symbol_and_tag():
     (["--hetu-metrics-file", "m.jsonl"], "--hetu-metrics-file"),
     (["--hetu-straggler-interval", "2", "--dataloader-type", "cyclic"], "--dataloader-type"),
     (["--hetu-config", "x.yaml"], "--hetu-config"),
+    (["--hetu-packing", "balanced", "--hetu-varlen-mock", LENGTHS, "--hetu-straggler-interval", "2"],
+     "--hetu-straggler-interval"),
+    (["--hetu-packing", "balanced", "--micro-batch-size", "2", "--hetu-varlen-mock", LENGTHS],
+     "--micro-batch-size"),
+    (["--hetu-packing", "balanced"], "--hetu-varlen-mock"),
 ])
 def test_megatron_lm_refuses_unsupported_combinations(tmp_path, capsys, flags, needle):
     plan = tmp_path / "hetero.yaml"

@@ -34,11 +34,14 @@ HETU_PREFIX = "--hetu-"
 NATIVE_FLAGS = ("--hetu-cpu-patches", "--hetu-ckpt-format", "--hetu-ckpt-keep", "--hetu-ckpt-fallback",
                 "--hetu-ckpt-read", "--hetu-straggler-interval", "--hetu-straggler-threshold",
                 "--hetu-straggler-min-change", "--hetu-straggler-window", "--hetu-emulate-slowdown",
-                "--hetu-emulate-layer-ms")
+                "--hetu-emulate-layer-ms", "--hetu-packing", "--hetu-global-batch-tokens", "--hetu-cost-model",
+                "--hetu-varlen-mock", "--hetu-mock-documents")
 """The ``--hetu-*`` flags served by hooks on Megatron-LM's own loop."""
 
-HANDOFF_FLAGS = ("--hetu-plan", "--hetu-runtime", "--hetu-straggler-replan", "--hetu-migrate", "--hetu-packing")
-"""Flags whose non-default value hands the run to hetu_ext's trainer (Megatron-LM's grid cannot hold it)."""
+HANDOFF_FLAGS = ("--hetu-plan", "--hetu-runtime", "--hetu-straggler-replan", "--hetu-migrate")
+"""Flags whose non-default value hands the run to hetu_ext's trainer (Megatron-LM's grid cannot hold it); so does
+``--hetu-packing`` with tensor or pipeline parallelism (Megatron-LM broadcasts fixed-shape batches to TP ranks and
+passes fixed-shape activations between stages)."""
 
 MOE_FLAGS = ("--num-experts", "--moe-layer-freq", "--expert-model-parallel-size", "--moe-router-topk",
              "--moe-grouped-gemm", "--moe-token-dispatcher-type", "--expert-tensor-parallel-size")
@@ -58,6 +61,10 @@ class MegatronFlags:
     micro_batch_size: int | None = None
     global_batch_size: int | None = None
     ckpt_step: int | None = None
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    mock_data: bool = False
+    data_path: list[str] | None = None
     present: list[str] = field(default_factory=list)
     """Every ``--flag`` of the Megatron-LM command line (as typed, without ``=value``)."""
 
@@ -128,6 +135,10 @@ def megatron_flags(argv: list[str]) -> MegatronFlags:
     parser.add_argument("--micro-batch-size", type=int)
     parser.add_argument("--global-batch-size", type=int)
     parser.add_argument("--ckpt-step", type=int)
+    parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    parser.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    parser.add_argument("--mock-data", action="store_true")
+    parser.add_argument("--data-path", nargs="*")
     known, _ = parser.parse_known_args(argv)
     present = [t.split("=", 1)[0] for t in argv if t.startswith("--")]
     return MegatronFlags(**vars(known), present=present)
@@ -137,7 +148,7 @@ def _given(hetu_argv: list[str]) -> list[str]:
     return [t.split("=", 1)[0] for t in hetu_argv if t.startswith(HETU_PREFIX)]
 
 
-def handoff_reasons(ns: argparse.Namespace) -> list[str]:
+def handoff_reasons(ns: argparse.Namespace, m: MegatronFlags | None = None) -> list[str]:
     asked = []
     if ns.hetu_plan is not None:
         asked.append(f"--hetu-plan {ns.hetu_plan}")
@@ -147,7 +158,8 @@ def handoff_reasons(ns: argparse.Namespace) -> list[str]:
         asked.append(f"--hetu-straggler-replan {ns.hetu_straggler_replan}")
     if ns.hetu_migrate is not None:
         asked.append("--hetu-migrate")
-    if ns.hetu_packing != "off":
+    if ns.hetu_packing != "off" and m is not None and (m.tensor_model_parallel_size > 1 or
+                                                        m.pipeline_model_parallel_size > 1):
         asked.append(f"--hetu-packing {ns.hetu_packing}")
     return asked
 
@@ -169,13 +181,14 @@ def parse_invocation(argv: list[str]) -> Invocation:
     ns = parser.parse_args(hetu_argv)
     mflags = megatron_flags(megatron_argv)
     inv = Invocation(script=script, megatron_argv=megatron_argv, hetu=ns, hetu_argv=hetu_argv, megatron=mflags,
-                     mode="handoff" if handoff_reasons(ns) else "megatron")
+                     mode="handoff" if handoff_reasons(ns, mflags) else "megatron")
     if inv.mode == "handoff":
+        why = handoff_reasons(ns, mflags)[0]
         moe = [f for f in mflags.present if f in MOE_FLAGS]
         if moe:
-            raise ValueError(f"{moe[0]} (MoE) cannot go with {handoff_reasons(ns)[0]}: hetu_ext's trainer, which runs "
-                             "plans Megatron-LM's grid cannot hold, builds dense GPT models only; drop "
-                             f"{handoff_reasons(ns)[0]} to train MoE on Megatron-LM's grid")
+            raise ValueError(f"{moe[0]} (MoE) cannot go with {why}: hetu_ext's trainer, which runs plans "
+                             "Megatron-LM's grid cannot hold, builds dense GPT models only; drop "
+                             f"{why} to train MoE on Megatron-LM's grid")
         return inv
     _check_native(inv)
     return inv
@@ -211,6 +224,7 @@ def _check_native(inv: Invocation) -> None:
             inv.megatron.calculate_per_token_loss = True
             inv.notes.append("--hetu-straggler-interval: added --calculate-per-token-loss (with microbatches "
                              "weighted per data-parallel rank, only a per-token mean keeps the global batch's loss)")
+    _check_packing(inv)
     if ns.hetu_ckpt_keep < 1:
         raise ValueError(f"--hetu-ckpt-keep must be >= 1, got {ns.hetu_ckpt_keep}")
     if inv.hetu_checkpoints:
@@ -220,3 +234,43 @@ def _check_native(inv: Invocation) -> None:
                              "--use-distributed-optimizer")
         if m.load is not None and not Path(m.load).is_dir():
             raise ValueError(f"--load {m.load}: no such directory; give the --save directory of an earlier run")
+
+
+def _check_packing(inv: Invocation) -> None:
+    ns, m = inv.hetu, inv.megatron
+    for name in ("hetu_global_batch_tokens", "hetu_mock_documents"):
+        value = getattr(ns, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if ns.hetu_packing == "off":
+        for name in ("hetu_global_batch_tokens", "hetu_varlen_mock", "hetu_cost_model"):
+            if getattr(ns, name) is not None:
+                raise ValueError(f"--{name.replace('_', '-')} needs --hetu-packing other than off (packed "
+                                 "documents); add e.g. --hetu-packing balanced")
+        return
+    method = f"--hetu-packing {ns.hetu_packing}"
+    if m.micro_batch_size not in (None, 1):
+        raise ValueError(f"{method}: a THD pack is one row, so --micro-batch-size must be 1 (got "
+                         f"{m.micro_batch_size}); --seq-length is the most tokens of a pack")
+    if ns.hetu_straggler_interval:
+        raise ValueError(f"{method} cannot go with --hetu-straggler-interval on Megatron-LM's loop yet (both set "
+                         "the microbatches per rank); drop one, or add --hetu-runtime plan to run both in hetu_ext's "
+                         "trainer")
+    if m.mock_data and ns.hetu_varlen_mock is None:
+        raise ValueError(f"{method} with --mock-data needs --hetu-varlen-mock JSON (the document lengths), e.g. "
+                         "'{\"mode\": \"distribution\", \"type\": \"lognormal\", ...}'")
+    if not m.mock_data and (not m.data_path or len(m.data_path) != 1):
+        raise ValueError(f"{method} reads the documents of one indexed dataset: give --data-path PREFIX (one, no "
+                         f"blend; got {m.data_path}) or --mock-data with --hetu-varlen-mock")
+    if ns.hetu_varlen_mock is not None:
+        from hetu_ext.data.lengths import parse_length_spec
+
+        try:
+            parse_length_spec(ns.hetu_varlen_mock)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"--hetu-varlen-mock {ns.hetu_varlen_mock}: {exc}") from exc
+    if not m.calculate_per_token_loss:
+        inv.megatron_argv.append("--calculate-per-token-loss")
+        m.calculate_per_token_loss = True
+        inv.notes.append(f"{method}: added --calculate-per-token-loss (packs hold different token counts; only a "
+                         "per-token mean keeps the global batch's loss)")

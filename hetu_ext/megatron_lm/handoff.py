@@ -37,7 +37,7 @@ with that value; with another value refused."""
 def translate(inv: Invocation) -> list[str]:
     """The argv for hetu_ext's trainer; ValueError naming the first Megatron-LM flag it cannot honour."""
     known = {s for a in build_parser()._actions for s in a.option_strings}
-    why = handoff_reasons(inv.hetu)[0]
+    why = handoff_reasons(inv.hetu, inv.megatron)[0]
     out, argv, i = [], inv.megatron_argv, 0
     while i < len(argv):
         token = argv[i]

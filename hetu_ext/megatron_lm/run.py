@@ -117,6 +117,16 @@ def feature_hooks(inv: Invocation) -> list:
                                  window=ns.hetu_straggler_window)
         hooks += StragglerWeighting(interval=ns.hetu_straggler_interval, policy=policy,
                                     emulate=ns.hetu_emulate_slowdown, layer_ms=ns.hetu_emulate_layer_ms).patches()
+    if inv.hetu.hetu_packing != "off":
+        from hetu_ext.config import PackingConfig
+
+        from .packing import MegatronLMPacking
+
+        ns = inv.hetu
+        config = PackingConfig(method=ns.hetu_packing, global_batch_tokens=ns.hetu_global_batch_tokens,
+                               cost_model=ns.hetu_cost_model, varlen_mock=ns.hetu_varlen_mock,
+                               mock_documents=ns.hetu_mock_documents)
+        hooks += MegatronLMPacking(config).patches()
     return hooks
 
 
