@@ -142,13 +142,13 @@ def load_strategies(path: str | Path, *, model: ModelSpec, world_size: int) -> S
                                 base=path.parent)
 
 
-def auto_strategies(model: ModelSpec, world_size: int, cost: CostTable) -> Strategies:
-    """Every uniform TP x PP x DP over ``world_size`` (TP degrees of ``cost``, PP dividing the layers) whose
-    memory holds a pack, ``max_len`` = its capacity (the cost table's memory model, at most --seq-length); home:
-    the one holding the longest sequences (ties: the fastest per token)."""
+def auto_strategies(model: ModelSpec, world_size: int, cost: CostTable, max_pp: int = 8) -> Strategies:
+    """Every uniform TP x PP x DP over ``world_size`` (TP degrees of ``cost``, PP <= ``max_pp`` dividing the
+    layers) whose memory holds a pack, ``max_len`` = its capacity (the cost table's memory model, at most
+    --seq-length); home: the one holding the longest sequences (ties: the fastest per token)."""
     items = []
     for tp in sorted(cost.per_tp):
-        for pp in range(1, model.num_layers + 1):
+        for pp in range(1, min(max_pp, model.num_layers) + 1):
             if world_size % (tp * pp) or model.num_layers % pp:
                 continue
             plan = uniform_plan(world_size=world_size, tp=tp, pp=pp, num_layers=model.num_layers,

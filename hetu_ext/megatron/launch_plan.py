@@ -174,6 +174,10 @@ def hotspa_strategies(config: RunConfig, spec: ModelSpec, world_size: int):
         strategies = auto_strategies(spec, world_size, cost)
     else:
         strategies = load_strategies(packing.hotspa, model=spec, world_size=world_size)
+    if strategies.capacity < spec.seq_length:
+        raise ValueError(f"--hetu-hotspa: sequences of up to --seq-length {spec.seq_length} tokens are longer than "
+                         f"every strategy takes (the largest capacity is {strategies.capacity} tokens); give a "
+                         f"strategy max_len {spec.seq_length} or lower --seq-length to {strategies.capacity}")
     home = strategies.items[strategies.home]
     if set(home.plan.used_ranks) != set(range(world_size)):
         raise ValueError(f"--hetu-hotspa: the home strategy {home.name!r} uses ranks {list(home.plan.used_ranks)} "

@@ -1,0 +1,227 @@
+"""HotSPa: one step's length groups under their own strategies vs the best static strategy.
+
+Two parts, one JSON line at the end:
+
+* **predicted**: a 7B-shaped model (32 layers, hidden 4096, ffn 11008, vocabulary 32000) on 8/16/32 GPUs of 80 GB,
+  Wikipedia lengths (shared/data/seqlens, documents split at the longest sequence, 16K or 32K), global batches of
+  ``--batch-tokens`` tokens. ``static_s``: the best uniform TP x PP x DP whose memory holds the longest sequence
+  (every shape that fits, searched as a Megatron user would; Hydraulis packing, the strongest packer here) plus
+  its data-parallel gradient all-reduce. ``hotspa_s``: the dynamic program's grouping over every shape that fits
+  memory (hetu_ext.data.hotspa.auto_groups), each group's time, its all-reduce and the switch to and from the
+  home (the static best; weights bf16 in, gradients fp32 out at ``--bandwidth`` GB/s per GPU) included;
+  ``switch_s`` the switch part. Means over ``--batches`` batches.
+  The per-TP layer costs are the cost model's assumption: the A100 FLOPs model of hetu_ext.data.cost plus the
+  tensor-parallel all-reduces a Megatron layer makes without sequence parallelism (4 per layer, forward and
+  backward, of s x h bf16 values, ring 2 (t-1)/t at ``--tp-bandwidth`` GB/s: 150 for NVLink A100 SXM, 25 for a
+  PCIe node), activations 10 h + 24 h / t bytes per token and layer (no sequence parallelism, FlashAttention),
+  weights, gradients and Adam 18 bytes per parameter split by TP and PP; calibrate a real device with
+  ``python -m hetu_ext.megatron.calibrate`` and pass ``--cost-model`` to use measured ones. PP up to 8.
+* **emulated**: 4 CPU ranks train a small model whose layers are padded to a cost table's time
+  (``--hetu-emulate-cost``, configs/emulation/hotspa_cpu.yaml: a large layer's times, so the padding dominates the
+  CPU's own work), static (the best uniform strategy holding the longest sequence) and hotspa interleaved,
+  ``--repeats`` runs each; measured step time vs the packer's prediction.
+
+    python benchmarks/hotspa.py [--skip-emulated]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from hetu_ext.data.cost import CostTable, LengthCost, _default_per_tp, load_cost_table  # noqa: E402
+from hetu_ext.data.hotspa import (  # noqa: E402
+    Strategies,
+    allreduce_seconds,
+    auto_groups,
+    auto_strategies,
+    frontier,
+    group_seconds,
+    switch_seconds,
+)
+from hetu_ext.data.lengths import read_lengths, split_long  # noqa: E402
+from hetu_ext.metrics import read_records  # noqa: E402
+from hetu_ext.plan import ModelSpec  # noqa: E402
+
+SEQLENS = ROOT.parent / "shared" / "data" / "seqlens" / "wikipedia.txt.gz"
+SAMPLE = ROOT / "hetu_ext" / "data" / "samples" / "wikipedia_lengths_20k.txt.gz"
+
+
+def a100_with_tp_comm(tp_gbs: float, memory_gb: float = 80.0) -> CostTable:
+    """The A100 FLOPs model plus the TP all-reduces' time per token; activation memory of Megatron without
+    sequence parallelism (this runtime's): 10 h + 24 h / t bytes per token and layer (Korthikanti et al. 2022 with
+    FlashAttention: layer norms, dropout masks and the attention input are replicated across TP ranks)."""
+    h = 4096
+    per_tp = {}
+    for tp, cost in _default_per_tp().items():
+        comm = 0.0 if tp == 1 else 4 * 2 * (tp - 1) / tp * h * 2 / (tp_gbs * 1e9)
+        per_tp[tp] = LengthCost(a=cost.a, b=cost.b + comm, c=cost.c, memory_per_token_bytes=10 * h + 24 * h / tp,
+                                memory_fixed_bytes=cost.memory_fixed_bytes)
+    return CostTable(per_tp=per_tp, device="a100-flops-model+tp-allreduce", device_memory_bytes=memory_gb * 1e9)
+
+
+def batches(lengths: np.ndarray, tokens: int, count: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(count):
+        order = rng.permutation(lengths.size)
+        cum = np.cumsum(lengths[order])
+        out.append(lengths[order[:int(np.searchsorted(cum, tokens)) + 1]].tolist())
+    return out
+
+
+def predicted_row(spec: ModelSpec, gpus: int, cost: CostTable, batch_list: list[list[int]], *, bandwidth: float
+                  ) -> dict:
+    strategies = auto_strategies(spec, gpus, cost, max_pp=8)
+    items = strategies.items
+    longest = max(max(b) for b in batch_list)
+    holding = [k for k, s in enumerate(items) if s.max_len >= longest]
+    if not holding:
+        raise SystemExit(f"no uniform strategy over {gpus} GPUs holds {longest} tokens")
+
+    def static_time(k: int) -> float:
+        return statistics.mean(group_seconds(items[k].plan, spec, cost, b, items[k].max_len) for b in batch_list) \
+            + allreduce_seconds(items[k].plan, spec, bandwidth=bandwidth)
+
+    static_k = min(holding, key=static_time)
+    static_s = static_time(static_k)
+    # the dynamic program's candidates: strategies no other one beats on both capacity and speed
+    probe = [x for x in batch_list[0] if x <= min(s.max_len for s in items)]
+    home = frontier(Strategies(items=items, home=static_k),
+                    [group_seconds(s.plan, spec, cost, probe, s.max_len) for s in items])
+    items, static_k = home.items, home.home
+    switch = [0.0 if k == static_k else switch_seconds(items[static_k].plan, s.plan, spec, weight_bytes=2,
+                                                       bandwidth=bandwidth) for k, s in enumerate(items)]
+    allreduce = [allreduce_seconds(s.plan, spec, bandwidth=bandwidth) for s in items]
+
+    def group_s(k, ls):
+        return group_seconds(items[k].plan, spec, cost, ls, items[k].max_len) + allreduce[k]
+
+    totals, switches, chosen = [], [], set()
+    start = time.perf_counter()
+    for b in batch_list:
+        groups = auto_groups(b, home, group_s, switch, points=4)
+        t = sw = 0.0
+        for g in groups:
+            t += group_s(g.strategy, [b[i] for i in g.indices])
+            sw += switch[g.strategy]
+            chosen.add(items[g.strategy].name)
+        totals.append(t + sw)
+        switches.append(sw)
+    plan_ms = (time.perf_counter() - start) * 1e3 / len(batch_list)
+    hotspa_s, switch_s = statistics.mean(totals), statistics.mean(switches)
+    return {"gpus": gpus, "max_len": longest, "static_s": static_s, "hotspa_s": hotspa_s, "switch_s": switch_s,
+            "static": items[static_k].name, "hotspa_strategies": sorted(chosen), "grouping_ms": plan_ms}
+
+
+# ----------------------------------------------------------------------------------------------------- emulated
+
+EMULATED_MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size",
+                  "128", "--seq-length", "256", "--micro-batch-size", "1", "--lr", "1e-4", "--lr-decay-style",
+                  "constant", "--mock-data", "--hetu-mock-documents", "4000", "--hetu-packing", "balanced",
+                  "--log-interval", "1"]
+
+
+def emulated_run(method: str, *, cost_file: Path, strategies_file: Path, static_tp: int, steps: int, lengths: str,
+                 tokens: int, out: Path) -> dict:
+    metrics = out / f"{method}.jsonl"
+    metrics.unlink(missing_ok=True)
+    argv = [sys.executable, str(ROOT / "launch" / "pretrain_gpt.py"), "--nproc-per-node", "4", *EMULATED_MODEL,
+            "--train-iters", str(steps), "--hetu-varlen-mock", lengths, "--hetu-global-batch-tokens", str(tokens),
+            "--hetu-emulate-cost", str(cost_file), "--hetu-cost-model", str(cost_file),
+            "--hetu-metrics-file", str(metrics)]
+    if method == "hotspa":
+        argv += ["--hetu-hotspa", str(strategies_file)]
+    else:
+        argv += ["--tensor-model-parallel-size", str(static_tp), "--hetu-runtime", "plan"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=900)
+    if proc.returncode:
+        raise SystemExit(f"{method} run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    records = read_records(metrics, kind="step")[1:]  # the first step builds the strategies' placements
+    measured = statistics.median(r["step_ms"] / 1e3 for r in records)
+    if method == "hotspa":
+        predicted = statistics.median(sum(g["predicted_s"] for g in r["packing"]["hotspa"]["groups"])
+                                      for r in records)
+    else:
+        predicted = statistics.median(max(r["packing"]["predicted_s"]) for r in records)
+    overruns = sum(r.get("emulation_overruns", 0) for r in records)
+    return {"ranks": 4, "method": method, "step_s": measured, "predicted_s": predicted, "overruns": overruns}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--lengths", default=str(SEQLENS if SEQLENS.exists() else SAMPLE))
+    parser.add_argument("--batch-tokens", type=int, default=256 * 1024, help="tokens per global batch per 8 GPUs")
+    parser.add_argument("--batches", type=int, default=2)
+    parser.add_argument("--bandwidth", type=float, default=100.0, help="GB/s per GPU for switches and all-reduce")
+    parser.add_argument("--tp-bandwidth", type=float, default=150.0, help="GB/s of the TP all-reduces (NVLink)")
+    parser.add_argument("--cost-model", help="a measured cost table (YAML) instead of the A100 model")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--skip-emulated", action="store_true")
+    args = parser.parse_args()
+
+    cost = load_cost_table(args.cost_model) if args.cost_model else a100_with_tp_comm(args.tp_bandwidth)
+    all_lengths = read_lengths(args.lengths)
+    predicted = []
+    print(f"predicted: 7B-shaped model, {args.lengths}, {args.batch_tokens} tokens per 8 GPUs, cost: {cost.device}")
+    print(f"{'gpus':>5} {'max_len':>8} {'static':>14} {'static_s':>9} {'hotspa_s':>9} {'switch_s':>9} "
+          f"{'speed-up':>8}  strategies used")
+    for max_len in (16384, 32768):
+        spec = ModelSpec(num_layers=32, hidden_size=4096, num_attention_heads=32, ffn_hidden_size=11008,
+                         vocab_size=32000, seq_length=max_len, untie_embeddings_and_output_weights=True)
+        pieces = split_long(all_lengths, max_len).length
+        for gpus in (8, 16, 32):
+            batch_list = batches(pieces, args.batch_tokens * gpus // 8, args.batches, seed=gpus)
+            row = predicted_row(spec, gpus, cost, batch_list, bandwidth=args.bandwidth * 1e9)
+            row["max_len"] = max_len
+            predicted.append(row)
+            print(f"{gpus:>5} {max_len:>8} {row['static']:>14} {row['static_s']:>9.3f} {row['hotspa_s']:>9.3f} "
+                  f"{row['switch_s']:>9.3f} {row['static_s'] / row['hotspa_s']:>7.2f}x  "
+                  f"{', '.join(row['hotspa_strategies'])}")
+
+    emulated = []
+    if not args.skip_emulated:
+        cost_file = ROOT / "configs" / "emulation" / "hotspa_cpu.yaml"
+        lengths = json.dumps({"mode": "distribution", "type": "lognormal", "min_seq_len": 8, "max_seq_len": 256,
+                              "mean_seq_len": 48, "lognormal_sigma": 1.2})
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp)
+            strategies = out / "hotspa.yaml"
+            strategies.write_text("home: long\nstrategies:\n  - {name: short, dp: 4, max_len: 64}\n"
+                                  "  - {name: long, tp: 4, max_len: 256}\n")
+            runs = {"static": [], "hotspa": []}
+            for _ in range(args.repeats):
+                for method in ("static", "hotspa"):
+                    runs[method].append(emulated_run(method, cost_file=cost_file, strategies_file=strategies,
+                                                     static_tp=4, steps=args.steps, lengths=lengths,
+                                                     tokens=2048, out=out))
+        print(f"\nemulated: 4 CPU ranks, --hetu-emulate-cost {cost_file.relative_to(ROOT)}, {args.repeats} runs "
+              "each, interleaved")
+        print(f"{'method':>8} {'step_s':>8} {'predicted_s':>11} {'measured/pred':>13} {'overruns':>8}")
+        for method, rows in runs.items():
+            row = {"ranks": 4, "method": method, "step_s": statistics.median(r["step_s"] for r in rows),
+                   "predicted_s": statistics.median(r["predicted_s"] for r in rows),
+                   "overruns": sum(r["overruns"] for r in rows)}
+            emulated.append(row)
+            print(f"{method:>8} {row['step_s']:>8.3f} {row['predicted_s']:>11.3f} "
+                  f"{row['step_s'] / row['predicted_s']:>13.2f} {row['overruns']:>8}")
+        print(f"hotspa speed-up over static: {emulated[0]['step_s'] / emulated[1]['step_s']:.2f}x")
+    print(json.dumps({"predicted": predicted, "emulated": emulated}))
+
+
+if __name__ == "__main__":
+    main()
