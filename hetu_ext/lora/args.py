@@ -27,7 +27,9 @@ def validate_lora_args(args: argparse.Namespace) -> None:
     unsupported = [flag for flag, value in (
         ("--use-distributed-optimizer", args.use_distributed_optimizer), ("--bf16", args.bf16),
         ("--save", args.save), ("--load", args.load), ("--hetu-migrate", args.hetu_migrate),
-        ("--hetu-straggler-replan online", args.hetu_straggler_replan == "online")) if value]
+        ("--hetu-straggler-replan online", args.hetu_straggler_replan == "online"),
+        ("--hetu-straggler-interval", args.hetu_straggler_interval),
+        ("--hetu-hotspa", getattr(args, "hetu_hotspa", None))) if value]
     if unsupported:
         raise ValueError(f"--hetu-lora-tenants does not combine with {' '.join(unsupported)} yet (adapters are "
                          "exported with hetu_ext.lora.peft); drop it")

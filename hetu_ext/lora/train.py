@@ -28,8 +28,9 @@ from hetu_ext.megatron.data import make_tokenizer
 from hetu_ext.megatron.launch_plan import check_launch
 from hetu_ext.megatron.model import TrainingNumerics
 from hetu_ext.megatron.plan_runtime import build_plan_placement
-from hetu_ext.megatron.trainer import Trainer, make_scheduler, plan_id
+from hetu_ext.megatron.trainer import Trainer, emulated_layer_cost, make_scheduler, plan_id
 from hetu_ext.metrics import model_flops_per_token
+from hetu_ext.runtime.straggler import LayerTimer
 
 from .data import TenantCorpus, build_tenant_steps
 from .install import installed, routing_of
@@ -143,9 +144,12 @@ def build_lora_trainer(config: RunConfig) -> LoRATrainer:
     flops = model_flops_per_token(num_layers=spec.num_layers, hidden_size=spec.hidden_size,
                                   ffn_hidden_size=spec.ffn_hidden_size or 4 * spec.hidden_size,
                                   vocab_size=spec.padded_vocab_size, seq_length=spec.seq_length)
+    layer_cost = emulated_layer_cost(config.straggler)  # --hetu-emulate-cost: layers padded to a cost table
     trainer = LoRATrainer(config=config, spec=spec, plan=plan, host=h, placement=placement,
                           scheduler=make_scheduler(training, config.packing, placement, plan), dataset=None,
                           numerics=numerics, documents=corpus, flops_per_token=flops, plan_key=plan_id(plan),
-                          tenants=tenants, lora=lora)
+                          tenants=tenants, lora=lora, layer_cost=layer_cost,
+                          timer=LayerTimer() if layer_cost else None)
+    trainer.attach_timer()
     trainer.follow_log_rank()
     return trainer

@@ -9,9 +9,9 @@ for each strategy (TP x PP), minimising the expected step time, as LobRA does:
    per-layer time comes from the FLOP / all-reduce model of hetu_ext.plan.cost (as a ``a s^2 + b s + c``
    LengthCost) and its token capacity from memory: frozen bf16 base weights (no gradients, no optimizer state:
    adapters are negligible) plus FlashAttention-style activations (34 h bytes per token and layer, divided by
-   tp) for the microbatches 1F1B keeps in flight. Per TP degree only the fewest pipeline stages that hold
-   MIN_CAPACITY tokens are kept (more stages add GPUs and bubbles, not capacity), and a strategy is pruned when
-   another one of no more GPUs holds at least as many tokens at no higher GPU-seconds per token.
+   tp) for the microbatches 1F1B keeps in flight. Per TP degree only the fewest pipeline stages that fit, and the
+   fewest that hold MIN_CAPACITY tokens, are kept (more stages add GPUs and bubbles, little capacity), and a
+   strategy is pruned when another one of no more GPUs holds as many tokens at no higher GPU-seconds per token.
 2. **Enumeration.** Every combination of pool strategies filling the GPUs (fewer idle GPUs than the smallest
    strategy) whose largest replica holds the longest sequence; each is scored by a capacity-aware lower bound
    (:func:`capacity_bound_s`), and the best few (and every homogeneous one) are evaluated exactly.
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hetu_ext.data.cost import LengthCost
+from hetu_ext.data.cost import CostTable, LengthCost, load_cost_table
 from hetu_ext.data.lengths import concat_split
 from hetu_ext.data.packing import ReplicaSpec, assign
 
@@ -105,13 +105,20 @@ def layer_cost(spec: ModelSpec, cost: CostModel, tp: int) -> LengthCost:
 
 
 def strategy_pool(spec: ModelSpec, cost: CostModel, *, gpu_memory_bytes: float, gpus_per_node: int,
-                  max_gpus: int, prune: bool = True) -> list[Strategy]:
-    """Every feasible (tp, pp) (holds >= 1 token per microbatch), dominated ones pruned (module docstring)."""
+                  max_gpus: int, prune: bool = True, table: CostTable | None = None,
+                  min_capacity: int = MIN_CAPACITY) -> list[Strategy]:
+    """Every feasible (tp, pp) (holds >= 1 token per microbatch), dominated ones pruned (module docstring).
+    ``table``: measured per-layer costs (python -m hetu_ext.megatron.calibrate) used instead of the FLOP model for
+    the TP degrees it has (others are skipped), with its own device memory when it gives one."""
     out = []
+    if table is not None and table.device_memory_bytes is not None:
+        gpu_memory_bytes = table.device_memory_bytes
     for tp, pp in itertools.product(DEGREES, DEGREES):
         if tp > gpus_per_node or tp * pp > max_gpus or spec.num_layers % pp or spec.num_attention_heads % tp:
             continue
-        layer = layer_cost(spec, cost, tp)
+        if table is not None and tp not in table.per_tp:
+            continue
+        layer = table.for_tp(tp) if table is not None else layer_cost(spec, cost, tp)
         stage = layer.times_layers(spec.num_layers // pp)
         capacity = int((gpu_memory_bytes - stage.memory_fixed_bytes) // (stage.memory_per_token_bytes * pp))
         if capacity < 1:
@@ -122,11 +129,13 @@ def strategy_pool(spec: ModelSpec, cost: CostModel, *, gpu_memory_bytes: float, 
     # pipeline stages add GPUs and bubbles but barely any capacity (1F1B keeps pp microbatches in flight on the
     # first stage): per TP degree keep the fewest stages holding MIN_CAPACITY tokens; then drop a strategy when
     # another of no more GPUs holds as many tokens at no higher GPU-seconds per token
-    per_tp = {}
-    for s in sorted(out, key=lambda s: s.pp):
-        if s.tp not in per_tp and (s.capacity >= MIN_CAPACITY or s.pp == max(o.pp for o in out if o.tp == s.tp)):
-            per_tp[s.tp] = s
-    kept = list(per_tp.values())
+    kept = []
+    for tp in sorted({s.tp for s in out}):
+        mine = sorted((s for s in out if s.tp == tp), key=lambda s: s.pp)
+        kept.append(mine[0])  # the fewest stages that fit at all
+        enough = [s for s in mine if s.capacity >= min_capacity]
+        if enough and enough[0] is not mine[0]:
+            kept.append(enough[0])  # and the fewest that hold min_capacity tokens
 
     def per_token_gpu_s(s: Strategy) -> float:
         return s.replica.stage_costs[0].b * s.gpus
@@ -318,6 +327,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--ffn-hidden-size", type=int, default=None)
     parser.add_argument("--vocab-size", type=int, default=50257)
     parser.add_argument("--steps", type=int, default=8, help="sampled steps the deployment is evaluated on")
+    parser.add_argument("--cost-model", default=None, metavar="YAML",
+                        help="measured per-layer costs (python -m hetu_ext.megatron.calibrate) instead of the FLOP "
+                             "model; its device_memory_bytes, when set, replaces --gpu-memory-gib")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--output", "-o", default=None, help="write the plan here (YAML, for --hetu-plan)")
 
@@ -334,8 +346,10 @@ def run(args) -> tuple[Plan, str]:
                      num_attention_heads=args.num_attention_heads, ffn_hidden_size=args.ffn_hidden_size,
                      vocab_size=args.vocab_size, seq_length=args.seq_length)
     tenants = tenant_lengths(load_tenants(args.tenants), seed=args.seed)
+    table = load_cost_table(args.cost_model) if args.cost_model else None
     pool = strategy_pool(spec, lobra_cost_model(), gpu_memory_bytes=args.gpu_memory_gib * 2**30,
-                         gpus_per_node=args.gpus_per_node, max_gpus=args.world_size)
+                         gpus_per_node=args.gpus_per_node, max_gpus=args.world_size, table=table,
+                         min_capacity=min(MIN_CAPACITY, args.seq_length))
     if not pool:
         raise ValueError(f"no (tp, pp) of at most {args.world_size} GPUs holds one token of this model in "
                          f"{args.gpu_memory_gib} GiB per GPU; use more GPUs or GPUs with more memory")
@@ -350,7 +364,7 @@ def run(args) -> tuple[Plan, str]:
     chosen = dict((s.name, k) for s, k in best.counts)
     lines += [f"{s.name:<8}  {s.gpus:>4}  {s.capacity:>17}  {chosen.get(s.name, 0):>8}" for s in pool]
     lines += ["", f"deployment: {best.describe()} ({best.gpus} of {n} GPUs)",
-              f"predicted step: LobRA {best.step_s:.3f} s ({best.step_s * n:.1f} GPU-s); homogeneous {n // strategy.gpus}"
-              f" x {strategy.name}, Megatron-style packs {homo:.3f} s ({homo * n:.1f} GPU-s); tenants one after "
-              f"another {seq:.3f} s ({seq * n:.1f} GPU-s)"]
+              f"predicted step: LobRA {best.step_s:.3f} s ({best.step_s * n:.1f} GPU-s); homogeneous "
+              f"{n // strategy.gpus} x {strategy.name}, Megatron-style packs {homo:.3f} s ({homo * n:.1f} GPU-s); "
+              f"tenants one after another {seq:.3f} s ({seq * n:.1f} GPU-s)"]
     return plan, "\n".join(lines)

@@ -1,0 +1,180 @@
+"""LobRA: GPU-seconds per global step of many tenants' LoRA fine-tuning, predicted at scale and emulated on CPU.
+
+    python benchmarks/lobra.py [--steps 8] [--part all|predicted|emulated] [--emulated-steps 6]
+
+**Predicted** (pure planner, hetu_ext/plan/lobra.py): a LLaMA-7B-shaped model (Hetu's LobRA scripts: 32 layers,
+hidden 4096, ffn 11008, 32 heads), 16K max length, A100-class 80 GB GPUs (hetu_ext.plan.cost's FLOP / all-reduce
+model, frozen bf16 base), 8 GPUs per node, at 16 / 32 / 64 GPUs with 4 / 6 / 8 tenants of 64 sequences per step.
+The tenants' length distributions are SYNTHETIC: each tenant draws from the real Wikipedia lengths
+(../shared/data/seqlens/wikipedia.txt.gz; the shipped 20K sample when absent) multiplied by its own scale factor
+(short tenants x1/4 .. long ones x16) and truncated to 16K, so that tenants are skewed against each other and
+steps vary. GPU-seconds per step = GPUs x mean step time over the same sampled steps for:
+
+* ``homogeneous``: GPUs // g replicas of the smallest strategy holding the longest sequence, Megatron-style packs
+  (sequences laid end to end, cut every 16K tokens, each piece attending to itself, packs dealt in equal runs);
+  ``homogeneous_causal``: the same packs with attention over the whole pack (Megatron-LM's default);
+  ``homogeneous_balanced``: the same replicas with LobRA's per-step dispatch (shows what the heterogeneous
+  replicas add on their own);
+* ``sequential``: tenants one after another, each on all GPUs with the smallest strategy holding its own longest
+  sequence, Megatron-style packs;
+* ``lobra``: the planner's deployment of heterogeneous replicas and the two-stage dispatch of every step.
+
+**Emulated**: 4 CPU ranks train 3 tenants jointly (pretrain_gpt.py's code path with --hetu-lora-tenants) on the
+planner's deployment and on the homogeneous one, each transformer layer padded to a cost table's time for the
+microbatch it ran (--hetu-emulate-cost; the same table is the packer's --hetu-cost-model and the planner's
+--cost-model), so measured step times can be compared with the predicted ones. Measured: steps 2..N from the
+metrics records (step_ms); predicted: the slowest pipeline's predicted_s of the same steps' records.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+WIKIPEDIA = ROOT.parent / "shared" / "data" / "seqlens" / "wikipedia.txt.gz"
+SHIPPED = ROOT / "hetu_ext" / "data" / "samples" / "wikipedia_lengths_20k.txt.gz"
+SCALES = (0.25, 16, 0.5, 8, 1, 4, 1, 2)
+"""Tenant k's length scale (the first T tenants are used): short and long tenants alternate."""
+SIZES = ((16, 4), (32, 6), (64, 8))
+MAX_LEN, SAMPLES = 16384, 64
+USABLE_BYTES = 0.9 * 80e9
+"""Memory a stage may use on an 80 GB GPU (10% kept for the CUDA context, allocator and logits)."""
+
+
+def predicted(steps: int) -> list[dict]:
+    from hetu_ext.data.lengths import read_lengths
+    from hetu_ext.plan import ModelSpec
+    from hetu_ext.plan.lobra import (
+        TenantLengths,
+        homogeneous_s,
+        lobra_cost_model,
+        plan_deployment,
+        sample_steps,
+        sequential_s,
+        strategy_pool,
+    )
+
+    source = WIKIPEDIA if WIKIPEDIA.is_file() else SHIPPED
+    wiki = read_lengths(source)
+    pool_lengths = np.random.default_rng(0).choice(wiki, 200_000)
+    spec = ModelSpec(num_layers=32, hidden_size=4096, num_attention_heads=32, ffn_hidden_size=11008,
+                     vocab_size=32000, seq_length=MAX_LEN)
+    print(f"predicted: LLaMA-7B shape, max length {MAX_LEN}, {SAMPLES} sequences per tenant per step, {steps} "
+          f"sampled steps; tenants synthetic from {source.name} x scale {SCALES}")
+    rows = []
+    header = (f"{'gpus':>4} {'tenants':>7} {'homog.':>8} {'h.causal':>8} {'h.balanced':>10} {'sequential':>10} "
+              f"{'lobra':>8} {'saving':>6}  deployment (homogeneous)")
+    print(header + "\n" + "-" * len(header))
+    for gpus, count in SIZES:
+        tenants = [TenantLengths(f"t{k}", np.maximum((pool_lengths * SCALES[k]).astype(np.int64), 1), SAMPLES)
+                   for k in range(count)]
+        pool = strategy_pool(spec, lobra_cost_model(), gpu_memory_bytes=USABLE_BYTES, gpus_per_node=8, max_gpus=gpus)
+        batches = sample_steps(tenants, steps=steps, seed=1, max_len=MAX_LEN)
+        strategy, homo = homogeneous_s(pool, batches, world_size=gpus, max_len=MAX_LEN)
+        _, causal = homogeneous_s(pool, batches, world_size=gpus, max_len=MAX_LEN, packing="concat-causal")
+        _, balanced = homogeneous_s(pool, batches, world_size=gpus, max_len=MAX_LEN, packing="hetu")
+        seq = sequential_s(pool, batches, world_size=gpus, max_len=MAX_LEN)
+        best = plan_deployment(pool, batches, world_size=gpus, max_len=MAX_LEN)
+        row = {"gpus": gpus, "tenants": count, "homogeneous_gpu_s": homo * gpus, "sequential_gpu_s": seq * gpus,
+               "lobra_gpu_s": best.step_s * gpus, "homogeneous_causal_gpu_s": causal * gpus,
+               "homogeneous_balanced_gpu_s": balanced * gpus, "deployment": best.describe(),
+               "homogeneous_strategy": f"{gpus // strategy.gpus} x {strategy.name}",
+               "saving_vs_homogeneous": 1 - best.step_s / homo}
+        rows.append(row)
+        print(f"{gpus:>4} {count:>7} {row['homogeneous_gpu_s']:>8.1f} {row['homogeneous_causal_gpu_s']:>8.1f} "
+              f"{row['homogeneous_balanced_gpu_s']:>10.1f} {row['sequential_gpu_s']:>10.1f} {row['lobra_gpu_s']:>8.1f} "
+              f"{row['saving_vs_homogeneous']:>6.1%}  {best.describe()} ({row['homogeneous_strategy']})")
+    return rows
+
+
+EMULATED_TABLE = {  # per layer, forward + backward; big enough that padding dominates real compute on 2 cores
+    "device": "emulated", "device_memory_bytes": 7.0e7,
+    "note": "benchmarks/lobra.py: TP 1 holds 165 tokens per microbatch, TP 2 340",
+    "per_tp": {1: {"a": 1.2e-5, "b": 9.0e-3, "c": 0.3, "memory_per_token_bytes": 1.0e5,
+                   "memory_fixed_bytes": 1.0e6},
+               2: {"a": 7.2e-6, "b": 5.4e-3, "c": 0.36, "memory_per_token_bytes": 5.0e4,
+                   "memory_fixed_bytes": 5.0e5}}}
+EMULATED_TENANTS = [(0.02, 8), (0.25, 2), (0.05, 6)]
+"""(length scale of the Wikipedia lengths, sequences per step) of the 3 emulated tenants (synthetic)."""
+EMULATED_MODEL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--ffn-hidden-size", "64",
+                  "--seq-length", "256"]
+
+
+def _emulated_files(tmp: Path) -> tuple[str, str, str]:
+    """The cost table, the tenants file and the planner's plan (4 ranks) for the emulated runs."""
+    import yaml
+
+    from hetu_ext.data.lengths import read_lengths
+
+    table = tmp / "cost.yaml"
+    table.write_text(yaml.safe_dump(EMULATED_TABLE))
+    wiki = read_lengths(WIKIPEDIA if WIKIPEDIA.is_file() else SHIPPED)[:20000]
+    tenants = []
+    for k, (scale, samples) in enumerate(EMULATED_TENANTS):
+        lengths = tmp / f"tenant{k}.txt"
+        lengths.write_text("\n".join(str(int(v)) for v in np.clip(wiki * scale, 2, 256).astype(int)) + "\n")
+        tenants.append({"name": f"t{k}", "lengths": {"mode": "file", "path": str(lengths)}, "documents": 5000,
+                        "samples": samples, "lora": {"rank": 4, "alpha": 8}})
+    (tmp / "tenants.yaml").write_text(yaml.safe_dump({"tenants": tenants}))
+    from hetu_ext.plan.__main__ import main as plan_main
+
+    plan = tmp / "lobra_plan.yaml"
+    code = plan_main(["lobra", "--tenants", str(tmp / "tenants.yaml"), "--world-size", "4", "--gpus-per-node", "4",
+                      "--cost-model", str(table), *EMULATED_MODEL[:6], "--seq-length", "256", "--steps", "8",
+                      "-o", str(plan)])
+    assert code == 0
+    return str(table), str(tmp / "tenants.yaml"), str(plan)
+
+
+def emulated(steps: int) -> list[dict]:
+    from hetu_ext.metrics import read_records
+    from hetu_ext.testing.multiproc import run_ranks
+    from hetu_ext.testing.runs import train
+
+    tmp = Path(tempfile.mkdtemp(prefix="lobra_bench_"))
+    table, tenants, plan = _emulated_files(tmp)
+    (tmp / "homogeneous.yaml").write_text("pipelines:\n" + "".join(
+        f"  - num_microbatches: 1\n    stages:\n      - {{ranks: [{2 * k}, {2 * k + 1}], layers: [0, 4]}}\n"
+        for k in range(2)))
+    rows = []
+    print(f"\nemulated: 4 CPU ranks, 3 tenants (synthetic lengths), {steps} steps each, layers padded to {table}")
+    for method, plan_file in (("lobra", plan), ("homogeneous", str(tmp / "homogeneous.yaml"))):
+        metrics = tmp / f"{method}.jsonl"
+        argv = [*EMULATED_MODEL, "--micro-batch-size", "1", "--train-iters", str(steps), "--lr", "1e-3",
+                "--hidden-dropout", "0", "--attention-dropout", "0", "--hetu-lora-tenants", tenants,
+                "--hetu-plan", plan_file, "--hetu-cost-model", table, "--hetu-emulate-cost", table,
+                "--hetu-metrics-file", str(metrics)]
+        run_ranks(train, 4, argv, False, timeout=600)
+        records = [r for r in read_records(str(metrics)) if r.get("kind") == "step"][1:]  # step 1 warms up
+        measured = 4 * float(np.mean([r["step_ms"] for r in records])) / 1e3
+        predicted_s = 4 * float(np.mean([max(r["packing"]["predicted_s"]) for r in records]))
+        rows.append({"ranks": 4, "method": method, "gpu_s": measured, "predicted_gpu_s": predicted_s,
+                     "overruns": sum(r.get("emulation_overruns", 0) or 0 for r in records)})
+    print(f"{'method':<12} {'measured GPU-s':>14} {'predicted GPU-s':>15} {'error':>7}")
+    for row in rows:
+        print(f"{row['method']:<12} {row['gpu_s']:>14.3f} {row['predicted_gpu_s']:>15.3f} "
+              f"{row['gpu_s'] / row['predicted_gpu_s'] - 1:>+7.1%}")
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=8, help="sampled steps of the predicted part")
+    parser.add_argument("--emulated-steps", type=int, default=6)
+    parser.add_argument("--part", choices=("all", "predicted", "emulated"), default="all")
+    args = parser.parse_args()
+    rows = predicted(args.steps) if args.part != "emulated" else []
+    emulated_rows = emulated(args.emulated_steps) if args.part != "predicted" else []
+    print(json.dumps({"predicted": rows, "emulated": emulated_rows}))
+
+
+if __name__ == "__main__":
+    main()
