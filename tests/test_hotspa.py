@@ -205,3 +205,18 @@ def test_auto_grouping_is_the_best_split():
                 total = cost(k1, s) + switch[k1]
             best = min(best, total)
     assert got_cost == pytest.approx(best), (got, got_cost, best)
+
+
+def test_checkpoint_saved_from_the_home_resumes_the_same_run(reference, tmp_path):
+    """Saved from the home layout after step 2, resumed (home run last this time) for step 3: the reference's
+    losses and weights."""
+    ckpt = tmp_path / "ckpt"
+    first = run_ranks(train, 2, _argv("balanced", "--hetu-hotspa", _write(tmp_path, TWO.format(home_first="true")),
+                                      "--train-iters", "2", "--save", str(ckpt)), timeout=300)[0]
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "2"
+    resumed = run_ranks(train, 2, _argv("balanced", "--hetu-hotspa", _write(tmp_path, TWO.format(home_first="false")),
+                                        "--load", str(ckpt)), timeout=300)[0]
+    losses = first["losses"] + resumed["losses"][-1:]
+    assert max(abs(a - b) / abs(b) for a, b in zip(losses, reference["losses"])) <= LOSS_RTOL
+    worst = max(float((resumed["weights"][k] - w).abs().max()) for k, w in reference["weights"].items())
+    assert worst <= WEIGHT_ATOL, worst
