@@ -137,9 +137,9 @@ PACKING = [*COMMON, "--global-batch-size", "16", "--train-iters", "3", "--hetu-v
 def test_megatron_lm_packing_equals_unpacked(tmp_path):
     """Launch P: Hydraulis's balanced packs on DP 2 (THD packs through pretrain_gpt.py's get_batch into hetu_ext's
     packed attention, fewer microbatches than sequences) train as the unpacked reference on one rank (one sequence
-    per microbatch, ordinary causal attention; a single process, no torchrun)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "TMPDIR": str(tmp_path), "RANK": "0",
-           "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    per microbatch, ordinary causal attention; a single process without torchrun: the entry point gives it one
+    rank's environment)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "TMPDIR": str(tmp_path)}
     ref = subprocess.run([sys.executable, "-m", "hetu_ext.megatron_lm", str(SCRIPT), *PACKING, "--hetu-packing",
                           "unpacked"], capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
@@ -148,14 +148,6 @@ def test_megatron_lm_packing_equals_unpacked(tmp_path):
     packs = [(int(s), int(p)) for s, p in re.findall(r"(\d+) sequences, \d+ tokens \| (\d+) packs", out)]
     assert len(packs) == 3 and all(p < s / 2 for s, p in packs), out[-3000:]  # DP rank 0 packs < its share
     assert_close(step_losses(out), step_losses(ref.stdout + ref.stderr), [1, 2, 3])
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 HETERO = """

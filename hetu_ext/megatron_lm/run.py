@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
         from .handoff import run_handoff
 
         return run_handoff(inv)
+    single_rank_env()
     try:
         patch_sets = prepare(inv)
     except (HetuExtError, ValueError) as exc:
@@ -46,6 +47,19 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for patch_set in reversed(patch_sets):
             patch_set.remove()
+
+
+def single_rank_env() -> None:
+    """Without torchrun: one rank in this process, with the environment torchrun would give it."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
 
 
 def prepare(inv: Invocation) -> list:
