@@ -21,7 +21,7 @@ Two parts, one JSON line at the end:
   CPU's own work), static (the best uniform strategy holding the longest sequence) and hotspa interleaved,
   ``--repeats`` runs each; measured step time vs the packer's prediction.
 
-    python benchmarks/hotspa.py [--skip-emulated]
+    python benchmarks/hotspa.py [--skip-emulated] [--skip-predicted] [--tp-bandwidth GBS]
 """
 
 from __future__ import annotations
@@ -172,6 +172,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--skip-emulated", action="store_true")
+    parser.add_argument("--skip-predicted", action="store_true")
     args = parser.parse_args()
 
     cost = load_cost_table(args.cost_model) if args.cost_model else a100_with_tp_comm(args.tp_bandwidth)
@@ -180,7 +181,7 @@ def main() -> None:
     print(f"predicted: 7B-shaped model, {args.lengths}, {args.batch_tokens} tokens per 8 GPUs, cost: {cost.device}")
     print(f"{'gpus':>5} {'max_len':>8} {'static':>14} {'static_s':>9} {'hotspa_s':>9} {'switch_s':>9} "
           f"{'speed-up':>8}  strategies used")
-    for max_len in (16384, 32768):
+    for max_len in () if args.skip_predicted else (16384, 32768):
         spec = ModelSpec(num_layers=32, hidden_size=4096, num_attention_heads=32, ffn_hidden_size=11008,
                          vocab_size=32000, seq_length=max_len, untie_embeddings_and_output_weights=True)
         pieces = split_long(all_lengths, max_len).length

@@ -54,6 +54,8 @@ class StragglerMonitor:
     """Print the estimate every this many steps (at the exchanges; 0: only when the stragglers change)."""
     timer: LayerTimer = field(default_factory=LayerTimer)
     layer_cost: Callable[[int], CostFn] | None = None
+    optimizer_sharded: bool = False
+    """--use-distributed-optimizer on the plan runtime: re-plans use the sharded optimizer's memory."""
     """--hetu-emulate-cost: TP degree -> one layer's emulated seconds for a microbatch's shape."""
     detector: StragglerDetector = field(init=False)
     detections: list[tuple[int, dict[int, float]]] = field(default_factory=list)
@@ -200,7 +202,8 @@ class StragglerMonitor:
         current plan or none fits."""
         try:
             planned = replan(self.plan, self.spec, stragglers, micro_batch=self.micro_batch,
-                             gpus_per_node=self.gpus_per_node, gpu_memory_bytes=self.gpu_memory_bytes)
+                             gpus_per_node=self.gpus_per_node, gpu_memory_bytes=self.gpu_memory_bytes,
+                             optimizer_sharded=self.optimizer_sharded)
         except ValueError as exc:
             say(f"straggler monitor: no plan for these slowdowns: {exc}")
             return None

@@ -434,7 +434,7 @@ def _transformer_layers(model) -> list:
 
 
 def _straggler_monitor(straggler: StragglerConfig, micro_batch: int, log_interval: int, spec: ModelSpec, plan: Plan,
-                       h: host.Host, placement: Placement):
+                       h: host.Host, placement: Placement, optimizer_sharded: bool = False):
     """The straggler monitor (on every rank, idle ones too), or None when --hetu-straggler-interval is 0."""
     if not straggler.interval:
         return None
@@ -448,6 +448,7 @@ def _straggler_monitor(straggler: StragglerConfig, micro_batch: int, log_interva
     if straggler.emulate_layer_ms:
         monitor.timer.nominal_s = straggler.emulate_layer_ms / 1e3
     monitor.layer_cost = emulated_layer_cost(straggler)
+    monitor.optimizer_sharded = optimizer_sharded
     return monitor
 
 
@@ -531,7 +532,8 @@ def build_trainer(config: RunConfig) -> Trainer:
                                   ffn_hidden_size=spec.ffn_hidden_size or 4 * spec.hidden_size,
                                   vocab_size=spec.padded_vocab_size, seq_length=spec.seq_length)
     monitor = _straggler_monitor(config.straggler, training.micro_batch_size, config.logging.log_interval, spec,
-                                 plan, h, placement)
+                                 plan, h, placement,
+                                 optimizer_sharded=runtime == "plan" and config.parallel.use_distributed_optimizer)
     layer_cost = emulated_layer_cost(config.straggler)
     trainer = Trainer(config=config, spec=spec, plan=plan, host=h, placement=placement, scheduler=scheduler,
                       dataset=dataset, monitor=monitor,
