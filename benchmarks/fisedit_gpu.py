@@ -1,14 +1,20 @@
-"""FISEdit on a GPU: fp16 SD-1.5-shaped UNet, 64x64 and 96x96 latents, end-to-end edit latency with CUDA events.
+"""FISEdit on a GPU: fp16 SD-1.5-shaped UNet, 64x64 and 96x96 latents, end-to-end edit latency with CUDA events;
+and the trained toy model (hetu_ext/diffusion/toy_model) with its fidelity figures.
 
     python benchmarks/fisedit_gpu.py [--latents 64,96] [--ratios 2.5,5,10,20,40] [--steps 50 --dense-steps 10]
+                                     [--toy-edits 24] [--skip-toy]
 
 FISEdit's setting: 50 DDIM steps, the first 10 dense, classifier-free guidance 7.5 (UNet batch 2), random
-weights (seed 0), a centred square mask of each ratio. Per latent size and ratio: a dense edit and a FISEdit edit,
-interleaved, median of --repeats, timed by CUDA events around the whole loop (mask and cache prefetch included).
+weights (seed 0), a centred square mask of each ratio. Per latent size and ratio: --repeats (>= 3) pairs of a dense
+edit and a FISEdit edit, the order alternating pair by pair, timed by CUDA events around the whole loop (cache
+prefetch included; the mask is given, so the automatic mask's computation is timed apart on this edit's latents
+and added, column mask_s); times are medians, the speed-up the median of the pairs' ratios.
 Sparse convolution kernels compared: "gemm" (block 1) and "conv" (window batches, block --conv-block); the faster
-per row is reported. Target (paper, A100): >= 4.4x at its setting. `--tiny` runs a tiny UNet on CPU with
-perf_counter timing to smoke-test the script without a GPU. Ends with one JSON line: the CPU benchmark's rows
-without MACs (they do not depend on the device; benchmarks/fisedit.py counts them) plus "kernel".
+per row is reported. Target (paper, A100): >= 4.4x at its setting. Toy rows: benchmarks/fisedit.py's (the same
+held-out edits, engine defaults, fp32, mask IoU / err_in / err_out / PSNR outside), timed by perf_counter (the
+pipeline returns PIL images, a device sync). `--tiny` runs a tiny UNet on CPU with perf_counter timing to
+smoke-test the script without a GPU. Ends with one JSON line: the CPU benchmark's rows without MACs (they do not
+depend on the device; benchmarks/fisedit.py counts them) plus "kernel".
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fisedit import square_mask  # noqa: E402
+from fisedit import load_check, square_mask, timed_mask  # noqa: E402
 
 
 def build(latent: int, tiny: bool, device: str, dtype: torch.dtype) -> torch.nn.Module:
@@ -94,20 +100,29 @@ def bench_latent(latent: int, args: argparse.Namespace, device: str, dtype: torc
             with torch.no_grad():
                 engine.generate(sched, prompt_embeds=prompt, **loop)
                 engine.edit(sched, prompt_embeds=edited, mask=mask, **loop)  # warm-up
-                times: dict[str, list[float]] = {"dense": [], "fisedit": []}
-                run_dense = partial(denoise, unet, sched, prompt_embeds=edited, **loop)
+                times: dict[str, list[float]] = {"dense": [], "fisedit": [], "mask": []}
+                inputs: list[torch.Tensor] = []
+                run_dense = partial(denoise, unet, sched, prompt_embeds=edited,
+                                    step_end=lambda i, x: inputs.append(x) or x, **loop)
                 run_fisedit = partial(engine.edit, sched, prompt_embeds=edited, mask=mask, **loop)
-                for _ in range(args.repeats):
-                    times["dense"].append(timer(run_dense))
-                    times["fisedit"].append(timer(run_fisedit))
+                for pair in range(args.repeats):
+                    for kind in (("dense", "fisedit") if pair % 2 == 0 else ("fisedit", "dense")):
+                        inputs[:] = [loop["latents"]]
+                        times[kind].append(timer(run_dense if kind == "dense" else run_fisedit))
+                        if kind == "dense":
+                            dense_inputs = list(inputs)
+                    times["mask"].append(timer(lambda: timed_mask(engine, dense_inputs, latents.device)))
             shares = engine.active_fractions()
             engine.detach()
-            dense_s, fis_s = statistics.median(times["dense"]), statistics.median(times["fisedit"])
+            fis_times = [f + m for f, m in zip(times["fisedit"], times["mask"], strict=True)]
+            dense_s, fis_s = statistics.median(times["dense"]), statistics.median(fis_times)
+            speedup = statistics.median(d / f for d, f in zip(times["dense"], fis_times, strict=True))
             row = {"latent": latent, "mask_ratio": ratio, "kernel": f"{kernel}/b{block}",
-                   "dense_s": round(dense_s, 4), "fisedit_s": round(fis_s, 4), "speedup": round(dense_s / fis_s, 3)}
+                   "dense_s": round(dense_s, 4), "fisedit_s": round(fis_s, 4), "speedup": round(speedup, 3),
+                   "mask_s": round(statistics.median(times["mask"]), 5)}
             print(f"{latent:>6} {100 * ratio:>6.1f} {row['kernel']:>8} {dense_s:>9.3f} {fis_s:>10.3f} "
-                  f"{row['speedup']:>7.2f}x  active {', '.join(f'{k} {100 * v:.0f}%' for k, v in shares.items())}",
-                  flush=True)
+                  f"{row['mask_s']:>8.4f} {row['speedup']:>7.2f}x  active "
+                  f"{', '.join(f'{k} {100 * v:.0f}%' for k, v in shares.items())}", flush=True)
             if best is None or row["speedup"] > best["speedup"]:
                 best = row
         rows.append(best)
@@ -124,7 +139,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--conv-block", type=int, default=8)
     parser.add_argument("--tiny", action="store_true", help="tiny UNet on CPU: a smoke test of this script")
+    parser.add_argument("--toy-edits", type=int, default=24, help="held-out edits on the toy model")
+    parser.add_argument("--toy-model", default=None, help="toy pipeline folder (default: the shipped one)")
+    parser.add_argument("--skip-toy", action="store_true")
     args = parser.parse_args()
+    if args.repeats < 3:
+        raise SystemExit(f"error: --repeats {args.repeats} < 3: each row is the median of >= 3 dense/FISEdit pairs")
     args.ratios = [float(r) / 100 for r in args.ratios.split(",")]
     cuda = torch.cuda.is_available() and not args.tiny
     if not cuda and not args.tiny:
@@ -136,11 +156,39 @@ def main() -> None:
     print(f"config: {'tiny' if args.tiny else 'SD-1.5-shaped'} UNet, random weights, {dtype}, {name}, steps "
           f"{args.steps} ({args.dense_steps} dense), CFG 7.5 (batch 2), repeats {args.repeats}; torch "
           f"{torch.__version__}, diffusers {diffusers.__version__}")
-    print(f"{'latent':>6} {'mask%':>6} {'kernel':>8} {'dense_s':>9} {'fisedit_s':>10} {'speedup':>8}")
+    load_check("start")
+    print(f"{'latent':>6} {'mask%':>6} {'kernel':>8} {'dense_s':>9} {'fisedit_s':>10} {'mask_s':>8} {'speedup':>8}")
     rows = []
     for latent in (int(v) for v in args.latents.split(",")):
         rows += bench_latent(latent, args, device, dtype)
+    if not args.skip_toy:
+        rows += toy_rows(args, device)
+    load_check("end")
     print(json.dumps({"rows": rows}))
+
+
+def toy_rows(args: argparse.Namespace, device: str) -> list[dict]:
+    """The toy model's fidelity and speed on this device (fp32; benchmarks/fisedit.py's toy rows, without MACs)."""
+    from hetu_ext.diffusion import FISEditConfig, fidelity, toy
+    from hetu_ext.diffusion.pipeline import FISEditPipeline
+
+    model = args.toy_model or str(fidelity.TOY_MODEL)
+    _, check = toy.edit_sets(max(1, args.toy_edits))
+    pipe = FISEditPipeline.from_pretrained(model, FISEditConfig(), device=device)
+    pipe.set_progress_bar_config(disable=True)
+    fidelity.measure(pipe, check[0])  # warm-up
+    figures = [fidelity.measure(pipe, edit, dense_first=i % 2 == 0) for i, edit in enumerate(check)]
+    s = fidelity.summary(figures)
+    row = {"model": "toy (trained)", "latent": 16, "mask_ratio": round(s["mask_fraction"], 4),
+           "kernel": "gemm/b1", "dense_s": round(s["dense_s"], 4), "fisedit_s": round(s["fisedit_s"], 4),
+           "speedup": round(s["speedup"], 3), "mask_s": round(s["mask_s"], 5), "mask_iou": round(s["mask_iou"], 4),
+           "err_in": round(s["err_in"], 4), "err_out": round(s["err_out"], 4), "psnr_out": round(s["psnr_out"], 2),
+           "edits": len(figures)}
+    print(f"toy model, {len(figures)} held-out edits ({device}, fp32, 50 steps, 10 dense, CFG 7.5): dense "
+          f"{row['dense_s']:.3f} s, FISEdit {row['fisedit_s']:.3f} s (mask {row['mask_s']:.4f} s), speed-up "
+          f"{row['speedup']:.2f}x; mask IoU {row['mask_iou']:.3f}, err_in {row['err_in']:.3f}, err_out "
+          f"{row['err_out']:.4f}, PSNR outside {row['psnr_out']:.1f} dB")
+    return [row]
 
 
 if __name__ == "__main__":

@@ -2,7 +2,9 @@
 
     python launch/fisedit.py --model DIR --prompt "a cat on a sofa" --edit "a dog on a sofa" [--out runs/fisedit]
 
-DIR is a local StableDiffusionPipeline folder (save_pretrained layout); nothing is downloaded. Bad input exits
+DIR is a local StableDiffusionPipeline folder (save_pretrained layout); nothing is downloaded. The project's own
+trained toy model is hetu_ext/diffusion/toy_model (32x32 images of coloured shapes; prompts like "red circle top
+left and blue square bottom right"). Bad input exits
 with code 2 and one `error:` line, before anything is written; the three PNGs appear together or not at all.
 """
 
@@ -35,6 +37,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--fixed-threshold", type=float, default=0.2)
     parser.add_argument("--key-values", choices=("active", "cached"), default="active")
     parser.add_argument("--cache-budget-mib", type=float, default=None)
+    parser.add_argument("--no-keep-outside", dest="keep_outside", action="store_false",
+                        help="let the latents outside the mask drift with the dense steps (default: kept original)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--fp16", action="store_true", help="half precision (GPU)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars (one per denoising loop)")
@@ -74,7 +78,7 @@ def run(args: argparse.Namespace) -> dict[str, float]:
     budget = None if args.cache_budget_mib is None else int(args.cache_budget_mib * 2**20)
     config = FISEditConfig(dense_steps=args.dense_steps, mask_steps=args.mask_steps, threshold=args.threshold,
                            fixed_threshold=args.fixed_threshold, key_values=args.key_values,
-                           cache_budget_bytes=budget)
+                           cache_budget_bytes=budget, keep_outside=args.keep_outside)
     mask = _load_mask(args.mask) if args.mask else None
     if args.steps <= args.dense_steps:
         raise ValueError(f"--steps {args.steps} <= --dense-steps {args.dense_steps} leaves no sparse step; "

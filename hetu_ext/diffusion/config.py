@@ -68,6 +68,14 @@ class FISEditConfig:
     generation's per-block statistics with the active blocks' fresh ones swapped in: same cost, and exact when
     every block is active)."""
 
+    keep_outside: bool = True
+    """After each sparse step, the latents outside the mask are set to the generation's latents after that step (the
+    loop calls `FISEditEngine.step_end`; the UNet-level `generate`/`edit` and `FISEditPipeline` do). The sparse
+    steps already take the generation's noise prediction there, but the dense steps moved those latents, and a
+    scheduler step amplifies that drift by up to 1/sqrt(alpha_bar) (x4.5 after 10 of 50 SD steps): with it the
+    edit is the original outside the mask exactly. False: the drift stays (FISEdit's latents follow the edit's
+    dense steps outside the mask)."""
+
     cache_budget_bytes: int | None = None
     """Most bytes of cached feature maps; layers with the fewest MACs saved per byte are left out (they run dense
     in the steps they miss). None = cache every sparse-eligible layer."""

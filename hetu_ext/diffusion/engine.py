@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -52,6 +53,9 @@ class FISEditEngine:
         self._diffs: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
         self._user_mask: torch.Tensor | None = None
         self._total_steps = 0
+        self.mask_seconds = 0.0
+        """Seconds the last edit spent making its mask (difference map, threshold, morphology; or resizing a given
+        mask), inside the edit's time."""
         self._attach()
 
     # ---- attach / detach -----------------------------------------------------------------------------------
@@ -117,7 +121,11 @@ class FISEditEngine:
             self._diffs[0].append(st.cache.get(st.step, "latent", sample.device))
             self._diffs[1].append(sample.detach())
         if st.step == cfg.dense_steps:
+            start = time.perf_counter()
             st.set_mask(self._make_mask(sample))
+            if sample.is_cuda:
+                torch.cuda.synchronize(sample.device)
+            self.mask_seconds = time.perf_counter() - start
             st.phase = "sparse"
         if st.phase == "sparse":
             st.cache.prefetch(st.step, sample.device)
@@ -155,6 +163,22 @@ class FISEditEngine:
         st.finish_record_step(self._total_steps or st.step + 1)
         st.cache.release(st.step)
         st.step += 1
+
+    def step_end(self, i: int, latents: torch.Tensor) -> torch.Tensor:
+        """The loop's latents after scheduler step `i` -> the latents it continues with. Recording: keeps those of
+        the steps an edit runs sparse. Editing, sparse steps, `keep_outside`: the recorded ones outside the mask.
+        Anything else: unchanged. Pass it as `denoise(step_end=...)` or call it from diffusers' callback_on_step_end
+        (stored under step i + 1, whose cache the step's pre-hook has already prefetched to the device)."""
+        st = self.state
+        if st.phase == "record" and i >= self.config.dense_steps:
+            st.cache.put(i + 1, "loop_latents", latents)
+        elif st.phase == "sparse" and st.mask is not None and self.config.keep_outside and i >= self.config.dense_steps:
+            kept = st.cache.get(i + 1, "loop_latents", latents.device)
+            if kept.shape != latents.shape:
+                raise ValueError(f"step_end got latents {tuple(latents.shape)} but the generation's were "
+                                 f"{tuple(kept.shape)}; pass the loop's latents (before any CFG doubling)")
+            latents = torch.where(st.mask.to(latents.device), latents, kept.to(latents.dtype))
+        return latents
 
     # ---- runs ----------------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -219,11 +243,11 @@ class FISEditEngine:
         from hetu_ext.diffusion.loop import denoise
 
         with self.recording(loop["num_inference_steps"]):
-            return denoise(self.unet, scheduler, **loop)
+            return denoise(self.unet, scheduler, step_end=self.step_end, **loop)
 
     def edit(self, scheduler: Any, *, mask: torch.Tensor | None = None, **loop: Any) -> torch.Tensor:
         """Edit at the UNet level: `loop` as for `generate` with the new `prompt_embeds` and the same latents."""
         from hetu_ext.diffusion.loop import denoise
 
         with self.editing(mask):
-            return denoise(self.unet, scheduler, **loop)
+            return denoise(self.unet, scheduler, step_end=self.step_end, **loop)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -11,11 +12,14 @@ from torch import nn
 @torch.no_grad()
 def denoise(unet: nn.Module, scheduler: Any, *, latents: torch.Tensor, prompt_embeds: torch.Tensor,
             num_inference_steps: int, negative_prompt_embeds: torch.Tensor | None = None,
-            guidance_scale: float = 7.5, progress_bar: dict[str, Any] | None = None) -> torch.Tensor:
+            guidance_scale: float = 7.5, progress_bar: dict[str, Any] | None = None,
+            step_end: Callable[[int, torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """Run `num_inference_steps` scheduler steps from `latents` (B, 4, h, w) of unit variance; one UNet call per
     step, with classifier-free guidance (batch doubled) when `negative_prompt_embeds` is given and
     `guidance_scale > 1`. prompt_embeds: (B, L, D). `progress_bar`: tqdm arguments for a bar over the steps (as
-    diffusers' `set_progress_bar_config` takes them; None: no bar). Returns the final latents (B, 4, h, w)."""
+    diffusers' `set_progress_bar_config` takes them; None: no bar). `step_end(i, latents)`, called after each
+    scheduler step, returns the latents the loop continues with (as diffusers' `callback_on_step_end`).
+    Returns the final latents (B, 4, h, w)."""
     if latents.shape[0] != prompt_embeds.shape[0]:
         raise ValueError(f"latents batch {latents.shape[0]} != prompt_embeds batch {prompt_embeds.shape[0]}; "
                          "give one text embedding per latent")
@@ -28,7 +32,7 @@ def denoise(unet: nn.Module, scheduler: Any, *, latents: torch.Tensor, prompt_em
         from tqdm.auto import tqdm
 
         timesteps = tqdm(timesteps, **progress_bar)
-    for t in timesteps:
+    for i, t in enumerate(timesteps):
         model_in = torch.cat([latents, latents]) if guided else latents
         model_in = scheduler.scale_model_input(model_in, t)
         noise = unet(model_in, t, encoder_hidden_states=embeds).sample
@@ -36,4 +40,6 @@ def denoise(unet: nn.Module, scheduler: Any, *, latents: torch.Tensor, prompt_em
             uncond, cond = noise.chunk(2)
             noise = uncond + guidance_scale * (cond - uncond)
         latents = scheduler.step(noise, t, latents).prev_sample
+        if step_end is not None:
+            latents = step_end(i, latents)
     return latents

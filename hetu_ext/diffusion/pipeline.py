@@ -41,11 +41,13 @@ def check_model_dir(model_dir: str | Path) -> Path:
 
 @dataclass
 class EditResult:
-    """One edit: the image and the latent-size mask that was recomputed."""
+    """One edit: the image, the latent-size mask that was recomputed (None for `dense_edit`), the final latents."""
 
     image: Any
-    mask: torch.Tensor
+    mask: torch.Tensor | None
     active_fractions: dict[str, float]
+    latents: torch.Tensor | None = None
+    """(1, C, h, w) final latents of the loop (before the VAE's scaling and decoding), on the host."""
 
 
 class FISEditPipeline:
@@ -56,6 +58,8 @@ class FISEditPipeline:
         self.engine = FISEditEngine(pipe.unet, config)
         self._run: dict[str, Any] | None = None
         self._progress_bar: dict[str, Any] = {}
+        self.generated_latents: torch.Tensor | None = None
+        """The last generation's final latents (host), as `EditResult.latents`."""
 
     def set_progress_bar_config(self, **kwargs: Any) -> None:
         """tqdm arguments for the denoising loops' progress bars, as diffusers' pipelines take them
@@ -63,10 +67,20 @@ class FISEditPipeline:
         ``desc`` is given."""
         self._progress_bar = dict(kwargs)
 
-    def _denoise(self, what: str, prompt: str) -> Any:
-        """The pipeline's own loop (one tqdm bar per loop, diffusers' own) under the engine's current mode."""
+    def _denoise(self, what: str, prompt: str) -> tuple[Any, torch.Tensor]:
+        """The pipeline's own loop (one tqdm bar per loop, diffusers' own) under the engine's current mode; the
+        engine's `step_end` runs as diffusers' step-end callback. Returns the image and the final latents."""
+        final: list[torch.Tensor] = []
+
+        def on_step_end(pipe: Any, i: int, t: Any, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            latents = self.engine.step_end(i, tensors["latents"])
+            final[:] = [latents]
+            return {"latents": latents}
+
         self.pipe.set_progress_bar_config(**{"desc": f"FISEdit {what}", **self._progress_bar})
-        return self.pipe(prompt, output_type="pil", **self._run).images[0]
+        image = self.pipe(prompt, output_type="pil", callback_on_step_end=on_step_end,
+                          callback_on_step_end_tensor_inputs=["latents"], **self._run).images[0]
+        return image, final[0].detach().cpu()
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, config: FISEditConfig | None = None, *,
@@ -94,7 +108,7 @@ class FISEditPipeline:
         self._run = {"latents": latents, "num_inference_steps": num_inference_steps,
                      "guidance_scale": guidance_scale, "height": height, "width": width}
         with self.engine.recording(num_inference_steps):
-            image = self._denoise("generate", prompt)
+            image, self.generated_latents = self._denoise("generate", prompt)
         logger.info("FISEdit cache: %.1f MiB", self.engine.cache_bytes / 2**20)
         return image
 
@@ -104,9 +118,25 @@ class FISEditPipeline:
         if self._run is None:
             raise ValueError("edit before generate: call generate(prompt) first, it fills the cache the edit reuses")
         with self.engine.editing(mask):
-            image = self._denoise("edit", prompt)
+            image, latents = self._denoise("edit", prompt)
         last = self.engine.last_mask
         if last is None:
             raise ValueError(f"the edit ran no sparse step: num_inference_steps={self._run['num_inference_steps']} "
                              f"<= dense_steps={self.engine.config.dense_steps}; lower dense_steps")
-        return EditResult(image=image, mask=last.cpu(), active_fractions=self.engine.active_fractions())
+        return EditResult(image=image, mask=last.cpu(), active_fractions=self.engine.active_fractions(),
+                          latents=latents)
+
+    @property
+    def loop_settings(self) -> dict[str, Any]:
+        """The last generation's loop arguments (latents, steps, guidance, size): an edit must run with them."""
+        if self._run is None:
+            raise ValueError("no generation yet: call generate(prompt) first")
+        return {k: (v.clone() if torch.is_tensor(v) else v) for k, v in self._run.items()}
+
+    def dense_edit(self, prompt: str) -> EditResult:
+        """The reference FISEdit is judged against: the generation's loop (same latents, steps, guidance) with the
+        new prompt, every step dense (the engine idle; its wrappers call the original modules), cache untouched."""
+        if self._run is None:
+            raise ValueError("dense_edit before generate: call generate(prompt) first, it fixes the latents and steps")
+        image, latents = self._denoise("dense edit", prompt)
+        return EditResult(image=image, mask=None, active_fractions={}, latents=latents)
