@@ -43,6 +43,7 @@ sys.path.insert(0, str(ROOT))
 
 from hetu_ext.data.cost import CostTable, LengthCost, _default_per_tp, load_cost_table  # noqa: E402
 from hetu_ext.data.hotspa import (  # noqa: E402
+    GroupPricer,
     Strategies,
     allreduce_seconds,
     auto_groups,
@@ -105,14 +106,19 @@ def predicted_row(spec: ModelSpec, gpus: int, cost: CostTable, batch_list: list[
     switch = [0.0 if k == static_k else switch_seconds(items[static_k].plan, s.plan, spec, weight_bytes=2,
                                                        bandwidth=bandwidth) for k, s in enumerate(items)]
     allreduce = [allreduce_seconds(s.plan, spec, bandwidth=bandwidth) for s in items]
+    pricer = GroupPricer(home, spec, cost)
 
     def group_s(k, ls):
-        return group_seconds(items[k].plan, spec, cost, ls, items[k].max_len) + allreduce[k]
+        return pricer.exact(k, ls) + allreduce[k]
 
-    totals, switches, chosen = [], [], set()
-    start = time.perf_counter()
+    def estimate_s(k, ls):
+        return pricer.estimate(k, ls) + allreduce[k]
+
+    totals, switches, chosen, plan_ms = [], [], set(), []
     for b in batch_list:
-        groups = auto_groups(b, home, group_s, switch, points=4)
+        start = time.perf_counter()
+        groups = auto_groups(b, home, estimate_s, switch)
+        plan_ms.append((time.perf_counter() - start) * 1e3)
         t = sw = 0.0
         for g in groups:
             t += group_s(g.strategy, [b[i] for i in g.indices])
@@ -120,7 +126,7 @@ def predicted_row(spec: ModelSpec, gpus: int, cost: CostTable, batch_list: list[
             chosen.add(items[g.strategy].name)
         totals.append(t + sw)
         switches.append(sw)
-    plan_ms = (time.perf_counter() - start) * 1e3 / len(batch_list)
+    plan_ms = statistics.mean(plan_ms)
     hotspa_s, switch_s = statistics.mean(totals), statistics.mean(switches)
     return {"gpus": gpus, "max_len": longest, "static_s": static_s, "hotspa_s": hotspa_s, "switch_s": switch_s,
             "static": items[static_k].name, "hotspa_strategies": sorted(chosen), "grouping_ms": plan_ms}

@@ -346,3 +346,33 @@ def frontier(strategies: Strategies, probe_s: Sequence[float]) -> Strategies:
         and (items[j].max_len > items[k].max_len or probe_s[j] < probe_s[k] or j < k) for j in range(len(items)))]
     return Strategies(items=tuple(items[k] for k in keep), home=keep.index(strategies.home),
                       home_first=strategies.home_first)
+
+
+class GroupPricer:
+    """Predicted seconds of a group of sequences under each strategy, with the strategies' replica specs built
+    once: ``exact`` runs the packer (Hydraulis's two-stage assignment), ``estimate`` is its certified lower bound
+    (hetu_ext.data.packing_bound; the packer lands within a few percent of it), cheap enough for the dynamic
+    program's many candidate groups."""
+
+    def __init__(self, strategies: Strategies, spec: ModelSpec, cost: CostTable) -> None:
+        self._replicas = [replica_specs(s.plan, spec, cost, max_pack_tokens=s.max_len) for s in strategies.items]
+
+    def estimate(self, k: int, lengths: list[int]) -> float:
+        """Identical pipelines (a uniform strategy): work spread evenly over the ``d`` pipelines, packs of the
+        capacity, plus the fill and drain of one average pack (O(n)); other plans: the packer's lower bound."""
+        if not lengths:
+            return 0.0
+        replicas = self._replicas[k]
+        s = np.asarray(lengths, dtype=np.float64)
+        if any(r != replicas[0] for r in replicas[1:]):
+            from .packing_bound import lower_bound_s
+
+            return lower_bound_s(s.astype(np.int64), replicas)
+        first, d = replicas[0], len(replicas)
+        tokens, squares = float(s.sum()) / d, float((s * s).sum()) / d
+        packs = max(1.0, np.ceil(tokens / first.token_capacity))
+        return first.microbatch_s(squares, tokens) + first.stage_costs[0].c * (packs - 1) \
+            + (first.pp - 1) * first.microbatch_s(squares / packs, tokens / packs)
+
+    def exact(self, k: int, lengths: list[int]) -> float:
+        return max(assign(lengths, self._replicas[k], method="hetu").predicted_s) if lengths else 0.0

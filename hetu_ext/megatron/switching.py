@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from hetu_ext.data.hotspa import Group, Strategies, auto_groups, fixed_groups, group_seconds, run_order, switch_seconds
+from hetu_ext.data.hotspa import Group, GroupPricer, Strategies, auto_groups, fixed_groups, run_order, switch_seconds
 from hetu_ext.runtime.reshard import Piece, reshard
 
 from .packed_data import PackedSteps, StepData
@@ -65,6 +65,7 @@ class SwitchedSteps:
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hetu-hotspa")
         self._ahead: dict = {}
+        self._pricer: GroupPricer | None = None
 
     def consumed(self, g: int) -> int:
         with self._lock:
@@ -76,10 +77,9 @@ class SwitchedSteps:
     def groups(self, lengths: list[int]) -> list[Group]:
         if not self.auto:
             return fixed_groups(lengths, self.strategies)
-        items = self.strategies.items
-        return auto_groups(lengths, self.strategies,
-                           lambda k, ls: group_seconds(items[k].plan, self.spec, self.cost, ls, items[k].max_len),
-                           self.switch_s)
+        if self._pricer is None:
+            self._pricer = GroupPricer(self.strategies, self.spec, self.cost)
+        return auto_groups(lengths, self.strategies, self._pricer.estimate, self.switch_s)
 
     def plan_step(self, g: int):
         with self._lock:
