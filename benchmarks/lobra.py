@@ -100,7 +100,7 @@ EMULATED_TABLE = {  # per layer, forward + backward; big enough that padding dom
     "note": "benchmarks/lobra.py: TP 1 holds 165 tokens per microbatch, TP 2 340",
     "per_tp": {1: {"a": 1.2e-5, "b": 9.0e-3, "c": 0.3, "memory_per_token_bytes": 1.0e5,
                    "memory_fixed_bytes": 1.0e6},
-               2: {"a": 7.2e-6, "b": 5.4e-3, "c": 0.36, "memory_per_token_bytes": 5.0e4,
+               2: {"a": 9.0e-6, "b": 7.5e-3, "c": 0.36, "memory_per_token_bytes": 5.0e4,
                    "memory_fixed_bytes": 5.0e5}}}
 EMULATED_TENANTS = [(0.02, 8), (0.25, 2), (0.05, 6)]
 """(length scale of the Wikipedia lengths, sequences per step) of the 3 emulated tenants (synthetic)."""
@@ -128,7 +128,7 @@ def _emulated_files(tmp: Path) -> tuple[str, str, str]:
 
     plan = tmp / "lobra_plan.yaml"
     code = plan_main(["lobra", "--tenants", str(tmp / "tenants.yaml"), "--world-size", "4", "--gpus-per-node", "4",
-                      "--cost-model", str(table), *EMULATED_MODEL[:6], "--seq-length", "256", "--steps", "8",
+                      "--cost-model", str(table), *EMULATED_MODEL[:6], "--seq-length", "256", "--steps", "32",
                       "-o", str(plan)])
     assert code == 0
     return str(table), str(tmp / "tenants.yaml"), str(plan)
