@@ -70,7 +70,8 @@ def a100_with_tp_comm(tp_gbs: float, memory_gb: float = 80.0) -> CostTable:
         comm = 0.0 if tp == 1 else 4 * 2 * (tp - 1) / tp * h * 2 / (tp_gbs * 1e9)
         per_tp[tp] = LengthCost(a=cost.a, b=cost.b + comm, c=cost.c, memory_per_token_bytes=10 * h + 24 * h / tp,
                                 memory_fixed_bytes=cost.memory_fixed_bytes)
-    return CostTable(per_tp=per_tp, device="a100-flops-model+tp-allreduce", device_memory_bytes=memory_gb * 1e9)
+    return CostTable(per_tp=per_tp, device=f"a100-flops-model+tp-allreduce@{tp_gbs:g}GB/s",
+                     device_memory_bytes=memory_gb * 1e9)
 
 
 def batches(lengths: np.ndarray, tokens: int, count: int, seed: int) -> list[list[int]]:
