@@ -4,6 +4,9 @@
 
 :mod:`.flags` splits the ``--hetu-*`` flags off the command line and checks them (with the Megatron-LM flags they
 depend on); :mod:`.run` appends the checkout to the end of ``sys.path`` (pip's megatron-core stays the one
-imported), applies the CPU patches when there is no CUDA (``hetu_ext.patches.megatron_lm``), installs the hooks the
-flags ask for on Megatron-LM's patch points (:mod:`.hooks`) and runs the script as ``__main__``.
+imported), applies the CPU patches when there is no CUDA (``hetu_ext.patches.megatron_lm``), checks Megatron-LM's
+patch points against the tested tag, installs the hooks the flags ask for and runs the script as ``__main__``.
+The hooks, each a set of named, probed, removable patches of Megatron-LM's patch points: :mod:`.checkpoint`
+(``--hetu-ckpt-format hetu``), :mod:`.weighting` (``--hetu-straggler-interval``), :mod:`.packing`
+(``--hetu-packing``). What Megatron-LM's grid cannot hold goes to hetu_ext's trainer (:mod:`.handoff`).
 """
