@@ -143,9 +143,10 @@ def test_emulated_slowdown_is_real_time_and_measured_in_forward_and_backward():
     wall1, fwd1, total1 = step(1.0)
     wall3, fwd3, total3 = step(3.0)
     assert total1 > fwd1 > 0 and total3 > fwd3 > 0  # backward time is counted too
-    # what the timer counts is time the step really took: with x=3 two thirds of it is padding (sleep), so if
-    # the padding were only counted and not slept, the count would be ~3x the wall time
-    assert total1 <= wall1 and 0.7 * wall3 <= total3 <= 1.05 * wall3
+    # what the timer counts is time the step really took (never more than the wall time), and with x=3 two thirds
+    # of it is padding that was slept: the wall time holds at least that (counted but not slept, the wall time
+    # would be ~1/3 of the count). Only bounds a busy machine cannot break: its delays add to the wall time only
+    assert total1 <= 1.05 * wall1 and total3 <= 1.05 * wall3 and wall3 >= 0.6 * total3
 
 
 def _monitored(rank, world, argv):
@@ -159,9 +160,12 @@ def _monitored(rank, world, argv):
 
 
 def test_monitor_detects_an_emulated_straggler(sample_prefix):
+    """Rank 1 turns 5x slow at step 3; both ranks hold the same detection of rank 1 only. Layers get an emulated
+    device time (5 ms, several times this tiny layer's real time) so a busy neighbour on the shared cores
+    cannot make rank 0 read as the straggler."""
     argv = _argv(1, 1, sample_prefix, ("--train-iters", "8", "--hetu-emulate-slowdown", "step=3:rank=1:x=5",
                                        "--hetu-straggler-interval", "2", "--hetu-straggler-window", "2",
-                                       "--hetu-straggler-threshold", "2.0"))
+                                       "--hetu-straggler-threshold", "2.0", "--hetu-emulate-layer-ms", "5"))
     results = run_ranks(_monitored, 2, argv, timeout=180)
     detections = results[0]["detections"]
     assert detections and detections == results[1]["detections"]  # every rank holds the same estimate
