@@ -84,7 +84,7 @@ class LoRATrainer(Trainer):
         self.losses.append(loss)
         self.tenant_losses.append(self._tenant_losses(reports))
         packing = {"microbatches": len(step.microbatches), "predicted_s": list(step.predicted_s),
-                   "tenant_tokens": [int(n) for n in counts]}
+                   "tenant_tokens": [int(n) for n in counts], "tenant_loss": self.tenant_losses[-1]}
         return loss, grad_norm, None, step.sequences, step.tokens, packing
 
     def _tenant_losses(self, reports: list[dict]) -> list[float | None]:
