@@ -66,8 +66,8 @@ def test_straggler_triggers_an_online_replan_that_continues_the_same_run(sample_
     still matches the single-process reference step for step. The metrics file holds the detection, the re-plan
     and the migration as events, and the per-rank compute times at the exchanges.
 
-    Layers get an emulated device time (--hetu-emulate-layer-ms 10, some 10x this tiny layer's real time even on
-    a loaded machine): without it a healthy rank descheduled by a busy neighbour was once timed over the 2x
+    Layers get an emulated device time (--hetu-emulate-layer-ms 20, many times this tiny layer's real time even
+    on a loaded machine): without it a healthy rank descheduled by a busy neighbour was once timed over the 2x
     threshold and the plan left it out instead of rank 3 (issue 17)."""
     steps = ("--train-iters", "10", "--lr-decay-style", "linear")
     reference = run_ranks(train, 1, _argv(1, 1, sample_prefix, steps), timeout=120)[0]
@@ -75,7 +75,7 @@ def test_straggler_triggers_an_online_replan_that_continues_the_same_run(sample_
         "--hetu-runtime", "plan", "--tensor-model-parallel-size", "1", "--hetu-emulate-slowdown",
         "step=3:rank=3:x=6", "--hetu-straggler-interval", "2", "--hetu-straggler-window", "2",
         "--hetu-straggler-threshold", "2.0", "--hetu-straggler-replan", "online", "--hetu-gpus-per-node", "4",
-        "--hetu-emulate-layer-ms", "10", "--hetu-metrics-file", str(tmp_path / "metrics.jsonl")))
+        "--hetu-emulate-layer-ms", "20", "--hetu-metrics-file", str(tmp_path / "metrics.jsonl")))
     result = run_ranks(train, 4, argv, timeout=300)[0]
     detections = read_records(tmp_path / "metrics.jsonl", event="detection")
     assert detections and set(detections[0]["stragglers"]) == {"3"}, detections
@@ -103,7 +103,7 @@ def test_an_idle_rank_that_recovers_is_brought_back(sample_prefix, tmp_path):
 
     Layers get an emulated device time (--hetu-emulate-layer-ms): the idle rank's one-layer probe and the
     training ranks' layers then take the time the emulated cluster says, not what 3 processes on 2 shared cores
-    happen to get (without it the probe of this tiny model was sometimes timed 2x slow after recovery; 10 ms, not
+    happen to get (without it the probe of this tiny model was sometimes timed 2x slow after recovery; 20 ms, not
     5, keeps a margin when busy neighbours share the cores)."""
     steps = ("--train-iters", "12", "--lr-decay-style", "linear")
     reference = run_ranks(train, 1, _argv(1, 1, sample_prefix, steps), timeout=120)[0]
@@ -113,7 +113,7 @@ def test_an_idle_rank_that_recovers_is_brought_back(sample_prefix, tmp_path):
     argv = _argv(1, 1, sample_prefix, steps + (
         "--hetu-plan", str(plan), "--hetu-emulate-slowdown", "step=1:rank=2:x=6,step=5:rank=2:x=1",
         "--hetu-straggler-interval", "2", "--hetu-straggler-window", "2", "--hetu-straggler-threshold", "2.0",
-        "--hetu-straggler-replan", "online", "--hetu-gpus-per-node", "3", "--hetu-emulate-layer-ms", "10"))
+        "--hetu-straggler-replan", "online", "--hetu-gpus-per-node", "3", "--hetu-emulate-layer-ms", "20"))
     result = next(r for r in run_ranks(train, 3, argv, timeout=300) if r is not None)
     lines = result["log_lines"]
     migrations = [line for line in lines if line.startswith("migrated to a new plan")]
