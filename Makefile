@@ -20,8 +20,8 @@ $(STAMP): setup.py Makefile
 	$(PY) -m pip install --upgrade pip
 	@echo "venv [3/4]: torch 2.13.0 (the CPU wheel on a machine without CUDA)"
 	$(PY) -m pip install "torch==2.13.0"
-	@echo "venv [4/4]: hetu_ext with its extras: megatron-core, deepspeed, diffusers, test and plot tools"
-	$(PY) -m pip install -e ".[megatron,deepspeed,dev,plot,diffusion]"
+	@echo "venv [4/4]: hetu_ext with its extras: megatron-core, deepspeed, diffusers, peft, test and plot tools"
+	$(PY) -m pip install -e ".[megatron,deepspeed,dev,plot,diffusion,lora]"
 	touch $(STAMP)
 	@echo "venv ready: $(VENV) (run tools as $(PY) ..., or source $(VENV)/bin/activate)"
 
