@@ -21,7 +21,7 @@ $(STAMP): setup.py Makefile
 	@echo "venv [3/4]: torch 2.13.0 (the CPU wheel on a machine without CUDA)"
 	$(PY) -m pip install "torch==2.13.0"
 	@echo "venv [4/4]: hetu_ext with its extras: megatron-core, deepspeed, diffusers, peft, test and plot tools"
-	$(PY) -m pip install -e ".[megatron,deepspeed,dev,plot,diffusion,lora]"
+	$(PY) -m pip install -e ".[megatron,megatron-lm,deepspeed,dev,plot,diffusion,lora]"
 	touch $(STAMP)
 	@echo "venv ready: $(VENV) (run tools as $(PY) ..., or source $(VENV)/bin/activate)"
 

@@ -12,11 +12,12 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["hetu_ext", "hetu_ext.*"]) + ["hetu_ext.patches"],
     package_dir={"hetu_ext.patches": "patches"},
-    package_data={"hetu_ext": ["data/samples/*"]},
+    package_data={"hetu_ext": ["data/samples/*", "diffusion/toy_model/*", "diffusion/toy_model/*/*"]},
     install_requires=["numpy", "pyyaml>=6", "safetensors>=0.4"],
     extras_require={
         "cpu": [TORCH],
         "megatron": [TORCH, "megatron-core==0.16.1"],
+        "megatron-lm": [TORCH, "megatron-core==0.16.1", "six"],  # a user's Megatron-LM checkout imports six
         "deepspeed": [TORCH, "deepspeed==0.19.8"],
         # scipy: HiGHS MILP references in tests; tensorboard: the metrics test reads the event files back
         "dev": ["pytest>=8", "pytest-timeout", "scipy>=1.9", "tensorboard>=2.14"],
