@@ -11,17 +11,19 @@ targets. Every method sees the same global batches (a token budget per step): ``
 (documents crossing a cut become two pieces, each attending to itself: the issue's "Megatron-style with
 per-document attention"), ``megatron_causal`` the same packs with causal attention over the whole pack
 (Megatron-LM's default GPTDataset, no --reset-attention-mask), ``greedy`` is DeepSpeed-style greedy by tokens,
-``hetu`` is our two-stage length-aware assignment (``--hetu-packing balanced``), whose cost model is calibrated first on this CPU
-for this model (``python -m hetu_ext.megatron.calibrate``). Methods run interleaved, ``--rounds`` times each;
-tokens/s is the total tokens over the total time of steps 2..N of every round (step 1 warms up); each round
-starts with the next method, so that no method always runs first or last on a shared machine.
+``hetu`` is our two-stage length-aware assignment (``--hetu-packing balanced``), whose cost model is calibrated
+first on this CPU for this model (``python -m hetu_ext.megatron.calibrate``). Methods run interleaved,
+``--rounds`` times each; tokens/s is the total tokens over the total time of steps 2..N of every round (step 1
+warms up); each round starts with the next method, so that no method always runs first or last on a shared
+machine.
 
 Beside the measurement, the calibrated cost model prices the very microbatches each method ran (the trainer's
 PackedSteps on the same corpus): its predicted ratio to megatron, its total work relative to megatron's (megatron's
 cuts shorten documents, and attention work is quadratic in a document's length), and a ceiling: megatron's
 predicted time over a perfect split of the method's work across the 2 ranks, which no assignment of the method's
 sequences can beat (for PP 2 a loose one: it ignores the pipeline's fill and drain, at least the forward and
-backward of the costliest document on one stage). ``--predict-only`` prints these for a grid of max pack lengths and batches, without training.
+backward of the costliest document on one stage). ``--predict-only`` prints these for a grid of max pack lengths
+and batches, without training.
 
     python benchmarks/packing_real.py --predict-only [--grid-steps 30]
 """

@@ -24,10 +24,18 @@ def optimal_max_time(lengths: Sequence[int], replicas: Sequence[ReplicaSpec], *,
     n, nr = s.size, len(replicas)
     nm = max_microbatches or n
     nx = n * nr * nm
-    ix = lambda i, r, m: (i * nr + r) * nm + m
-    iy = lambda r, m: nx + r * nm + m
-    it = lambda r, m: nx + nr * nm + r * nm + m
-    iz = lambda r: nx + 2 * nr * nm + r
+    def ix(i, r, m):
+        return (i * nr + r) * nm + m
+
+    def iy(r, m):
+        return nx + r * nm + m
+
+    def it(r, m):
+        return nx + nr * nm + r * nm + m
+
+    def iz(r):
+        return nx + 2 * nr * nm + r
+
     nvar = nx + 2 * nr * nm + nr + 1
     rows, lo, hi = [], [], []
 
