@@ -72,7 +72,7 @@ def train_vae(vae, layouts, toy, args, rng: random.Random) -> list[float]:
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
-            losses.append(float(loss))
+            losses.append(loss.item())
             bar.set_postfix(loss=f"{np.mean(losses[-20:]):.4f}")
             bar.update()
     vae.eval()
@@ -133,7 +133,7 @@ def train_unet(unet, text_encoder, tokenizer, latents, captions, args, rng: rand
                 decay = min(args.ema, (step + 1) / (step + 10))
                 for mean, param in zip(ema_params, params, strict=True):
                     mean.lerp_(param, 1.0 - decay)
-            losses.append(float(loss))
+            losses.append(loss.item())
             bar.set_postfix(loss=f"{np.mean(losses[-50:]):.4f}")
             bar.update()
             if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.unet_steps:
