@@ -809,7 +809,8 @@ def main() -> None:
 def _summary(rows: list[dict]) -> dict:
     """The targets' ratios, each against the strongest baseline row (printed with its name)."""
     def best(system: str, op: str, exclude: str | None = None) -> dict | None:
-        found = [r for r in rows if r["system"] == system and r["op"] == op and r.get("read") != exclude]
+        found = [r for r in rows if r["system"] == system and r["op"] == op
+                 and (exclude is None or r.get("read") != exclude)]
         return min(found, key=lambda r: r["total_s"]) if found else None
 
     out = {}
