@@ -114,10 +114,12 @@ class _CpuTorch:
     """The ``torch`` seen by a patched module: tensor factories put CUDA requests on the CPU."""
 
     _FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "arange", "zeros_like", "empty_like", "ones_like")
+    _CUDA = _CpuCuda
+    """What ``torch.cuda`` is to the patched module (Megatron-LM's training package needs a little more)."""
 
     def __init__(self, real_torch: Any) -> None:
         self._real = real_torch
-        self.cuda = _CpuCuda(real_torch.cuda)
+        self.cuda = self._CUDA(real_torch.cuda)
         for name in self._FACTORIES:
             setattr(self, name, self._cpu_factory(getattr(real_torch, name)))
 

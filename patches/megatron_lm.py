@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from .base import Patch, PatchError, PatchSet
+from .megatron_cpu import _CpuCuda, _CpuTorch
 
 TESTED_TAG = "core_v0.16.1"
 """The Megatron-LM tag (``git describe``) whose ``megatron/training`` these patches and hooks were written for."""
@@ -43,33 +44,10 @@ class MegatronLMVersionError(PatchError):
     """The Megatron-LM checkout lacks a symbol hetu_ext patches or hooks (it is not the tested tag)."""
 
 
-def _cpu(device: Any) -> Any:
-    if isinstance(device, int) or (isinstance(device, str) and device.split(":")[0] == "cuda") or (
-            isinstance(device, torch.device) and device.type == "cuda"):
-        return torch.device("cpu")
-    return device
-
-
-class _NullStream:
-    def wait_stream(self, other: Any) -> None:
-        return None
-
-    def synchronize(self) -> None:
-        return None
-
-    def __enter__(self) -> "_NullStream":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
-
-
-class _TrainingCuda:
-    """``torch.cuda`` as a patched training module sees it: one (CPU) device, no-op synchronisation and streams,
-    the CPU generator, zero memory counters."""
-
-    def __init__(self, real: Any) -> None:
-        self._real = real
+class _TrainingCuda(_CpuCuda):
+    """``torch.cuda`` as a patched training module sees it: Megatron-core's CPU stand-in (one CPU device, no-op
+    synchronisation and streams, the CPU generator) plus what ``megatron/training`` asks of it: a device that is
+    available and set, zero memory counters."""
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith(("memory_", "max_memory_")) or name in ("device_memory_used",):
@@ -79,43 +57,15 @@ class _TrainingCuda:
     is_available = staticmethod(lambda: True)
     device_count = staticmethod(lambda: 1)
     set_device = staticmethod(lambda *a, **k: None)
-    current_device = staticmethod(lambda: torch.device("cpu"))
-    synchronize = staticmethod(lambda *a, **k: None)
-    empty_cache = staticmethod(lambda: None)
     memory_stats = staticmethod(lambda *a, **k: {})
-    Stream = staticmethod(lambda *a, **k: _NullStream())  # noqa: N815 (mirrors torch.cuda.Stream)
-    current_stream = staticmethod(lambda *a, **k: _NullStream())
-    stream = staticmethod(lambda *a, **k: contextlib.nullcontext())
-    get_rng_state = staticmethod(lambda *a, **k: torch.get_rng_state())
-    set_rng_state = staticmethod(lambda state, *a, **k: torch.set_rng_state(state))
-    manual_seed = staticmethod(lambda seed: torch.manual_seed(seed))
 
 
-class _TrainingTorch:
-    """``torch`` as a patched training module sees it: CUDA devices of tensor factories are the CPU."""
+class _TrainingTorch(_CpuTorch):
+    """``torch`` as a patched training module sees it: CUDA devices of tensor factories (random ones too) are the
+    CPU."""
 
-    _FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "arange", "zeros_like", "empty_like", "ones_like",
-                  "rand", "randn")
-
-    def __init__(self, real: Any) -> None:
-        self._real = real
-        self.cuda = _TrainingCuda(real.cuda)
-        for name in self._FACTORIES:
-            setattr(self, name, self._factory(getattr(real, name)))
-
-    @staticmethod
-    def _factory(factory: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-        @functools.wraps(factory)
-        def cpu_factory(*args: Any, **kwargs: Any) -> torch.Tensor:
-            if "device" in kwargs:
-                kwargs["device"] = _cpu(kwargs["device"])
-            kwargs.pop("pin_memory", None)
-            return factory(*args, **kwargs)
-
-        return cpu_factory
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._real, name)
+    _FACTORIES = _CpuTorch._FACTORIES + ("rand", "randn")
+    _CUDA = _TrainingCuda
 
 
 def _module_torch(real: Any) -> _TrainingTorch:
