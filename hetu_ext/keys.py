@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any
+
+import yaml
 
 
 def check_keys(obj: Any, allowed: Iterable[str], where: str, *, preposition: str = "in",
@@ -32,3 +35,17 @@ def check_keys(obj: Any, allowed: Iterable[str], where: str, *, preposition: str
     if missing:
         raise error(f"{where}: missing key(s) {missing}; the keys are {allowed}")
     return dict(obj)
+
+
+def read_yaml(path: str | Path, what: str, *, error: type[Exception] = ValueError, fix: str = "check the path"
+              ) -> Any:
+    """A YAML file's content; one-line ``error`` naming ``what`` and the file when it cannot be read (with ``fix``)
+    or does not parse."""
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise error(f"{what} {str(path)!r} cannot be read: {exc.strerror}; {fix}") from exc
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise error(f"{what} {str(path)!r} is not valid YAML: {exc}".replace("\n", " ")) from exc

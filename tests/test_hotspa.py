@@ -11,6 +11,7 @@ mutes a mis-weighting of groups, at lr 1e-3 it moves the third loss by 7.5e-4).
 from __future__ import annotations
 
 import pytest
+from test_packed_training import HETERO as HETERO_HOME  # pipelines of 1 and 2 stages
 from test_packed_training import _argv
 from test_uniform_equivalence import LOSS_RTOL, WEIGHT_ATOL, compare
 
@@ -24,17 +25,6 @@ home_first: {home_first}
 strategies:
   - {{name: short, dp: 2, max_len: 24}}
   - {{name: long, tp: 2, max_len: 64}}
-"""
-
-HETERO_HOME = """
-pipelines:
-  - num_microbatches: 1
-    stages:
-      - {ranks: [0], layers: [0, 4]}
-  - num_microbatches: 1
-    stages:
-      - {ranks: [1], layers: [0, 1]}
-      - {ranks: [2], layers: [1, 4]}
 """
 
 THREE = """

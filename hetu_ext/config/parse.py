@@ -33,7 +33,7 @@ from typing import Any
 
 import yaml
 
-from hetu_ext.keys import check_keys
+from hetu_ext.keys import check_keys, read_yaml
 
 from .schema import SECTIONS, RunConfig, dest_of, flag_of
 
@@ -134,12 +134,7 @@ def load_config_file(path: str, sections: dict[str, type] = SECTIONS) -> dict[st
     """A ``--hetu-config`` file as argparse destinations -> values; paths made relative to the file; every key,
     type and choice checked (ValueError naming the key, the value and the fix)."""
     file = Path(path)
-    try:
-        data = yaml.safe_load(file.read_text())
-    except OSError as exc:
-        raise ValueError(f"--hetu-config {path!r} cannot be read: {exc.strerror}; check the path") from exc
-    except yaml.YAMLError as exc:
-        raise ValueError(f"--hetu-config {path!r} is not valid YAML: {exc}".replace("\n", " ")) from exc
+    data = read_yaml(path, "--hetu-config")
     data = check_keys(data or {}, set(sections) | set(LEGACY_TOP_LEVEL), f"--hetu-config {path!r}")
     for key, section in LEGACY_TOP_LEVEL.items():
         if key in data:

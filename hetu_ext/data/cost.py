@@ -31,7 +31,7 @@ from typing import Any
 
 import yaml
 
-from hetu_ext.keys import check_keys
+from hetu_ext.keys import check_keys, read_yaml
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -171,15 +171,8 @@ def cost_table_to_dict(table: CostTable) -> dict:
 def load_cost_table(path: str | Path) -> CostTable:
     """Read a cost table YAML; ValueError naming the file for a missing, unreadable or malformed one."""
     path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ValueError(f"cost table file {str(path)!r} cannot be read: {exc.strerror}; check the path or create "
-                         "it with `python -m hetu_ext.megatron.calibrate --out FILE`") from exc
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ValueError(f"cost table file {str(path)!r} is not valid YAML: {exc}".replace("\n", " ")) from exc
+    data = read_yaml(path, "cost table file",
+                     fix="check the path or create it with `python -m hetu_ext.megatron.calibrate --out FILE`")
     return cost_table_from_dict(data, where=f"cost table file {str(path)!r}")
 
 

@@ -32,9 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import yaml
 
-from hetu_ext.keys import check_keys
+from hetu_ext.keys import check_keys, read_yaml
 from hetu_ext.plan.io import load_plan
 from hetu_ext.plan.model_spec import ModelSpec
 from hetu_ext.plan.plan import Plan, PlanError, uniform_plan, validate_plan
@@ -132,12 +131,7 @@ def strategies_from_dict(data, *, model: ModelSpec, world_size: int, where: str 
 def load_strategies(path: str | Path, *, model: ModelSpec, world_size: int) -> Strategies:
     """Read ``--hetu-hotspa FILE``; ValueError (one line) naming the file and what is wrong."""
     path = Path(path)
-    try:
-        data = yaml.safe_load(path.read_text())
-    except OSError as exc:
-        raise ValueError(f"--hetu-hotspa {str(path)!r} cannot be read: {exc.strerror}; check the path") from exc
-    except yaml.YAMLError as exc:
-        raise ValueError(f"--hetu-hotspa {str(path)!r} is not valid YAML: {exc}".replace("\n", " ")) from exc
+    data = read_yaml(path, "--hetu-hotspa")
     return strategies_from_dict(data, model=model, world_size=world_size, where=f"--hetu-hotspa {str(path)!r}",
                                 base=path.parent)
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from hetu_ext.keys import check_keys
+from hetu_ext.keys import check_keys, read_yaml
 
 from .plan import Pipeline, Plan, PlanError, Stage
 
@@ -81,14 +81,7 @@ def plan_to_dict(plan: Plan) -> dict:
 def load_plan(path: str | Path) -> Plan:
     """Read a plan file. Raises PlanError (a ValueError) naming the file for unreadable or malformed input."""
     path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise PlanError(f"plan file {str(path)!r} cannot be read: {exc.strerror}; check the path") from exc
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise PlanError(f"plan file {str(path)!r} is not valid YAML: {exc}".replace("\n", " ")) from exc
+    data = read_yaml(path, "plan file", error=PlanError)
     if isinstance(data, dict) and "plan" in data and "pipelines" not in data:
         data = data["plan"]
     try:
