@@ -183,8 +183,14 @@ class PackingConfig:
                                  help="HotSPa: train each length group of a step under its own strategy (YAML list "
                                       "of strategies with max_len; auto: chosen per step), switching weights and "
                                       "gradients to and from the home strategy that holds the optimizer")
+    strategies: str | None = setting(flag="--hetu-strategies", metavar="FILE|auto",
+                                     help="Hydraulis: train each step under the candidate plan (YAML list of "
+                                          "strategies, as --hetu-hotspa's; auto: candidates from the data's lengths) "
+                                          "with the lowest predicted time for its lengths, switching weights and "
+                                          "gradients to and from the home candidate that holds the optimizer")
     hotspa_bandwidth_gbs: float = setting(100.0, flag="--hetu-hotspa-bandwidth",
-                                          help="GB/s per device assumed for the predicted switch time (auto)")
+                                          help="GB/s per device assumed for the predicted switch time (HotSPa auto "
+                                               "grouping, Hydraulis selection)")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -40,6 +40,7 @@ from hetu_ext.plan.plan import Plan, PlanError, uniform_plan, validate_plan
 
 from .cost import CostTable
 from .packing import ReplicaSpec, assign, replica_specs
+from .packing_bound import lower_bound_s
 
 _FILE_KEYS = {"home", "home_first", "strategies"}
 _STRATEGY_KEYS = {"name", "plan", "tp", "pp", "dp", "max_len"}
@@ -128,11 +129,13 @@ def strategies_from_dict(data, *, model: ModelSpec, world_size: int, where: str 
     return Strategies(items=tuple(items), home=home, home_first=home_first)
 
 
-def load_strategies(path: str | Path, *, model: ModelSpec, world_size: int) -> Strategies:
-    """Read ``--hetu-hotspa FILE``; ValueError (one line) naming the file and what is wrong."""
+def load_strategies(path: str | Path, *, model: ModelSpec, world_size: int, flag: str = "--hetu-hotspa"
+                    ) -> Strategies:
+    """Read ``--hetu-hotspa FILE`` (or ``--hetu-strategies FILE``: ``flag``); ValueError (one line) naming the
+    file and what is wrong."""
     path = Path(path)
-    data = read_yaml(path, "--hetu-hotspa")
-    return strategies_from_dict(data, model=model, world_size=world_size, where=f"--hetu-hotspa {str(path)!r}",
+    data = read_yaml(path, flag)
+    return strategies_from_dict(data, model=model, world_size=world_size, where=f"{flag} {str(path)!r}",
                                 base=path.parent)
 
 
@@ -359,14 +362,16 @@ class GroupPricer:
         replicas = self._replicas[k]
         s = np.asarray(lengths, dtype=np.float64)
         if any(r != replicas[0] for r in replicas[1:]):
-            from .packing_bound import lower_bound_s
-
             return lower_bound_s(s.astype(np.int64), replicas)
         first, d = replicas[0], len(replicas)
         tokens, squares = float(s.sum()) / d, float((s * s).sum()) / d
         packs = max(1.0, np.ceil(tokens / first.token_capacity))
         return first.microbatch_s(squares, tokens) + first.stage_costs[0].c * (packs - 1) \
             + (first.pp - 1) * first.microbatch_s(squares / packs, tokens / packs)
+
+    def bound(self, k: int, lengths: list[int]) -> float:
+        """The packer's certified lower bound (hetu_ext.data.packing_bound): never above :meth:`exact`."""
+        return lower_bound_s(np.asarray(lengths, dtype=np.int64), self._replicas[k]) if lengths else 0.0
 
     def exact(self, k: int, lengths: list[int]) -> float:
         return max(assign(lengths, self._replicas[k], method="hetu").predicted_s) if lengths else 0.0

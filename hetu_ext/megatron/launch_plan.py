@@ -124,7 +124,8 @@ class LaunchCheck:
     runtime: str
     """``megatron`` or ``plan`` (select_runtime)."""
     strategies: object = None
-    """--hetu-hotspa: the :class:`hetu_ext.data.hotspa.Strategies` (``plan`` is then the home strategy's)."""
+    """--hetu-hotspa / --hetu-strategies: the :class:`hetu_ext.data.hotspa.Strategies` (``plan`` is then the home
+    strategy's)."""
 
 
 def check_launch(config: RunConfig, world_size: int) -> LaunchCheck:
@@ -140,7 +141,8 @@ def check_launch(config: RunConfig, world_size: int) -> LaunchCheck:
                             f"the run has {plan.num_microbatches}; keep the global batch the same")
         check_runnable(target)
         migrations.append((step, target))
-    strategies = hotspa_strategies(config, spec, world_size) if config.packing.hotspa else None
+    strategies = hotspa_strategies(config, spec, world_size) \
+        if config.packing.hotspa or config.packing.strategies else None
     if strategies is not None:
         plan = strategies.items[strategies.home].plan
         for strategy in strategies.items:
@@ -155,31 +157,64 @@ HOTSPA_METHODS = ("unpacked", "ffd", "greedy", "balanced")
 
 
 def hotspa_strategies(config: RunConfig, spec: ModelSpec, world_size: int):
-    """--hetu-hotspa FILE or auto: the strategies, checked against the run (one-line errors)."""
+    """--hetu-hotspa or --hetu-strategies, FILE or auto: the strategies, checked against the run (one-line
+    errors). Both run through the switching layer with the home strategy holding the optimizer."""
     from hetu_ext.data.cost import CostTable, load_cost_table
     from hetu_ext.data.hotspa import auto_strategies, load_strategies
 
     packing, straggler = config.packing, config.straggler
+    if packing.hotspa and packing.strategies:
+        raise ValueError(f"--hetu-hotspa {packing.hotspa} and --hetu-strategies {packing.strategies} both choose "
+                         "the step's strategies; keep one (HotSPa: one strategy per length group; Hydraulis: one "
+                         "candidate plan per step)")
+    flag, value = ("--hetu-hotspa", packing.hotspa) if packing.hotspa else ("--hetu-strategies", packing.strategies)
     if packing.method not in HOTSPA_METHODS:
-        raise ValueError(f"--hetu-hotspa needs --hetu-packing one of {list(HOTSPA_METHODS)} (each length group is "
-                         f"packed for its strategy), got --hetu-packing {packing.method}")
+        raise ValueError(f"{flag} needs --hetu-packing one of {list(HOTSPA_METHODS)} (each step's sequences are "
+                         f"packed for the strategy that runs them), got --hetu-packing {packing.method}")
     if straggler.migrate or straggler.replan == "online" or config.parallel.use_distributed_optimizer:
-        raise ValueError("--hetu-hotspa runs with a fixed home plan and a replicated optimizer: drop --hetu-migrate, "
+        raise ValueError(f"{flag} runs with a fixed home plan and a replicated optimizer: drop --hetu-migrate, "
                          "--hetu-straggler-replan online and --use-distributed-optimizer")
     if config.parallel.plan:
-        raise ValueError(f"--hetu-hotspa sets the plans (its home strategy holds the optimizer); drop --hetu-plan "
-                         f"{config.parallel.plan} or give that plan as a strategy in the HotSPa file")
-    if packing.hotspa == "auto":
-        cost = load_cost_table(packing.cost_model) if packing.cost_model else CostTable()
+        raise ValueError(f"{flag} sets the plans (its home strategy holds the optimizer); drop --hetu-plan "
+                         f"{config.parallel.plan} or give that plan as a strategy in the {flag} file")
+    cost = load_cost_table(packing.cost_model) if packing.cost_model else CostTable()
+    if value == "auto" and flag == "--hetu-hotspa":
         strategies = auto_strategies(spec, world_size, cost)
+    elif value == "auto":
+        strategies = hydraulis_candidates(config, spec, world_size, cost)
     else:
-        strategies = load_strategies(packing.hotspa, model=spec, world_size=world_size)
+        strategies = load_strategies(value, model=spec, world_size=world_size, flag=flag)
     if strategies.capacity < spec.seq_length:
-        raise ValueError(f"--hetu-hotspa: sequences of up to --seq-length {spec.seq_length} tokens are longer than "
+        raise ValueError(f"{flag}: sequences of up to --seq-length {spec.seq_length} tokens are longer than "
                          f"every strategy takes (the largest capacity is {strategies.capacity} tokens); give a "
                          f"strategy max_len {spec.seq_length} or lower --seq-length to {strategies.capacity}")
     home = strategies.items[strategies.home]
     if set(home.plan.used_ranks) != set(range(world_size)):
-        raise ValueError(f"--hetu-hotspa: the home strategy {home.name!r} uses ranks {list(home.plan.used_ranks)} "
+        raise ValueError(f"{flag}: the home strategy {home.name!r} uses ranks {list(home.plan.used_ranks)} "
                          f"of {world_size}; the home holds the optimizer and must use every rank")
     return strategies
+
+
+def hydraulis_candidates(config: RunConfig, spec: ModelSpec, world_size: int, cost):
+    """--hetu-strategies auto: Hydraulis's candidate plans for the training sequences' length histogram (the
+    corpus of --data-path or --hetu-varlen-mock, cut at --seq-length as training cuts it)."""
+    import numpy as np
+
+    from hetu_ext.data.lengths import parse_length_spec
+    from hetu_ext.data.sequences import SequenceTable
+    from hetu_ext.plan.hydraulis import candidate_strategies
+
+    from .packed_data import IndexedDocuments
+
+    packing = config.packing
+    if config.data.data_path:
+        token_counts = IndexedDocuments(config.data.data_path[0]).token_counts
+    elif packing.varlen_mock:
+        token_counts = np.asarray(parse_length_spec(packing.varlen_mock).sample(packing.mock_documents,
+                                                                                config.training.seed)) + 1
+    else:
+        raise ValueError("--hetu-strategies auto needs the corpus' lengths: give --data-path or --mock-data with "
+                         "--hetu-varlen-mock, or a --hetu-strategies FILE of candidate plans")
+    lengths = SequenceTable.from_documents(np.asarray(token_counts, dtype=np.int64), spec.seq_length).length
+    return candidate_strategies(spec, world_size, cost, lengths.tolist(), max_len=spec.seq_length,
+                                gpus_per_node=config.straggler.gpus_per_node)

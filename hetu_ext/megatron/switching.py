@@ -1,4 +1,5 @@
-"""The switching layer: one training step run as several schedules under different strategies (HotSPa).
+"""The switching layer: one training step run as one or several schedules under strategies other than the
+optimizer's (HotSPa: a strategy per length group; Hydraulis: one candidate plan per step).
 
 A *home* placement holds the optimizer (fp32 masters and moments under ``--bf16``, the grad norm, the LR
 schedule); *compute* placements, one per other strategy, are built on first use (every rank, collectively; the
@@ -28,11 +29,17 @@ import numpy as np
 import torch
 
 from hetu_ext.data.hotspa import Group, GroupPricer, Strategies, auto_groups, fixed_groups, run_order, switch_seconds
+from hetu_ext.plan.hydraulis import select_candidate
 from hetu_ext.runtime.reshard import Piece, reshard
 
 from .packed_data import PackedSteps, StepData
 from .placement import Placement
 from .weights import local_shards
+
+MODES = ("fixed", "auto", "select")
+"""How a step's sequences meet the strategies: HotSPa's fixed length groups (each sequence to the smallest strategy
+holding it) or ``auto`` grouping (a dynamic program per step); Hydraulis's ``select``: the whole step under the
+one candidate with the lowest predicted time (hetu_ext.plan.hydraulis.select_candidate)."""
 
 
 @dataclass
@@ -56,9 +63,11 @@ class SwitchedSteps:
     """Step ``g`` -> its length groups, each packed for its strategy's pipelines (deterministic on every rank);
     the next step is planned in the background, as packing does."""
 
-    def __init__(self, per_strategy: list[PackedSteps], strategies: Strategies, *, auto: bool, spec, cost,
+    def __init__(self, per_strategy: list[PackedSteps], strategies: Strategies, *, mode: str, spec, cost,
                  switch_s: list[float]) -> None:
-        self.per_strategy, self.strategies, self.auto = per_strategy, strategies, auto
+        if mode not in MODES:
+            raise ValueError(f"SwitchedSteps: mode must be one of {MODES}, got {mode!r}")
+        self.per_strategy, self.strategies, self.mode = per_strategy, strategies, mode
         self.spec, self.cost, self.switch_s = spec, cost, switch_s
         first = per_strategy[0]
         self.table, self.batches = first.table, first.batches
@@ -75,11 +84,15 @@ class SwitchedSteps:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
     def groups(self, lengths: list[int]) -> list[Group]:
-        if not self.auto:
+        if self.mode == "fixed":
             return fixed_groups(lengths, self.strategies)
         if self._pricer is None:
             self._pricer = GroupPricer(self.strategies, self.spec, self.cost)
-        return auto_groups(lengths, self.strategies, self._pricer.estimate, self.switch_s)
+        if self.mode == "auto":
+            return auto_groups(lengths, self.strategies, self._pricer.estimate, self.switch_s)
+        k, predicted = select_candidate(lengths, self.strategies, estimate=self._pricer.bound,
+                                        exact=self._pricer.exact, switch_s=self.switch_s)
+        return [Group(strategy=k, indices=tuple(range(len(lengths))), predicted_s=predicted)]
 
     def plan_step(self, g: int):
         with self._lock:

@@ -206,7 +206,8 @@ class Trainer:
         return record
 
     def _switched_data(self) -> SwitchedSteps:
-        """HotSPa: each strategy's packer over the same global batches, and the grouping of each step."""
+        """HotSPa / Hydraulis: each strategy's packer over the same global batches, and the grouping (or the
+        candidate) of each step."""
         packing, training, strategies = self.config.packing, self.config.training, self.switching.strategies
         per_strategy = []
         for strategy in strategies.items:
@@ -220,7 +221,8 @@ class Trainer:
         cost = per_strategy[0].cost
         switch_s = predicted_switch_s(strategies, self.spec, weight_bytes=2 if training.bf16 else 4,
                                       bandwidth=packing.hotspa_bandwidth_gbs * 1e9)
-        return SwitchedSteps(per_strategy, strategies, auto=packing.hotspa == "auto", spec=self.spec, cost=cost,
+        mode = "select" if packing.strategies else "auto" if packing.hotspa == "auto" else "fixed"
+        return SwitchedSteps(per_strategy, strategies, mode=mode, spec=self.spec, cost=cost,
                              switch_s=switch_s)
 
     def _run_schedule(self, placement: Placement, step: StepData) -> list:
@@ -231,7 +233,8 @@ class Trainer:
             micro_batch_size=self.config.training.micro_batch_size, forward_only=False, **placement.schedule_kwargs)
 
     def _switched_step(self, data: SwitchedSteps, log):
-        """HotSPa: the step's groups under their strategies (megatron/switching.py), one optimizer step."""
+        """HotSPa / Hydraulis: the step's groups under their strategies (megatron/switching.py), one optimizer
+        step."""
         step = data.step(self.iteration)
         if self.monitor:
             self.monitor.before_step(self.iteration + 1)
@@ -253,7 +256,15 @@ class Trainer:
                   "switches": [{"from": None if w.strategy_from is None else names[w.strategy_from],
                                 "to": None if w.strategy_to is None else names[w.strategy_to],
                                 "bytes_sent": w.bytes_sent, "seconds": w.seconds} for w in switches]}
-        return loss, grad_norm, replan, step.sequences, step.tokens, {"hotspa": hotspa}
+        if data.mode != "select":
+            return loss, grad_norm, replan, step.sequences, step.tokens, {"hotspa": hotspa}
+        chosen = step.groups[0]
+        hydraulis = {"candidate": names[chosen.strategy], "predicted_s": chosen.predicted_s
+                     + data.switch_s[chosen.strategy], "predicted_compute_s": chosen.predicted_s,
+                     "predicted_switch_s": data.switch_s[chosen.strategy], "switches": hotspa["switches"],
+                     "switch_bytes": sum(w.bytes_sent for w in switches),
+                     "switch_s": sum(w.seconds for w in switches)}
+        return loss, grad_norm, replan, step.sequences, step.tokens, {"hydraulis": hydraulis}
 
     def _step(self, data, log) -> tuple[float, float | None, Plan | None, int, int, dict | None]:
         """One training step of this rank's pipeline: the global loss, the grad norm, the plan the straggler
