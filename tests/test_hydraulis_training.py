@@ -87,3 +87,23 @@ def test_each_step_under_its_candidate_matches_unpacked_reference(tmp_path):
     for c in chosen[1:]:  # into the candidate's layout and back: weights out, gradients in, both moved bytes
         assert len(c["switches"]) == 2 and c["switch_bytes"] > 0 and c["predicted_switch_s"] > 0, c
         assert c["predicted_s"] == pytest.approx(c["predicted_compute_s"] + c["predicted_switch_s"])
+
+
+@pytest.mark.parametrize("extra, message", [
+    (("--hetu-hotspa", "auto"), "both choose the step's strategies; keep one"),
+    (("--hetu-packing", "concat"), "--hetu-strategies needs --hetu-packing one of"),
+    (("--hetu-plan", "hetero.yaml"), "--hetu-strategies sets the plans"),
+], ids=["with-hotspa", "concat-packing", "with-plan"])
+def test_bad_strategies_exit_2_with_one_line(tmp_path, extra, message):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    candidates = _candidates(tmp_path)
+    root = Path(__file__).resolve().parents[1]
+    argv = [sys.executable, str(root / "launch" / "pretrain_gpt.py"), "--nproc-per-node", "3",
+            *_argv("balanced", "--hetu-strategies", candidates, *extra)]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and message in lines[0], proc.stderr
