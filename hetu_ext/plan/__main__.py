@@ -1,6 +1,7 @@
 """``python -m hetu_ext.plan show FILE``: print a plan as a table, after validating it.
 ``python -m hetu_ext.plan malleus ...``: plan around stragglers (Malleus) and write the plan as YAML.
-``python -m hetu_ext.plan lobra ...``: replicas for many tenants' LoRA fine-tuning (LobRA), written as YAML."""
+``python -m hetu_ext.plan lobra ...``: replicas for many tenants' LoRA fine-tuning (LobRA), written as YAML.
+``python -m hetu_ext.plan hydraulis ...``: candidate heterogeneous strategies chosen per step (Hydraulis)."""
 
 from __future__ import annotations
 
@@ -48,11 +49,20 @@ def main(argv: list[str] | None = None) -> int:
     lobra.add_arguments(sub.add_parser("lobra", help="choose replicas (TP x PP each) for many tenants' LoRA "
                                                      "fine-tuning and write the plan (YAML) for --hetu-plan"))
     # --- end LobRA ---
+    # --- Hydraulis (issue 15): candidate heterogeneous strategies, chosen per step ---
+    from . import hydraulis
+
+    hydraulis.add_arguments(sub.add_parser("hydraulis", help="candidate heterogeneous strategies from a length "
+                                                             "file, which one each sampled batch would train "
+                                                             "under, and a strategies YAML"))
+    # --- end Hydraulis ---
     args = parser.parse_args(argv)
     if args.command == "malleus":
         return _malleus(args, parser)
     if args.command == "lobra":  # LobRA (issue 16)
         return _lobra(args)
+    if args.command == "hydraulis":  # Hydraulis (issue 15)
+        return _hydraulis(args)
     try:
         plan = load_plan(args.file)
         model, checked = _model_to_check(args, plan)
@@ -155,6 +165,25 @@ def _lobra(args) -> int:  # --- LobRA (issue 16) ---
     if args.output:
         print(f"wrote {args.output} (train with --hetu-plan {args.output} --hetu-lora-tenants {args.tenants})")
     return 0
+
+
+def _hydraulis(args) -> int:  # --- Hydraulis (issue 15) ---
+    from .hydraulis import run, strategies_yaml
+
+    try:
+        strategies, report, _ = run(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(report)
+    if args.output:
+        out = Path(args.output)
+        text, plans = strategies_yaml(strategies, lambda k: f"{out.stem}.plan{k}.yaml")
+        for name, plan in plans.items():  # beside the strategies file: its plan: paths are relative to it
+            _write_atomically(out.parent / name, dump_plan(plan))
+        _write_atomically(out, text)
+        print(f"wrote {args.output} (the candidates: a strategies file in HotSPa's format)")
+    return 0  # --- end Hydraulis ---
 
 
 def _write_atomically(path: Path, text: str) -> None:
