@@ -152,6 +152,10 @@ def test_selection_equals_brute_force_over_the_candidates():
             best = min(prices.values())
             assert t == pytest.approx(best, rel=1e-12) and k == min(j for j in able if prices[j] == best)
             assert packed is not None and max(packed.predicted_s) + sel.switch_s[k] == pytest.approx(t)
+            kb, tb, packed_b = sel.choose(batch, exact=False)  # the cheaper choice: the lowest bound + switch
+            bounds = {j: sel.estimate(j, batch) + sel.switch_s[j] for j in able}
+            assert kb == min(j for j in able if bounds[j] == min(bounds.values()))
+            assert tb == pytest.approx(prices[kb]) and tb >= t and max(packed_b.predicted_s) == exact[kb]
             chosen.add((id(st), k))
     assert len(chosen) > len(sets), "the batches should pick more than one candidate per set"
 

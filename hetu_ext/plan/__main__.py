@@ -179,6 +179,7 @@ def _hydraulis(args) -> int:  # --- Hydraulis (issue 15) ---
     if args.output:
         out = Path(args.output)
         text, plans = strategies_yaml(strategies, lambda k: f"{out.stem}.plan{k}.yaml")
+        out.parent.mkdir(parents=True, exist_ok=True)
         for name, plan in plans.items():  # beside the strategies file: its plan: paths are relative to it
             _write_atomically(out.parent / name, dump_plan(plan))
         _write_atomically(out, text)

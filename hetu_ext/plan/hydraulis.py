@@ -410,12 +410,19 @@ class Selector:
         self._packed[k] = assign(list(lengths), self.replicas[k], method="hetu")
         return max(self._packed[k].predicted_s)
 
-    def choose(self, lengths: Sequence[int]) -> tuple[int, float, Assignment | None]:
+    def choose(self, lengths: Sequence[int], *, exact: bool = True) -> tuple[int, float, Assignment | None]:
         """(candidate index, its predicted compute + switch seconds, its packing) for one step's lengths: the
-        packing is the step's (the chosen candidate was priced by packing it)."""
+        packing is the step's (the chosen candidate was priced by packing it). ``exact``: the lowest packed time
+        (:func:`select_candidate`, equal to brute force over the candidates); else the lowest certified bound
+        plus switch (no packer run but the chosen one's: faster, may miss the best by the bound's gap)."""
         self._packed = {}
-        k, t = select_candidate(lengths, self.strategies, estimate=self.estimate, exact=self.exact,
-                                switch_s=self.switch_s)
+        if exact:
+            k, t = select_candidate(lengths, self.strategies, estimate=self.estimate, exact=self.exact,
+                                    switch_s=self.switch_s)
+        else:
+            k, _ = select_candidate(lengths, self.strategies, estimate=self.estimate, exact=self.estimate,
+                                    switch_s=self.switch_s)
+            t = self.exact(k, lengths) + self.switch_s[k]
         return k, t, self._packed.get(k)
 
 

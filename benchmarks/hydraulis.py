@@ -1,0 +1,222 @@
+"""Hydraulis: heterogeneous parallel strategies chosen per step vs Megatron's best homogeneous strategy.
+
+    python benchmarks/hydraulis.py [--lengths FILE] [--batches 4] [--gpus 16,32,64] [--max-lens 16384,32768]
+                                   [--tp-bandwidth 150] [--bandwidth 100] [--cost-model YAML] [--emulated]
+
+**Predicted** (pure planners, no process group): a 7B-shaped model (32 layers, hidden 4096, ffn 11008, 32 heads,
+vocabulary 32000) and a 32-layer 13B-shaped one (hidden 5120, ffn 13824, 40 heads) on 16 / 32 / 64 GPUs of
+``--gpu-memory-gb`` (80) in nodes of 8, Wikipedia lengths (../shared/data/seqlens/wikipedia.txt.gz; documents
+longer than the max length split into pieces of that length, hetu_ext.data.lengths.split_long) at 16K and 32K,
+global batches of 32768 tokens per GPU drawn in a seeded random order, ``--batches`` of them (the same batches for
+every method). Per-layer costs: hetu_ext.plan.hydraulis.flops_cost_table (A100-class FLOP model with the TP
+all-reduces at ``--tp-bandwidth`` GB/s, activations 10 h + 24 h / t bytes per token, weights + gradients + Adam 18
+bytes per parameter over TP), or a measured ``--cost-model``. Every time includes the data-parallel gradient
+all-reduce (hetu_ext.plan.hydraulis.sync_seconds at ``--bandwidth`` GB/s per GPU). Mean step seconds of:
+
+* ``megatron_s``: the best homogeneous TP x PP x DP (every shape whose memory holds the max length) with
+  Megatron-LM's packing: the batch's documents concatenated and cut every max length, each piece attending to
+  itself (hetu_ext.plan.lobra.megatron_time_s; the stronger of Megatron's two attention modes, the other,
+  attention over the whole pack, is ``megatron_causal_s``), packs dealt to replicas in equal runs;
+* ``static_hetero_s``: the best single plan among the candidates (heterogeneous ones and the home) with the
+  two-stage packer for every step, and that plan's own gradient all-reduce (what the heterogeneous plan runtime
+  does without switching);
+* ``dynamic_s``: per step, the candidate hetu_ext.plan.hydraulis.Selector chooses (packer's time plus the
+  switch of weights and gradients from the home and back, hetu_ext.data.hotspa.switch_seconds at
+  ``--bandwidth``), plus the home's gradient all-reduce.
+
+Times: ``candidates_s`` (candidate_strategies on the whole length file), ``select_ms`` (one step's choice: the
+bounds of every candidate holding the longest sequence and the packer on each one priced), ``pack_ms`` (the packer
+once on the chosen candidate: the step's packing, which training runs anyway) and ``select_overhead_ms`` (the
+difference), wall-clock; ``select_cpu_ms`` the choice's process CPU time (single-threaded: what it costs on an
+idle core when the machine is shared). Medians over the batches. ``dynamic_bound_s`` / ``select_bound_ms``: the
+cheaper choice by the certified lower bound plus switch alone (Selector.choose(exact=False): the packer runs only
+on the chosen candidate, as the step's packing), its mean step time and its choice time (bounds only).
+
+**Emulated**: :func:`emulated_rows` (4 CPU ranks, ``--emulated``; filled in by the training side).
+The last line is one JSON object ``{"predicted": [...], "emulated": [...]}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from hetu_ext.data.cost import CostTable, load_cost_table  # noqa: E402
+from hetu_ext.data.lengths import read_lengths, split_long  # noqa: E402
+from hetu_ext.data.packing import replica_specs  # noqa: E402
+from hetu_ext.plan import ModelSpec  # noqa: E402
+from hetu_ext.plan.cost import CostModel  # noqa: E402
+from hetu_ext.plan.hydraulis import (  # noqa: E402
+    MAX_PP,
+    Selector,
+    candidate_strategies,
+    flops_cost_table,
+    sample_batches,
+    select_candidate,
+    sync_seconds,
+)
+from hetu_ext.plan.lobra import megatron_time_s  # noqa: E402
+from hetu_ext.plan.plan import uniform_plan  # noqa: E402
+
+SEQLENS = ROOT.parent / "shared" / "data" / "seqlens" / "wikipedia.txt.gz"
+SAMPLE = ROOT / "hetu_ext" / "data" / "samples" / "wikipedia_lengths_20k.txt.gz"
+MODELS = {
+    "7B": {"num_layers": 32, "hidden_size": 4096, "num_attention_heads": 32, "ffn_hidden_size": 11008},
+    "13B-32L": {"num_layers": 32, "hidden_size": 5120, "num_attention_heads": 40, "ffn_hidden_size": 13824},
+}
+TOKENS_PER_GPU = 32768
+
+
+def cost_for(spec: ModelSpec, args: argparse.Namespace) -> CostTable:
+    if args.cost_model:
+        table = load_cost_table(args.cost_model)
+        return table if table.device_memory_bytes is not None else CostTable(
+            per_tp=table.per_tp, device=table.device, device_memory_bytes=args.gpu_memory_gb * 1e9, note=table.note)
+    return flops_cost_table(spec, memory_bytes=args.gpu_memory_gb * 1e9,
+                            cost=CostModel(intra_node_bytes_per_s=args.tp_bandwidth * 1e9))
+
+
+def megatron_best(spec: ModelSpec, gpus: int, cost: CostTable, batches: list[list[int]], *, max_len: int,
+                  bandwidth: float) -> dict:
+    """The best homogeneous TP x PP x DP holding ``max_len`` with Megatron-LM's packing (module docstring)."""
+    rows = []
+    for tp in sorted(cost.per_tp):
+        for pp in range(1, MAX_PP + 1):
+            if gpus % (tp * pp) or spec.num_layers % pp or tp > 8 or spec.num_attention_heads % tp:
+                continue
+            plan = uniform_plan(world_size=gpus, tp=tp, pp=pp, num_layers=spec.num_layers)
+            try:
+                replicas = replica_specs(plan, spec, cost, max_pack_tokens=max_len)
+            except ValueError:
+                continue
+            if replicas[0].token_capacity < max_len:
+                continue
+            sync = sync_seconds(plan, spec, bandwidth=bandwidth)
+            doc = [megatron_time_s(np.asarray(b), replicas, max_len, causal=False) + sync for b in batches]
+            causal = [megatron_time_s(np.asarray(b), replicas, max_len, causal=True) + sync for b in batches]
+            rows.append((float(np.mean(doc)), float(np.mean(causal)), f"tp{tp}pp{pp}dp{gpus // (tp * pp)}"))
+    if not rows:
+        raise SystemExit(f"no homogeneous strategy over {gpus} GPUs holds {max_len} tokens")
+    best = min(rows)
+    return {"megatron_s": best[0], "megatron": best[2], "megatron_causal_s": min(r[1] for r in rows)}
+
+
+def predicted_row(name: str, spec: ModelSpec, gpus: int, cost: CostTable, pieces: np.ndarray,
+                  batches: list[list[int]], *, max_len: int, bandwidth: float) -> dict:
+    start = time.perf_counter()
+    strategies = candidate_strategies(spec, gpus, cost, pieces, max_len=max_len, batch_tokens=TOKENS_PER_GPU * gpus)
+    candidates_s = time.perf_counter() - start
+    items = strategies.items
+    selector = Selector(strategies, spec, cost, bandwidth=bandwidth)
+    home_sync = sync_seconds(items[strategies.home].plan, spec, bandwidth=bandwidth)
+    dynamic, chosen, select_ms, pack_ms, select_cpu_ms = [], [], [], [], []
+    bound_dynamic, bound_ms, bound_cpu_ms = [], [], []
+    exact = {k: [] for k in range(len(items))}
+    longest = max(max(b) for b in batches)
+    for b in batches:
+        start, cpu = time.perf_counter(), time.process_time()
+        k, t, _ = selector.choose(b)
+        select_ms.append((time.perf_counter() - start) * 1e3)
+        select_cpu_ms.append((time.process_time() - cpu) * 1e3)
+        start = time.perf_counter()
+        selector.exact(k, b)
+        pack_ms.append((time.perf_counter() - start) * 1e3)
+        dynamic.append(t + home_sync)
+        chosen.append(items[k].name)
+        start, cpu = time.perf_counter(), time.process_time()
+        kb, _ = select_candidate(b, strategies, estimate=selector.estimate, exact=selector.estimate,
+                                 switch_s=selector.switch_s)
+        bound_ms.append((time.perf_counter() - start) * 1e3)
+        bound_cpu_ms.append((time.process_time() - cpu) * 1e3)
+        bound_dynamic.append(selector.exact(kb, b) + selector.switch_s[kb] + home_sync)
+        for j, s in enumerate(items):
+            if s.max_len >= longest and len(s.plan.pipelines) <= len(b):
+                exact[j].append(selector.exact(j, b) + sync_seconds(s.plan, spec, bandwidth=bandwidth))
+    static = min((float(np.mean(v)), items[j].name) for j, v in exact.items() if len(v) == len(batches))
+    row = {"model": name, "gpus": gpus, "max_len": max_len, "lengths": None,
+           **megatron_best(spec, gpus, cost, batches, max_len=max_len, bandwidth=bandwidth),
+           "static_hetero_s": static[0], "static_hetero": static[1], "dynamic_s": float(np.mean(dynamic)),
+           "chosen": sorted(set(chosen)), "candidates": len(items), "home": items[strategies.home].name,
+           "candidates_s": candidates_s, "select_ms": statistics.median(select_ms),
+           "select_cpu_ms": statistics.median(select_cpu_ms),
+           "pack_ms": statistics.median(pack_ms),
+           "select_overhead_ms": statistics.median(s - p for s, p in zip(select_ms, pack_ms)),
+           "dynamic_bound_s": float(np.mean(bound_dynamic)), "select_bound_ms": statistics.median(bound_ms),
+           "select_bound_cpu_ms": statistics.median(bound_cpu_ms)}
+    return row
+
+
+def emulated_rows(args: argparse.Namespace) -> list:
+    """Emulated training rows (4 CPU ranks, ``--hetu-emulate-cost``): [] unless ``--emulated``; the training
+    side fills this in (``{"ranks", "method", "step_s", "predicted_s"}`` per row)."""
+    if not args.emulated:
+        return []
+    return []
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--lengths", default=str(SEQLENS if SEQLENS.exists() else SAMPLE))
+    parser.add_argument("--batches", type=int, default=4)
+    parser.add_argument("--gpus", type=lambda s: [int(x) for x in s.split(",")], default=[16, 32, 64])
+    parser.add_argument("--max-lens", type=lambda s: [int(x) for x in s.split(",")], default=[16384, 32768])
+    parser.add_argument("--models", type=lambda s: s.split(","), default=list(MODELS))
+    parser.add_argument("--gpu-memory-gb", type=float, default=80.0)
+    parser.add_argument("--bandwidth", type=float, default=100.0, help="GB/s per GPU: switches and all-reduce")
+    parser.add_argument("--tp-bandwidth", type=float, default=150.0, help="GB/s of the TP all-reduces (NVLink)")
+    parser.add_argument("--cost-model", default=None, help="a measured cost table (YAML) instead of the FLOP model")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--emulated", action="store_true", help="also the emulated CPU rows")
+    args = parser.parse_args()
+
+    all_lengths = read_lengths(args.lengths)
+    print(f"# date {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.machine()}, {os.cpu_count()} "
+          f"CPUs, load average {os.getloadavg()[0]:.1f}")
+    print(f"predicted: lengths {args.lengths} ({all_lengths.size} documents), {TOKENS_PER_GPU} tokens per GPU per "
+          f"batch, {args.batches} batches, {args.gpu_memory_gb:g} GB per GPU, TP link {args.tp_bandwidth:g} GB/s, "
+          f"switch/all-reduce {args.bandwidth:g} GB/s per GPU")
+    header = (f"{'model':<8} {'gpus':>4} {'max_len':>7} {'megatron':>12} {'megatron_s':>10} {'causal_s':>8} "
+              f"{'static_h_s':>10} {'dynamic_s':>9} {'meg/dyn':>7} {'stat/dyn':>8} {'cand_s':>6} {'sel_ms':>7} "
+              f"{'sel_cpu':>7} {'pack_ms':>7} {'over_ms':>7} {'bound_s':>7} {'bnd_ms':>6} {'bnd_cpu':>7}"
+              "  chosen (home)")
+    print(header + "\n" + "-" * len(header))
+    predicted = []
+    for max_len in args.max_lens:
+        pieces = split_long(all_lengths, max_len).length
+        for name in args.models:
+            spec = ModelSpec(**MODELS[name], vocab_size=32000, seq_length=max_len,
+                             untie_embeddings_and_output_weights=True)
+            cost = cost_for(spec, args)
+            for gpus in args.gpus:
+                batches = sample_batches(pieces, tokens=TOKENS_PER_GPU * gpus, count=args.batches,
+                                         seed=args.seed + gpus)
+                row = predicted_row(name, spec, gpus, cost, pieces, batches, max_len=max_len,
+                                    bandwidth=args.bandwidth * 1e9)
+                row["lengths"] = Path(args.lengths).name
+                predicted.append(row)
+                print(f"{name:<8} {gpus:>4} {max_len:>7} {row['megatron']:>12} {row['megatron_s']:>10.3f} "
+                      f"{row['megatron_causal_s']:>8.3f} {row['static_hetero_s']:>10.3f} {row['dynamic_s']:>9.3f} "
+                      f"{row['megatron_s'] / row['dynamic_s']:>6.2f}x "
+                      f"{row['static_hetero_s'] / row['dynamic_s']:>7.2f}x "
+                      f"{row['candidates_s']:>6.2f} {row['select_ms']:>7.1f} {row['select_cpu_ms']:>7.1f} "
+                      f"{row['pack_ms']:>7.1f} "
+                      f"{row['select_overhead_ms']:>7.1f} {row['dynamic_bound_s']:>7.3f} "
+                      f"{row['select_bound_ms']:>6.1f} "
+                      f"{row['select_bound_cpu_ms']:>7.1f}  {', '.join(row['chosen'])} ({row['home']})", flush=True)
+    emulated = emulated_rows(args)
+    print(json.dumps({"predicted": predicted, "emulated": emulated}))
+
+
+if __name__ == "__main__":
+    main()
