@@ -12,7 +12,9 @@ Per edit (source caption -> target caption, both held out from training; one obj
 * ``err_out``: RMS(FISEdit - original) outside the mask / RMS(dense edit - original) inside it (how far FISEdit
   moves the rest of the image, per element, relative to the edit's size; 0 = the original);
 * ``psnr_out``: PSNR (dB) of the decoded FISEdit image vs the decoded original outside the mask (mask upsampled to
-  image size); ``psnr_in``: vs the decoded dense edit inside it.
+  image size); ``psnr_in``: vs the decoded dense edit inside it. The edit decodes with the generation's GroupNorm
+  statistics in the VAE decoder (FISEditConfig.decoder_stats, default "cached"), the original and the dense edit
+  with their own.
 
 ``--grid`` tunes the mask settings (dense steps, mask steps, threshold, morphology) by median IoU from the dense
 edit's and the generation's latents (the FISEdit mask is made from exactly those), without running FISEdit.
@@ -177,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--open-radius", type=int, default=FISEditConfig().open_radius)
     parser.add_argument("--dilate-radius", type=int, default=FISEditConfig().dilate_radius)
     parser.add_argument("--no-keep-outside", dest="keep_outside", action="store_false")
+    parser.add_argument("--decoder-stats", choices=("cached", "fresh"), default=FISEditConfig().decoder_stats)
     parser.add_argument("--grid", action="store_true", help="tune mask settings by IoU instead")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
@@ -190,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     config = FISEditConfig(dense_steps=args.dense_steps, mask_steps=args.mask_steps, threshold=args.threshold,
                            fixed_threshold=args.fixed_threshold, open_radius=args.open_radius,
-                           dilate_radius=args.dilate_radius, keep_outside=args.keep_outside)
+                           dilate_radius=args.dilate_radius, keep_outside=args.keep_outside,
+                           decoder_stats=args.decoder_stats)
     pipe = load(args.model, config)
     figures = []
     print(f"{'iou':>5} {'err_in':>7} {'err_out':>8} {'psnr_out':>8} {'psnr_in':>7} {'mask%':>6}  edit")

@@ -39,6 +39,47 @@ def check_model_dir(model_dir: str | Path) -> Path:
     return path
 
 
+class DecoderStats:
+    """Forward hooks on the VAE decoder's GroupNorms: `record` keeps each layer's per-group mean and variance of a
+    decode, `replay` normalises a later decode with them (FISEditConfig.decoder_stats == "cached"); `off` leaves
+    the decoder as it is."""
+
+    def __init__(self, decoder: torch.nn.Module) -> None:
+        self.mode = "off"
+        self.stats: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._hooks = [module.register_forward_hook(self._hook(name)) for name, module in decoder.named_modules()
+                       if isinstance(module, torch.nn.GroupNorm)]
+
+    def _hook(self, name: str):
+        def hook(module: torch.nn.GroupNorm, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
+            if self.mode == "off":
+                return None
+            x = args[0]
+            groups = x.float().reshape(x.shape[0], module.num_groups, -1)
+            if self.mode == "record":
+                self.stats[name] = (groups.mean(-1, keepdim=True), groups.var(-1, unbiased=False, keepdim=True))
+                return None
+            if name not in self.stats or self.stats[name][0].shape[0] != x.shape[0]:
+                raise ValueError(f"decoder layer {name}: no recorded statistics for a batch of {x.shape[0]}; decode "
+                                 "the generation (generate) before an edit, with the same batch")
+            mean, var = self.stats[name]
+            if torch.equal(groups.mean(-1, keepdim=True), mean) and torch.equal(
+                    groups.var(-1, unbiased=False, keepdim=True), var):
+                return None  # the same statistics: the layer's own output, bit for bit
+            out = ((groups - mean) / torch.sqrt(var + module.eps)).reshape(x.shape)
+            if module.affine:
+                shape = (1, -1) + (1,) * (x.dim() - 2)  # (B, C, H, W) maps; (B, C, L) in attention
+                out = out * module.weight.float().reshape(shape) + module.bias.float().reshape(shape)
+            return out.to(output.dtype)
+
+        return hook
+
+    def remove(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+
+
 @dataclass
 class EditResult:
     """One edit: the image, the latent-size mask that was recomputed (None for `dense_edit`), the final latents."""
@@ -56,6 +97,7 @@ class FISEditPipeline:
     def __init__(self, pipe: Any, config: FISEditConfig | None = None) -> None:
         self.pipe = pipe
         self.engine = FISEditEngine(pipe.unet, config)
+        self.decoder_stats = DecoderStats(pipe.vae.decoder)
         self._run: dict[str, Any] | None = None
         self._progress_bar: dict[str, Any] = {}
         self.generated_latents: torch.Tensor | None = None
@@ -67,9 +109,10 @@ class FISEditPipeline:
         ``desc`` is given."""
         self._progress_bar = dict(kwargs)
 
-    def _denoise(self, what: str, prompt: str) -> tuple[Any, torch.Tensor]:
+    def _denoise(self, what: str, prompt: str, decoder: str = "off") -> tuple[Any, torch.Tensor]:
         """The pipeline's own loop (one tqdm bar per loop, diffusers' own) under the engine's current mode; the
-        engine's `step_end` runs as diffusers' step-end callback. Returns the image and the final latents."""
+        engine's `step_end` runs as diffusers' step-end callback; the VAE decoder's GroupNorm statistics in mode
+        `decoder` (DecoderStats). Returns the image and the final latents."""
         final: list[torch.Tensor] = []
 
         def on_step_end(pipe: Any, i: int, t: Any, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -78,8 +121,12 @@ class FISEditPipeline:
             return {"latents": latents}
 
         self.pipe.set_progress_bar_config(**{"desc": f"FISEdit {what}", **self._progress_bar})
-        image = self.pipe(prompt, output_type="pil", callback_on_step_end=on_step_end,
-                          callback_on_step_end_tensor_inputs=["latents"], **self._run).images[0]
+        self.decoder_stats.mode = decoder
+        try:
+            image = self.pipe(prompt, output_type="pil", callback_on_step_end=on_step_end,
+                              callback_on_step_end_tensor_inputs=["latents"], **self._run).images[0]
+        finally:
+            self.decoder_stats.mode = "off"
         return image, final[0].detach().cpu()
 
     @classmethod
@@ -108,7 +155,7 @@ class FISEditPipeline:
         self._run = {"latents": latents, "num_inference_steps": num_inference_steps,
                      "guidance_scale": guidance_scale, "height": height, "width": width}
         with self.engine.recording(num_inference_steps):
-            image, self.generated_latents = self._denoise("generate", prompt)
+            image, self.generated_latents = self._denoise("generate", prompt, decoder="record")
         logger.info("FISEdit cache: %.1f MiB", self.engine.cache_bytes / 2**20)
         return image
 
@@ -118,7 +165,8 @@ class FISEditPipeline:
         if self._run is None:
             raise ValueError("edit before generate: call generate(prompt) first, it fills the cache the edit reuses")
         with self.engine.editing(mask):
-            image, latents = self._denoise("edit", prompt)
+            image, latents = self._denoise(
+                "edit", prompt, decoder="replay" if self.engine.config.decoder_stats == "cached" else "off")
         last = self.engine.last_mask
         if last is None:
             raise ValueError(f"the edit ran no sparse step: num_inference_steps={self._run['num_inference_steps']} "
