@@ -16,10 +16,12 @@ Two parts, one JSON line at the end:
   PCIe node), activations 10 h + 24 h / t bytes per token and layer (no sequence parallelism, FlashAttention),
   weights, gradients and Adam 18 bytes per parameter split by TP and PP; calibrate a real device with
   ``python -m hetu_ext.megatron.calibrate`` and pass ``--cost-model`` to use measured ones. PP up to 8.
-* **emulated**: 4 CPU ranks train a small model whose layers are padded to a cost table's time
-  (``--hetu-emulate-cost``, configs/emulation/hotspa_cpu.yaml: a large layer's times, so the padding dominates the
-  CPU's own work), static (the best uniform strategy holding the longest sequence) and hotspa interleaved,
-  ``--repeats`` runs each; measured step time vs the packer's prediction.
+* **emulated**: 4 CPU ranks train a small model (256-token context) whose layers are padded to a cost table's time
+  (``--hetu-emulate-cost``: configs/emulation/hotspa_cpu.yaml x ``--emulation-scale``, a large layer's times, so
+  the padding dominates the CPU's own work) on real Wikipedia lengths divided by 128 (256 tokens stand for 32K);
+  static (TP 4, the one uniform strategy holding 256 tokens) and hotspa (DP 4 up to 64 tokens, TP 4 home)
+  interleaved, ``--repeats`` runs each; measured step time vs the packer's prediction (switches are real CPU
+  transfers: measured, not predicted).
 
     python benchmarks/hotspa.py [--skip-emulated] [--skip-predicted] [--tp-bandwidth GBS]
 """
@@ -27,6 +29,7 @@ Two parts, one JSON line at the end:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -41,7 +44,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from hetu_ext.data.cost import CostTable, LengthCost, _default_per_tp, load_cost_table  # noqa: E402
+from hetu_ext.data.cost import CostTable, LengthCost, _default_per_tp, load_cost_table, save_cost_table  # noqa: E402
 from hetu_ext.data.hotspa import (  # noqa: E402
     GroupPricer,
     Strategies,
@@ -141,31 +144,52 @@ EMULATED_MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-h
                   "--log-interval", "1"]
 
 
-def emulated_run(method: str, *, cost_file: Path, strategies_file: Path, static_tp: int, steps: int, lengths: str,
-                 tokens: int, out: Path) -> dict:
+def emulation_inputs(out: Path, *, scale: float, lengths_file: str, divisor: int = 128, documents: int = 4000
+                     ) -> tuple[Path, str]:
+    """The emulated cluster's cost table (configs/emulation/hotspa_cpu.yaml with every time x ``scale``, so the
+    padding dominates the CPU's own work even with 4 ranks on 2 busy cores) and the corpus: the first
+    ``documents`` real document lengths of ``lengths_file`` divided by ``divisor`` (128: the emulated model's
+    256-token context stands for 32K), as a --hetu-varlen-mock spec."""
+    table = load_cost_table(ROOT / "configs" / "emulation" / "hotspa_cpu.yaml")
+    table = dataclasses.replace(table, per_tp={tp: c.scaled(scale) for tp, c in table.per_tp.items()},
+                                device=f"{table.device}-x{scale:g}")
+    cost_file = out / "emulated_cost.yaml"
+    save_cost_table(table, cost_file)
+    scaled = np.maximum(2, read_lengths(lengths_file)[:documents] // divisor)
+    lengths_path = out / "lengths.txt"
+    lengths_path.write_text("\n".join(str(int(x)) for x in scaled) + "\n")
+    return cost_file, json.dumps({"mode": "file", "path": str(lengths_path)})
+
+
+def emulated_run(method: str, flags: list[str], *, cost_file: Path, steps: int, lengths: str, tokens: int,
+                 out: Path) -> dict:
+    """One 4-rank training run of ``steps`` steps with ``flags`` (the method's); its median measured step time
+    (the first step, which builds the strategies' placements, left out) and median predicted time: the packer's
+    (static), the groups' (HotSPa) or the chosen candidate's compute (Hydraulis); switches are real CPU transfers,
+    measured but not emulated, so they are not in the prediction."""
     metrics = out / f"{method}.jsonl"
     metrics.unlink(missing_ok=True)
     argv = [sys.executable, str(ROOT / "launch" / "pretrain_gpt.py"), "--nproc-per-node", "4", *EMULATED_MODEL,
             "--train-iters", str(steps), "--hetu-varlen-mock", lengths, "--hetu-global-batch-tokens", str(tokens),
             "--hetu-emulate-cost", str(cost_file), "--hetu-cost-model", str(cost_file),
-            "--hetu-metrics-file", str(metrics)]
-    if method == "hotspa":
-        argv += ["--hetu-hotspa", str(strategies_file)]
-    else:
-        argv += ["--tensor-model-parallel-size", str(static_tp), "--hetu-runtime", "plan"]
+            "--hetu-metrics-file", str(metrics), *flags]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=900)
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=1800)
     if proc.returncode:
         raise SystemExit(f"{method} run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     records = read_records(metrics, kind="step")[1:]  # the first step builds the strategies' placements
-    measured = statistics.median(r["step_ms"] / 1e3 for r in records)
-    if method == "hotspa":
-        predicted = statistics.median(sum(g["predicted_s"] for g in r["packing"]["hotspa"]["groups"])
-                                      for r in records)
-    else:
-        predicted = statistics.median(max(r["packing"]["predicted_s"]) for r in records)
-    overruns = sum(r.get("emulation_overruns", 0) for r in records)
-    return {"ranks": 4, "method": method, "step_s": measured, "predicted_s": predicted, "overruns": overruns}
+
+    def predicted(r: dict) -> float:
+        packing = r["packing"]
+        if "hotspa" in packing:
+            return sum(g["predicted_s"] for g in packing["hotspa"]["groups"])
+        if "hydraulis" in packing:
+            return packing["hydraulis"]["predicted_compute_s"]
+        return max(packing["predicted_s"])
+
+    return {"ranks": 4, "method": method, "step_s": statistics.median(r["step_ms"] / 1e3 for r in records),
+            "predicted_s": statistics.median(predicted(r) for r in records),
+            "overruns": sum(r.get("emulation_overruns", 0) for r in records), "records": records}
 
 
 def main() -> None:
@@ -178,6 +202,8 @@ def main() -> None:
     parser.add_argument("--cost-model", help="a measured cost table (YAML) instead of the A100 model")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--emulation-scale", type=float, default=5.0,
+                        help="multiply the emulated cluster's times (x5: a layer pass well above the CPU's own)")
     parser.add_argument("--skip-emulated", action="store_true")
     parser.add_argument("--skip-predicted", action="store_true")
     args = parser.parse_args()
@@ -203,21 +229,21 @@ def main() -> None:
 
     emulated = []
     if not args.skip_emulated:
-        cost_file = ROOT / "configs" / "emulation" / "hotspa_cpu.yaml"
-        lengths = json.dumps({"mode": "distribution", "type": "lognormal", "min_seq_len": 8, "max_seq_len": 256,
-                              "mean_seq_len": 48, "lognormal_sigma": 1.2})
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp)
+            cost_file, lengths = emulation_inputs(out, scale=args.emulation_scale, lengths_file=args.lengths)
             strategies = out / "hotspa.yaml"
             strategies.write_text("home: long\nstrategies:\n  - {name: short, dp: 4, max_len: 64}\n"
                                   "  - {name: long, tp: 4, max_len: 256}\n")
+            flags = {"static": ["--tensor-model-parallel-size", "4", "--hetu-runtime", "plan"],
+                     "hotspa": ["--hetu-hotspa", str(strategies)]}
             runs = {"static": [], "hotspa": []}
             for _ in range(args.repeats):
                 for method in ("static", "hotspa"):
-                    runs[method].append(emulated_run(method, cost_file=cost_file, strategies_file=strategies,
-                                                     static_tp=4, steps=args.steps, lengths=lengths,
-                                                     tokens=2048, out=out))
-        print(f"\nemulated: 4 CPU ranks, --hetu-emulate-cost {cost_file.relative_to(ROOT)}, {args.repeats} runs "
+                    runs[method].append(emulated_run(method, flags[method], cost_file=cost_file, steps=args.steps,
+                                                     lengths=lengths, tokens=2048, out=out))
+        print(f"\nemulated: 4 CPU ranks, --hetu-emulate-cost configs/emulation/hotspa_cpu.yaml x"
+              f"{args.emulation_scale:g}, Wikipedia lengths / 128 (256 tokens stand for 32K), {args.repeats} runs "
               "each, interleaved")
         print(f"{'method':>8} {'step_s':>8} {'predicted_s':>11} {'measured/pred':>13} {'overruns':>8}")
         for method, rows in runs.items():
