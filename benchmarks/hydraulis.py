@@ -24,13 +24,14 @@ all-reduce (hetu_ext.plan.hydraulis.sync_seconds at ``--bandwidth`` GB/s per GPU
   switch of weights and gradients from the home and back, hetu_ext.data.hotspa.switch_seconds at
   ``--bandwidth``), plus the home's gradient all-reduce.
 
-Times: ``candidates_s`` (candidate_strategies on the whole length file), ``select_ms`` (one step's choice: the
-bounds of every candidate holding the longest sequence and the packer on each one priced), ``pack_ms`` (the packer
-once on the chosen candidate: the step's packing, which training runs anyway) and ``select_overhead_ms`` (the
-difference), wall-clock; ``select_cpu_ms`` the choice's process CPU time (single-threaded: what it costs on an
-idle core when the machine is shared). Medians over the batches. ``dynamic_bound_s`` / ``select_bound_ms``: the
-cheaper choice by the certified lower bound plus switch alone (Selector.choose(exact=False): the packer runs only
-on the chosen candidate, as the step's packing), its mean step time and its choice time (bounds only).
+Times: ``candidates_s`` (candidate_strategies on the whole length file; ``candidates_cpu_s`` its CPU time),
+``select_ms`` (one step's choice: the bounds of every candidate holding the longest sequence and the packer on each
+one priced), ``pack_ms`` (the packer once on the chosen candidate: the step's packing, which training runs anyway)
+and ``select_overhead_ms`` (the difference), wall-clock; ``select_cpu_ms`` the choice's process CPU time
+(single-threaded: what it costs on an idle core when the machine is shared). Medians over the batches.
+``dynamic_bound_s`` / ``select_bound_ms``: the cheaper choice by the certified lower bound plus switch alone
+(Selector.choose(exact=False): the packer runs only on the chosen candidate, as the step's packing), its mean step
+time and its choice time (bounds only).
 
 **Emulated**: :func:`emulated_rows` (4 CPU ranks, ``--emulated``; filled in by the training side).
 The last line is one JSON object ``{"predicted": [...], "emulated": [...]}``.
@@ -114,9 +115,9 @@ def megatron_best(spec: ModelSpec, gpus: int, cost: CostTable, batches: list[lis
 
 def predicted_row(name: str, spec: ModelSpec, gpus: int, cost: CostTable, pieces: np.ndarray,
                   batches: list[list[int]], *, max_len: int, bandwidth: float) -> dict:
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     strategies = candidate_strategies(spec, gpus, cost, pieces, max_len=max_len, batch_tokens=TOKENS_PER_GPU * gpus)
-    candidates_s = time.perf_counter() - start
+    candidates_s, candidates_cpu_s = time.perf_counter() - start, time.process_time() - cpu
     items = strategies.items
     selector = Selector(strategies, spec, cost, bandwidth=bandwidth)
     home_sync = sync_seconds(items[strategies.home].plan, spec, bandwidth=bandwidth)
@@ -148,7 +149,8 @@ def predicted_row(name: str, spec: ModelSpec, gpus: int, cost: CostTable, pieces
            **megatron_best(spec, gpus, cost, batches, max_len=max_len, bandwidth=bandwidth),
            "static_hetero_s": static[0], "static_hetero": static[1], "dynamic_s": float(np.mean(dynamic)),
            "chosen": sorted(set(chosen)), "candidates": len(items), "home": items[strategies.home].name,
-           "candidates_s": candidates_s, "select_ms": statistics.median(select_ms),
+           "candidates_s": candidates_s, "candidates_cpu_s": candidates_cpu_s,
+           "select_ms": statistics.median(select_ms),
            "select_cpu_ms": statistics.median(select_cpu_ms),
            "pack_ms": statistics.median(pack_ms),
            "select_overhead_ms": statistics.median(s - p for s, p in zip(select_ms, pack_ms)),
@@ -187,7 +189,8 @@ def main() -> None:
           f"batch, {args.batches} batches, {args.gpu_memory_gb:g} GB per GPU, TP link {args.tp_bandwidth:g} GB/s, "
           f"switch/all-reduce {args.bandwidth:g} GB/s per GPU")
     header = (f"{'model':<8} {'gpus':>4} {'max_len':>7} {'megatron':>12} {'megatron_s':>10} {'causal_s':>8} "
-              f"{'static_h_s':>10} {'dynamic_s':>9} {'meg/dyn':>7} {'stat/dyn':>8} {'cand_s':>6} {'sel_ms':>7} "
+              f"{'static_h_s':>10} {'dynamic_s':>9} {'meg/dyn':>7} {'stat/dyn':>8} {'cand_s':>6} {'cnd_cpu':>7} "
+              f"{'sel_ms':>7} "
               f"{'sel_cpu':>7} {'pack_ms':>7} {'over_ms':>7} {'bound_s':>7} {'bnd_ms':>6} {'bnd_cpu':>7}"
               "  chosen (home)")
     print(header + "\n" + "-" * len(header))
@@ -209,7 +212,8 @@ def main() -> None:
                       f"{row['megatron_causal_s']:>8.3f} {row['static_hetero_s']:>10.3f} {row['dynamic_s']:>9.3f} "
                       f"{row['megatron_s'] / row['dynamic_s']:>6.2f}x "
                       f"{row['static_hetero_s'] / row['dynamic_s']:>7.2f}x "
-                      f"{row['candidates_s']:>6.2f} {row['select_ms']:>7.1f} {row['select_cpu_ms']:>7.1f} "
+                      f"{row['candidates_s']:>6.2f} {row['candidates_cpu_s']:>7.2f} {row['select_ms']:>7.1f} "
+                      f"{row['select_cpu_ms']:>7.1f} "
                       f"{row['pack_ms']:>7.1f} "
                       f"{row['select_overhead_ms']:>7.1f} {row['dynamic_bound_s']:>7.3f} "
                       f"{row['select_bound_ms']:>6.1f} "

@@ -28,9 +28,9 @@ layout by hetu_ext.megatron.switching (one length group per step).
    drain of its longest microbatch. Vectorised over (i, n); O(B^2 K D) for B buckets, K shapes, D replicas.
 4. *Candidates*: for every bucket ``j`` that may hold a step's longest sequence, the solution ``T[N][j]``
    (Hydraulis's candidate for that longest sequence), laid out as a :class:`~hetu_ext.plan.plan.Plan` (larger
-   TP first, TP groups inside nodes; ranks left over are unused); duplicates dropped, at most ``limit`` kept
-   (those of the longest buckets first, then spread over the others), plus the home: the homogeneous plan
-   (Megatron's grid of the shape that holds ``max_len`` at the lowest cost on the whole histogram).
+   TP first, TP groups inside nodes; ranks left over are unused); duplicates dropped; the home first: the
+   homogeneous plan (Megatron's grid of the shape that holds the longest length at the lowest ``cost_k`` on the
+   whole histogram), then the others, those answering the longest buckets first, ``limit`` in all.
 
 **Per-step selection** (:func:`select_candidate`): among the candidates that hold the step's longest sequence,
 the lowest predicted step time (the two-stage packer, exact) plus the switch from the home, priced exactly in
