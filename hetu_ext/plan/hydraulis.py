@@ -29,8 +29,8 @@ layout by hetu_ext.megatron.switching (one length group per step).
 4. *Candidates*: for every bucket ``j`` that may hold a step's longest sequence, the solution ``T[N][j]``
    (Hydraulis's candidate for that longest sequence), laid out as a :class:`~hetu_ext.plan.plan.Plan` (larger
    TP first, TP groups inside nodes; ranks left over are unused); duplicates dropped; the home first: the
-   homogeneous plan (Megatron's grid of the shape that holds the longest length at the lowest ``cost_k`` on the
-   whole histogram), then the others, those answering the longest buckets first, ``limit`` in all.
+   homogeneous plan (Megatron's grid of the shape that holds ``max_len`` at the lowest ``cost_k`` on the whole
+   histogram), then the others, those answering the longest buckets first, ``limit`` in all.
 
 **Per-step selection** (:func:`select_candidate`): among the candidates that hold the step's longest sequence,
 the lowest predicted step time (the two-stage packer, exact) plus the switch from the home, priced exactly in
@@ -295,9 +295,10 @@ def candidate_strategies(model: ModelSpec, world_size: int, cost: CostTable, len
     """Hydraulis's candidate plans for ``lengths`` (a sample of the data's sequence lengths, e.g. a length
     file's; split at ``max_len``) on ``world_size`` GPUs: module docstring, steps 1-4. Each Strategy's
     ``max_len`` is its largest replica's capacity; the home (``Strategies.home``) is the homogeneous plan that
-    holds the longest sequence of ``lengths`` at the lowest predicted time. At most ``limit`` strategies (home
+    holds ``max_len`` at the lowest predicted time on the histogram. At most ``limit`` strategies (home
     included). ``batch_tokens``: tokens per global batch (the histogram's scale; default: ``lengths`` is one
-    batch). ValueError (one line) when nothing fits."""
+    batch). ``slowdowns`` (rank -> factor): every shape is priced at the largest factor (conservative; the
+    Selector prices each plan on its own ranks). ValueError (one line) when nothing fits."""
     if world_size < 1 or max_len < 1 or limit < 1:
         raise ValueError(f"Hydraulis: world_size, max_len and limit must be >= 1, got {world_size}, {max_len}, "
                          f"{limit}")
@@ -312,11 +313,11 @@ def candidate_strategies(model: ModelSpec, world_size: int, cost: CostTable, len
     hist = length_histogram(lengths, max_len=max_len, edges=[s.capacity for s in pool], buckets=buckets,
                             batch_tokens=batch_tokens)
     longest = float(hist.longest[-1])
-    homes = [k for k, s in enumerate(pool) if s.capacity >= longest and world_size % s.gpus == 0]
+    homes = [k for k, s in enumerate(pool) if s.capacity >= max_len and world_size % s.gpus == 0]
     if not homes:
-        raise ValueError(f"Hydraulis: no homogeneous TP x PP x DP over {world_size} GPUs holds the longest "
-                         f"sequence ({int(longest)} tokens; largest capacity {max(s.capacity for s in pool)}); "
-                         "use more GPUs, GPUs with more memory, or a shorter max length")
+        raise ValueError(f"Hydraulis: no homogeneous TP x PP x DP over {world_size} GPUs holds max_len {max_len} "
+                         f"tokens (the largest capacity is {max(s.capacity for s in pool)}); use more GPUs, GPUs "
+                         "with more memory, or a shorter max length")
     total = (float(hist.squares.sum()), float(hist.tokens.sum()))
     home_k = min(homes, key=lambda k: (float(group_cost(pool[k], *total, longest, world_size // pool[k].gpus)), k))
     found: list[tuple[int, dict[int, int]]] = []  # (largest bucket it answers, replicas per shape)
