@@ -217,4 +217,4 @@ def hydraulis_candidates(config: RunConfig, spec: ModelSpec, world_size: int, co
                          "--hetu-varlen-mock, or a --hetu-strategies FILE of candidate plans")
     lengths = SequenceTable.from_documents(np.asarray(token_counts, dtype=np.int64), spec.seq_length).length
     return candidate_strategies(spec, world_size, cost, lengths.tolist(), max_len=spec.seq_length,
-                                gpus_per_node=config.straggler.gpus_per_node)
+                                gpus_per_node=config.straggler.gpus_per_node or world_size)
