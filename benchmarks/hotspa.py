@@ -58,6 +58,7 @@ from hetu_ext.data.hotspa import (  # noqa: E402
 from hetu_ext.data.lengths import read_lengths, split_long  # noqa: E402
 from hetu_ext.metrics import read_records  # noqa: E402
 from hetu_ext.plan import ModelSpec  # noqa: E402
+from hetu_ext.plan.hydraulis import sample_batches  # noqa: E402
 
 SEQLENS = ROOT.parent / "shared" / "data" / "seqlens" / "wikipedia.txt.gz"
 SAMPLE = ROOT / "hetu_ext" / "data" / "samples" / "wikipedia_lengths_20k.txt.gz"
@@ -75,16 +76,6 @@ def a100_with_tp_comm(tp_gbs: float, memory_gb: float = 80.0) -> CostTable:
                                 memory_fixed_bytes=cost.memory_fixed_bytes)
     return CostTable(per_tp=per_tp, device=f"a100-flops-model+tp-allreduce@{tp_gbs:g}GB/s",
                      device_memory_bytes=memory_gb * 1e9)
-
-
-def batches(lengths: np.ndarray, tokens: int, count: int, seed: int) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(count):
-        order = rng.permutation(lengths.size)
-        cum = np.cumsum(lengths[order])
-        out.append(lengths[order[:int(np.searchsorted(cum, tokens)) + 1]].tolist())
-    return out
 
 
 def predicted_row(spec: ModelSpec, gpus: int, cost: CostTable, batch_list: list[list[int]], *, bandwidth: float
@@ -219,7 +210,7 @@ def main() -> None:
                          vocab_size=32000, seq_length=max_len, untie_embeddings_and_output_weights=True)
         pieces = split_long(all_lengths, max_len).length
         for gpus in (8, 16, 32):
-            batch_list = batches(pieces, args.batch_tokens * gpus // 8, args.batches, seed=gpus)
+            batch_list = sample_batches(pieces, tokens=args.batch_tokens * gpus // 8, count=args.batches, seed=gpus)
             row = predicted_row(spec, gpus, cost, batch_list, bandwidth=args.bandwidth * 1e9)
             row["max_len"] = max_len
             predicted.append(row)
