@@ -33,7 +33,7 @@ and ``select_overhead_ms`` (the difference), wall-clock; ``select_cpu_ms`` the c
 (Selector.choose(exact=False): the packer runs only on the chosen candidate, as the step's packing), its mean step
 time and its choice time (bounds only).
 
-**Emulated**: :func:`emulated_rows` (4 CPU ranks, ``--emulated``; filled in by the training side).
+**Emulated** (``--emulated``): :func:`emulated_rows`, 4 CPU ranks training under ``--hetu-emulate-cost``.
 The last line is one JSON object ``{"predicted": [...], "emulated": [...]}``.
 """
 
@@ -45,6 +45,7 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -159,12 +160,74 @@ def predicted_row(name: str, spec: ModelSpec, gpus: int, cost: CostTable, pieces
     return row
 
 
+EMULATED_CANDIDATES = """
+home: tp4
+strategies:
+  - {name: dp4, dp: 4, max_len: 64}
+  - {name: tp2+2x1, plan: tp2_1_1.yaml, max_len: 128}
+  - {name: tp4, tp: 4, max_len: 256}
+"""
+TP2_1_1 = """
+pipelines:
+  - {num_microbatches: 1, stages: [{ranks: [0, 1], layers: [0, 4]}]}
+  - {num_microbatches: 1, stages: [{ranks: [2], layers: [0, 4]}]}
+  - {num_microbatches: 1, stages: [{ranks: [3], layers: [0, 4]}]}
+"""
+
+
 def emulated_rows(args: argparse.Namespace) -> list:
-    """Emulated training rows (4 CPU ranks, ``--hetu-emulate-cost``): [] unless ``--emulated``; the training
-    side fills this in (``{"ranks", "method", "step_s", "predicted_s"}`` per row)."""
+    """Emulated training (``--emulated``): 4 CPU ranks, the model and emulated cluster of benchmarks/hotspa.py
+    (layers padded to configs/emulation/hotspa_cpu.yaml x ``--emulation-scale``; memory: TP 1 holds 64 tokens,
+    TP 2 128, TP 4 256), real Wikipedia lengths / 128 (256 tokens stand for 32K). Batches alternate short and
+    long: a run on the corpus' documents of at most 64 tokens (short steps) and one on the whole corpus (long
+    steps), each method on both, methods interleaved, ``--repeats`` times. ``static``: TP 4, the one homogeneous
+    strategy holding 256 tokens; ``dynamic``: ``--hetu-strategies`` over {DP 4, TP 2 + 2 x TP 1, TP 4 (home)}.
+    A row's times are the mean of a short and a long step (medians over steps and repeats)."""
     if not args.emulated:
         return []
-    return []
+    from hotspa import emulated_run, emulation_inputs
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp)
+        cost_file, mixed = emulation_inputs(out, scale=args.emulation_scale, lengths_file=args.lengths)
+        scaled = np.loadtxt(out / "lengths.txt", dtype=np.int64)
+        (out / "short.txt").write_text("\n".join(str(int(x)) for x in scaled[scaled <= 64]) + "\n")
+        short = json.dumps({"mode": "file", "path": str(out / "short.txt")})
+        (out / "tp2_1_1.yaml").write_text(TP2_1_1)
+        (out / "candidates.yaml").write_text(EMULATED_CANDIDATES)
+        flags = {"static": ["--tensor-model-parallel-size", "4", "--hetu-runtime", "plan"],
+                 "dynamic": ["--hetu-strategies", str(out / "candidates.yaml")]}
+        runs = {(m, c): [] for m in flags for c in ("short", "long")}
+        for _ in range(args.repeats):
+            for corpus, lengths in (("short", short), ("long", mixed)):
+                for method in flags:
+                    run = emulated_run(method, flags[method], cost_file=cost_file, steps=args.emulated_steps,
+                                       lengths=lengths, tokens=args.emulated_tokens, out=out)
+                    if method == "dynamic":
+                        run["chosen"] = sorted({r["packing"]["hydraulis"]["candidate"] for r in run["records"]})
+                    runs[method, corpus].append(run)
+    print(f"\nemulated: 4 CPU ranks, --hetu-emulate-cost configs/emulation/hotspa_cpu.yaml x{args.emulation_scale:g},"
+          f" Wikipedia lengths / 128, {args.emulated_tokens} tokens per step, short and long steps, {args.repeats} "
+          "runs each, interleaved")
+    print(f"{'method':>8} {'steps':>6} {'step_s':>8} {'predicted_s':>11} {'measured/pred':>13} {'overruns':>8}  chosen")
+    rows = []
+    for method in flags:
+        per = {}
+        for corpus in ("short", "long"):
+            got = runs[method, corpus]
+            per[corpus] = (statistics.median(r["step_s"] for r in got),
+                           statistics.median(r["predicted_s"] for r in got))
+            chosen = sorted({c for r in got for c in r.get("chosen", [])})
+            print(f"{method:>8} {corpus:>6} {per[corpus][0]:>8.3f} {per[corpus][1]:>11.3f} "
+                  f"{per[corpus][0] / per[corpus][1]:>13.2f} {sum(r['overruns'] for r in got):>8}  "
+                  f"{', '.join(chosen)}")
+        row = {"ranks": 4, "method": method, "step_s": (per["short"][0] + per["long"][0]) / 2,
+               "predicted_s": (per["short"][1] + per["long"][1]) / 2}
+        rows.append(row)
+        print(f"{method:>8} {'mean':>6} {row['step_s']:>8.3f} {row['predicted_s']:>11.3f} "
+              f"{row['step_s'] / row['predicted_s']:>13.2f}")
+    print(f"dynamic speed-up over the best homogeneous (static TP 4): {rows[0]['step_s'] / rows[1]['step_s']:.2f}x")
+    return rows
 
 
 def main() -> None:
@@ -180,6 +243,11 @@ def main() -> None:
     parser.add_argument("--cost-model", default=None, help="a measured cost table (YAML) instead of the FLOP model")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--emulated", action="store_true", help="also the emulated CPU rows")
+    parser.add_argument("--emulation-scale", type=float, default=5.0, help="emulated: the cost file's times x this")
+    parser.add_argument("--emulated-steps", type=int, default=3, help="emulated: steps per run (first left out)")
+    parser.add_argument("--emulated-tokens", type=int, default=1024, help="emulated: tokens per global batch")
+    parser.add_argument("--repeats", type=int, default=2, help="emulated: runs per method and corpus")
+    parser.add_argument("--skip-predicted", action="store_true")
     args = parser.parse_args()
 
     all_lengths = read_lengths(args.lengths)
@@ -195,7 +263,7 @@ def main() -> None:
               "  chosen (home)")
     print(header + "\n" + "-" * len(header))
     predicted = []
-    for max_len in args.max_lens:
+    for max_len in () if args.skip_predicted else args.max_lens:
         pieces = split_long(all_lengths, max_len).length
         for name in args.models:
             spec = ModelSpec(**MODELS[name], vocab_size=32000, seq_length=max_len,
