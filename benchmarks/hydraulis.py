@@ -205,11 +205,14 @@ def emulated_rows(args: argparse.Namespace) -> list:
                                        lengths=lengths, tokens=args.emulated_tokens, out=out)
                     if method == "dynamic":
                         run["chosen"] = sorted({r["packing"]["hydraulis"]["candidate"] for r in run["records"]})
+                        run["switch_s"] = statistics.median(r["packing"]["hydraulis"]["switch_s"]
+                                                            for r in run["records"])
                     runs[method, corpus].append(run)
     print(f"\nemulated: 4 CPU ranks, --hetu-emulate-cost configs/emulation/hotspa_cpu.yaml x{args.emulation_scale:g},"
           f" Wikipedia lengths / 128, {args.emulated_tokens} tokens per step, short and long steps, {args.repeats} "
           "runs each, interleaved")
-    print(f"{'method':>8} {'steps':>6} {'step_s':>8} {'predicted_s':>11} {'measured/pred':>13} {'overruns':>8}  chosen")
+    print(f"{'method':>8} {'steps':>6} {'step_s':>8} {'predicted_s':>11} {'measured/pred':>13} {'overruns':>8} "
+          f"{'switch_s':>8}  chosen")
     rows = []
     for method in flags:
         per = {}
@@ -219,8 +222,8 @@ def emulated_rows(args: argparse.Namespace) -> list:
                            statistics.median(r["predicted_s"] for r in got))
             chosen = sorted({c for r in got for c in r.get("chosen", [])})
             print(f"{method:>8} {corpus:>6} {per[corpus][0]:>8.3f} {per[corpus][1]:>11.3f} "
-                  f"{per[corpus][0] / per[corpus][1]:>13.2f} {sum(r['overruns'] for r in got):>8}  "
-                  f"{', '.join(chosen)}")
+                  f"{per[corpus][0] / per[corpus][1]:>13.2f} {sum(r['overruns'] for r in got):>8} "
+                  f"{statistics.median(r.get('switch_s', 0.0) for r in got):>8.3f}  {', '.join(chosen)}")
         row = {"ranks": 4, "method": method, "step_s": (per["short"][0] + per["long"][0]) / 2,
                "predicted_s": (per["short"][1] + per["long"][1]) / 2}
         rows.append(row)
@@ -243,7 +246,7 @@ def main() -> None:
     parser.add_argument("--cost-model", default=None, help="a measured cost table (YAML) instead of the FLOP model")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--emulated", action="store_true", help="also the emulated CPU rows")
-    parser.add_argument("--emulation-scale", type=float, default=5.0, help="emulated: the cost file's times x this")
+    parser.add_argument("--emulation-scale", type=float, default=10.0, help="emulated: the cost file's times x this")
     parser.add_argument("--emulated-steps", type=int, default=3, help="emulated: steps per run (first left out)")
     parser.add_argument("--emulated-tokens", type=int, default=1024, help="emulated: tokens per global batch")
     parser.add_argument("--repeats", type=int, default=2, help="emulated: runs per method and corpus")
