@@ -262,38 +262,53 @@ def auto_groups(lengths: Sequence[int], strategies: Strategies, group_s: Callabl
 
 # ---------------------------------------------------------------------------------------------- switch volume
 
-def _holdings(plan: Plan, spec: ModelSpec) -> dict[int, list[tuple[int, float, float]]]:
-    """rank -> (layer, start, stop): the fraction [start, stop) of each layer's parameters it holds (TP splits a
-    layer into equal parts; layer -1 is the embedding, ``num_layers`` the output layer)."""
+def _parts(spec: ModelSpec) -> dict:
+    """Elements of each part of a Megatron GPT model (local layer spec, learned positions): per layer what TP
+    splits (the four weight matrices, the column-parallel biases) and what every TP rank holds whole (layernorms,
+    the row-parallel biases); the word embeddings (vocab-parallel), positions, final layernorm, output layer."""
+    h, f = spec.hidden_size, spec.ffn_hidden_size
+    return {"split": 4 * h * h + 2 * h * f + 3 * h + f, "replicated": 6 * h,
+            "word": spec.padded_vocab_size * h, "position": spec.max_position_embeddings * h, "final_norm": 2 * h,
+            "output": spec.padded_vocab_size * h}
+
+
+def _holdings(plan: Plan, spec: ModelSpec) -> dict[int, list[tuple[tuple, float, float]]]:
+    """rank -> (part, start, stop): the fraction [start, stop) of each part it holds; a part is (layer, "split" or
+    "replicated") or ("word" | "position" | "final_norm" | "output",). A pipeline's last stage keeps its own
+    copy of the word embeddings when they are tied to the output layer (Megatron's shared embedding)."""
     out: dict[int, list] = {}
-    last = spec.num_layers
     for pipeline in plan.pipelines:
         for stage in pipeline.stages:
-            layers = list(stage.layers) + ([-1] if stage.has_embedding else []) + \
-                ([last] if stage.has_output and spec.untie_embeddings_and_output_weights else [])
+            parts = [((layer, "split"), True) for layer in stage.layers] + \
+                [((layer, "replicated"), False) for layer in stage.layers]
+            if stage.has_embedding:
+                parts += [(("word",), True), (("position",), False)]
+            if stage.has_output:
+                parts.append((("final_norm",), False))
+                if spec.untie_embeddings_and_output_weights:
+                    parts.append((("output",), True))
+                elif not stage.has_embedding:
+                    parts.append((("word",), True))
             for t, rank in enumerate(stage.ranks):
-                out.setdefault(rank, []).extend((layer, t / stage.tp, (t + 1) / stage.tp) for layer in layers)
+                out.setdefault(rank, []).extend((part, t / stage.tp, (t + 1) / stage.tp) if split else (part, 0.0, 1.0)
+                                                for part, split in parts)
     return out
 
 
 def switch_elements(source: Plan, target: Plan, spec: ModelSpec) -> dict[int, float]:
     """rank -> parameter elements it must receive to hold ``target``'s shards when it holds ``source``'s: what
     a switch moves per rank, the receiving side (weights one way, gradients the other are the same volume)."""
-    from hetu_ext.plan.cost import layer_params
-
-    per_layer = float(layer_params(spec))
-    embedding = float(spec.padded_vocab_size * spec.hidden_size)
+    sizes = _parts(spec)
     have, need = _holdings(source, spec), _holdings(target, spec)
     out = {}
     for rank, wanted in need.items():
-        mine = {}
-        for layer, a, b in have.get(rank, []):
-            mine.setdefault(layer, []).append((a, b))
+        mine: dict[tuple, list[tuple[float, float]]] = {}
+        for part, a, b in have.get(rank, []):
+            mine.setdefault(part, []).append((a, b))
         total = 0.0
-        for layer, a, b in wanted:
-            size = per_layer if 0 <= layer < spec.num_layers else embedding
-            overlap = sum(max(0.0, min(b, d) - max(a, c)) for c, d in mine.get(layer, []))
-            total += (b - a - overlap) * size
+        for part, a, b in wanted:
+            overlap = sum(max(0.0, min(b, d) - max(a, c)) for c, d in mine.get(part, []))
+            total += (b - a - overlap) * sizes[part[-1]]
         out[rank] = total
     return out
 

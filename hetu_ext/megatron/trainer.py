@@ -251,18 +251,21 @@ class Trainer:
         self.losses.append(loss)
         replan = self.monitor.after_step(self.iteration, log) if self.monitor else None
         names = [s.name for s in self.switching.strategies.items]
+        moved = torch.tensor([float(w.bytes_sent) for w in switches] or [0.0], dtype=torch.float64)
+        dist.all_reduce(moved)  # every rank runs the same switches: the bytes all ranks sent in each
         hotspa = {"groups": [{"strategy": names[g.strategy], "sequences": g.sequences, "tokens": g.tokens,
                               "predicted_s": g.predicted_s} for g in step.groups],
                   "switches": [{"from": None if w.strategy_from is None else names[w.strategy_from],
                                 "to": None if w.strategy_to is None else names[w.strategy_to],
-                                "bytes_sent": w.bytes_sent, "seconds": w.seconds} for w in switches]}
+                                "bytes_sent": w.bytes_sent, "bytes_total": int(moved[i]), "seconds": w.seconds}
+                               for i, w in enumerate(switches)]}
         if data.mode != "select":
             return loss, grad_norm, replan, step.sequences, step.tokens, {"hotspa": hotspa}
         chosen = step.groups[0]
         hydraulis = {"candidate": names[chosen.strategy], "predicted_s": chosen.predicted_s
                      + data.switch_s[chosen.strategy], "predicted_compute_s": chosen.predicted_s,
                      "predicted_switch_s": data.switch_s[chosen.strategy], "switches": hotspa["switches"],
-                     "switch_bytes": sum(w.bytes_sent for w in switches),
+                     "switch_bytes": int(moved.sum()) if switches else 0,
                      "switch_s": sum(w.seconds for w in switches)}
         return loss, grad_norm, replan, step.sequences, step.tokens, {"hydraulis": hydraulis}
 
