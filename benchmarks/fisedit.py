@@ -84,7 +84,8 @@ def timed_mask(engine, dense_inputs: list[torch.Tensor], device: torch.device) -
     cached = [engine.state.cache.get(s, "latent", device) for s in range(1, cfg.k + 1)]
     diff = difference_map(cached, dense_inputs[1:cfg.k + 1])
     mask_from_difference(diff, threshold=cfg.threshold, fixed_threshold=cfg.fixed_threshold,
-                         open_radius=cfg.open_radius, dilate_radius=cfg.dilate_radius)
+                         open_radius=cfg.open_radius, dilate_radius=cfg.dilate_radius, smooth_radius=cfg.smooth_radius,
+                         close_radius=cfg.close_radius)
     return time.perf_counter() - start
 
 

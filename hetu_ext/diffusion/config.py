@@ -29,6 +29,13 @@ class FISEditConfig:
     fixed_threshold: float = 0.2
     """Threshold on the difference map normalised to [0, 1] when `threshold == "fixed"`."""
 
+    smooth_radius: int = 0
+    """The difference map is averaged over a (2r+1)^2 window before thresholding (a latent pixel's own change can
+    be small inside a changed object: latent channels encode edges and texture); 0 = none."""
+
+    close_radius: int = 0
+    """Morphological closing radius (latent pixels): fills holes and gaps in the thresholded mask; 0 = none."""
+
     open_radius: int = 1
     """Morphological opening radius (latent pixels) that removes specks from the thresholded mask; 0 = none."""
 
@@ -98,7 +105,7 @@ class FISEditConfig:
             raise ValueError(f"threshold must be 'otsu' or 'fixed', got {self.threshold!r}")
         if not 0.0 < self.fixed_threshold < 1.0:
             raise ValueError(f"fixed_threshold must be in (0, 1) (the map is normalised), got {self.fixed_threshold}")
-        for name in ("open_radius", "dilate_radius"):
+        for name in ("smooth_radius", "close_radius", "open_radius", "dilate_radius"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.block_size < 1:

@@ -154,7 +154,8 @@ class FISEditEngine:
         cfg = self.config
         diff = difference_map(*self._diffs)
         return mask_from_difference(diff, threshold=cfg.threshold, fixed_threshold=cfg.fixed_threshold,
-                                    open_radius=cfg.open_radius, dilate_radius=cfg.dilate_radius)
+                                    open_radius=cfg.open_radius, dilate_radius=cfg.dilate_radius,
+                                    smooth_radius=cfg.smooth_radius, close_radius=cfg.close_radius)
 
     def _after_step(self, module: nn.Module, args: tuple, output: Any) -> None:
         st = self.state

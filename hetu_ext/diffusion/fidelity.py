@@ -14,10 +14,10 @@ Per edit (source caption -> target caption, both held out from training; one obj
 * ``psnr_out``: PSNR (dB) of the decoded FISEdit image vs the decoded original outside the mask (mask upsampled to
   image size); ``psnr_in``: vs the decoded dense edit inside it. The edit decodes with the generation's GroupNorm
   statistics in the VAE decoder (FISEditConfig.decoder_stats, default "cached"), the original and the dense edit
-  with their own.
+  with their own; ``psnr_out_fresh``: ``psnr_out`` with the edit decoded by the VAE as it is.
 
-``--grid`` tunes the mask settings (dense steps, mask steps, threshold, morphology) by median IoU from the dense
-edit's and the generation's latents (the FISEdit mask is made from exactly those), without running FISEdit.
+``--grid`` tunes the mask settings (dense steps, mask steps, threshold, smoothing, morphology) by median IoU from
+the dense edit's and the generation's latents (the FISEdit mask is made from exactly those), without running FISEdit.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import statistics
 import sys
 import time
@@ -53,6 +54,7 @@ class EditFigures:
     err_out: float
     psnr_out: float
     psnr_in: float
+    psnr_out_fresh: float
     dense_s: float
     fisedit_s: float
     mask_s: float
@@ -77,6 +79,14 @@ def image_mask(mask: torch.Tensor, size: int = toy.IMAGE) -> np.ndarray:
     return np.kron(mask.cpu().numpy().astype(np.uint8), np.ones((scale, scale), dtype=np.uint8)).astype(bool)
 
 
+@torch.no_grad()
+def decode(pipe, latents: torch.Tensor):
+    """Final latents -> PIL image through the pipeline's VAE as it is (its own GroupNorm statistics)."""
+    vae = pipe.pipe.vae
+    sample = vae.decode(latents.to(vae.device, vae.dtype) / vae.config.scaling_factor).sample
+    return pipe.pipe.image_processor.postprocess(sample, output_type="pil")[0]
+
+
 def measure(pipe, edit: toy.Edit, *, steps: int = STEPS, guidance: float = GUIDANCE, seed: int = 0,
             dense_first: bool = True) -> EditFigures:
     """Generate the source caption (caching), then the FISEdit edit and the dense edit of the target caption in the
@@ -97,17 +107,20 @@ def measure(pipe, edit: toy.Edit, *, steps: int = STEPS, guidance: float = GUIDA
     return EditFigures(source=source, target=target, mask_fraction=float(mask.mean()),
                        mask_iou=toy.mask_iou(mask, region), err_in=err_in, err_out=err_out,
                        psnr_out=toy.psnr(fis.image, original, ~pixels),
-                       psnr_in=toy.psnr(fis.image, dense.image, pixels), dense_s=runs["dense_s"],
+                       psnr_in=toy.psnr(fis.image, dense.image, pixels),
+                       psnr_out_fresh=toy.psnr(decode(pipe, fis.latents), original, ~pixels), dense_s=runs["dense_s"],
                        fisedit_s=runs["fisedit_s"], mask_s=pipe.engine.mask_seconds)
 
 
 def summary(figures: list[EditFigures]) -> dict[str, float]:
-    """Medians over edits (speed-up: median of the per-edit dense / FISEdit ratios)."""
+    """Medians over edits (speed-up: median of the per-edit dense / FISEdit ratios). An undefined figure (an empty
+    mask has no inside) counts as the worst: err_* +inf, psnr_* -inf."""
     def med(name: str) -> float:
-        return float(statistics.median(getattr(f, name) for f in figures))
+        worst = float("-inf") if name.startswith("psnr") else float("inf")
+        return float(statistics.median(worst if math.isnan(v := getattr(f, name)) else v for f in figures))
 
     out = {name: med(name) for name in ("mask_fraction", "mask_iou", "err_in", "err_out", "psnr_out", "psnr_in",
-                                        "dense_s", "fisedit_s", "mask_s")}
+                                        "psnr_out_fresh", "dense_s", "fisedit_s", "mask_s")}
     out["speedup"] = float(statistics.median(f.dense_s / f.fisedit_s for f in figures))
     out["edits"] = len(figures)
     return out
@@ -143,7 +156,7 @@ def grid(pipe, edits: list[toy.Edit], *, steps: int = STEPS, guidance: float = G
 
     dense_options, fractions = (5, 10, 15), (0.5, 1.0)
     thresholds = [("otsu", 0.5)] + [("fixed", v) for v in (0.1, 0.2, 0.3, 0.4, 0.5)]
-    radii = list(itertools.product((0, 1), (0, 1)))
+    radii = list(itertools.product((0, 1), (0, 1), (0, 1), (0, 1)))  # smooth, close, open, dilate
     scores: dict[tuple, list[float]] = {}
     for edit in edits:
         source, target = edit.prompts
@@ -154,15 +167,16 @@ def grid(pipe, edits: list[toy.Edit], *, steps: int = STEPS, guidance: float = G
         for d, frac in itertools.product(dense_options, fractions):
             k = max(1, round(d * frac))
             diff = difference_map(gen[1:k + 1], new[1:k + 1])
-            for (kind, value), (opened, dilated) in itertools.product(thresholds, radii):
+            for (kind, value), (smoothed, closed, opened, dilated) in itertools.product(thresholds, radii):
                 mask = mask_from_difference(diff, threshold=kind, fixed_threshold=value, open_radius=opened,
-                                            dilate_radius=dilated)
-                key = (d, k, kind, value if kind == "fixed" else None, opened, dilated)
+                                            dilate_radius=dilated, smooth_radius=smoothed, close_radius=closed)
+                key = (d, k, kind, value if kind == "fixed" else None, smoothed, closed, opened, dilated)
                 scores.setdefault(key, []).append(toy.mask_iou(mask.numpy(), region))
-    rows = [{"dense_steps": d, "mask_steps": k, "threshold": kind, "fixed_threshold": value, "open_radius": o,
-             "dilate_radius": r, "median_iou": statistics.median(v), "min_iou": min(v)}
-            for (d, k, kind, value, o, r), v in scores.items()]
-    return sorted(rows, key=lambda row: (-row["median_iou"], -row["min_iou"], row["dense_steps"]))
+    rows = [{"dense_steps": d, "mask_steps": k, "threshold": kind, "fixed_threshold": value, "smooth_radius": sm,
+             "close_radius": c, "open_radius": o, "dilate_radius": r, "median_iou": statistics.median(v),
+             "min_iou": min(v), "mean_iou": statistics.fmean(v)}
+            for (d, k, kind, value, sm, c, o, r), v in scores.items()]
+    return sorted(rows, key=lambda row: (-row["median_iou"], -row["mean_iou"], row["dense_steps"]))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -176,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mask-steps", type=int, default=None)
     parser.add_argument("--threshold", choices=("otsu", "fixed"), default=FISEditConfig().threshold)
     parser.add_argument("--fixed-threshold", type=float, default=FISEditConfig().fixed_threshold)
+    parser.add_argument("--smooth-radius", type=int, default=FISEditConfig().smooth_radius)
+    parser.add_argument("--close-radius", type=int, default=FISEditConfig().close_radius)
     parser.add_argument("--open-radius", type=int, default=FISEditConfig().open_radius)
     parser.add_argument("--dilate-radius", type=int, default=FISEditConfig().dilate_radius)
     parser.add_argument("--no-keep-outside", dest="keep_outside", action="store_false")
@@ -193,15 +209,17 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     config = FISEditConfig(dense_steps=args.dense_steps, mask_steps=args.mask_steps, threshold=args.threshold,
                            fixed_threshold=args.fixed_threshold, open_radius=args.open_radius,
+                           smooth_radius=args.smooth_radius, close_radius=args.close_radius,
                            dilate_radius=args.dilate_radius, keep_outside=args.keep_outside,
                            decoder_stats=args.decoder_stats)
     pipe = load(args.model, config)
     figures = []
-    print(f"{'iou':>5} {'err_in':>7} {'err_out':>8} {'psnr_out':>8} {'psnr_in':>7} {'mask%':>6}  edit")
+    print(f"{'iou':>5} {'err_in':>7} {'err_out':>8} {'psnr_out':>8} {'psnr_in':>7} {'fresh':>6} {'mask%':>6}  edit")
     for i, edit in enumerate(edits):
         f = measure(pipe, edit, steps=args.steps, guidance=args.guidance, dense_first=i % 2 == 0)
         figures.append(f)
         print(f"{f.mask_iou:>5.2f} {f.err_in:>7.3f} {f.err_out:>8.4f} {f.psnr_out:>8.1f} {f.psnr_in:>7.1f} "
+              f"{f.psnr_out_fresh:>6.1f} "
               f"{100 * f.mask_fraction:>6.1f}  {f.source} -> {f.target}", flush=True)
     print(json.dumps({"config": asdict(config), "set": args.set, "summary": summary(figures)}))
     return 0

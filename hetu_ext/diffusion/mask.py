@@ -47,22 +47,35 @@ def _erode(mask: torch.Tensor, radius: int) -> torch.Tensor:
     return ~_dilate(~mask, radius)
 
 
-def clean_mask(mask: torch.Tensor, *, open_radius: int, dilate_radius: int) -> torch.Tensor:
-    """Opening (erode then dilate) removes specks thinner than 2*open_radius+1; then dilate grows the border."""
+def clean_mask(mask: torch.Tensor, *, open_radius: int, dilate_radius: int, close_radius: int = 0) -> torch.Tensor:
+    """Closing (dilate then erode) fills holes and gaps narrower than 2*close_radius+1; opening (erode then dilate)
+    removes specks thinner than 2*open_radius+1; then dilate grows the border."""
+    if close_radius:
+        mask = _erode(_dilate(mask, close_radius), close_radius)
     if open_radius:
         mask = _dilate(_erode(mask, open_radius), open_radius)
     return _dilate(mask, dilate_radius)
 
 
+def smooth(diff: torch.Tensor, radius: int) -> torch.Tensor:
+    """Mean over the (2 radius + 1)^2 window around each pixel (the map's own pixels only at its border)."""
+    if radius == 0:
+        return diff
+    size = 2 * radius + 1
+    return F.avg_pool2d(diff[None, None].float(), size, stride=1, padding=radius, count_include_pad=False)[0, 0]
+
+
 def mask_from_difference(diff: torch.Tensor, *, threshold: str, fixed_threshold: float, open_radius: int,
-                         dilate_radius: int) -> torch.Tensor:
-    """(H, W) difference map -> (H, W) bool mask: normalise to [0, 1], threshold, clean morphologically."""
+                         dilate_radius: int, smooth_radius: int = 0, close_radius: int = 0) -> torch.Tensor:
+    """(H, W) difference map -> (H, W) bool mask: smooth, normalise to [0, 1], threshold, clean morphologically
+    (close, open, dilate)."""
+    diff = smooth(diff, smooth_radius)
     peak = float(diff.max())
     if peak <= 0.0:
         return torch.zeros(diff.shape, dtype=torch.bool, device=diff.device)
     norm = diff / peak
     cut = otsu_threshold(norm.cpu()) if threshold == "otsu" else fixed_threshold
-    return clean_mask(norm >= cut, open_radius=open_radius, dilate_radius=dilate_radius)
+    return clean_mask(norm >= cut, open_radius=open_radius, dilate_radius=dilate_radius, close_radius=close_radius)
 
 
 @dataclass
