@@ -27,7 +27,10 @@ not fidelity.
 Toy rows (fidelity): --toy-edits single-object edits of held-out captions (hetu_ext/diffusion/fidelity.py's check
 set), 50 DDIM steps with the engine's defaults (10 dense, automatic mask), CFG 7.5, through the diffusers pipeline
 (text encoder and VAE decode included), dense and FISEdit alternating per edit; medians of mask IoU with the changed
-object's true region, err_in, err_out, PSNR outside the mask; a second row with keep_outside off.
+object's true region, err_in, err_out, PSNR outside the mask (psnr_out: the pipeline's image, which takes the
+original's pixels outside the mask by default, so inf; psnr_margin: the edit decoded with the generation's GroupNorm
+statistics, nothing pasted, outside the mask grown by one latent pixel; psnr_fresh: decoded by the VAE as it is,
+nothing pasted); a second row with keep_outside off.
 A quiet-machine check prints the load average before and after. Ends with one JSON line.
 """
 
@@ -142,8 +145,9 @@ def toy_rows(args: argparse.Namespace) -> list[dict]:
     print(f"\ntoy model {args.toy_model}: {len(check)} held-out single-object edits, {fidelity.STEPS} DDIM steps "
           f"({FISEditConfig().dense_steps} dense), CFG {fidelity.GUIDANCE}, engine defaults, automatic masks; "
           "medians over edits")
-    print(f"{'keep_outside':>12} {'mask%':>6} {'dense_MMACs':>12} {'sparse_MMACs':>13} {'dense_s':>8} {'fisedit_s':>9} "
-          f"{'mask_s':>7} {'speedup':>8} {'mask_iou':>8} {'err_in':>7} {'err_out':>8} {'psnr_out':>8}")
+    print(f"{'keep_outside':>12} {'mask%':>6} {'dense_MMACs':>12} {'sparse_MMACs':>13} {'dense_s':>8} "
+          f"{'fisedit_s':>9} {'mask_s':>7} {'speedup':>8} {'mask_iou':>8} {'err_in':>7} {'err_out':>8} "
+          f"{'psnr_out':>8} {'psnr_margin':>11} {'psnr_fresh':>10}")
     rows = []
     for keep in (True, False):
         pipe = fidelity.load(args.toy_model, FISEditConfig(keep_outside=keep))
@@ -157,10 +161,13 @@ def toy_rows(args: argparse.Namespace) -> list[dict]:
                "dense_macs": dense_macs, "sparse_macs": sparse_macs, "dense_s": round(s["dense_s"], 3),
                "fisedit_s": round(s["fisedit_s"], 3), "speedup": round(s["speedup"], 3),
                "mask_s": round(s["mask_s"], 4), "mask_iou": round(s["mask_iou"], 4), "err_in": round(s["err_in"], 4),
-               "err_out": round(s["err_out"], 4), "psnr_out": round(s["psnr_out"], 2), "edits": len(figures)}
+               "err_out": round(s["err_out"], 4), "psnr_out": round(s["psnr_out"], 2),
+               "psnr_out_margin": round(s["psnr_out_margin"], 2),
+               "psnr_out_fresh_decoder": round(s["psnr_out_fresh"], 2), "edits": len(figures)}
         print(f"{str(keep):>12} {100 * row['mask_ratio']:>6.1f} {dense_macs / 1e6:>12.1f} {sparse_macs / 1e6:>13.1f} "
               f"{row['dense_s']:>8.3f} {row['fisedit_s']:>9.3f} {row['mask_s']:>7.4f} {row['speedup']:>7.2f}x "
-              f"{row['mask_iou']:>8.3f} {row['err_in']:>7.3f} {row['err_out']:>8.4f} {row['psnr_out']:>8.1f}",
+              f"{row['mask_iou']:>8.3f} {row['err_in']:>7.3f} {row['err_out']:>8.4f} {row['psnr_out']:>8.1f} "
+              f"{row['psnr_out_margin']:>11.1f} {row['psnr_out_fresh_decoder']:>10.1f}",
               flush=True)
         rows.append(row)
     print("  (MACs: the whole pipeline loop of the first edit, text encoder and VAE decode included)")

@@ -217,7 +217,8 @@ def test_automatic_mask_and_macs() -> None:
     """Without a user mask the edit makes one from the latent differences of its dense steps; the sparse steps
     then cost fewer MACs than dense ones (counted, attention analytically) in proportion to the active share."""
     unet, data = tiny_unet(), inputs()
-    engine = FISEditEngine(unet, config(threshold="fixed", fixed_threshold=0.5, open_radius=0, dilate_radius=0))
+    engine = FISEditEngine(unet, config(threshold="fixed", fixed_threshold=0.5, smooth_radius=0, open_radius=0,
+                                        dilate_radius=0))
     engine.generate(scheduler(), prompt_embeds=data["prompt"], **loop_kwargs(data))
     sched = scheduler()
     macs = count_macs(lambda: engine.edit(sched, prompt_embeds=data["edited"], **loop_kwargs(data)))

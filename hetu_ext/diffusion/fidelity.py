@@ -14,7 +14,11 @@ Per edit (source caption -> target caption, both held out from training; one obj
 * ``psnr_out``: PSNR (dB) of the decoded FISEdit image vs the decoded original outside the mask (mask upsampled to
   image size); ``psnr_in``: vs the decoded dense edit inside it. The edit decodes with the generation's GroupNorm
   statistics in the VAE decoder (FISEditConfig.decoder_stats, default "cached"), the original and the dense edit
-  with their own; ``psnr_out_fresh``: ``psnr_out`` with the edit decoded by the VAE as it is.
+  with their own, and the edit's image takes the original's pixels outside the mask (FISEditConfig.paste_outside,
+  default on: then ``psnr_out`` is infinite by construction); ``psnr_out_fresh``: ``psnr_out`` with the edit's
+  latents decoded by the VAE as it is, nothing pasted (what the decoder alone does outside the mask);
+  ``psnr_out_margin``: the edit decoded with cached statistics, nothing pasted, outside the mask grown by one latent
+  pixel (2 image pixels).
 
 ``--grid`` tunes the mask settings (dense steps, mask steps, threshold, smoothing, morphology) by median IoU from
 the dense edit's and the generation's latents (the FISEdit mask is made from exactly those), without running FISEdit.
@@ -54,6 +58,7 @@ class EditFigures:
     err_out: float
     psnr_out: float
     psnr_in: float
+    psnr_out_margin: float
     psnr_out_fresh: float
     dense_s: float
     fisedit_s: float
@@ -104,10 +109,13 @@ def measure(pipe, edit: toy.Edit, *, steps: int = STEPS, guidance: float = GUIDA
     region = edit.region(fis.mask.shape[-1])
     mask = fis.mask.numpy()
     pixels = image_mask(fis.mask, np.asarray(original).shape[0])
+    grown = torch.nn.functional.max_pool2d(fis.mask[None, None].float(), 3, stride=1, padding=1)[0, 0] > 0.5
+    margin = image_mask(grown, np.asarray(original).shape[0])
     return EditFigures(source=source, target=target, mask_fraction=float(mask.mean()),
                        mask_iou=toy.mask_iou(mask, region), err_in=err_in, err_out=err_out,
                        psnr_out=toy.psnr(fis.image, original, ~pixels),
                        psnr_in=toy.psnr(fis.image, dense.image, pixels),
+                       psnr_out_margin=toy.psnr(fis.decoded, original, ~margin),
                        psnr_out_fresh=toy.psnr(decode(pipe, fis.latents), original, ~pixels), dense_s=runs["dense_s"],
                        fisedit_s=runs["fisedit_s"], mask_s=pipe.engine.mask_seconds)
 
@@ -120,7 +128,7 @@ def summary(figures: list[EditFigures]) -> dict[str, float]:
         return float(statistics.median(worst if math.isnan(v := getattr(f, name)) else v for f in figures))
 
     out = {name: med(name) for name in ("mask_fraction", "mask_iou", "err_in", "err_out", "psnr_out", "psnr_in",
-                                        "psnr_out_fresh", "dense_s", "fisedit_s", "mask_s")}
+                                        "psnr_out_margin", "psnr_out_fresh", "dense_s", "fisedit_s", "mask_s")}
     out["speedup"] = float(statistics.median(f.dense_s / f.fisedit_s for f in figures))
     out["edits"] = len(figures)
     return out
@@ -196,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dilate-radius", type=int, default=FISEditConfig().dilate_radius)
     parser.add_argument("--no-keep-outside", dest="keep_outside", action="store_false")
     parser.add_argument("--decoder-stats", choices=("cached", "fresh"), default=FISEditConfig().decoder_stats)
+    parser.add_argument("--no-paste-outside", dest="paste_outside", action="store_false")
     parser.add_argument("--grid", action="store_true", help="tune mask settings by IoU instead")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
@@ -211,15 +220,16 @@ def main(argv: list[str] | None = None) -> int:
                            fixed_threshold=args.fixed_threshold, open_radius=args.open_radius,
                            smooth_radius=args.smooth_radius, close_radius=args.close_radius,
                            dilate_radius=args.dilate_radius, keep_outside=args.keep_outside,
-                           decoder_stats=args.decoder_stats)
+                           decoder_stats=args.decoder_stats, paste_outside=args.paste_outside)
     pipe = load(args.model, config)
     figures = []
-    print(f"{'iou':>5} {'err_in':>7} {'err_out':>8} {'psnr_out':>8} {'psnr_in':>7} {'fresh':>6} {'mask%':>6}  edit")
+    print(f"{'iou':>5} {'err_in':>7} {'err_out':>8} {'psnr_out':>8} {'psnr_in':>7} {'margin':>6} {'fresh':>6} "
+          f"{'mask%':>6}  edit")
     for i, edit in enumerate(edits):
         f = measure(pipe, edit, steps=args.steps, guidance=args.guidance, dense_first=i % 2 == 0)
         figures.append(f)
         print(f"{f.mask_iou:>5.2f} {f.err_in:>7.3f} {f.err_out:>8.4f} {f.psnr_out:>8.1f} {f.psnr_in:>7.1f} "
-              f"{f.psnr_out_fresh:>6.1f} "
+              f"{f.psnr_out_margin:>6.1f} {f.psnr_out_fresh:>6.1f} "
               f"{100 * f.mask_fraction:>6.1f}  {f.source} -> {f.target}", flush=True)
     print(json.dumps({"config": asdict(config), "set": args.set, "summary": summary(figures)}))
     return 0

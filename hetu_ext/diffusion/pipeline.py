@@ -39,6 +39,17 @@ def check_model_dir(model_dir: str | Path) -> Path:
     return path
 
 
+def paste_outside(edited: Any, original: Any, mask: torch.Tensor) -> Any:
+    """The edited PIL image inside the latent-size bool `mask` (upsampled to image size), the original outside."""
+    import numpy as np
+    from PIL import Image
+
+    new, old = np.asarray(edited), np.asarray(original)
+    scale = new.shape[0] // mask.shape[0]
+    inside = np.kron(mask.numpy().astype(np.uint8), np.ones((scale, scale), dtype=np.uint8)).astype(bool)
+    return Image.fromarray(np.where(inside[..., None], new, old))
+
+
 class DecoderStats:
     """Forward hooks on the VAE decoder's GroupNorms: `record` keeps each layer's per-group mean and variance of a
     decode, `replay` normalises a later decode with them (FISEditConfig.decoder_stats == "cached"); `off` leaves
@@ -89,6 +100,8 @@ class EditResult:
     active_fractions: dict[str, float]
     latents: torch.Tensor | None = None
     """(1, C, h, w) final latents of the loop (before the VAE's scaling and decoding), on the host."""
+    decoded: Any = None
+    """The decoded image before `paste_outside` (the same as `image` when it is off)."""
 
 
 class FISEditPipeline:
@@ -100,6 +113,8 @@ class FISEditPipeline:
         self.decoder_stats = DecoderStats(pipe.vae.decoder)
         self._run: dict[str, Any] | None = None
         self._progress_bar: dict[str, Any] = {}
+        self.generated_image: Any = None
+        """The last generation's image (PIL)."""
         self.generated_latents: torch.Tensor | None = None
         """The last generation's final latents (host), as `EditResult.latents`."""
 
@@ -156,6 +171,7 @@ class FISEditPipeline:
                      "guidance_scale": guidance_scale, "height": height, "width": width}
         with self.engine.recording(num_inference_steps):
             image, self.generated_latents = self._denoise("generate", prompt, decoder="record")
+        self.generated_image = image
         logger.info("FISEdit cache: %.1f MiB", self.engine.cache_bytes / 2**20)
         return image
 
@@ -171,8 +187,11 @@ class FISEditPipeline:
         if last is None:
             raise ValueError(f"the edit ran no sparse step: num_inference_steps={self._run['num_inference_steps']} "
                              f"<= dense_steps={self.engine.config.dense_steps}; lower dense_steps")
+        decoded = image
+        if self.engine.config.paste_outside:
+            image = paste_outside(image, self.generated_image, last.cpu())
         return EditResult(image=image, mask=last.cpu(), active_fractions=self.engine.active_fractions(),
-                          latents=latents)
+                          latents=latents, decoded=decoded)
 
     @property
     def loop_settings(self) -> dict[str, Any]:
