@@ -30,7 +30,8 @@ set), 50 DDIM steps with the engine's defaults (10 dense, automatic mask), CFG 7
 object's true region, err_in, err_out, PSNR outside the mask (psnr_out: the pipeline's image, which takes the
 original's pixels outside the mask by default, so inf; psnr_margin: the edit decoded with the generation's GroupNorm
 statistics, nothing pasted, outside the mask grown by one latent pixel; psnr_fresh: decoded by the VAE as it is,
-nothing pasted); a second row with keep_outside off.
+nothing pasted); a second row with keep_outside off. In the JSON rows psnr_out null means infinite (identical
+pixels); the other toy keys: mask_iou, err_in, err_out, psnr_out_margin, psnr_out_fresh_decoder.
 A quiet-machine check prints the load average before and after. Ends with one JSON line.
 """
 
@@ -161,12 +162,13 @@ def toy_rows(args: argparse.Namespace) -> list[dict]:
                "dense_macs": dense_macs, "sparse_macs": sparse_macs, "dense_s": round(s["dense_s"], 3),
                "fisedit_s": round(s["fisedit_s"], 3), "speedup": round(s["speedup"], 3),
                "mask_s": round(s["mask_s"], 4), "mask_iou": round(s["mask_iou"], 4), "err_in": round(s["err_in"], 4),
-               "err_out": round(s["err_out"], 4), "psnr_out": round(s["psnr_out"], 2),
+               "err_out": round(s["err_out"], 4),
+               "psnr_out": round(s["psnr_out"], 2) if math.isfinite(s["psnr_out"]) else None,  # None: identical
                "psnr_out_margin": round(s["psnr_out_margin"], 2),
                "psnr_out_fresh_decoder": round(s["psnr_out_fresh"], 2), "edits": len(figures)}
         print(f"{str(keep):>12} {100 * row['mask_ratio']:>6.1f} {dense_macs / 1e6:>12.1f} {sparse_macs / 1e6:>13.1f} "
               f"{row['dense_s']:>8.3f} {row['fisedit_s']:>9.3f} {row['mask_s']:>7.4f} {row['speedup']:>7.2f}x "
-              f"{row['mask_iou']:>8.3f} {row['err_in']:>7.3f} {row['err_out']:>8.4f} {row['psnr_out']:>8.1f} "
+              f"{row['mask_iou']:>8.3f} {row['err_in']:>7.3f} {row['err_out']:>8.4f} {s['psnr_out']:>8.1f} "
               f"{row['psnr_out_margin']:>11.1f} {row['psnr_out_fresh_decoder']:>10.1f}",
               flush=True)
         rows.append(row)
