@@ -205,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-keep-outside", dest="keep_outside", action="store_false")
     parser.add_argument("--decoder-stats", choices=("cached", "fresh"), default=FISEditConfig().decoder_stats)
     parser.add_argument("--no-paste-outside", dest="paste_outside", action="store_false")
+    parser.add_argument("--key-values", choices=("active", "cached"), default=FISEditConfig().key_values)
     parser.add_argument("--grid", action="store_true", help="tune mask settings by IoU instead")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
@@ -220,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
                            fixed_threshold=args.fixed_threshold, open_radius=args.open_radius,
                            smooth_radius=args.smooth_radius, close_radius=args.close_radius,
                            dilate_radius=args.dilate_radius, keep_outside=args.keep_outside,
-                           decoder_stats=args.decoder_stats, paste_outside=args.paste_outside)
+                           decoder_stats=args.decoder_stats, paste_outside=args.paste_outside,
+                           key_values=args.key_values)
     pipe = load(args.model, config)
     figures = []
     print(f"{'iou':>5} {'err_in':>7} {'err_out':>8} {'psnr_out':>8} {'psnr_in':>7} {'margin':>6} {'fresh':>6} "
