@@ -18,6 +18,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from hetu_ext.diffusion.config import FISEditConfig  # no torch: the flags' defaults are the engine's
+
+DEFAULTS = FISEditConfig()
+
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -26,19 +30,29 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--edit", required=True, help="the edited prompt")
     parser.add_argument("--out", default="runs/fisedit", help="folder for original.png, edited.png, mask.png")
     parser.add_argument("--steps", type=int, default=50)
-    parser.add_argument("--dense-steps", type=int, default=10)
+    parser.add_argument("--dense-steps", type=int, default=DEFAULTS.dense_steps)
     parser.add_argument("--mask-steps", type=int, default=None)
     parser.add_argument("--guidance", type=float, default=7.5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--height", type=int, default=None)
     parser.add_argument("--width", type=int, default=None)
     parser.add_argument("--mask", default=None, help="PNG whose non-black pixels are the region to edit")
-    parser.add_argument("--threshold", choices=("otsu", "fixed"), default="otsu")
-    parser.add_argument("--fixed-threshold", type=float, default=0.2)
-    parser.add_argument("--key-values", choices=("active", "cached"), default="active")
+    parser.add_argument("--threshold", choices=("otsu", "fixed"), default=DEFAULTS.threshold,
+                        help="how the difference map becomes a mask (default: the engine's, tuned on the toy model)")
+    parser.add_argument("--fixed-threshold", type=float, default=DEFAULTS.fixed_threshold)
+    parser.add_argument("--smooth-radius", type=int, default=DEFAULTS.smooth_radius,
+                        help="average the difference map over a (2r+1)^2 window before thresholding")
+    parser.add_argument("--open-radius", type=int, default=DEFAULTS.open_radius, help="opening removes specks")
+    parser.add_argument("--close-radius", type=int, default=DEFAULTS.close_radius, help="closing fills holes")
+    parser.add_argument("--dilate-radius", type=int, default=DEFAULTS.dilate_radius,
+                        help="grow the mask by this many latent pixels")
+    parser.add_argument("--key-values", choices=("active", "cached"), default=DEFAULTS.key_values)
     parser.add_argument("--cache-budget-mib", type=float, default=None)
     parser.add_argument("--no-keep-outside", dest="keep_outside", action="store_false",
                         help="let the latents outside the mask drift with the dense steps (default: kept original)")
+    parser.add_argument("--no-paste-outside", dest="paste_outside", action="store_false",
+                        help="decode the whole edit (default: the original's pixels outside the mask, since the "
+                             "VAE decoder is not local)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--fp16", action="store_true", help="half precision (GPU)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars (one per denoising loop)")
@@ -71,14 +85,16 @@ def run(args: argparse.Namespace) -> dict[str, float]:
     import torch
     from PIL import Image
 
-    from hetu_ext.diffusion.config import FISEditConfig
     from hetu_ext.diffusion.pipeline import FISEditPipeline, check_model_dir
 
     check_model_dir(args.model)
     budget = None if args.cache_budget_mib is None else int(args.cache_budget_mib * 2**20)
     config = FISEditConfig(dense_steps=args.dense_steps, mask_steps=args.mask_steps, threshold=args.threshold,
-                           fixed_threshold=args.fixed_threshold, key_values=args.key_values,
-                           cache_budget_bytes=budget, keep_outside=args.keep_outside)
+                           fixed_threshold=args.fixed_threshold, smooth_radius=args.smooth_radius,
+                           open_radius=args.open_radius, close_radius=args.close_radius,
+                           dilate_radius=args.dilate_radius, key_values=args.key_values,
+                           cache_budget_bytes=budget, keep_outside=args.keep_outside,
+                           paste_outside=args.paste_outside)
     mask = _load_mask(args.mask) if args.mask else None
     if args.steps <= args.dense_steps:
         raise ValueError(f"--steps {args.steps} <= --dense-steps {args.dense_steps} leaves no sparse step; "
