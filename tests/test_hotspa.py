@@ -149,16 +149,21 @@ def test_lengths_are_grouped_and_bad_strategies_refused(tmp_path):
                                                           "is 48 tokens)"),
 ], ids=["unknown-key", "world-size", "length-over-capacity"])
 def test_bad_strategy_file_exits_2_with_one_line(tmp_path, text, message):
+
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    assert_launch_refused(2, _argv("balanced", "--hetu-hotspa", str(path)), message, cwd=tmp_path)
+
+
+def assert_launch_refused(world: int, argv: list[str], message: str, *, cwd) -> None:
+    """launch/pretrain_gpt.py on ``world`` ranks exits 2 with ``message`` as the only line it prints."""
     import subprocess
     import sys
     from pathlib import Path
 
-    path = tmp_path / "bad.yaml"
-    path.write_text(text)
-    root = Path(__file__).resolve().parents[1]
-    argv = [sys.executable, str(root / "launch" / "pretrain_gpt.py"), "--nproc-per-node", "2",
-            *_argv("balanced", "--hetu-hotspa", str(path))]
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    launch = Path(__file__).resolve().parents[1] / "launch" / "pretrain_gpt.py"
+    proc = subprocess.run([sys.executable, str(launch), "--nproc-per-node", str(world), *argv], capture_output=True,
+                          text=True, timeout=120, cwd=cwd)
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and message in lines[0], proc.stderr

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from test_hotspa import assert_launch_refused
 from test_packed_training import HETERO
 from test_uniform_equivalence import LOSS_RTOL, WEIGHT_ATOL, compare
 
@@ -110,15 +111,5 @@ def test_each_step_under_its_candidate_matches_unpacked_reference(tmp_path):
     (("--hetu-plan", "hetero.yaml"), "--hetu-strategies sets the plans"),
 ], ids=["with-hotspa", "concat-packing", "with-plan"])
 def test_bad_strategies_exit_2_with_one_line(tmp_path, extra, message):
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    candidates = _candidates(tmp_path)
-    root = Path(__file__).resolve().parents[1]
-    argv = [sys.executable, str(root / "launch" / "pretrain_gpt.py"), "--nproc-per-node", "3",
-            *_argv("balanced", "--hetu-strategies", candidates, *extra)]
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and message in lines[0], proc.stderr
+    assert_launch_refused(3, _argv("balanced", "--hetu-strategies", _candidates(tmp_path), *extra), message,
+                          cwd=tmp_path)
