@@ -54,6 +54,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from hotspa import SAMPLE, SEQLENS, emulated_run, emulation_inputs  # noqa: E402  (benchmarks/hotspa.py)
+
 from hetu_ext.data.cost import CostTable, load_cost_table  # noqa: E402
 from hetu_ext.data.lengths import read_lengths, split_long  # noqa: E402
 from hetu_ext.data.packing import replica_specs  # noqa: E402
@@ -71,8 +73,6 @@ from hetu_ext.plan.hydraulis import (  # noqa: E402
 from hetu_ext.plan.lobra import megatron_time_s  # noqa: E402
 from hetu_ext.plan.plan import uniform_plan  # noqa: E402
 
-SEQLENS = ROOT.parent / "shared" / "data" / "seqlens" / "wikipedia.txt.gz"
-SAMPLE = ROOT / "hetu_ext" / "data" / "samples" / "wikipedia_lengths_20k.txt.gz"
 MODELS = {
     "7B": {"num_layers": 32, "hidden_size": 4096, "num_attention_heads": 32, "ffn_hidden_size": 11008},
     "13B-32L": {"num_layers": 32, "hidden_size": 5120, "num_attention_heads": 40, "ffn_hidden_size": 13824},
@@ -185,8 +185,6 @@ def emulated_rows(args: argparse.Namespace) -> list:
     A row's times are the mean of a short and a long step (medians over steps and repeats)."""
     if not args.emulated:
         return []
-    from hotspa import emulated_run, emulation_inputs
-
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
         cost_file, mixed = emulation_inputs(out, scale=args.emulation_scale, lengths_file=args.lengths)
