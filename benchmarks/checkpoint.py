@@ -569,6 +569,22 @@ def _deepspeed_rows(args, root: Path) -> list[dict]:
                str(directory / tag), "--output_folder", str(universal), "--inject_missing_state",
                "--num_extract_workers", str(args.ds_workers), "--num_merge_workers", str(args.ds_workers)]
     odd: dict | None = None  # the non-tensor module entries the workaround drops (None: not needed / not known)
+
+    def convert_route(label: str) -> tuple[subprocess.CompletedProcess, float, int]:
+        """DeepSpeed's checkpoint as it saved it, a cold page cache, then ds_to_universal (after the workaround, when
+        ``odd`` is known): the process, its seconds and the bytes it read."""
+        shutil.rmtree(universal, ignore_errors=True)
+        shutil.copyfile(original, states)
+        cold(directory, label)
+        io_start = storage_read_bytes()  # the converter is a child process: its reads count once it is reaped
+        start = time.perf_counter()
+        if odd:  # Workaround (not DeepSpeed's route as shipped), timed as part of the route
+            content = torch.load(states, map_location="cpu", weights_only=False)
+            content["module"] = {n: v for n, v in content["module"].items() if n not in odd}
+            torch.save(content, states)
+        done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+        return done, time.perf_counter() - start, storage_read_bytes() - io_start
+
     needed = None
     hetu_runs, ds_runs = [], []
     for k in range(args.loads):
@@ -581,18 +597,7 @@ def _deepspeed_rows(args, root: Path) -> list[dict]:
                 hetu_runs.append((max(r["total_s"] for r in loaded), sum(r["bytes_read"] for r in loaded)))
                 print(f"hetu load (from deepspeed) {k + 1}: {hetu_runs[-1][0]:.3f} s")
                 continue
-            shutil.rmtree(universal, ignore_errors=True)
-            shutil.copyfile(original, states)  # DeepSpeed's checkpoint as it saved it
-            cold(directory, f"deepspeed ds_to_universal {k + 1}/{args.loads}")
-            io_start = storage_read_bytes()  # the converter is a child process: its reads count once it is reaped
-            start = time.perf_counter()
-            if odd:  # Workaround (not DeepSpeed's route as shipped), timed as part of the route
-                content = torch.load(states, map_location="cpu", weights_only=False)
-                content["module"] = {n: v for n, v in content["module"].items() if n not in odd}
-                torch.save(content, states)
-            done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
-            convert = time.perf_counter() - start
-            convert_read = storage_read_bytes() - io_start
+            done, convert, convert_read = convert_route(f"deepspeed ds_to_universal {k + 1}/{args.loads}")
             if done.returncode and odd is None:
                 print(f"deepspeed ds_to_universal FAILED (exit {done.returncode}) after {convert:.3f} s: "
                       f"{' '.join(command)}\n{done.stderr[-1500:]}")
@@ -604,17 +609,7 @@ def _deepspeed_rows(args, root: Path) -> list[dict]:
                       "failed attempt is not counted")
                 if not odd:
                     return rows
-                shutil.rmtree(universal, ignore_errors=True)
-                shutil.copyfile(original, states)
-                cold(directory, "deepspeed ds_to_universal after the workaround")
-                io_start = storage_read_bytes()
-                start = time.perf_counter()
-                content = torch.load(states, map_location="cpu", weights_only=False)
-                content["module"] = {n: v for n, v in content["module"].items() if n not in odd}
-                torch.save(content, states)
-                done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
-                convert = time.perf_counter() - start
-                convert_read = storage_read_bytes() - io_start
+                done, convert, convert_read = convert_route("deepspeed ds_to_universal after the workaround")
             if done.returncode:
                 print(f"deepspeed ds_to_universal FAILED (exit {done.returncode}):\n{done.stderr[-3000:]}")
                 return rows
