@@ -727,6 +727,8 @@ def _load_rows(args, root: Path, fingerprints: dict) -> list[dict]:
     from hetu_ext.testing.multiproc import run_ranks
 
     routes = [(s, read) for s, read in LOADS if s in fingerprints]
+    if not routes:  # --systems deepspeed: its own routes are in _deepspeed_rows
+        return []
     runs: dict[tuple, list[dict]] = {r: [] for r in routes}
     for k in range(args.loads):
         shift = k % len(routes)
