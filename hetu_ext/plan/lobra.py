@@ -204,6 +204,21 @@ def sequential_s(pool, batches, *, world_size: int, max_len: int) -> float:
     return total
 
 
+def work_bound_gpu_s(pool: list[Strategy], batches: list[list[np.ndarray]]) -> float:
+    """A certified lower bound on the mean GPU-seconds per step of ANY deployment and dispatch under this cost
+    model: every whole sequence priced at the cheapest GPU-seconds any pool strategy gives it (``tp x pp x
+    (a s^2 + b s)`` over its stages), with no per-microbatch constant, no pipeline bubble, no idle replica and no
+    imbalance. Pass the unpruned pool (``strategy_pool(..., prune=False)``). ``1 - bound / homogeneous`` is the
+    largest saving over homogeneous replicas that this cost model allows, whatever the planner does (a bound for
+    dispatches of whole sequences, as LobRA's; Megatron-style packs cut sequences and are not covered)."""
+    per_gpu = [(s.gpus * s.replica.stage_costs[0].a, s.gpus * s.replica.stage_costs[0].b) for s in pool]
+    totals = []
+    for step in batches:
+        x = np.concatenate(step).astype(np.float64)
+        totals.append(float(np.min([a * x * x + b * x for a, b in per_gpu], axis=0).sum()))
+    return float(np.mean(totals))
+
+
 def _fillings(pool: list[Strategy], world_size: int):
     """Counts per pool strategy using the GPUs with fewer idle than the smallest strategy needs."""
     smallest = min(s.gpus for s in pool)
