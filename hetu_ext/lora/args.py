@@ -26,13 +26,13 @@ def validate_lora_args(args: argparse.Namespace) -> None:
                          "greedy or unpacked")
     unsupported = [flag for flag, value in (
         ("--use-distributed-optimizer", args.use_distributed_optimizer), ("--bf16", args.bf16),
-        ("--save", args.save), ("--load", args.load), ("--hetu-migrate", args.hetu_migrate),
+        ("--hetu-ckpt-format torch_dist", args.hetu_ckpt_format == "torch_dist"),
+        ("--hetu-migrate", args.hetu_migrate),
         ("--hetu-straggler-replan online", args.hetu_straggler_replan == "online"),
         ("--hetu-straggler-interval", args.hetu_straggler_interval),
         ("--hetu-hotspa", getattr(args, "hetu_hotspa", None))) if value]
     if unsupported:
-        raise ValueError(f"--hetu-lora-tenants does not combine with {' '.join(unsupported)} yet (adapters are "
-                         "exported with hetu_ext.lora.peft); drop it")
+        raise ValueError(f"--hetu-lora-tenants does not combine with {' '.join(unsupported)} yet; drop it")
     tenants = load_tenants(args.hetu_lora_tenants)
     for tenant in tenants:
         if tenant.data_path is not None:
@@ -43,3 +43,26 @@ def validate_lora_args(args: argparse.Namespace) -> None:
                 raise ValueError(f"tenant {tenant.name!r} of --hetu-lora-tenants: data_path {tenant.data_path}: "
                                  f"{' and '.join(tenant.data_path + s for s in missing)} not found; give the prefix "
                                  "python -m hetu_ext.megatron.preprocess_data wrote")
+    if args.load is not None:  # LobRA checkpoints (issue 16): the checkpoint's tenants are the file's
+        _check_load(args, tenants)
+
+
+def _check_load(args: argparse.Namespace, tenants) -> None:
+    from pathlib import Path
+
+    from hetu_ext.checkpoint import CheckpointError
+
+    from .checkpoint import check_tenants, latest_manifest
+
+    if not Path(args.load).is_dir():
+        return  # validate_args' own check names it
+    try:
+        manifest = latest_manifest(args.load)
+    except CheckpointError:
+        return  # a corrupt or missing latest checkpoint: the load reports it (or falls back with --hetu-ckpt-fallback)
+    if manifest is None:
+        return  # nothing saved yet: the run starts from scratch
+    error = check_tenants(manifest.state.get("lora"), tenants, seed=args.seed, seq_length=args.seq_length,
+                          where=f"--load {args.load} (iteration {manifest.iteration})")
+    if error is not None:
+        raise ValueError(error)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -23,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from hetu_ext.config import RunConfig
-from hetu_ext.megatron import host
+from hetu_ext.megatron import checkpointing, host
 from hetu_ext.megatron.data import make_tokenizer
 from hetu_ext.megatron.launch_plan import check_launch
 from hetu_ext.megatron.model import TrainingNumerics
@@ -86,6 +87,30 @@ class LoRATrainer(Trainer):
         packing = {"microbatches": len(step.microbatches), "predicted_s": list(step.predicted_s),
                    "tenant_tokens": [int(n) for n in counts], "tenant_loss": self.tenant_losses[-1]}
         return loss, grad_norm, None, step.sequences, step.tokens, packing
+
+    def _save(self, directory: str) -> None:
+        """Save the tenants' adapters and Adam state (not the frozen base): hetu_ext.lora.checkpoint."""
+        from .checkpoint import save_adapters
+
+        start = time.perf_counter()
+        blocking = self.iteration >= self.config.training.train_iters
+        save_adapters(self, directory, blocking=blocking)
+        blocking_s = time.perf_counter() - start
+        if self.metrics is not None:
+            self.metrics.event("checkpoint_save", iteration=self.iteration, directory=directory, format="hetu",
+                               blocking_s=blocking_s, total_s=blocking_s if blocking else None)
+
+    def load(self, directory: str) -> bool:
+        """Resume the tenants' adapters and Adam state from ``directory`` into this plan (collective)."""
+        from .checkpoint import load_adapters
+
+        start = time.perf_counter()
+        loaded = load_adapters(self, directory)
+        if loaded and self.metrics is not None:
+            seconds = time.perf_counter() - start
+            self.metrics.event("checkpoint_load", iteration=self.iteration, directory=directory,
+                               blocking_s=seconds, total_s=seconds)
+        return loaded
 
     def _tenant_losses(self, reports: list[dict]) -> list[float | None]:
         total = torch.zeros(2 * len(self.tenants), dtype=torch.float64)
@@ -154,6 +179,10 @@ def build_lora_trainer(config: RunConfig) -> LoRATrainer:
         _gradient_into_first_layer(placement.model)
     trainer.attach_timer()
     trainer.follow_log_rank()
+    if config.checkpoint.load:  # the adapters and their Adam state (hetu_ext.lora.checkpoint)
+        trainer.load(config.checkpoint.load)
+    if config.checkpoint.save:  # the run's identity; another run's checkpoints there are refused before training
+        checkpointing.prepare_save(trainer, config.checkpoint.save)
     return trainer
 
 

@@ -1,0 +1,260 @@
+"""LobRA checkpoints (issue 16): tenants' adapters and their Adam state in hetu_ext's layout-agnostic format.
+
+``--save DIR`` with ``--hetu-lora-tenants`` writes, through the same writer as the base model's checkpoints
+(hetu_ext.checkpoint.writer: each unique element once, async persist, atomic commit, retention, run identity):
+
+* ``param/decoder.layers.<module>.lora_{A,B}.<tenant>`` (index: the global layer) for every adapter factor, and
+  ``exp_avg/...``, ``exp_avg_sq/...`` for those of tenants Adam has stepped; boxes as in
+  hetu_ext.lora.adapters (column B split by output rows, row A split by input columns under TP);
+* in the manifest's ``state``: the iteration, losses and per-tenant losses so far, the LR schedule, **each
+  tenant's Adam step count** (a tenant absent from some steps has fewer), and ``lora``: every tenant's LoRA
+  settings and data (what fixes its sequences of step g), the seed and the sequence length;
+* each rank's RNG states (restored when the loading plan is the saving plan, as for the base model).
+
+The frozen base is not saved: a resumed run rebuilds it from ``--seed`` (hetu_ext's layout-independent
+initialisation gives every plan the same base weights), and the seed is checked on load.
+
+``--load DIR`` reshards the adapters and moments into the running plan (any TP / PP / DP, heterogeneous or not,
+another rank count), gives each tenant's parameters Adam state at that tenant's step count, and restores the rest.
+A checkpoint whose tenants differ from the tenants file (a tenant missing or added, another LoRA rank, alpha,
+dropout, targets, or other data) is refused with one line naming the tenant and both values: by
+:func:`check_tenants`, before any process starts (``validate_lora_args``) and again on load.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hetu_ext.checkpoint import CheckpointError, LocalStorage
+from hetu_ext.checkpoint.load import load_pieces
+from hetu_ext.checkpoint.manifest import MANIFEST, Manifest
+from hetu_ext.plan import plan_to_dict
+from hetu_ext.runtime.reshard import Piece
+
+from .tenants import TenantSpec
+
+logger = logging.getLogger(__name__)
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+FORMAT = "lobra-adapters-v1"
+"""``state["lora"]["format"]`` of an adapters checkpoint."""
+
+
+# ---------------------------------------------------------------- what identifies a tenant's adapter and data
+
+
+def _resolved(path: str | None) -> str | None:
+    return None if path is None else str(Path(path).resolve())
+
+
+def tenant_record(tenant: TenantSpec) -> dict[str, Any]:
+    """A tenant's LoRA settings and data, JSON-able (stored in the manifest, compared on load)."""
+    lengths = dict(tenant.lengths) if tenant.lengths is not None else None
+    if lengths is not None and lengths.get("mode") == "file":
+        lengths["path"] = _resolved(str(lengths.get("path")))
+    lora = tenant.lora
+    return {"name": tenant.name,
+            "lora": {"rank": lora.rank, "alpha": float(lora.alpha), "dropout": float(lora.dropout),
+                     "targets": list(lora.targets)},
+            "data": json.loads(json.dumps({"lengths": lengths, "documents": tenant.documents,
+                                           "data_path": _resolved(tenant.data_path),
+                                           "samples": list(tenant.samples) if tenant.samples else None,
+                                           "tokens": list(tenant.tokens) if tenant.tokens else None}))}
+
+
+def lora_record(tenants: tuple[TenantSpec, ...], *, seed: int, seq_length: int) -> dict[str, Any]:
+    return {"format": FORMAT, "seed": seed, "seq_length": seq_length,
+            "tenants": [tenant_record(t) for t in tenants],
+            "base": "not saved: rebuilt from the seed (layout-independent initialisation)"}
+
+
+def check_tenants(saved: dict[str, Any] | None, tenants: tuple[TenantSpec, ...], *, seed: int, seq_length: int,
+                  where: str) -> str | None:
+    """None if the checkpoint's tenants (``saved``: its ``state["lora"]``) are the tenants file's, else one line
+    naming the first difference (tenant, setting, saved and given values) and the fix."""
+    if not saved or saved.get("format") != FORMAT:
+        return (f"{where} is not a LoRA adapters checkpoint (no tenants recorded); --load with "
+                "--hetu-lora-tenants resumes a checkpoint that a run with --hetu-lora-tenants saved")
+    fix = "resume with the tenants file the checkpoint was saved with"
+    for name, value, now in (("--seed", saved.get("seed"), seed), ("--seq-length", saved.get("seq_length"),
+                                                                      seq_length)):
+        if value != now:
+            return (f"{where} was saved with {name} {value}, this run has {now}: the frozen base (rebuilt from the "
+                    f"seed) or the tenants' sequences would differ; resume with {name} {value}")
+    old = {t["name"]: t for t in saved.get("tenants", [])}
+    new = {t.name: tenant_record(t) for t in tenants}
+    missing, added = [n for n in old if n not in new], [n for n in new if n not in old]
+    if missing:
+        return (f"{where} holds tenant {missing[0]!r} (tenants {sorted(old)}), which the tenants file does not "
+                f"have (tenants {sorted(new)}); {fix}")
+    if added:
+        return (f"tenant {added[0]!r} of the tenants file is not in {where} (tenants {sorted(old)}, the file has "
+                f"{sorted(new)}); {fix}")
+    for name, record in new.items():
+        for part in ("lora", "data"):
+            for key, value in record[part].items():
+                was = old[name].get(part, {}).get(key)
+                if was != value:
+                    label = f"LoRA {key}" if part == "lora" else key
+                    return (f"tenant {name!r}: {where} has {label} {was!r}, the tenants file {value!r}; {fix}")
+    return None
+
+
+# ---------------------------------------------------------------- pieces and per-tenant Adam steps
+
+
+def _optimizer_states(optimizer) -> dict[int, tuple[Any, torch.nn.Parameter]]:
+    """parameter id -> (the torch optimizer holding it, the parameter)."""
+    inners = [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])]
+    return {id(p): (opt, p) for opt in inners for group in opt.param_groups for p in group["params"]}
+
+
+def _shards(placement):
+    from .adapters import adapter_shards  # Megatron-core: not imported by the launcher's checks
+
+    return adapter_shards(placement.model, layer_offset=placement.shard_kwargs.get("layer_offset", 0))
+
+
+def adapter_pieces(placement, *, steps: dict[str, float | None] | None = None) -> list[Piece]:
+    """This rank's adapter factors and their Adam moments as pieces (empty on idle ranks). With ``steps``
+    (loading: tenant -> its Adam step, None if never stepped), every adapter parameter first gets Adam state at
+    its tenant's step (zero moments, to be filled), or none."""
+    if not placement.active:
+        return []
+    held = _optimizer_states(placement.optimizer)
+    pieces = []
+    for s in _shards(placement):
+        if getattr(s.param, "main_param", None) is not None:
+            raise CheckpointError("LoRA adapters with fp32 master copies (--bf16) are not supported by adapter "
+                                  "checkpoints")
+        opt, param = held[id(s.param)]
+        if steps is not None:
+            step = steps.get(s.tenant)
+            opt.state.pop(param, None)
+            if step is not None:
+                opt.state[param] = {"step": torch.tensor(float(step), dtype=torch.float32),
+                                    **{m: torch.zeros_like(param.data) for m in MOMENTS}}
+        box = tuple((sl.start, sl.stop) for sl in s.slices)
+        pieces.append(Piece(f"param/{s.key}", s.index, box, s.param.data))
+        state = opt.state.get(param, {})
+        pieces.extend(Piece(f"{m}/{s.key}", s.index, box, state[m]) for m in MOMENTS if m in state)
+    return pieces
+
+
+def local_tenant_steps(placement) -> dict[str, float | None]:
+    """Tenant -> Adam's step count of its local adapter parameters (None: never stepped); they must agree."""
+    if not placement.active:
+        return {}
+    held = _optimizer_states(placement.optimizer)
+    found: dict[str, set] = {}
+    for s in _shards(placement):
+        opt, param = held[id(s.param)]
+        state = opt.state.get(param, {})
+        found.setdefault(s.tenant, set()).add(float(state["step"]) if "step" in state else None)
+    bad = {t: sorted(v, key=lambda x: -1 if x is None else x) for t, v in found.items() if len(v) > 1}
+    if bad:
+        raise AssertionError(f"a tenant's adapter parameters are at different Adam steps: {bad}")
+    return {t: v.pop() for t, v in found.items()}
+
+
+def tenant_steps(trainer) -> dict[str, float | None]:
+    """Every tenant's Adam step over the plan (collective over the used ranks)."""
+    mine = local_tenant_steps(trainer.placement)
+    everyone: list = [None] * dist.get_world_size(trainer.placement.report_group)
+    dist.all_gather_object(everyone, mine, group=trainer.placement.report_group)
+    out: dict[str, float | None] = {}
+    for part in everyone:
+        for tenant, step in part.items():
+            if out.setdefault(tenant, step) != step:
+                raise AssertionError(f"tenant {tenant!r} is at Adam step {out[tenant]} on one rank, {step} on another")
+    return {t.name: out.get(t.name) for t in trainer.tenants}
+
+
+# ---------------------------------------------------------------- save and load
+
+
+def save_adapters(trainer, directory: str, *, blocking: bool) -> None:
+    """Collective over the plan's used ranks: snapshot the adapters now, write in the background unless
+    ``blocking`` (the run's last save)."""
+    from hetu_ext.megatron import checkpointing
+    from hetu_ext.megatron.state import rng_state
+
+    placement, config = trainer.placement, trainer.config
+    state = {"iteration": trainer.iteration, "losses": list(trainer.losses),
+             "tenant_losses": [list(row) for row in trainer.tenant_losses],
+             "scheduler": trainer.scheduler.state_dict() if trainer.scheduler is not None else None,
+             "tenant_steps": tenant_steps(trainer),
+             "lora": lora_record(trainer.tenants, seed=config.training.seed, seq_length=config.model.seq_length)}
+    info = {"consumed_samples": None, "plan": plan_to_dict(trainer.plan),
+            "config": checkpointing._json_safe(config.to_flat_dict()), "state": checkpointing._json_safe(state)}
+    ckpt = checkpointing._checkpointer(trainer, directory)
+    ckpt.save(iteration=trainer.iteration, pieces=adapter_pieces(placement), rng=rng_state(trainer.host.rank),
+              info=info, group=placement.report_group, blocking=blocking)
+    if trainer.host.rank == trainer.log_rank:
+        logger.info("adapters checkpoint of iteration %d: %.1f ms blocking, %.2f MiB on this rank (%s)",
+                    trainer.iteration, ckpt.last["blocking_s"] * 1e3, ckpt.last["bytes"] / 2**20,
+                    "committed" if blocking else "persisting in the background")
+
+
+def latest_manifest(directory: str) -> Manifest | None:
+    """The manifest of the latest committed hetu checkpoint under ``directory`` (pure), or None if there is
+    none (a run then starts from scratch, as without tenants)."""
+    from hetu_ext.checkpoint.reader import candidates, read_manifest
+
+    storage = LocalStorage(directory)
+    order = candidates(storage, fallback=False)
+    if not order:
+        return None
+    return read_manifest(storage, order[0])
+
+
+def load_adapters(trainer, directory: str) -> bool:
+    """Collective over every rank: the latest adapters checkpoint under ``directory`` into this plan (adapters,
+    moments, per-tenant Adam steps), then the iteration, losses, LR schedule and (same plan) RNG. False if the
+    directory holds no checkpoint."""
+    from hetu_ext.megatron import checkpointing
+    from hetu_ext.megatron.state import RunState, restore
+
+    storage = LocalStorage(directory)
+    root = Path(directory)
+    if not (root / "latest_checkpointed_iteration.txt").exists() and not any(root.glob(f"iter_*/{MANIFEST}")):
+        if trainer.host.rank == 0:
+            logger.warning("--load %s: no checkpoint found, starting from scratch", directory)
+        return False
+    config = trainer.config
+
+    def destinations(manifest: Manifest) -> list[Piece]:
+        where = f"--load {directory} (iteration {manifest.iteration})"
+        error = check_tenants(manifest.state.get("lora"), trainer.tenants, seed=config.training.seed,
+                              seq_length=config.model.seq_length, where=where)
+        if error is not None:
+            raise CheckpointError(error)
+        return adapter_pieces(trainer.placement, steps=manifest.state.get("tenant_steps", {}))
+
+    start = time.perf_counter()
+    report = load_pieces(storage, destinations, fallback=config.checkpoint.fallback, read=config.checkpoint.read)
+    manifest = report.manifest
+    rng = None
+    if manifest.plan == plan_to_dict(trainer.plan):
+        rng = next((r for r in manifest.rng.values() if r.get("rank") == trainer.host.rank), None)
+    elif trainer.host.rank == 0:
+        logger.info("the plan differs from the saved one: adapters resharded; RNG states stay as the seed sets them")
+    state = manifest.state
+    restore(trainer, RunState(iteration=manifest.iteration, source=f"{directory} iteration {manifest.iteration}",
+                              losses=state.get("losses", []), scheduler=state.get("scheduler"), data=None,
+                              run_id=manifest.run_id, rng=rng))
+    trainer.tenant_losses = [list(row) for row in state.get("tenant_losses", [])]
+    checkpointing._LOADED_RUN[os.path.abspath(directory)] = manifest.run_id
+    if trainer.host.rank == 0:
+        logger.info("loaded adapters of %d tenants at iteration %d from %s (%.2f s)%s", len(trainer.tenants),
+                    manifest.iteration, directory, time.perf_counter() - start,
+                    "".join(f"; skipped: {s}" for s in report.skipped))
+    return True

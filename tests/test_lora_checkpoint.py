@@ -1,0 +1,164 @@
+"""LobRA checkpoints: tenants' adapters and Adam state saved in hetu_ext's format, resumed and resharded.
+
+One 4-step run of 3 tenants on the 3-rank heterogeneous plan of test_lobra_training (a TP 1 pipeline and a TP 2
+pipeline) saves every 2 steps; the tenant ``sums`` has no data in steps 2 and 4, so at the step-2 checkpoint its
+Adam step count (1) differs from the others' (2). That run is the uninterrupted reference. Its step-2 checkpoint
+is then resumed for 2 more steps:
+
+* under the same plan: right after loading, every adapter factor, Adam moment and per-tenant step equals the
+  saved one bit for bit, and the final adapters, moments, steps and (per-tenant) losses equal the uninterrupted
+  run's bit for bit (the same sums in the same order; RNG restored);
+* resharded into 2 ranks (DP 2, one TP 1 stage each): the loaded state again equals the saved one bit for bit (a
+  reshard moves bytes), and the final adapters are within test_lobra_training's ADAPTER_ATOL (1e-5; another
+  layout orders floating-point sums differently, see that module's docstring), losses within 1e-6 relative.
+
+The frozen base is not in the checkpoint (only ``param/``, ``exp_avg/``, ``exp_avg_sq/`` adapter tensors) and a
+checkpoint whose tenants differ from the tenants file is refused with one line, exit 2.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import yaml
+from test_lobra_training import ADAPTER_ATOL, HETERO, LOSS_RTOL, TENANTS, _argv, _tenants_file
+from test_pretrain_cli import assert_one_error_line, run
+
+from hetu_ext.testing.multiproc import run_ranks
+
+STEPS = 4
+
+
+def _state(trainer) -> dict:
+    """Gathered adapters and moments (by key), per-tenant Adam steps, iteration and losses (collective)."""
+    from hetu_ext.lora.adapters import gather_adapters
+    from hetu_ext.lora.checkpoint import tenant_steps
+
+    placement = trainer.placement
+    offset = placement.shard_kwargs.get("layer_offset", 0)
+    moments: dict[str, dict] = {"exp_avg": {}, "exp_avg_sq": {}}
+    for inner in getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer]):
+        for group in inner.optimizer.param_groups:
+            for p in group["params"]:
+                st = inner.optimizer.state.get(p, {})
+                for m in moments:
+                    moments[m][id(p)] = st[m] if m in st else torch.zeros_like(p)
+    out = {"param": gather_adapters(trainer.model, layer_offset=offset)}
+    for m, values in moments.items():
+        out[m] = gather_adapters(trainer.model, layer_offset=offset, values=values)
+    return {"tensors": out, "steps": tenant_steps(trainer), "iteration": trainer.iteration,
+            "losses": list(trainer.losses), "tenant_losses": [list(r) for r in trainer.tenant_losses]}
+
+
+def ckpt_body(rank: int, world_size: int, argv: list[str]) -> dict | None:
+    """Build (loading with --load), capture the state, train (capturing it at each save), capture again."""
+    from hetu_ext.megatron.args import parse_run_config
+    from hetu_ext.megatron.trainer import build_trainer
+
+    trainer = build_trainer(parse_run_config(argv))
+    loaded = _state(trainer)
+    saved, save = {}, trainer._save
+
+    def recording_save(directory):
+        save(directory)
+        saved[trainer.iteration] = _state(trainer)
+
+    trainer._save = recording_save
+    trainer.train(log=lambda line: None)
+    final = _state(trainer)
+    return {"loaded": loaded, "saved": saved, "final": final} if rank == trainer.log_rank else None
+
+
+def _run(world: int, argv: list[str]) -> dict:
+    return next(r for r in run_ranks(ckpt_body, world, argv, timeout=300) if r is not None)
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[kind][k] - b[kind][k]).abs().max()) for kind in a for k in a[kind])
+
+
+def _equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(a[kind].keys() == b[kind].keys() and
+                                        all(torch.equal(v, b[kind][k]) for k, v in a[kind].items()) for kind in a)
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory):
+    """The uninterrupted 4-step run on the heterogeneous plan, saving every 2 steps; a directory holding only its
+    step-2 checkpoint (its ``latest``)."""
+    tmp = tmp_path_factory.mktemp("lobra_ckpt")
+    (tmp / "hetero.yaml").write_text(HETERO)
+    tenants = _tenants_file(tmp / "tenants.yaml", TENANTS)
+    argv = _argv(tenants, "--hetu-plan", str(tmp / "hetero.yaml"), "--train-iters", str(STEPS),
+                 "--save", str(tmp / "ckpt"), "--save-interval", "2")
+    result = _run(3, argv)
+    at2 = tmp / "at2"
+    at2.mkdir()
+    shutil.copytree(tmp / "ckpt" / "iter_0000002", at2 / "iter_0000002")
+    (at2 / "latest_checkpointed_iteration.txt").write_text("2")
+    return {"result": result, "tenants": tenants, "plan": str(tmp / "hetero.yaml"), "at2": str(at2),
+            "ckpt": str(tmp / "ckpt"), "tmp": tmp}
+
+
+def test_checkpoint_holds_adapters_and_per_tenant_steps(saved_run):
+    from hetu_ext.checkpoint import LocalStorage
+    from hetu_ext.checkpoint.reader import ShardReader, read_manifest
+
+    manifest = read_manifest(LocalStorage(saved_run["at2"]), 2)
+    kinds = {t.name.split("/", 1)[0] for t in manifest.tensors}
+    assert kinds == {"param", "exp_avg", "exp_avg_sq"}
+    assert all(".lora_A." in t.name or ".lora_B." in t.name for t in manifest.tensors), "the base was saved"
+    assert manifest.state["tenant_steps"] == {"chat": 2.0, "code": 2.0, "sums": 1.0}
+    saved = saved_run["result"]["saved"][2]
+    assert saved["steps"] == manifest.state["tenant_steps"]
+    full = ShardReader(LocalStorage(saved_run["at2"]), manifest).read_full()
+    for (name, (layer,)), value in full.items():
+        kind, key = name.split("/", 1)
+        assert torch.equal(value, saved["tensors"][kind][key][layer]), name
+
+
+def test_resume_same_plan_is_bit_exact(saved_run):
+    """2 steps + save + 2 resumed steps == 4 uninterrupted steps, bit for bit, on the heterogeneous plan."""
+    full = saved_run["result"]
+    resumed = _run(3, _argv(saved_run["tenants"], "--hetu-plan", saved_run["plan"], "--train-iters", str(STEPS),
+                            "--load", saved_run["at2"]))
+    loaded, saved = resumed["loaded"], full["saved"][2]
+    assert loaded["iteration"] == 2 and loaded["steps"] == saved["steps"] and loaded["losses"] == saved["losses"]
+    assert _equal(loaded["tensors"], saved["tensors"])
+    final, want = resumed["final"], full["final"]
+    assert final["steps"] == want["steps"] == {"chat": 4.0, "code": 4.0, "sums": 2.0}
+    assert final["losses"] == want["losses"] and final["tenant_losses"] == want["tenant_losses"]
+    assert _equal(final["tensors"], want["tensors"]), _max_diff(final["tensors"], want["tensors"])
+
+
+def test_resume_resharded_into_dp2(saved_run):
+    """The heterogeneous plan's checkpoint into 2 ranks (DP 2): loaded bit for bit, continued within 1e-5."""
+    full = saved_run["result"]
+    resumed = _run(2, _argv(saved_run["tenants"], "--train-iters", str(STEPS), "--load", saved_run["at2"]))
+    loaded, saved = resumed["loaded"], full["saved"][2]
+    assert loaded["iteration"] == 2 and loaded["steps"] == saved["steps"] and loaded["losses"] == saved["losses"]
+    assert _equal(loaded["tensors"], saved["tensors"])
+    final, want = resumed["final"], full["final"]
+    assert final["steps"] == want["steps"]
+    diff = _max_diff(final["tensors"], want["tensors"])
+    loss = max(abs(a - b) / abs(b) for a, b in zip(final["losses"], want["losses"]))
+    print(f"hetero -> DP2: adapters/moments max abs diff {diff:.2e}, loss rel diff {loss:.2e}")
+    assert diff <= ADAPTER_ATOL and loss <= LOSS_RTOL
+
+
+@pytest.mark.parametrize("change,needle", [
+    (lambda t: t[:2], "holds tenant 'sums'"),
+    (lambda t: [t[0], {**t[1], "lora": {**t[1]["lora"], "rank": 4}}, t[2]], "tenant 'code': --load"),
+])
+def test_other_tenants_refused(saved_run, tmp_path, change, needle):
+    """A tenant missing from the tenants file, or another LoRA rank: one line, exit 2, before any rank starts."""
+    path = tmp_path / "tenants.yaml"
+    path.write_text(yaml.safe_dump({"tenants": change([dict(t) for t in TENANTS])}))
+    argv = _argv(str(path), "--train-iters", str(STEPS), "--load", saved_run["at2"])
+    proc = run(argv)
+    assert_one_error_line(proc, needle)
+    if "code" in needle:
+        assert "has LoRA rank 8, the tenants file 4" in proc.stderr
