@@ -120,11 +120,19 @@ def test_checkpoint_holds_adapters_and_per_tenant_steps(saved_run):
         assert torch.equal(value, saved["tensors"][kind][key][layer]), name
 
 
-def test_resume_same_plan_is_bit_exact(saved_run):
-    """2 steps + save + 2 resumed steps == 4 uninterrupted steps, bit for bit, on the heterogeneous plan."""
+def test_resume_same_plan_is_bit_exact(saved_run, tmp_path):
+    """2 steps + save + 2 resumed steps == 4 uninterrupted steps, bit for bit, on the heterogeneous plan; the
+    resumed run saves into the directory it resumed from as the same run."""
+    from hetu_ext.checkpoint import LocalStorage
+    from hetu_ext.checkpoint.reader import read_manifest
+
     full = saved_run["result"]
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(saved_run["at2"], ckpt)
     resumed = _run(3, _argv(saved_run["tenants"], "--hetu-plan", saved_run["plan"], "--train-iters", str(STEPS),
-                            "--load", saved_run["at2"]))
+                            "--load", str(ckpt), "--save", str(ckpt)))
+    storage = LocalStorage(ckpt)
+    assert read_manifest(storage, 4).run_id == read_manifest(storage, 2).run_id is not None
     loaded, saved = resumed["loaded"], full["saved"][2]
     assert loaded["iteration"] == 2 and loaded["steps"] == saved["steps"] and loaded["losses"] == saved["losses"]
     assert _equal(loaded["tensors"], saved["tensors"])
@@ -149,16 +157,48 @@ def test_resume_resharded_into_dp2(saved_run):
     assert diff <= ADAPTER_ATOL and loss <= LOSS_RTOL
 
 
-@pytest.mark.parametrize("change,needle", [
-    (lambda t: t[:2], "holds tenant 'sums'"),
-    (lambda t: [t[0], {**t[1], "lora": {**t[1]["lora"], "rank": 4}}, t[2]], "tenant 'code': --load"),
-])
-def test_other_tenants_refused(saved_run, tmp_path, change, needle):
-    """A tenant missing from the tenants file, or another LoRA rank: one line, exit 2, before any rank starts."""
+def test_other_lora_rank_refused_exit_2(saved_run, tmp_path):
+    """A tenant's LoRA rank differs from the checkpoint's: one line naming the tenant and both values, exit 2,
+    before any rank starts (the launcher's check)."""
     path = tmp_path / "tenants.yaml"
-    path.write_text(yaml.safe_dump({"tenants": change([dict(t) for t in TENANTS])}))
-    argv = _argv(str(path), "--train-iters", str(STEPS), "--load", saved_run["at2"])
-    proc = run(argv)
-    assert_one_error_line(proc, needle)
-    if "code" in needle:
-        assert "has LoRA rank 8, the tenants file 4" in proc.stderr
+    path.write_text(yaml.safe_dump({"tenants": [TENANTS[0], {**TENANTS[1], "lora": {**TENANTS[1]["lora"],
+                                                                                     "rank": 4}}, TENANTS[2]]}))
+    proc = run(_argv(str(path), "--train-iters", str(STEPS), "--load", saved_run["at2"]))
+    assert_one_error_line(proc, "tenant 'code': --load")
+    assert "has LoRA rank 8, the tenants file 4" in proc.stderr
+
+
+@pytest.mark.parametrize("tenants,needle", [
+    (TENANTS[:2], "holds tenant 'sums' (tenants ['chat', 'code', 'sums']), which the tenants file does not have"),
+    (TENANTS + [{**TENANTS[0], "name": "new"}], "tenant 'new' of the tenants file is not in --load"),
+], ids=["missing", "added"])
+def test_other_tenants_refused(saved_run, tmp_path, tenants, needle):
+    """A tenant of the checkpoint missing from the tenants file, or one the checkpoint does not have: the same
+    check (validate_args), one-line ValueError."""
+    from hetu_ext.megatron.args import parse_run_config
+
+    path = tmp_path / "tenants.yaml"
+    path.write_text(yaml.safe_dump({"tenants": tenants}))
+    with pytest.raises(ValueError) as info:
+        parse_run_config(_argv(str(path), "--train-iters", str(STEPS), "--load", saved_run["at2"]))
+    assert needle in str(info.value) and "\n" not in str(info.value), str(info.value)
+
+
+def test_export_peft_from_checkpoint(saved_run, tmp_path):
+    """``python -m hetu_ext.lora export-peft`` writes what write_peft writes from the trained adapters (the
+    PEFT round trip of those files is test_lora_peft's)."""
+    from safetensors.torch import load_file
+
+    from hetu_ext.lora.__main__ import main
+    from hetu_ext.lora.peft import write_peft
+    from hetu_ext.lora.tenants import load_tenants
+
+    assert main(["export-peft", "--load", saved_run["ckpt"], "--out", str(tmp_path / "out"), "--base", "gpt2"]) == 0
+    adapters = saved_run["result"]["final"]["tensors"]["param"]  # the iteration-4 checkpoint is the final state
+    for tenant in load_tenants(saved_run["tenants"]):
+        want = write_peft(tmp_path / "want" / tenant.name, adapters, tenant, num_attention_heads=4, base="gpt2")
+        got = tmp_path / "out" / tenant.name
+        assert (got / "adapter_config.json").read_text() == (want / "adapter_config.json").read_text()
+        a, b = load_file(got / "adapter_model.safetensors"), load_file(want / "adapter_model.safetensors")
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert main(["export-peft", "--load", str(tmp_path / "want"), "--out", str(tmp_path / "x")]) == 2

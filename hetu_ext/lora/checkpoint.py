@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -62,7 +61,7 @@ def tenant_record(tenant: TenantSpec) -> dict[str, Any]:
         lengths["path"] = _resolved(str(lengths.get("path")))
     lora = tenant.lora
     return {"name": tenant.name,
-            "lora": {"rank": lora.rank, "alpha": float(lora.alpha), "dropout": float(lora.dropout),
+            "lora": {"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout,
                      "targets": list(lora.targets)},
             "data": json.loads(json.dumps({"lengths": lengths, "documents": tenant.documents,
                                            "data_path": _resolved(tenant.data_path),
@@ -181,6 +180,10 @@ def tenant_steps(trainer) -> dict[str, float | None]:
 # ---------------------------------------------------------------- save and load
 
 
+def _json_safe(value: Any) -> Any:
+    return json.loads(json.dumps(value, default=str))
+
+
 def save_adapters(trainer, directory: str, *, blocking: bool) -> None:
     """Collective over the plan's used ranks: snapshot the adapters now, write in the background unless
     ``blocking`` (the run's last save)."""
@@ -194,8 +197,8 @@ def save_adapters(trainer, directory: str, *, blocking: bool) -> None:
              "tenant_steps": tenant_steps(trainer),
              "lora": lora_record(trainer.tenants, seed=config.training.seed, seq_length=config.model.seq_length)}
     info = {"consumed_samples": None, "plan": plan_to_dict(trainer.plan),
-            "config": checkpointing._json_safe(config.to_flat_dict()), "state": checkpointing._json_safe(state)}
-    ckpt = checkpointing._checkpointer(trainer, directory)
+            "config": _json_safe(config.to_flat_dict()), "state": _json_safe(state)}
+    ckpt = checkpointing.checkpointer_of(trainer, directory)
     ckpt.save(iteration=trainer.iteration, pieces=adapter_pieces(placement), rng=rng_state(trainer.host.rank),
               info=info, group=placement.report_group, blocking=blocking)
     if trainer.host.rank == trainer.log_rank:
@@ -252,9 +255,53 @@ def load_adapters(trainer, directory: str) -> bool:
                               losses=state.get("losses", []), scheduler=state.get("scheduler"), data=None,
                               run_id=manifest.run_id, rng=rng))
     trainer.tenant_losses = [list(row) for row in state.get("tenant_losses", [])]
-    checkpointing._LOADED_RUN[os.path.abspath(directory)] = manifest.run_id
+    checkpointing.note_loaded_run(directory, manifest.run_id)
     if trainer.host.rank == 0:
         logger.info("loaded adapters of %d tenants at iteration %d from %s (%.2f s)%s", len(trainer.tenants),
                     manifest.iteration, directory, time.perf_counter() - start,
                     "".join(f"; skipped: {s}" for s in report.skipped))
     return True
+
+
+# ---------------------------------------------------------------- PEFT export of a saved checkpoint
+
+
+def export_peft(directory: str, out: str, *, base: str | None = None, tenants: list[str] | None = None
+                ) -> list[Path]:
+    """Each tenant's adapter of the latest adapters checkpoint under ``directory`` in the PEFT format,
+    ``out/<tenant>/`` (hetu_ext.lora.peft.write_peft; pure: one process reads the shards). ``base``: the
+    ``base_model_name_or_path`` written into adapter_config.json (the Hugging Face GPT-2 export of the base)."""
+    from hetu_ext.checkpoint.reader import ShardReader
+
+    from .peft import write_peft
+    from .tenants import LoRASettings
+
+    if not Path(directory).is_dir():
+        raise CheckpointError(f"{directory}: no such directory; give the --save directory of a run with "
+                              "--hetu-lora-tenants")
+    manifest = latest_manifest(directory)
+    if manifest is None:
+        raise CheckpointError(f"{directory}: holds no committed checkpoint (no iter_NNNNNNN/manifest.json)")
+    where = f"{directory} (iteration {manifest.iteration})"
+    saved = manifest.state.get("lora")
+    if not saved or saved.get("format") != FORMAT:
+        raise CheckpointError(f"{where} is not a LoRA adapters checkpoint (no tenants recorded); export-peft reads "
+                              "what a run with --hetu-lora-tenants saved")
+    records = {t["name"]: t for t in saved["tenants"]}
+    unknown = [t for t in tenants or () if t not in records]
+    if unknown:
+        raise CheckpointError(f"{where} has no tenant {unknown[0]!r}; its tenants are {sorted(records)}")
+    heads = manifest.config.get("num_attention_heads")
+    full = ShardReader(LocalStorage(directory), manifest).read_full(
+        [t.name for t in manifest.tensors if t.name.startswith("param/")])
+    stacked: dict[str, list] = {}
+    for (name, index), value in sorted(full.items()):
+        stacked.setdefault(name.split("/", 1)[1], []).append((index, value))
+    adapters = {key: torch.stack([v for _, v in sorted(parts)]) for key, parts in stacked.items()}
+    written = []
+    for name in tenants or list(records):
+        lora = records[name]["lora"]
+        spec = TenantSpec(name=name, samples=(1,), lora=LoRASettings(
+            rank=lora["rank"], alpha=lora["alpha"], dropout=lora["dropout"], targets=tuple(lora["targets"])))
+        written.append(write_peft(Path(out) / name, adapters, spec, num_attention_heads=heads, base=base))
+    return written

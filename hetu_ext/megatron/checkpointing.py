@@ -145,6 +145,18 @@ def _decide_save(trainer, directory: str) -> list:
     return [run_id, error]
 
 
+# --- LobRA checkpoints (issue 16): hetu_ext.lora saves its adapters' own pieces through these ---
+def checkpointer_of(trainer, directory: str) -> Checkpointer:
+    """The run's asynchronous checkpointer of ``directory`` (one per directory in this process)."""
+    return _checkpointer(trainer, directory)
+
+
+def note_loaded_run(directory: str, run_id: str | None) -> None:
+    """Record that this run resumed from a checkpoint of run ``run_id`` under ``directory`` (its saves keep it)."""
+    _LOADED_RUN[os.path.abspath(directory)] = run_id
+# --- end LobRA checkpoints (issue 16) ---
+
+
 def save_hetu(trainer, directory: str, *, blocking: bool) -> Checkpointer:
     """Collective over the plan's used ranks: snapshot now, write in the background unless ``blocking`` (the
     last save of a run blocks, so it is committed before the job exits: :func:`save`)."""
