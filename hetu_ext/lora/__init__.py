@@ -8,6 +8,9 @@
 * ``sync.py``: adapters' gradient reduction under any plan, per-tenant clipping, absent tenants not stepped.
 * ``train.py``: the trainer with tenants (``pretrain_gpt.py --hetu-lora-tenants FILE``).
 * ``peft.py``: export of each tenant's adapter in the PEFT format (extra ``lora``).
+* ``checkpoint.py``: ``--save``/``--load`` with tenants: adapters and per-tenant Adam state in the hetu checkpoint
+  format (the frozen base is not saved), resumed or resharded into any plan; PEFT export of a checkpoint
+  (``python -m hetu_ext.lora export-peft``, ``__main__.py``).
 
 The deployment planner is pure and lives in ``hetu_ext/plan/lobra.py`` (``python -m hetu_ext.plan lobra``).
 This package is an adapter on Megatron-core (like ``deepspeed/`` on DeepSpeed) and composes
