@@ -12,7 +12,7 @@ is then resumed for 2 more steps:
   saved one bit for bit (a reshard moves bytes), and the final adapters and moments are within
   test_lobra_training's ADAPTER_ATOL (1e-5; another layout orders floating-point sums differently, see that
   module's docstring; measured 6.4e-7 / 8.3e-7), losses within 1e-6 relative (measured 2.5e-8 / 1.9e-8).
-  Loading every tenant at the same Adam step (a lost per-tenant count) moves them by 1.4e-4 (measured).
+  Loading every tenant at the same Adam step (a lost per-tenant count) moves them by 1.4e-4 (measured, DP 2).
 
 The frozen base is not in the checkpoint (only ``param/``, ``exp_avg/``, ``exp_avg_sq/`` adapter tensors) and a
 checkpoint whose tenants differ from the tenants file is refused with one line, exit 2.
