@@ -295,3 +295,91 @@ def test_measured_tp_efficiency_round_trip_and_cost_model(tmp_path):
     (tmp_path / "bad.yaml").write_text("tp_eficiency: {2: 0.9}\n")
     with pytest.raises(ValueError, match="unknown key 'tp_eficiency'.*did you mean 'tp_efficiency'"):
         load_tp_efficiency(tmp_path / "bad.yaml")
+
+
+# Hydraulis (issue 15): the packer's faster paths must give exactly the results of the plain loops they replace
+
+
+def _random_replicas(rng, r: int) -> list[ReplicaSpec]:
+    out = []
+    for _ in range(r):
+        pp = int(rng.choice([1, 2, 4]))
+        costs = tuple(LengthCost(a=float(rng.uniform(0, 1e-9) * rng.integers(0, 2)), b=float(rng.uniform(1e-6, 1e-5)),
+                                 c=float(rng.choice([0.0, 1e-4, 1e-3]))) for _ in range(pp))
+        out.append(ReplicaSpec(stage_costs=costs, token_capacity=int(rng.choice([2048, 8192, 32768]))))
+    return out
+
+
+def test_level_search_equals_the_document_by_document_fill():
+    """_stage1_levels (replica by replica, bisection, early volume test) returns exactly the shares of the grid
+    filled document by document (_stage1_levels_grid), found or not, on random batches and replica mixes."""
+    from hetu_ext.data import hydraulis
+    from hetu_ext.data.packing_bound import lower_bound_s
+
+    rng = np.random.default_rng(5)
+    found = 0
+    for _ in range(60):
+        replicas = _random_replicas(rng, int(rng.integers(1, 20)))
+        cap = max(x.token_capacity for x in replicas)
+        n = int(rng.integers(1, 300))
+        s = np.clip(rng.lognormal(6, 1.5, n).astype(np.int64), 1, cap) if rng.random() < 0.7 else \
+            rng.choice([100, 200, min(4096, cap)], n)
+        rep = hydraulis.ReplicaArrays(replicas, s)
+        bound = lower_bound_s(s, replicas)
+        high = bound * float(rng.uniform(1.0, 1.5))
+        fast = hydraulis._stage1_levels(s, rep, high, bound)
+        assert fast == hydraulis._stage1_levels_grid(s, rep, high, bound)
+        found += fast is not None
+    assert found >= 10
+
+
+def test_stage1_and_smallest_equal_their_plain_forms():
+    """Stage 1 with its estimate inlined equals the loop calling _estimate; stage 2's time equals _time of its
+    packs and is at least _stage2_floor (refinement skips on it); _smallest equals a stable argsort."""
+    import heapq
+
+    from hetu_ext.data import hydraulis
+
+    def plain_stage1(s, rep):
+        keys = list(zip(rep.ra.tolist(), rep.rb.tolist(), rep.rc.tolist(), rep.pp.tolist(), rep.cap.tolist()))
+        classes: dict = {}
+        for k, key in enumerate(keys):
+            classes.setdefault(key, []).append((0.0, k))
+        state = [[0.0, 0.0, 0.0, 0] for _ in keys]
+        shares: list[list[int]] = [[] for _ in keys]
+        order = np.lexsort((np.arange(s.size), -s))
+        for i, length in zip(order.tolist(), s[order].tolist()):
+            best = None
+            for (a, b, c, pp, cap), heap in classes.items():
+                if cap < length:
+                    continue
+                k = heap[0][1]
+                w, tokens, d, n = state[k]
+                cost = a * length * length + b * length
+                est = hydraulis._estimate(w + cost, tokens + length, max(d, cost), n + 1, pp, c, cap)
+                if best is None or (est, k) < best[:2]:
+                    best = (est, k, cost, heap)
+            est, k, cost, heap = best
+            st = state[k]
+            st[0] += cost
+            st[1] += length
+            st[2] = max(st[2], cost)
+            st[3] += 1
+            shares[k].append(i)
+            heapq.heapreplace(heap, (est, k))
+        return shares
+
+    rng = np.random.default_rng(6)
+    for _ in range(30):
+        replicas = _random_replicas(rng, int(rng.integers(1, 12)))
+        cap = max(x.token_capacity for x in replicas)
+        s = np.clip(rng.lognormal(6, 1.5, int(rng.integers(1, 300))).astype(np.int64), 1, cap)
+        rep = hydraulis.ReplicaArrays(replicas, s)
+        assert hydraulis._stage1(s, rep) == plain_stage1(s, rep)
+        for r, share in enumerate(hydraulis._stage1(s, rep)):  # stage 2's running sums price as _time does
+            packs, t = hydraulis._stage2(s, share, rep, r)
+            assert t == hydraulis._time(packs, rep, r)
+            assert hydraulis._stage2_floor(share, rep, r) <= t * (1 + 1e-12)
+        x = rng.choice([0.0, 1.0, 2.0, np.inf, float(rng.uniform())], int(rng.integers(1, 200)))
+        top = int(rng.integers(1, 6))
+        assert hydraulis._smallest(x, top).tolist() == np.argsort(x, kind="stable")[:top].tolist()

@@ -27,6 +27,7 @@ The lower bound that certifies results is in :mod:`hetu_ext.data.packing_bound`.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 from collections.abc import Sequence
@@ -58,6 +59,10 @@ class ReplicaArrays:
         self.stages = [sorted({(c.a, c.b, c.c) for c in x.stage_costs}) for x in replicas]
         """Per replica, the distinct (a, b, c) of its stages as Python floats (stage 2 works on small lists)."""
         self.lengths: list[int] = s.tolist()
+        rank = np.empty(s.size, dtype=np.int64)
+        rank[np.lexsort((np.arange(s.size), -s))] = np.arange(s.size)
+        self.rank: list[int] = rank.tolist()
+        """Each document's position in the longest-first order (ties: lower index first)."""
 
 
 def assign_hetu(s: np.ndarray, replicas: Sequence[ReplicaSpec], *, bound_s: float = 0.0) -> list[list[list[int]]]:
@@ -86,8 +91,113 @@ def _stage1_levels(s: np.ndarray, rep: ReplicaArrays, high: float, low: float, g
     longest first go to the first replica (fastest first) where ``W + c n + (pp - 1)(d_max + c) <= T`` still
     holds (each document its own microbatch: stage 2 can only do better): long documents share replicas and the
     short ones end up together, paying a short fill (MULTIFIT). ``grid`` levels between ``low`` (a lower bound;
-    at least low_fraction x high) and ``high`` are filled at once (vectorised), once more on the narrowed range
-    if that was wider than 6%; the shares of the lowest level that fits, or None."""
+    at least low_fraction x high) and ``high`` are tried lowest first (:func:`_fill_level`) until one fits, once
+    more on the narrowed range if that was wider than 6%; the shares of the lowest level that fits, or None."""
+    order = np.lexsort((np.arange(s.size), -s))
+    speed = np.argsort(rep.ra * 1024.0 ** 2 + rep.rb * 1024.0, kind="stable")  # fastest first
+    ra, rb, rc, pp, cap = rep.ra[speed], rep.rb[speed], rep.rc[speed], rep.pp[speed], rep.cap[speed]
+    lengths = s[order].astype(np.float64)
+    squares = lengths * lengths
+    if np.any(ra < 0) or np.any(rb < 0):  # costs not monotone in length: the runs below need them so
+        return _stage1_levels_grid(s, rep, high, low, grid, low_fraction)
+
+    least = None  # [j]: per document, its least cost on replicas j.. (inf: none holds it), for the volume test
+    if ra.size * lengths.size <= 4_000_000:
+        every = ra[:, None] * squares[None, :] + rb[:, None] * lengths[None, :] + rc[:, None]
+        every[cap[:, None] < lengths[None, :]] = np.inf
+        least = np.concatenate([np.minimum.accumulate(every[::-1], axis=0)[::-1], np.full((1, lengths.size),
+                                                                                          np.inf)])
+    kinds: list[tuple[list[float], list[float], list[float], int]] = []
+    index: dict[tuple, int] = {}
+    kind_of = []
+    for key in zip(ra.tolist(), rb.tolist(), rc.tolist(), pp.tolist(), cap.tolist()):
+        if key not in index:
+            cost = ra[len(kind_of)] * squares + rb[len(kind_of)] * lengths + rc[len(kind_of)]  # non-increasing
+            index[key] = len(kinds)
+            kinds.append((cost.tolist(), (-cost).tolist(), (-(pp[len(kind_of)] * cost)).tolist(),
+                          int(np.searchsorted(-lengths, -float(key[4]), side="left"))))
+        kind_of.append(index[key])
+    lo, hi, found = max(low, low_fraction * high), high, None
+    for _ in range(1 if hi - lo <= 0.06 * hi else 2):
+        levels = np.linspace(lo, hi, grid + 1)[1:]
+        k, where = -1, None
+        for k in range(levels.size):  # the lowest level that fits is the answer: the ones above are not needed
+            where = _fill_level(float(levels[k]), kinds, kind_of, least)
+            if where is not None:
+                break
+        if where is None:
+            break
+        lo, hi, found = (levels[k - 1] if k else lo), levels[k], where
+    if found is None:
+        return None
+    shares: list[list[int]] = [[] for _ in range(speed.size)]
+    for i, j in zip(order.tolist(), speed[found].tolist()):
+        shares[j].append(i)
+    return shares
+
+
+def _fill_level(level: float, kinds: list[tuple[list[float], list[float], list[float], int]], kind_of: list[int],
+                least: np.ndarray | None = None) -> np.ndarray | None:
+    """First fit of the documents (longest first) into the replicas (in order) of ``level`` seconds each, a
+    document costing ``pp`` times its own time where it opens a replica and its own time after: the replica
+    (position in that order) of each document, or None if one fits nowhere. ``kinds[kind_of[j]]``: replica j's
+    (costs, negated costs, negated pp x costs) of every document and the first document within its capacity.
+
+    Computed replica by replica, which is the same first fit: a document lands in replica 0 exactly when it fits
+    there when its turn comes, whatever the later replicas hold; those replica 0 leaves over go on, in order, to
+    replica 1, and so on. Costs fall along the (longest first) order, so past a document that does not fit, the
+    next one that does is a binary search (then the next one not yet taken: skip pointers); the room is spent one
+    taken document at a time (the same floating-point subtractions and comparisons as document by document).
+    ``least`` (optional, rows 0..R): each document's least cost on replicas j and after; when the documents left
+    need more than the untouched replicas' rooms (by a margin far above rounding), the level fails early: nothing
+    the first fit does can place them all."""
+    size = len(kinds[0][0])
+    nxt = list(range(size + 1))  # skip pointers: following them from i reaches the first document >= i not taken
+    where = [0] * size
+    free = np.ones(size, dtype=bool) if least is not None else None
+    remaining, r = size, len(kind_of)
+
+    def find(i: int) -> int:
+        root = i
+        while nxt[root] != root:
+            root = nxt[root]
+        while nxt[i] != root:
+            nxt[i], i = root, nxt[i]
+        return root
+
+    for j in range(r):
+        if remaining == 0:
+            break
+        if free is not None and float(least[j][free].sum()) > (r - j) * level * (1 + 1e-9):
+            return None
+        costs, neg, neg_pp, start = kinds[kind_of[j]]
+        pos = find(bisect.bisect_left(neg_pp, -level, start))  # opens the replica: pp x its cost <= level
+        if pos >= size:
+            continue
+        room = level + neg_pp[pos]
+        taken = [pos]
+        nxt[pos] = pos + 1
+        pos = find(pos + 1)
+        while pos < size:
+            cost = costs[pos]
+            if cost <= room:
+                taken.append(pos)
+                room -= cost
+                nxt[pos] = pos + 1
+                pos = find(pos + 1)
+            else:
+                pos = find(bisect.bisect_left(neg, -room, pos))  # the next one with cost <= room
+        for i in taken:
+            where[i] = j
+        remaining -= len(taken)
+        if free is not None:
+            free[taken] = False
+    return np.asarray(where, dtype=np.int64) if remaining == 0 else None
+
+
+def _stage1_levels_grid(s: np.ndarray, rep: ReplicaArrays, high: float, low: float, grid: int = 16,
+                        low_fraction: float = 0.8) -> list[list[int]] | None:
+    """:func:`_stage1_levels` for any costs: every level of the grid filled at once, document by document."""
     order = np.lexsort((np.arange(s.size), -s))
     speed = np.argsort(rep.ra * 1024.0 ** 2 + rep.rb * 1024.0, kind="stable")  # fastest first
     ra, rb, rc, pp, cap = rep.ra[speed], rep.rb[speed], rep.rc[speed], rep.pp[speed], rep.cap[speed]
@@ -148,18 +258,35 @@ def _stage1(s: np.ndarray, rep: ReplicaArrays) -> list[list[int]]:
     state = [[0.0, 0.0, 0.0, 0] for _ in range(r)]  # work, tokens, costliest document, documents
     shares: list[list[int]] = [[] for _ in range(r)]
     order = np.lexsort((np.arange(s.size), -s))
+    kinds = [(a, b, c, pp, cap, pp - 1, heap) for (a, b, c, pp, cap), heap in classes.items()]
+    sqrt, ceil = math.sqrt, math.ceil
     for i, length in zip(order.tolist(), s[order].tolist()):
-        best = None
-        for (a, b, c, pp, cap), heap in classes.items():
+        best_est = best_k = best_cost = best_heap = None
+        for a, b, c, pp, cap, fill, heap in kinds:
             if cap < length:
                 continue
             k = heap[0][1]
             w, tokens, d, n = state[k]
             cost = a * length * length + b * length
-            est = _estimate(w + cost, tokens + length, max(d, cost), n + 1, pp, c, cap)
-            if best is None or (est, k) < best[:2]:
-                best = (est, k, cost, heap)
-        est, k, cost, heap = best
+            # _estimate(w + cost, tokens + length, max(d, cost), n + 1, pp, c, cap), inlined (same arithmetic)
+            # (max and min written as conditionals that pick the same operand as the builtins do)
+            w += cost
+            fn = float(n + 1)
+            m_lo = ceil((tokens + length) / cap)
+            if not m_lo > 1.0:
+                m_lo = 1.0
+            m = sqrt(fill * w / c) if c > 0 else fn
+            if fn < m:
+                m = fn
+            if m_lo > m:
+                m = m_lo
+            wm = w / m
+            if cost > d:
+                d = cost
+            est = w + c * m + fill * ((d if d > wm else wm) + c)
+            if best_est is None or est < best_est or (est == best_est and k < best_k):
+                best_est, best_k, best_cost, best_heap = est, k, cost, heap
+        est, k, cost, heap = best_est, best_k, best_cost, best_heap
         st = state[k]
         st[0] += cost
         st[1] += length
@@ -176,10 +303,10 @@ def _stage2(s: np.ndarray, idx: Sequence[int], rep: ReplicaArrays, r: int) -> tu
         return [], 0.0
     cap, pp, c = int(rep.cap[r]), float(rep.pp[r]), float(rep.rc[r])
     a, b, sl = float(rep.ra[r]), float(rep.rb[r]), rep.lengths
-    order = sorted(idx, key=lambda i: (-sl[i], i))
+    order = sorted(idx, key=rep.rank.__getitem__)  # longest first, ties by index
     lens = [sl[i] for i in order]
-    best = first_fit(order, lens, cap)
-    best_t = _time(best, rep, r)
+    best, q, tok = _first_fit_sums(order, lens, cap)
+    best_t = _sums_time(q, tok, rep.stages[r], rep.pp[r])
     if pp == 1:
         return best, best_t
     weights = [a * n * n + b * n for n in lens]
@@ -192,12 +319,41 @@ def _stage2(s: np.ndarray, idx: Sequence[int], rep: ReplicaArrays, r: int) -> tu
     for m in range(first, min(len(lens), int(m_star) + _WINDOW + 1) + 1):
         if total + c * m + (pp - 1) * (max(total / m, top) + c) >= best_t:
             continue
-        packs = _lpt(order, lens, weights, cap, m)
-        if packs is not None:
-            t = _time(packs, rep, r)
+        found = _lpt(order, lens, weights, cap, m)
+        if found is not None:
+            t = _sums_time(found[1], found[2], rep.stages[r], rep.pp[r])
             if t < best_t:
-                best, best_t = packs, t
+                best, best_t = found[0], t
     return best, best_t
+
+
+def _sums_time(q: list[int], tok: list[int], stages: list[tuple[float, float, float]], pp) -> float:
+    """:func:`_time` from each microbatch's squared and plain token sums (the same arithmetic)."""
+    if len(stages) == 1:
+        a, b, c = stages[0]
+        times = [a * x + b * y + c for x, y in zip(q, tok)]
+    else:
+        times = [max(a * x + b * y + c for a, b, c in stages) for x, y in zip(q, tok)]
+    return sum(times) + (pp - 1) * max(times)
+
+
+def _first_fit_sums(ids: list[int], lens: list[int], cap: int) -> tuple[list[list[int]], list[int], list[int]]:
+    """:func:`first_fit` and each pack's squared and plain token sums."""
+    packs: list[list[int]] = []
+    free: list[int] = []
+    q: list[int] = []
+    for i, n in zip(ids, lens):
+        for k, room in enumerate(free):
+            if room >= n:
+                packs[k].append(i)
+                free[k] -= n
+                q[k] += n * n
+                break
+        else:
+            packs.append([i])
+            free.append(cap - n)
+            q.append(n * n)
+    return packs, q, [cap - x for x in free]
 
 
 def first_fit(ids: list[int], lens: list[int], cap: int) -> list[list[int]]:
@@ -218,11 +374,14 @@ def first_fit(ids: list[int], lens: list[int], cap: int) -> list[list[int]]:
     return packs
 
 
-def _lpt(ids: list[int], lens: list[int], weights: list[float], cap: int, m: int) -> list[list[int]] | None:
+def _lpt(ids: list[int], lens: list[int], weights: list[float], cap: int, m: int
+         ) -> tuple[list[list[int]], list[int], list[int]] | None:
     """Longest first into the least loaded of m microbatches with room; None if one does not fit anywhere.
-    A heap of (load, microbatch); only when the least loaded one is full are the others scanned."""
+    A heap of (load, microbatch); only when the least loaded one is full are the others scanned. Returns the
+    packs and each one's squared and plain token sums."""
     packs: list[list[int]] = [[] for _ in range(m)]
     used = [0] * m
+    q = [0] * m
     heap = [(0.0, k) for k in range(m)]
     for i, n, w in zip(ids, lens, weights):
         load, k = heap[0]
@@ -238,7 +397,8 @@ def _lpt(ids: list[int], lens: list[int], weights: list[float], cap: int, m: int
             heapq.heapify(heap)
         packs[k].append(i)
         used[k] += n
-    return packs if all(packs) else None
+        q[k] += n * n
+    return (packs, q, used) if all(packs) else None
 
 
 def _time(packs: list[list[int]], rep: ReplicaArrays, r: int) -> float:
@@ -274,10 +434,17 @@ def _refine(s: np.ndarray, rep: ReplicaArrays, shares: list[list[int]],
         for q in np.argsort(times, kind="stable")[:candidates].tolist():
             if q == r:
                 continue
+            goal = times[r] * (1 - 1e-9)
             for new_r, new_q in _exchanges(s, rep, shares, times, r, q, tries):
-                pr = _stage2(s, new_r, rep, r)
+                # stage 2 only where its floor leaves room (a margin far above rounding: the same decisions)
+                if _stage2_floor(new_q, rep, q) * (1 - 1e-9) >= goal or \
+                        _stage2_floor(new_r, rep, r) * (1 - 1e-9) >= goal:
+                    continue
                 pq = _stage2(s, new_q, rep, q)
-                if max(pr[1], pq[1]) < times[r] * (1 - 1e-9):
+                if not pq[1] < goal:
+                    continue
+                pr = _stage2(s, new_r, rep, r)
+                if max(pr[1], pq[1]) < goal:
                     shares[r], shares[q], packed[r], packed[q] = new_r, new_q, pr, pq
                     improved = True
                     break
@@ -285,6 +452,21 @@ def _refine(s: np.ndarray, rep: ReplicaArrays, shares: list[list[int]],
                 break
         if not improved:
             return
+
+
+def _stage2_floor(idx: Sequence[int], rep: ReplicaArrays, r: int) -> float:
+    """A lower bound on :func:`_stage2`'s seconds for replica r's documents ``idx``: each microbatch costs at
+    least its representative stage's time, so the sum is at least the work ``W`` plus ``c`` per microbatch (at
+    least ``ceil(tokens / cap)`` of them), and the fill and drain at least ``pp - 1`` times the costliest
+    document's microbatch."""
+    if len(idx) == 0:
+        return 0.0
+    a, b, c, sl = float(rep.ra[r]), float(rep.rb[r]), float(rep.rc[r]), rep.lengths
+    lens = [sl[i] for i in idx]
+    longest = max(lens)
+    work = a * sum(n * n for n in lens) + b * sum(lens)
+    packs = max(1, -(-sum(lens) // int(rep.cap[r])))
+    return work + c * packs + (float(rep.pp[r]) - 1) * (a * longest * longest + b * longest + c)
 
 
 def _exchanges(s: np.ndarray, rep: ReplicaArrays, shares: list[list[int]], times: np.ndarray, r: int, q: int,
@@ -303,7 +485,7 @@ def _exchanges(s: np.ndarray, rep: ReplicaArrays, shares: list[list[int]], times
     swap[(lr[:, None] > rep.cap[q]) | (lq[None, :] > rep.cap[r]) | (lr[:, None] == lq[None, :])] = np.inf
     scores = np.concatenate([moves, swap.ravel()])  # move i, then swap (i, j) at dr.size + i * dq.size + j
     out = []
-    for k in np.argsort(scores, kind="stable")[:top].tolist():
+    for k in _smallest(scores, top).tolist():
         if not scores[k] < times[r]:
             break
         i, j = (k, -1) if k < dr.size else divmod(k - dr.size, dq.size)
@@ -311,3 +493,16 @@ def _exchanges(s: np.ndarray, rep: ReplicaArrays, shares: list[list[int]], times
         new_q = [x for n, x in enumerate(shares[q]) if n != j] + [int(dr[i])]
         out.append((new_r, new_q))
     return out
+
+
+def _smallest(x: np.ndarray, top: int) -> np.ndarray:
+    """``np.argsort(x, kind="stable")[:top]`` without sorting all of ``x``: the ``top``-th smallest value by
+    partition, then a stable sort of the (in index order) entries at most that value, which holds the first
+    ``top`` of the full stable order, ties in the same order."""
+    if x.size <= 4 * top or top < 1:
+        return np.argsort(x, kind="stable")[:top]
+    kth = np.partition(x, top - 1)[top - 1]
+    near = np.flatnonzero(x <= kth)
+    if near.size < top:  # NaN present: let the full sort decide
+        return np.argsort(x, kind="stable")[:top]
+    return near[np.argsort(x[near], kind="stable")[:top]]

@@ -50,8 +50,15 @@ def lower_bound_s(s: np.ndarray, replicas: Sequence[ReplicaSpec]) -> float:
         return max(longest, _exclusive_bound(s, rep))
     lo, hi = 0.0, float(np.max(rep.pp * (total * k + rep.rc)))  # one replica alone reaches hi
 
+    pp, c = rep.pp, rep.rc  # _inverse_f with its level-free parts computed once (the same arithmetic)
+    fill = np.sqrt((pp - 1) * c)
+    knee = np.divide(c, pp - 1, out=np.full_like(c, np.inf), where=pp > 1)
+    single = pp == 1
+
     def work_at(level: float) -> float:
-        return float(np.sum(_inverse_f(level, rep.pp, rep.rc) / k))
+        big = np.square(np.maximum(math.sqrt(level) - fill, 0.0))
+        w = np.where(single, level - c, np.where(big >= knee, big, level / pp - c))
+        return float(np.sum(np.maximum(w, 0.0) / k))
 
     for _ in range(100):
         mid = (lo + hi) / 2
@@ -78,9 +85,12 @@ def _exclusive_bound(s: np.ndarray, rep: ReplicaArrays, candidates: int = 48) ->
     if big.size == 0:
         return 0.0
     p = rep.a.shape[1]
-    keys, counts = np.unique(np.column_stack([rep.a, rep.b, rep.c, rep.pp, rep.cap]), axis=0, return_counts=True)
+    kinds: dict[tuple[float, ...], int] = {}  # the distinct rows (as np.unique(axis=0) finds them) and their counts
+    for row in np.column_stack([rep.a, rep.b, rep.c, rep.pp, rep.cap]).tolist():
+        kinds[tuple(row)] = kinds.get(tuple(row), 0) + 1
     priced = []  # per kind of replica: (count, pp, cost of each of ``big`` on it or inf where it cannot hold it)
-    for key, count in zip(keys, counts):
+    for row in sorted(kinds):
+        count, key = kinds[row], np.array(row)
         a, b, c, pp, cap = key[:p], key[p:2 * p], key[2 * p:3 * p], key[3 * p], key[3 * p + 1]
         t = np.max(np.outer(big * big, a) + np.outer(big, b) + c, axis=1)
         priced.append((int(count), float(pp), np.where(big <= cap, t, np.inf)))
