@@ -131,14 +131,16 @@ def replica_specs(plan: Plan, model: ModelSpec, cost: CostTable, *, slowdowns: M
     return specs
 
 
-def assign(lengths: Sequence[int], replicas: Sequence[ReplicaSpec], *, method: str = "hetu") -> Assignment:
+def assign(lengths: Sequence[int], replicas: Sequence[ReplicaSpec], *, method: str = "hetu",
+           bound_s: float | None = None) -> Assignment:
     """Assign documents of ``lengths`` tokens to ``replicas`` and pack them into microbatches.
 
     Contract: every index of ``lengths`` appears exactly once; each microbatch's token sum is at most its
     replica's ``token_capacity``; the same input gives the same output. Documents longer than every replica's
     capacity (the baselines: than the smallest capacity) raise ValueError: split them first
     (:func:`hetu_ext.data.lengths.split_long`). A replica may get no microbatch when documents are fewer.
-    """
+    ``bound_s``: ``lower_bound_s(lengths, replicas)`` when the caller has already computed it (the same value: it
+    is not recomputed)."""
     if method not in METHODS:
         raise ValueError(f"assign: unknown method {method!r}; choose one of {list(METHODS)}")
     if not replicas:
@@ -153,7 +155,7 @@ def assign(lengths: Sequence[int], replicas: Sequence[ReplicaSpec], *, method: s
         raise ValueError(f"assign({method}): document {int(s.argmax())} has {int(s.max())} tokens, more than the "
                          f"token capacity {limit}; split documents longer than the capacity first "
                          "(hetu_ext.data.lengths.split_long)")
-    bound = lower_bound_s(s, replicas)
+    bound = lower_bound_s(s, replicas) if bound_s is None else bound_s
     if method == "megatron":
         packs = _in_order(s, limit)
         per = _deal_contiguous(packs, len(replicas))

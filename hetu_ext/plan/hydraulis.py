@@ -399,16 +399,27 @@ class Selector:
                          switch_seconds(home, s.plan, model, weight_bytes=weight_bytes, bandwidth=bandwidth)
                          for k, s in enumerate(strategies.items)]
         self._packed: dict[int, Assignment] = {}
+        self._bounds: tuple[tuple[int, ...], dict[int, float]] = ((), {})  # the last lengths' bounds per candidate
+
+    def _bound(self, k: int, lengths: Sequence[int]) -> float:
+        key = tuple(lengths)
+        if key != self._bounds[0]:
+            self._bounds = (key, {})
+        cache = self._bounds[1]
+        if k not in cache:
+            cache[k] = lower_bound_s(np.asarray(lengths, dtype=np.int64), self.replicas[k])
+        return cache[k]
 
     def estimate(self, k: int, lengths: Sequence[int]) -> float:
         """A lower bound on candidate k's compute seconds for these lengths (certified: no packing beats it)."""
-        return lower_bound_s(np.asarray(lengths, dtype=np.int64), self.replicas[k]) if len(lengths) else 0.0
+        return self._bound(k, lengths) if len(lengths) else 0.0
 
     def exact(self, k: int, lengths: Sequence[int]) -> float:
-        """Candidate k's compute seconds under the two-stage packer (its slowest pipeline)."""
+        """Candidate k's compute seconds under the two-stage packer (its slowest pipeline); the packer's bound is
+        the one :meth:`estimate` computed for these lengths (the same function, not run twice)."""
         if not len(lengths):
             return 0.0
-        self._packed[k] = assign(list(lengths), self.replicas[k], method="hetu")
+        self._packed[k] = assign(list(lengths), self.replicas[k], method="hetu", bound_s=self._bound(k, lengths))
         return max(self._packed[k].predicted_s)
 
     def choose(self, lengths: Sequence[int], *, exact: bool = True) -> tuple[int, float, Assignment | None]:
@@ -417,6 +428,7 @@ class Selector:
         (:func:`select_candidate`, equal to brute force over the candidates); else the lowest certified bound
         plus switch (no packer run but the chosen one's: faster, may miss the best by the bound's gap)."""
         self._packed = {}
+        self._bounds = ((), {})  # every choice computes its bounds afresh
         if exact:
             k, t = select_candidate(lengths, self.strategies, estimate=self.estimate, exact=self.exact,
                                     switch_s=self.switch_s)
