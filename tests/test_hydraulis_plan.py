@@ -160,6 +160,25 @@ def test_selection_equals_brute_force_over_the_candidates():
     assert len(chosen) > len(sets), "the batches should pick more than one candidate per set"
 
 
+def test_pricer_hands_on_the_packing_it_priced():
+    """The switching layer's select mode trains the chosen candidate with the packing the selection made
+    (GroupPricer.packed): the same as packing again, and None for other lengths or other replicas."""
+    from hetu_ext.data.hotspa import GroupPricer
+    from hetu_ext.data.packing import assign, replica_specs
+
+    st = candidate_strategies(MODEL, 8, _cost(2), _lengths(2, n=2000), max_len=SHORT, batch_tokens=32 * 512)
+    pricer = GroupPricer(st, MODEL, _cost(2))
+    batch = np.clip(np.random.default_rng(1).lognormal(3.5, 1.2, 40).astype(np.int64), 1, 96).tolist()
+    k = len(st.items) - 1
+    replicas = replica_specs(st.items[k].plan, MODEL, _cost(2), max_pack_tokens=st.items[k].max_len)
+    assert pricer.packed(k, batch, replicas) is None
+    t = pricer.exact(k, batch)
+    packed = pricer.packed(k, batch, replicas)
+    assert packed == assign(batch, replicas, method="hetu") and max(packed.predicted_s) == t
+    assert pricer.packed(k, batch[::-1], replicas) is None
+    assert pricer.packed(k, batch, replicas[:-1]) is None
+
+
 def test_select_candidate_refuses_too_long_and_too_few():
     st = candidate_strategies(MODEL, 4, _cost(0), _lengths(0, n=2000), max_len=SHORT, batch_tokens=16 * 512)
     zero = [0.0] * len(st.items)

@@ -39,7 +39,7 @@ from hetu_ext.plan.model_spec import ModelSpec
 from hetu_ext.plan.plan import Plan, PlanError, uniform_plan, validate_plan
 
 from .cost import CostTable
-from .packing import ReplicaSpec, assign, replica_specs
+from .packing import Assignment, ReplicaSpec, assign, replica_specs
 from .packing_bound import lower_bound_s
 
 _FILE_KEYS = {"home", "home_first", "strategies"}
@@ -368,6 +368,7 @@ class GroupPricer:
 
     def __init__(self, strategies: Strategies, spec: ModelSpec, cost: CostTable) -> None:
         self._replicas = [replica_specs(s.plan, spec, cost, max_pack_tokens=s.max_len) for s in strategies.items]
+        self._packed: dict[int, tuple[list[int], Assignment]] = {}  # per strategy, exact's last lengths and packing
 
     def estimate(self, k: int, lengths: list[int]) -> float:
         """Identical pipelines (a uniform strategy): work spread evenly over the ``d`` pipelines, packs of the
@@ -389,4 +390,18 @@ class GroupPricer:
         return lower_bound_s(np.asarray(lengths, dtype=np.int64), self._replicas[k]) if lengths else 0.0
 
     def exact(self, k: int, lengths: list[int]) -> float:
-        return max(assign(lengths, self._replicas[k], method="hetu").predicted_s) if lengths else 0.0
+        """The packer's slowest replica (seconds); the packing is kept for :meth:`packed`."""
+        if not lengths:
+            return 0.0
+        out = assign(lengths, self._replicas[k], method="hetu")
+        self._packed[k] = (list(lengths), out)
+        return max(out.predicted_s)
+
+    def packed(self, k: int, lengths: Sequence[int], replicas: Sequence[ReplicaSpec]) -> Assignment | None:
+        """The packing :meth:`exact` made for strategy k, if its last call had these lengths (in this order) and
+        the pricer's replicas equal ``replicas`` (then it is what ``assign(lengths, replicas, method="hetu")``
+        returns: the packer is deterministic); else None."""
+        last = self._packed.get(k)
+        if last is None or list(self._replicas[k]) != list(replicas) or last[0] != list(lengths):
+            return None
+        return last[1]

@@ -35,7 +35,7 @@ import torch
 from hetu_ext.config import DataConfig, PackingConfig
 from hetu_ext.data.cost import CostTable, load_cost_table
 from hetu_ext.data.lengths import concat_split, parse_length_spec
-from hetu_ext.data.packing import ReplicaSpec, assign, replica_specs
+from hetu_ext.data.packing import Assignment, ReplicaSpec, assign, replica_specs
 from hetu_ext.data.sequences import GlobalBatches, SequenceTable
 from hetu_ext.plan import ModelSpec, Plan
 
@@ -137,8 +137,11 @@ class PackedSteps:
             ids = self.batches[g]
         return self.plan_sequences(ids)
 
-    def plan_sequences(self, ids: np.ndarray) -> tuple[np.ndarray, list[list[list[Segment]]], tuple[float, ...]]:
-        """These sequences' assignment to the pipelines' microbatches (segments), with predicted times."""
+    def plan_sequences(self, ids: np.ndarray, packed: Assignment | None = None
+                       ) -> tuple[np.ndarray, list[list[list[Segment]]], tuple[float, ...]]:
+        """These sequences' assignment to the pipelines' microbatches (segments), with predicted times.
+        ``packed`` (Hydraulis, issue 15): the two-stage packer's result for exactly these lengths and replicas,
+        already made (the candidate selection's), used instead of packing again where the method is that packer."""
         lengths = self.table.length[ids]
         if self.method == "unpacked":
             runs = np.array_split(np.arange(ids.size), len(self.replicas))
@@ -149,7 +152,9 @@ class PackedSteps:
             piece_lengths = [p[2] for p in pieces]
             out = assign(piece_lengths, self.replicas, method="megatron")
             return ids, [[[pieces[i] for i in mb] for mb in rep] for rep in out.microbatches], out.predicted_s
-        out = assign(lengths.tolist(), self.replicas, method=_ASSIGN_METHOD[self.method])
+        method = _ASSIGN_METHOD[self.method]
+        out = packed if packed is not None and method == "hetu" else \
+            assign(lengths.tolist(), self.replicas, method=method)  # Hydraulis (issue 15): packed
         per = [[[(int(ids[i]), 0, int(lengths[i])) for i in mb] for mb in rep] for rep in out.microbatches]
         return ids, per, out.predicted_s
 

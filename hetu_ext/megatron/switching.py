@@ -101,7 +101,13 @@ class SwitchedSteps:
         planned = []
         for group in run_order(self.groups(lengths), self.strategies):
             sub = ids[np.asarray(group.indices, dtype=np.int64)]
-            planned.append((group.strategy, sub, self.per_strategy[group.strategy].plan_sequences(sub)))
+            steps = self.per_strategy[group.strategy]
+            # --- Hydraulis (issue 15): the selection packed the chosen candidate already; pass that packing on
+            packed = None
+            if self.mode == "select":
+                packed = self._pricer.packed(group.strategy, self.table.length[sub].tolist(), steps.replicas)
+            # ---
+            planned.append((group.strategy, sub, steps.plan_sequences(sub, packed)))
         return ids, planned
 
     def step(self, g: int) -> SwitchedStep:
