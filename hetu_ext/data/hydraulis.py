@@ -319,6 +319,10 @@ def _stage2(s: np.ndarray, idx: Sequence[int], rep: ReplicaArrays, r: int) -> tu
     for m in range(first, min(len(lens), int(m_star) + _WINDOW + 1) + 1):
         if total + c * m + (pp - 1) * (max(total / m, top) + c) >= best_t:
             continue
+        # two of the m + 1 costliest documents share a microbatch: the fill is at least their sum (an exact
+        # floor; margin far above rounding, so only counts LPT could not win with are skipped)
+        if m < len(lens) and (total + c * m + (pp - 1) * (weights[m - 1] + weights[m] + c)) * (1 - 1e-9) >= best_t:
+            continue
         found = _lpt(order, lens, weights, cap, m)
         if found is not None:
             t = _sums_time(found[1], found[2], rep.stages[r], rep.pp[r])
@@ -338,21 +342,29 @@ def _sums_time(q: list[int], tok: list[int], stages: list[tuple[float, float, fl
 
 
 def _first_fit_sums(ids: list[int], lens: list[int], cap: int) -> tuple[list[list[int]], list[int], list[int]]:
-    """:func:`first_fit` and each pack's squared and plain token sums."""
+    """:func:`first_fit` and each pack's squared and plain token sums. Packs whose room is below the shortest
+    document are left out of the scan (first fit could never choose them)."""
     packs: list[list[int]] = []
     free: list[int] = []
     q: list[int] = []
+    shortest = min(lens, default=0)
+    open_: list[int] = []  # packs in order whose room still holds the shortest document (no other can take one)
     for i, n in zip(ids, lens):
-        for k, room in enumerate(free):
-            if room >= n:
+        for k in open_:
+            if free[k] >= n:
                 packs[k].append(i)
                 free[k] -= n
                 q[k] += n * n
+                if free[k] < shortest:
+                    open_.remove(k)
                 break
         else:
+            k = len(packs)
             packs.append([i])
             free.append(cap - n)
             q.append(n * n)
+            if free[k] >= shortest:
+                open_.append(k)
     return packs, q, [cap - x for x in free]
 
 
@@ -383,7 +395,12 @@ def _lpt(ids: list[int], lens: list[int], weights: list[float], cap: int, m: int
     used = [0] * m
     q = [0] * m
     heap = [(0.0, k) for k in range(m)]
+    shortest = min(lens, default=0)
     for i, n, w in zip(ids, lens, weights):
+        while heap and used[heap[0][1]] + shortest > cap:  # full for good: LPT would never choose it again
+            heapq.heappop(heap)
+        if not heap:
+            return None
         load, k = heap[0]
         if used[k] + n <= cap:
             heapq.heapreplace(heap, (load + w, k))
