@@ -76,7 +76,10 @@ class ReplicaSpec:
 
     def time_s(self, packs: Sequence[Sequence[int]], lengths: Sequence[int]) -> float:
         """Predicted 1F1B seconds of running ``packs`` (indices into ``lengths``); 0 for no packs."""
-        times = [self.microbatch_s(sum(lengths[i] ** 2 for i in p), sum(lengths[i] for i in p)) for p in packs]
+        times = []
+        for p in packs:
+            pack = [lengths[i] for i in p]
+            times.append(self.microbatch_s(sum([n ** 2 for n in pack]), sum(pack)))
         return sum(times) + (self.pp - 1) * max(times) if times else 0.0
 
 
@@ -179,9 +182,10 @@ def _check(out: Assignment, s: np.ndarray, replicas: Sequence[ReplicaSpec]) -> N
     """Internal invariants (every index once, capacities); a failure is a bug of this module."""
     flat = [i for rep in out.microbatches for p in rep for i in p]
     assert len(flat) == s.size and len(set(flat)) == s.size, "packing lost or repeated a document"
+    lengths = s.tolist()
     for rep, spec in zip(out.microbatches, replicas):
         for p in rep:
-            assert p and int(s[list(p)].sum()) <= spec.token_capacity, "packing overfilled a microbatch"
+            assert p and sum([lengths[i] for i in p]) <= spec.token_capacity, "packing overfilled a microbatch"
 
 
 def _in_order(s: np.ndarray, capacity: int) -> list[list[int]]:

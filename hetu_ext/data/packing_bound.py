@@ -103,13 +103,23 @@ def _exclusive_bound(s: np.ndarray, rep: ReplicaArrays, candidates: int = 48) ->
     ends = np.flatnonzero(np.diff(big) != 0) + 1  # the k where a run of equal lengths ends
     ks = np.unique(np.concatenate([ends[:candidates // 2], np.geomspace(1, big.size, candidates // 2).astype(int),
                                    [big.size]]))
+    prepared = []  # per kind: (count, pp, t, its first finite entry, whether t is non-increasing from there)
+    for count, pp, t in priced:
+        first = int(np.count_nonzero(~np.isfinite(t)))  # the documents it cannot hold are the longest: a prefix
+        prepared.append((count, pp, t, first, bool(np.all(t[first + 1:] <= t[first:-1]))))
     best = 0.0
     for k in ks:
         values, weights = [], []
-        for count, pp, t in priced:
-            held = np.sort(t[:k][np.isfinite(t[:k])])  # cheapest first: sum and n-th both least
+        for count, pp, t, first, falling in prepared:
+            held = t[first:k][::-1] if falling else np.sort(t[first:k])  # cheapest first: sum and n-th both least
             values.append(np.cumsum(held) + (pp - 1) * held)
             weights.append(np.full(held.size, count))
+        # the answer is the least value whose kinds' slots up to it reach k, so at most any kind's value at
+        # ceil(k / count) slots: when none of those beats ``best``, this k cannot raise it
+        ceiling = min((float(v[-(-k // c) - 1]) for v, (c, *_) in zip(values, prepared) if -(-k // c) <= v.size),
+                      default=np.inf)
+        if ceiling <= best:
+            continue
         v, w = np.concatenate(values), np.concatenate(weights)
         order = np.argsort(v, kind="stable")
         at = int(np.searchsorted(np.cumsum(w[order]), k, side="left"))
