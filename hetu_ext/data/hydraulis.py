@@ -397,11 +397,13 @@ def _lpt(ids: list[int], lens: list[int], weights: list[float], cap: int, m: int
     heap = [(0.0, k) for k in range(m)]
     shortest = min(lens, default=0)
     for i, n, w in zip(ids, lens, weights):
-        while heap and used[heap[0][1]] + shortest > cap:  # full for good: LPT would never choose it again
-            heapq.heappop(heap)
-        if not heap:
-            return None
         load, k = heap[0]
+        if used[k] + n > cap:
+            while used[heap[0][1]] + shortest > cap:  # full for good: LPT would never choose it again
+                heapq.heappop(heap)
+                if not heap:
+                    return None
+            load, k = heap[0]
         if used[k] + n <= cap:
             heapq.heapreplace(heap, (load + w, k))
         else:
