@@ -25,6 +25,7 @@ from hetu_ext.data.lengths import (
     split_long,
 )
 from hetu_ext.data.packing import METHODS, ReplicaSpec, assign, replica_specs
+from hetu_ext.data.packing_bound import lower_bound_s, may_fit_within
 from hetu_ext.plan.model_spec import ModelSpec
 from hetu_ext.plan.plan import Pipeline, Plan, Stage, uniform_plan
 
@@ -120,6 +121,7 @@ def test_hetu_within_4_percent_of_the_milp_optimum_and_bound_below_it(seed):
     _check_invariants(a, lengths, replicas)
     assert a.lower_bound_s <= optimum * (1 + 1e-6)
     assert max(a.predicted_s) <= optimum * 1.04
+    assert may_fit_within(np.asarray(lengths), replicas, optimum * (1 + 1e-6)), "the optimum must pass the test"
 
 
 def _identical_instance(seed: int) -> tuple[list[int], list[ReplicaSpec]]:
@@ -140,6 +142,7 @@ def test_identical_pipelines_within_2_percent_of_the_milp_and_anchored_bound_val
     a = assign(lengths, replicas)
     _check_invariants(a, lengths, replicas)
     assert a.lower_bound_s <= optimum * (1 + 1e-6)
+    assert may_fit_within(np.asarray(lengths), replicas, optimum * (1 + 1e-6)), "the optimum must pass the test"
     assert max(a.predicted_s) <= optimum * 1.02
 
 
@@ -383,3 +386,20 @@ def test_stage1_and_smallest_equal_their_plain_forms():
         x = rng.choice([0.0, 1.0, 2.0, np.inf, float(rng.uniform())], int(rng.integers(1, 200)))
         top = int(rng.integers(1, 6))
         assert hydraulis._smallest(x, top).tolist() == np.argsort(x, kind="stable")[:top].tolist()
+
+
+def test_may_fit_within_passes_every_packing_and_rules_out_levels_above_the_bound():
+    """Hydraulis's selection skips a candidate when may_fit_within says no packing finishes within a level: it
+    must say yes at any achieved packing's time (here the packer's, on random mixes of pipeline shapes), and on
+    these mixes it rules out levels the certified bound does not (the reason it is asked)."""
+    rng = np.random.default_rng(8)
+    stronger = 0
+    for _ in range(40):
+        replicas = _random_replicas(rng, int(rng.integers(2, 16)))
+        cap = max(x.token_capacity for x in replicas)
+        s = np.clip(rng.lognormal(6.5, 1.6, int(rng.integers(20, 400))).astype(np.int64), 1, cap)
+        got = max(assign(s.tolist(), replicas).predicted_s)
+        assert may_fit_within(s, replicas, got)
+        bound = lower_bound_s(s, replicas)
+        stronger += not may_fit_within(s, replicas, bound * 1.02)
+    assert stronger >= 5

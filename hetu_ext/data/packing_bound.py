@@ -217,3 +217,52 @@ def _inverse_f(level: float, pp: np.ndarray, c: np.ndarray) -> np.ndarray:
     knee = np.divide(c, pp - 1, out=np.full_like(c, np.inf), where=pp > 1)
     w = np.where(pp == 1, level - c, np.where(big >= knee, big, small))
     return np.maximum(w, 0.0)
+
+
+
+def may_fit_within(s: np.ndarray, replicas: Sequence[ReplicaSpec], level: float, *, thresholds: int = 32) -> bool:
+    """False only if no assignment of documents ``s`` to ``replicas`` has its slowest replica within ``level``
+    seconds: a test that also counts where long documents may go, for pipelines of different shapes (Hydraulis's
+    selection asks it before packing a candidate only to compare it with the best so far).
+
+    At level T, replica r (representative stage ``a_r s^2 + b_r s + c_r``, ``pp_r`` stages, capacity ``cap_r``)
+    can hold a document of ``n`` tokens only if ``n <= cap_r`` and ``pp_r (a_r n^2 + b_r n + c_r) <= T`` (its
+    microbatch runs once in steady state and ``pp_r - 1`` times in fill and drain), and if it holds any document
+    of at least L tokens, its work is at most ``C_r(T, m_r(L))`` (:func:`_work_capacity`: the most work whose
+    1F1B time, microbatches chosen freely, stays within T when the costliest document costs
+    ``m_r(L) = a_r L^2 + b_r L``; it falls as that cost grows; -1 where that document alone exceeds T). Every
+    document of at least L tokens lands on a replica that can hold it, so, for every L, their work priced on
+    replica 0 (``w_0 <= w_r / k_r``, ``k_r = min(a_r / a_0, b_r / b_0)`` as in :func:`lower_bound_s`) is at most
+    ``sum_r C_r(T, m_r(L)) / k_r`` over the replicas able to hold an L-token document. If that fails for one L
+    (``thresholds`` lengths: the longest documents' and a geometric spread of the rest), T is below every
+    assignment's slowest replica. Capacities are evaluated at ``T (1 + 1e-9)`` and over-estimated by the
+    bisection, so rounding only weakens the test (True when unsure)."""
+    s = np.asarray(s, dtype=np.int64).reshape(-1)
+    if s.size == 0 or not level > 0:
+        return True
+    rep = ReplicaArrays(replicas, s)
+    if np.any(rep.ra < 0) or np.any(rep.rb < 0):  # costs not monotone in length: unsure
+        return True
+    a0, b0 = rep.ra[0], rep.rb[0]
+    ratios = [rep.ra / a0] if a0 > 0 else []
+    ratios += [rep.rb / b0] if b0 > 0 else []
+    if not ratios:
+        return True
+    k = np.min(ratios, axis=0)
+    if not np.all(k > 0):
+        return True
+    n = np.sort(s)[::-1].astype(np.float64)  # longest first
+    work = np.cumsum(a0 * n * n + b0 * n)
+    at = np.unique(np.geomspace(1, n.size, thresholds).astype(np.int64)) - 1
+    lengths = np.unique(n[at])  # the thresholds L
+    need = work[np.searchsorted(-n, -lengths, side="right") - 1]  # the work of the documents of at least L tokens
+    kinds: dict[tuple[float, ...], int] = {}
+    for row in zip(rep.ra.tolist(), rep.rb.tolist(), rep.rc.tolist(), rep.pp.tolist(), rep.cap.tolist(),
+                   k.tolist()):
+        kinds[row] = kinds.get(row, 0) + 1
+    room = np.zeros(lengths.size)
+    top = np.array([[level * (1 + 1e-9)]])
+    for (a, b, c, pp, cap, kk), num in kinds.items():
+        held = _work_capacity(top, (a * lengths * lengths + b * lengths)[None, :], pp, c)[0]
+        room += np.where((held >= 0) & (cap >= lengths), held, 0.0) * (num / kk)
+    return bool(np.all(room >= need))

@@ -34,7 +34,8 @@ layout by hetu_ext.megatron.switching (one length group per step).
 
 **Per-step selection** (:func:`select_candidate`): among the candidates that hold the step's longest sequence,
 the lowest predicted step time (the two-stage packer, exact) plus the switch from the home, priced exactly in
-order of the certified lower bound.
+order of the certified lower bound; once one is priced, another is packed only if a second test
+(hetu_ext.data.packing_bound.may_fit_within: where the long documents may go) leaves it a chance to beat it.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from hetu_ext.data.cost import CostTable, LengthCost
 from hetu_ext.data.hotspa import Strategies, Strategy, check_capacity
 from hetu_ext.data.lengths import split_long
 from hetu_ext.data.packing import Assignment, assign, replica_specs
-from hetu_ext.data.packing_bound import lower_bound_s
+from hetu_ext.data.packing_bound import lower_bound_s, may_fit_within
 
 from .cost import CostModel, layer_params
 from .lobra import Deployment, deployment_plan
@@ -357,11 +358,14 @@ def candidate_strategies(model: ModelSpec, world_size: int, cost: CostTable, len
 # ------------------------------------------------------------------------------------------ per-step selection
 
 def select_candidate(lengths: Sequence[int], strategies: Strategies, *, estimate: Callable[[int, list[int]], float],
-                     exact: Callable[[int, list[int]], float], switch_s: Sequence[float]) -> tuple[int, float]:
+                     exact: Callable[[int, list[int]], float], switch_s: Sequence[float],
+                     may_win: Callable[[int, list[int], float], bool] | None = None) -> tuple[int, float]:
     """The candidate with the lowest predicted step time ``exact(k, lengths) + switch_s[k]`` among those that hold
     the step's longest sequence, and that time. ``estimate`` must lower-bound ``exact`` (the packer's certified
     bound): candidates are priced exactly in order of their estimate until the next estimate cannot win, so the
-    result equals brute force over every candidate (ties: the lower index)."""
+    result equals brute force over every candidate (ties: the lower index). ``may_win(k, lengths, level)``
+    (optional) answers False only if ``exact(k, lengths) > level``: once a candidate is priced, another one is
+    skipped when it cannot come within the best by more than 1e-9 of it (so never a tie either)."""
     check_capacity(lengths, strategies)
     s = list(lengths)
     longest = max(s, default=0)
@@ -374,6 +378,8 @@ def select_candidate(lengths: Sequence[int], strategies: Strategies, *, estimate
     for bound, k in bounds:
         if bound > best_s:
             break
+        if may_win is not None and best_k >= 0 and not may_win(k, s, best_s - switch_s[k] + 1e-9 * best_s):
+            continue  # its compute exceeds that level: it cannot reach the best (Hydraulis, issue 15)
         t = exact(k, s) + switch_s[k]
         if t < best_s or (t == best_s and k < best_k):
             best_k, best_s = k, t
@@ -414,6 +420,11 @@ class Selector:
         """A lower bound on candidate k's compute seconds for these lengths (certified: no packing beats it)."""
         return self._bound(k, lengths) if len(lengths) else 0.0
 
+    def may_win(self, k: int, lengths: Sequence[int], level: float) -> bool:
+        """False only if no packing of these lengths on candidate k finishes within ``level`` seconds
+        (hetu_ext.data.packing_bound.may_fit_within: where long documents may go on pipelines of each shape)."""
+        return may_fit_within(np.asarray(lengths, dtype=np.int64), self.replicas[k], level)
+
     def exact(self, k: int, lengths: Sequence[int]) -> float:
         """Candidate k's compute seconds under the two-stage packer (its slowest pipeline); the packer's bound is
         the one :meth:`estimate` computed for these lengths (the same function, not run twice)."""
@@ -431,7 +442,7 @@ class Selector:
         self._bounds = ((), {})  # every choice computes its bounds afresh
         if exact:
             k, t = select_candidate(lengths, self.strategies, estimate=self.estimate, exact=self.exact,
-                                    switch_s=self.switch_s)
+                                    switch_s=self.switch_s, may_win=self.may_win)
         else:
             k, _ = select_candidate(lengths, self.strategies, estimate=self.estimate, exact=self.estimate,
                                     switch_s=self.switch_s)
