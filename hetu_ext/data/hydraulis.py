@@ -77,8 +77,17 @@ def assign_hetu(s: np.ndarray, replicas: Sequence[ReplicaSpec], *, bound_s: floa
     if np.any(rep.pp > 1) and s.size and max(t for _, t in packed) > bound_s * (1 + 1e-3):  # else optimal
         other = _stage1_levels(s, rep, max(t for _, t in packed), bound_s)
         if other is not None:
-            packed_other = [_stage2(s, share, rep, r) for r, share in enumerate(other)]
-            if max(t for _, t in packed_other) < max(t for _, t in packed):
+            cutoff = max(t for _, t in packed)
+            packed_other: list[tuple[list[list[int]], float]] | None = []
+            for r, share in enumerate(other):  # kept only if every replica beats the cutoff: stop at the first not
+                if _stage2_floor(share, rep, r) * (1 - 1e-9) >= cutoff:
+                    packed_other = None
+                    break
+                packed_other.append(_stage2(s, share, rep, r))
+                if not packed_other[-1][1] < cutoff:
+                    packed_other = None
+                    break
+            if packed_other is not None:
                 shares, packed = other, packed_other
     _refine(s, rep, shares, packed)
     return [packs for packs, _ in packed]
