@@ -400,12 +400,24 @@ def _lpt(ids: list[int], lens: list[int], weights: list[float], cap: int, m: int
     """Longest first into the least loaded of m microbatches with room; None if one does not fit anywhere.
     A heap of (load, microbatch); only when the least loaded one is full are the others scanned. Returns the
     packs and each one's squared and plain token sums."""
-    packs: list[list[int]] = [[] for _ in range(m)]
-    used = [0] * m
-    q = [0] * m
-    heap = [(0.0, k) for k in range(m)]
+    if m > len(ids):
+        return None  # a microbatch would stay empty
     shortest = min(lens, default=0)
-    for i, n, w in zip(ids, lens, weights):
+    if m and weights[m - 1] > 0 and lens[0] <= cap:
+        # the first m documents each open their own microbatch (the empty ones are the least loaded, lowest first)
+        packs = [[i] for i in ids[:m]]
+        used = lens[:m]
+        q = [n * n for n in used]
+        heap = [(0.0 + w, k) for k, w in enumerate(weights[:m])]
+        heapq.heapify(heap)
+        start = m
+    else:
+        packs = [[] for _ in range(m)]
+        used = [0] * m
+        q = [0] * m
+        heap = [(0.0, k) for k in range(m)]
+        start = 0
+    for i, n, w in zip(ids[start:], lens[start:], weights[start:]):
         load, k = heap[0]
         if used[k] + n > cap:
             while used[heap[0][1]] + shortest > cap:  # full for good: LPT would never choose it again
