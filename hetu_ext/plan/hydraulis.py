@@ -359,13 +359,17 @@ def candidate_strategies(model: ModelSpec, world_size: int, cost: CostTable, len
 
 def select_candidate(lengths: Sequence[int], strategies: Strategies, *, estimate: Callable[[int, list[int]], float],
                      exact: Callable[[int, list[int]], float], switch_s: Sequence[float],
-                     may_win: Callable[[int, list[int], float], bool] | None = None) -> tuple[int, float]:
+                     may_win: Callable[[int, list[int], float], bool] | None = None,
+                     ratios: Sequence[float] | None = None) -> tuple[int, float]:
     """The candidate with the lowest predicted step time ``exact(k, lengths) + switch_s[k]`` among those that hold
     the step's longest sequence, and that time. ``estimate`` must lower-bound ``exact`` (the packer's certified
     bound): candidates are priced exactly in order of their estimate until the next estimate cannot win, so the
     result equals brute force over every candidate (ties: the lower index). ``may_win(k, lengths, level)``
     (optional) answers False only if ``exact(k, lengths) > level``: once a candidate is priced, another one is
-    skipped when it cannot come within the best by more than 1e-9 of it (so never a tie either)."""
+    skipped when it cannot come within the best by more than 1e-9 of it (so never a tie either). ``ratios``
+    (optional, per candidate): the expected ``exact / estimate`` (e.g. from earlier steps); candidates are then
+    priced in order of ``estimate x ratio + switch``, so the likely winner comes first and the others fall to
+    their bound or to ``may_win``. Only the work depends on it, not the result."""
     check_capacity(lengths, strategies)
     s = list(lengths)
     longest = max(s, default=0)
@@ -374,10 +378,14 @@ def select_candidate(lengths: Sequence[int], strategies: Strategies, *, estimate
         raise ValueError(f"Hydraulis: the step's {len(s)} sequences are fewer than every candidate's pipelines "
                          f"that holds {longest} tokens; raise the global batch")
     bounds = sorted((estimate(k, s) + switch_s[k], k) for k in able)
+    if ratios is not None:  # the same candidates and tests, another order
+        bounds.sort(key=lambda e: ((e[0] - switch_s[e[1]]) * ratios[e[1]] + switch_s[e[1]], e[1]))
     best_k, best_s = -1, float("inf")
     for bound, k in bounds:
         if bound > best_s:
-            break
+            if ratios is None:
+                break  # in order of the bound: the rest cannot win either
+            continue
         if may_win is not None and best_k >= 0 and not may_win(k, s, best_s - switch_s[k] + 1e-9 * best_s):
             continue  # its compute exceeds that level: it cannot reach the best (Hydraulis, issue 15)
         t = exact(k, s) + switch_s[k]
@@ -406,6 +414,7 @@ class Selector:
                          for k, s in enumerate(strategies.items)]
         self._packed: dict[int, Assignment] = {}
         self._bounds: tuple[tuple[int, ...], dict[int, float]] = ((), {})  # the last lengths' bounds per candidate
+        self._ratios = [1.0] * len(strategies.items)  # packed / bound when last priced: select_candidate's order
 
     def _bound(self, k: int, lengths: Sequence[int]) -> float:
         key = tuple(lengths)
@@ -442,7 +451,11 @@ class Selector:
         self._bounds = ((), {})  # every choice computes its bounds afresh
         if exact:
             k, t = select_candidate(lengths, self.strategies, estimate=self.estimate, exact=self.exact,
-                                    switch_s=self.switch_s, may_win=self.may_win)
+                                    switch_s=self.switch_s, may_win=self.may_win, ratios=self._ratios)
+            for j, packed in self._packed.items():  # what its bound missed by, for the next step's order
+                bound = self._bounds[1].get(j, 0.0)
+                if bound > 0:  # a running mean: one step's miss does not reorder the next
+                    self._ratios[j] = (self._ratios[j] + max(packed.predicted_s) / bound) / 2
         else:
             k, _ = select_candidate(lengths, self.strategies, estimate=self.estimate, exact=self.estimate,
                                     switch_s=self.switch_s)
