@@ -230,6 +230,13 @@ class LoRAConfig:
     tenants: str | None = setting(flag="--hetu-lora-tenants", path=True, metavar="YAML",
                                   help="train the tenants of this file (data, per-step share, LoRA settings; "
                                        "configs/lobra/) jointly, each its own adapter over the frozen base")
+    # --- LobRA pretrained base (issue 16) ---
+    pretrained_checkpoint: str | None = setting(flag="--pretrained-checkpoint", path=True, metavar="DIR",
+                                                help="with --hetu-lora-tenants: the frozen base's weights from the "
+                                                     "latest hetu checkpoint under DIR (a --save directory of a "
+                                                     "pretraining run, any layout; weights only), before --load "
+                                                     "resumes the adapters")
+    # --- end LobRA pretrained base ---
 # --- end LobRA ---
 
 

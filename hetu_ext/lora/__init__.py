@@ -11,6 +11,8 @@
 * ``checkpoint.py``: ``--save``/``--load`` with tenants: adapters and per-tenant Adam state in the hetu checkpoint
   format (the frozen base is not saved), resumed or resharded into any plan; PEFT export of a checkpoint
   (``python -m hetu_ext.lora export-peft``, ``__main__.py``).
+* ``pretrained.py``: ``--pretrained-checkpoint DIR``: the frozen base's weights from a pretraining run's hetu
+  checkpoint (any layout, resharded), before ``--load`` resumes the adapters; the adapters record their base.
 
 The deployment planner is pure and lives in ``hetu_ext/plan/lobra.py`` (``python -m hetu_ext.plan lobra``).
 This package is an adapter on Megatron-core (like ``deepspeed/`` on DeepSpeed) and composes

@@ -43,11 +43,30 @@ def validate_lora_args(args: argparse.Namespace) -> None:
                 raise ValueError(f"tenant {tenant.name!r} of --hetu-lora-tenants: data_path {tenant.data_path}: "
                                  f"{' and '.join(tenant.data_path + s for s in missing)} not found; give the prefix "
                                  "python -m hetu_ext.megatron.preprocess_data wrote")
+    base = _check_pretrained(args)
     if args.load is not None:  # LobRA checkpoints (issue 16): the checkpoint's tenants are the file's
-        _check_load(args, tenants)
+        _check_load(args, tenants, base)
 
 
-def _check_load(args: argparse.Namespace, tenants) -> None:
+def _check_pretrained(args: argparse.Namespace) -> dict | None:
+    """--pretrained-checkpoint names a committed hetu checkpoint of this model's shape: its base record (None
+    without the flag)."""
+    if args.pretrained_checkpoint is None:
+        return None
+    from hetu_ext.checkpoint import CheckpointError
+
+    from .pretrained import base_record, check_shape, pretrained_manifest
+
+    try:
+        manifest = pretrained_manifest(args.pretrained_checkpoint)
+        check_shape(manifest.config, vars(args), where=f"{args.pretrained_checkpoint} (iteration "
+                                                        f"{manifest.iteration})")
+    except CheckpointError as exc:
+        raise ValueError(str(exc)) from None
+    return base_record(manifest, seed=args.seed, directory=args.pretrained_checkpoint)
+
+
+def _check_load(args: argparse.Namespace, tenants, base: dict | None) -> None:
     from pathlib import Path
 
     from hetu_ext.checkpoint import CheckpointError
@@ -63,6 +82,6 @@ def _check_load(args: argparse.Namespace, tenants) -> None:
     if manifest is None:
         return  # nothing saved yet: the run starts from scratch
     error = check_tenants(manifest.state.get("lora"), tenants, seed=args.seed, seq_length=args.seq_length,
-                          where=f"--load {args.load} (iteration {manifest.iteration})")
+                          where=f"--load {args.load} (iteration {manifest.iteration})", base=base)
     if error is not None:
         raise ValueError(error)

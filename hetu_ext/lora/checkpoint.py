@@ -12,7 +12,9 @@
 * each rank's RNG states (restored when the loading plan is the saving plan, as for the base model).
 
 The frozen base is not saved: a resumed run rebuilds it from ``--seed`` (hetu_ext's layout-independent
-initialisation gives every plan the same base weights), and the seed is checked on load.
+initialisation gives every plan the same base weights) or loads it again from ``--pretrained-checkpoint``
+(hetu_ext.lora.pretrained); the checkpoint records which (``state["lora"]["base"]``), and a resume on another
+base is refused, as is one with another seed.
 
 ``--load DIR`` reshards the adapters and moments into the running plan (any TP / PP / DP, heterogeneous or not,
 another rank count), gives each tenant's parameters Adam state at that tenant's step count, and restores the rest.
@@ -38,6 +40,7 @@ from hetu_ext.checkpoint.manifest import MANIFEST, Manifest
 from hetu_ext.plan import plan_to_dict
 from hetu_ext.runtime.reshard import Piece
 
+from .pretrained import describe, same_base, saved_base, seed_base
 from .tenants import TenantSpec
 
 logger = logging.getLogger(__name__)
@@ -69,19 +72,26 @@ def tenant_record(tenant: TenantSpec) -> dict[str, Any]:
                                            "tokens": list(tenant.tokens) if tenant.tokens else None}))}
 
 
-def lora_record(tenants: tuple[TenantSpec, ...], *, seed: int, seq_length: int) -> dict[str, Any]:
+def lora_record(tenants: tuple[TenantSpec, ...], *, seed: int, seq_length: int,
+                base: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``base``: the frozen base the adapters are trained on (hetu_ext.lora.pretrained.base_record; default: the
+    seed's); the base's weights are not saved."""
     return {"format": FORMAT, "seed": seed, "seq_length": seq_length,
-            "tenants": [tenant_record(t) for t in tenants],
-            "base": "not saved: rebuilt from the seed (layout-independent initialisation)"}
+            "tenants": [tenant_record(t) for t in tenants], "base": base or seed_base(seed)}
 
 
 def check_tenants(saved: dict[str, Any] | None, tenants: tuple[TenantSpec, ...], *, seed: int, seq_length: int,
-                  where: str) -> str | None:
-    """None if the checkpoint's tenants (``saved``: its ``state["lora"]``) are the tenants file's, else one line
-    naming the first difference (tenant, setting, saved and given values) and the fix."""
+                  where: str, base: dict[str, Any] | None = None) -> str | None:
+    """None if the checkpoint's tenants (``saved``: its ``state["lora"]``) are the tenants file's and its base
+    is ``base`` (this run's, hetu_ext.lora.pretrained.base_record; default: the seed's), else one line naming the
+    first difference (tenant, setting, saved and given values) and the fix."""
     if not saved or saved.get("format") != FORMAT:
         return (f"{where} is not a LoRA adapters checkpoint (no tenants recorded); --load with "
                 "--hetu-lora-tenants resumes a checkpoint that a run with --hetu-lora-tenants saved")
+    was, now = saved_base(saved), base or seed_base(seed)
+    if not same_base(was, now):  # LobRA pretrained base (issue 16)
+        return (f"{where} holds adapters trained on {describe(was)}, but this run's base is {describe(now)}; "
+                "resume on the base the adapters were trained on (the same --pretrained-checkpoint, or none)")
     fix = "resume with the tenants file the checkpoint was saved with"
     for name, value, now in (("--seed", saved.get("seed"), seed), ("--seq-length", saved.get("seq_length"),
                                                                       seq_length)):
@@ -195,7 +205,8 @@ def save_adapters(trainer, directory: str, *, blocking: bool) -> None:
              "tenant_losses": [list(row) for row in trainer.tenant_losses],
              "scheduler": trainer.scheduler.state_dict() if trainer.scheduler is not None else None,
              "tenant_steps": tenant_steps(trainer),
-             "lora": lora_record(trainer.tenants, seed=config.training.seed, seq_length=config.model.seq_length)}
+             "lora": lora_record(trainer.tenants, seed=config.training.seed, seq_length=config.model.seq_length,
+                                 base=trainer.base)}
     info = {"consumed_samples": None, "plan": plan_to_dict(trainer.plan),
             "config": _json_safe(config.to_flat_dict()), "state": _json_safe(state)}
     ckpt = checkpointing.checkpointer_of(trainer, directory)
@@ -237,7 +248,7 @@ def load_adapters(trainer, directory: str) -> bool:
     def destinations(manifest: Manifest) -> list[Piece]:
         where = f"--load {directory} (iteration {manifest.iteration})"
         error = check_tenants(manifest.state.get("lora"), trainer.tenants, seed=config.training.seed,
-                              seq_length=config.model.seq_length, where=where)
+                              seq_length=config.model.seq_length, where=where, base=trainer.base)
         if error is not None:
             raise CheckpointError(error)
         return adapter_pieces(trainer.placement, steps=manifest.state.get("tenant_steps", {}))

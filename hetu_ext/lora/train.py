@@ -35,6 +35,7 @@ from hetu_ext.runtime.straggler import LayerTimer
 
 from .data import TenantCorpus, build_tenant_steps
 from .install import installed, routing_of
+from .pretrained import load_base, seed_base
 from .sync import LoRASync, attach_sync
 from .tenants import TenantSpec, load_tenants
 
@@ -50,6 +51,8 @@ class LoRATrainer(Trainer):
     an adapter then depends on the other tenants' token counts)."""
     tenant_losses: list[list[float | None]] = field(default_factory=list)
     """Per step, each tenant's mean token loss (None when absent)."""
+    base: dict | None = None
+    """The frozen base (hetu_ext.lora.pretrained.base_record): the pretrained checkpoint's, else the seed's."""
 
     def _open_data(self):
         return build_tenant_steps(self.tenants, method=self.config.packing.method,
@@ -179,6 +182,9 @@ def build_lora_trainer(config: RunConfig) -> LoRATrainer:
         _gradient_into_first_layer(placement.model)
     trainer.attach_timer()
     trainer.follow_log_rank()
+    trainer.base = seed_base(training.seed)
+    if config.lora.pretrained_checkpoint:  # the base's weights (hetu_ext.lora.pretrained), before the adapters
+        trainer.base = load_base(trainer, config.lora.pretrained_checkpoint)
     if config.checkpoint.load:  # the adapters and their Adam state (hetu_ext.lora.checkpoint)
         trainer.load(config.checkpoint.load)
     if config.checkpoint.save:  # the run's identity; another run's checkpoints there are refused before training

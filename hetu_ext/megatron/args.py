@@ -117,6 +117,8 @@ def validate_args(args: argparse.Namespace) -> None:
     if not (0 <= args.hidden_dropout < 1 and 0 <= args.attention_dropout < 1):
         raise ValueError(f"dropout must be in [0, 1), got --hidden-dropout {args.hidden_dropout} "
                          f"--attention-dropout {args.attention_dropout}")
+    if args.pretrained_checkpoint is not None and args.hetu_lora_tenants is None:  # LobRA pretrained base (issue 16)
+        raise ValueError("--pretrained-checkpoint is supported with --hetu-lora-tenants; use --load to resume a run")
     if args.hetu_lora_tenants is not None:  # --- LobRA (issue 16): the tenants file gives the data ---
         from hetu_ext.lora.args import validate_lora_args
 
