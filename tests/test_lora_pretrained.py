@@ -132,6 +132,16 @@ def test_resume_on_another_base_refused_exit_2(runs):
     parse_run_config(argv + ["--pretrained-checkpoint", runs["pre"]])  # the same base: accepted
 
 
+def test_other_vocabulary_refused_in_the_rank_exit_2(runs):
+    """A mismatch only the built model shows (the padded vocabulary: 128 here, 384 in the checkpoint), raised
+    inside load_pieces (where all ranks agree on it): one error line through the launcher (1 rank, to keep the
+    test short; 2 ranks checked by hand), exit 2."""
+    proc = run(_argv(runs["tenants"], "--train-iters", "1", "--pretrained-checkpoint", runs["pre"],
+                     "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"))
+    assert_one_error_line(proc, f"--pretrained-checkpoint {runs['pre']} (iteration 2): "
+                                "param/embedding.word_embeddings.weight is [384, 32] there, [128, 32] in this model")
+
+
 @pytest.mark.parametrize("case", ["empty", "shape", "adapters", "no_tenants"])
 def test_bad_pretrained_checkpoint_is_one_line(runs, tmp_path, case):
     """A folder without a committed checkpoint, a checkpoint of another model shape, an adapters checkpoint, or

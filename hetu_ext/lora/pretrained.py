@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from hetu_ext.checkpoint import CheckpointError, LocalStorage
 from hetu_ext.checkpoint.manifest import MANIFEST, Manifest
 
@@ -87,6 +89,10 @@ def check_shape(saved: dict[str, Any], now: dict[str, Any], *, where: str) -> No
     for key in SHAPE:
         if a[key] != b[key]:
             flag = "--" + key.replace("_", "-")
+            if isinstance(a[key], bool):
+                raise CheckpointError(f"{FLAG} {where} holds a model {'with' if a[key] else 'without'} {flag}, this "
+                                      f"run is {'with' if b[key] else 'without'} it: the base must have the pretrained "
+                                      f"model's shape; run {'with' if a[key] else 'without'} {flag}")
             raise CheckpointError(f"{FLAG} {where} holds a model with {flag} {a[key]}, this run has {b[key]}: the "
                                   f"base must have the pretrained model's shape; run with {flag} {a[key]}")
 
@@ -128,12 +134,14 @@ def load_base(trainer, directory: str) -> dict[str, Any]:
     """Collective over every rank: the frozen base's weights from the latest checkpoint under ``directory`` into
     this plan (``param/KEY`` pieces only); returns the base's record."""
     from hetu_ext.checkpoint.load import load_pieces
+    from hetu_ext.checkpoint.shardfile import BY_NAME
     from hetu_ext.megatron.weights import local_shards
     from hetu_ext.runtime.reshard import Piece
 
     placement, config = trainer.placement, trainer.config
     start = time.perf_counter()
 
+    casts: list = []  # (parameter, tensor read in the stored dtype) of the last destinations
     first = pretrained_manifest(directory)  # every rank reads the same files: all agree, no collective needed
     check_shape(first.config, config.to_flat_dict(), where=f"{directory} (iteration {first.iteration})")
 
@@ -144,7 +152,8 @@ def load_base(trainer, directory: str) -> dict[str, Any]:
         if not placement.active:
             return []
         stored = {(t.name, tuple(t.index)): tuple(t.shape) for t in manifest.tensors}
-        pieces = []
+        dtypes = {(t.name, tuple(t.index)): BY_NAME.get(t.dtype) for t in manifest.tensors}
+        pieces, casts[:] = [], []
         for s in local_shards(placement.model, **placement.shard_kwargs):
             if ".lora_" in s.key:  # adapters are not part of the base (they are excluded from sharded_state_dict)
                 raise AssertionError(f"adapter {s.key} among the base's shards")
@@ -156,7 +165,12 @@ def load_base(trainer, directory: str) -> dict[str, Any]:
             if shape != s.shape:
                 raise CheckpointError(f"{FLAG} {where}: {key} is {list(shape)} there, {list(s.shape)} in this "
                                       "model; the base must have the pretrained model's shape (vocabulary, sizes)")
-            pieces.append(Piece(key, s.index, tuple((sl.start, sl.stop) for sl in s.slices), s.data.data))
+            target, dtype = s.data.data, dtypes[(key, s.index)]
+            if dtype is not None and dtype != target.dtype and dtype.is_floating_point:
+                # a --bf16 pretraining run's model weights into this fp32 base: read as stored, then cast (exact)
+                target = torch.empty(s.data.shape, dtype=dtype)
+                casts.append((s.data.data, target))
+            pieces.append(Piece(key, s.index, tuple((sl.start, sl.stop) for sl in s.slices), target))
         return pieces
 
     try:
@@ -164,6 +178,9 @@ def load_base(trainer, directory: str) -> dict[str, Any]:
     except CheckpointError as exc:  # the resume hint (--hetu-ckpt-fallback) does not apply to a base
         raise CheckpointError(str(exc).split("; --hetu-ckpt-fallback")[0]) from None
     manifest = report.manifest
+    with torch.no_grad():
+        for param, value in casts:
+            param.copy_(value)
     if trainer.host.rank == 0:
         logger.info("loaded the pretrained base of iteration %d from %s (weights only, %.2f s)", manifest.iteration,
                     directory, time.perf_counter() - start)
