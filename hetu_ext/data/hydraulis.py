@@ -93,6 +93,15 @@ def assign_hetu(s: np.ndarray, replicas: Sequence[ReplicaSpec], *, bound_s: floa
     return [packs for packs, _ in packed]
 
 
+def _shares(order: np.ndarray, speed: np.ndarray, found: np.ndarray) -> list[list[int]]:
+    """Per replica (original order) the documents (``order``'s indices) a level search put on it: ``found`` gives
+    each document's position in the fastest-first order ``speed``."""
+    shares: list[list[int]] = [[] for _ in range(speed.size)]
+    for i, j in zip(order.tolist(), speed[found].tolist()):
+        shares[j].append(i)
+    return shares
+
+
 def _stage1_levels(s: np.ndarray, rep: ReplicaArrays, high: float, low: float, grid: int = 16,
                    low_fraction: float = 0.8) -> list[list[int]] | None:
     """Pipelines pay ``pp - 1`` times their costliest microbatch, so spreading the longest documents one per
@@ -137,12 +146,7 @@ def _stage1_levels(s: np.ndarray, rep: ReplicaArrays, high: float, low: float, g
         if where is None:
             break
         lo, hi, found = (levels[k - 1] if k else lo), levels[k], where
-    if found is None:
-        return None
-    shares: list[list[int]] = [[] for _ in range(speed.size)]
-    for i, j in zip(order.tolist(), speed[found].tolist()):
-        shares[j].append(i)
-    return shares
+    return None if found is None else _shares(order, speed, found)
 
 
 def _fill_level(level: float, kinds: list[tuple[list[float], list[float], list[float], int]], kind_of: list[int],
@@ -238,12 +242,7 @@ def _stage1_levels_grid(s: np.ndarray, rep: ReplicaArrays, high: float, low: flo
             break
         k = int(np.argmax(alive))
         lo, hi, found = (levels[k - 1] if k else lo), levels[k], where[k]
-    if found is None:
-        return None
-    shares: list[list[int]] = [[] for _ in range(speed.size)]
-    for i, j in zip(order.tolist(), speed[found].tolist()):
-        shares[j].append(i)
-    return shares
+    return None if found is None else _shares(order, speed, found)
 
 
 def _estimate(w: float, tokens: float, d: float, n: int, pp: float, c: float, cap: float) -> float:
