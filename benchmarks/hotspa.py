@@ -112,7 +112,7 @@ def predicted_row(spec: ModelSpec, gpus: int, cost: CostTable, batch_list: list[
     totals, switches, chosen, plan_ms = [], [], set(), []
     for b in batch_list:
         start = time.perf_counter()
-        groups = auto_groups(b, home, estimate_s, switch)
+        groups = auto_groups(b, home, estimate_s, switch, exact=group_s)
         plan_ms.append((time.perf_counter() - start) * 1e3)
         t = sw = 0.0
         for g in groups:

@@ -215,3 +215,29 @@ def test_checkpoint_saved_from_the_home_resumes_the_same_run(reference, tmp_path
     assert max(abs(a - b) / abs(b) for a, b in zip(losses, reference["losses"])) <= LOSS_RTOL
     worst = max(float((resumed["weights"][k] - w).abs().max()) for k, w in reference["weights"].items())
     assert worst <= WEIGHT_ATOL, worst
+
+
+def test_auto_grouping_never_exactly_slower_than_the_home_alone():
+    """An estimate that favours splitting while the exact price favours the home alone: with ``exact`` the
+    grouping falls back to the home (one group); without it the estimate's split stands."""
+    from hetu_ext.data.hotspa import Strategies, Strategy, auto_groups
+    from hetu_ext.plan import uniform_plan
+
+    items = (Strategy("dp2", uniform_plan(world_size=2, num_layers=4, num_microbatches=2), 20),
+             Strategy("tp2", uniform_plan(world_size=2, tp=2, num_layers=4), 64))
+    strategies = Strategies(items=items, home=1)
+    lengths = [3, 9, 17, 18, 30, 50, 2, 12]
+
+    def estimate(k, ls):  # claims DP 2 is much cheaper per token
+        return (0.1 if k == 0 else 1.0) * sum(ls)
+
+    def exact(k, ls):  # in truth it is not
+        return (2.0 if k == 0 else 1.0) * sum(ls)
+
+    split = auto_groups(lengths, strategies, estimate, [0.5, 0.0], points=len(lengths))
+    assert len(split) == 2
+    fixed = auto_groups(lengths, strategies, estimate, [0.5, 0.0], points=len(lengths), exact=exact)
+    assert [(g.strategy, sorted(g.indices)) for g in fixed] == [(1, list(range(len(lengths))))]
+    # where the exact price agrees with the estimate the split stays
+    kept = auto_groups(lengths, strategies, estimate, [0.5, 0.0], points=len(lengths), exact=estimate)
+    assert [(g.strategy, sorted(g.indices)) for g in kept] == [(g.strategy, sorted(g.indices)) for g in split]

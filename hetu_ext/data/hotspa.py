@@ -222,11 +222,14 @@ def run_order(groups: list[Group], strategies: Strategies) -> list[Group]:
 
 
 def auto_groups(lengths: Sequence[int], strategies: Strategies, group_s: Callable[[int, list[int]], float],
-                switch_s: Sequence[float], *, points: int = 16) -> list[Group]:
+                switch_s: Sequence[float], *, points: int = 16,
+                exact: Callable[[int, list[int]], float] | None = None) -> list[Group]:
     """The grouping minimising ``sum over groups (group_s(strategy, lengths) + switch_s[strategy])`` (switch 0 for
     home): a dynamic program over split points of the sorted lengths (every capacity boundary and ``points``
     quantiles), each contiguous run of lengths given the strategy that takes its longest and has no more
-    pipelines than sequences."""
+    pipelines than sequences. ``group_s`` may be an estimate (the packer's bound); with ``exact`` (the packer)
+    the program's grouping and the home alone are both priced exactly and the cheaper is returned, so an
+    estimate's error never makes a step slower than running it all under the home strategy."""
     check_capacity(lengths, strategies)
     s = np.asarray(lengths, dtype=np.int64)
     order = np.argsort(s, kind="stable")
@@ -257,7 +260,16 @@ def auto_groups(lengths: Sequence[int], strategies: Strategies, group_s: Callabl
     merged: dict[int, list[int]] = {}
     for k, i, j, _ in best[n][1]:
         merged.setdefault(k, []).extend(int(x) for x in order[i:j])
-    return [Group(strategy=k, indices=tuple(ix)) for k, ix in sorted(merged.items())]
+    groups = [Group(strategy=k, indices=tuple(ix)) for k, ix in sorted(merged.items())]
+    home = strategies.home
+    if exact is None or len(groups) == 1 or strategies.items[home].max_len < int(sorted_s[-1]) \
+            or pipelines[home] > n:
+        return groups
+    chosen_s = sum(exact(g.strategy, [int(s[i]) for i in g.indices]) + (0.0 if g.strategy == home else
+                                                                         switch_s[g.strategy]) for g in groups)
+    if exact(home, s.tolist()) <= chosen_s:
+        return [Group(strategy=home, indices=tuple(range(n)))]
+    return groups
 
 
 # ---------------------------------------------------------------------------------------------- switch volume

@@ -89,7 +89,8 @@ class SwitchedSteps:
         if self._pricer is None:
             self._pricer = GroupPricer(self.strategies, self.spec, self.cost)
         if self.mode == "auto":
-            return auto_groups(lengths, self.strategies, self._pricer.estimate, self.switch_s)
+            return auto_groups(lengths, self.strategies, self._pricer.estimate, self.switch_s,
+                               exact=self._pricer.exact)
         k, predicted = select_candidate(lengths, self.strategies, estimate=self._pricer.bound,
                                         exact=self._pricer.exact, switch_s=self.switch_s)
         return [Group(strategy=k, indices=tuple(range(len(lengths))), predicted_s=predicted)]
