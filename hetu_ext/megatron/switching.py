@@ -103,9 +103,10 @@ class SwitchedSteps:
         for group in run_order(self.groups(lengths), self.strategies):
             sub = ids[np.asarray(group.indices, dtype=np.int64)]
             steps = self.per_strategy[group.strategy]
-            # --- Hydraulis (issue 15): the selection packed the chosen candidate already; pass that packing on
+            # --- Hydraulis (issue 15): the selection (or auto grouping's exact pricing) packed this group already;
+            # pass that packing on (GroupPricer.packed checks it is for these lengths and replicas, else None)
             packed = None
-            if self.mode == "select":
+            if self.mode != "fixed":
                 packed = self._pricer.packed(group.strategy, self.table.length[sub].tolist(), steps.replicas)
             # ---
             planned.append((group.strategy, sub, steps.plan_sequences(sub, packed)))
