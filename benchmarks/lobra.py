@@ -1,6 +1,6 @@
 """LobRA: GPU-seconds per global step of many tenants' LoRA fine-tuning, predicted at scale and emulated on CPU.
 
-    python benchmarks/lobra.py [--steps 8] [--part all|predicted|emulated] [--emulated-steps 6]
+    python benchmarks/lobra.py [--steps 8] [--part all|predicted|emulated] [--emulated-steps 6] [--cost-model YAML]
 
 **Predicted** (pure planner, hetu_ext/plan/lobra.py): a LLaMA-7B-shaped model (Hetu's LobRA scripts: 32 layers,
 hidden 4096, ffn 11008, 32 heads), 16K max length, A100-class 80 GB GPUs (hetu_ext.plan.cost's FLOP / all-reduce
@@ -53,7 +53,8 @@ USABLE_BYTES = 0.9 * 80e9
 """Memory a stage may use on an 80 GB GPU (10% kept for the CUDA context, allocator and logits)."""
 
 
-def predicted(steps: int) -> list[dict]:
+def predicted(steps: int, cost_model: str | None = None) -> list[dict]:
+    from hetu_ext.data.cost import load_cost_table
     from hetu_ext.data.lengths import read_lengths
     from hetu_ext.plan import ModelSpec
     from hetu_ext.plan.lobra import (
@@ -72,8 +73,10 @@ def predicted(steps: int) -> list[dict]:
     pool_lengths = np.random.default_rng(0).choice(wiki, 200_000)
     spec = ModelSpec(num_layers=32, hidden_size=4096, num_attention_heads=32, ffn_hidden_size=11008,
                      vocab_size=32000, seq_length=MAX_LEN)
+    table = load_cost_table(cost_model) if cost_model else None
     print(f"predicted: LLaMA-7B shape, max length {MAX_LEN}, {SAMPLES} sequences per tenant per step, {steps} "
-          f"sampled steps; tenants synthetic from {source.name} x scale {SCALES}")
+          f"sampled steps; tenants synthetic from {source.name} x scale {SCALES}; per-layer costs: "
+          f"{table.device + ' (' + cost_model + ')' if table is not None else 'FLOP / all-reduce model'}")
     rows = []
     header = (f"{'gpus':>4} {'tenants':>7} {'homog.':>8} {'h.causal':>8} {'h.balanced':>10} {'sequential':>10} "
               f"{'lobra':>8} {'saving':>6} {'bound':>8} {'max sav.':>8}  deployment (homogeneous)")
@@ -81,7 +84,8 @@ def predicted(steps: int) -> list[dict]:
     for gpus, count in SIZES:
         tenants = [TenantLengths(f"t{k}", np.maximum((pool_lengths * SCALES[k]).astype(np.int64), 1), SAMPLES)
                    for k in range(count)]
-        pool = strategy_pool(spec, lobra_cost_model(), gpu_memory_bytes=USABLE_BYTES, gpus_per_node=8, max_gpus=gpus)
+        pool = strategy_pool(spec, lobra_cost_model(), gpu_memory_bytes=USABLE_BYTES, gpus_per_node=8, max_gpus=gpus,
+                             table=table)
         batches = sample_steps(tenants, steps=steps, seed=1, max_len=MAX_LEN)
         strategy, homo = homogeneous_s(pool, batches, world_size=gpus, max_len=MAX_LEN)
         _, causal = homogeneous_s(pool, batches, world_size=gpus, max_len=MAX_LEN, packing="concat-causal")
@@ -89,7 +93,7 @@ def predicted(steps: int) -> list[dict]:
         seq = sequential_s(pool, batches, world_size=gpus, max_len=MAX_LEN)
         best = plan_deployment(pool, batches, world_size=gpus, max_len=MAX_LEN)
         full_pool = strategy_pool(spec, lobra_cost_model(), gpu_memory_bytes=USABLE_BYTES, gpus_per_node=8,
-                                  max_gpus=gpus, prune=False)
+                                  max_gpus=gpus, prune=False, table=table)
         bound = work_bound_gpu_s(full_pool, batches)
         row = {"gpus": gpus, "tenants": count, "homogeneous_gpu_s": homo * gpus, "sequential_gpu_s": seq * gpus,
                "lobra_gpu_s": best.step_s * gpus, "homogeneous_causal_gpu_s": causal * gpus,
@@ -180,8 +184,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8, help="sampled steps of the predicted part")
     parser.add_argument("--emulated-steps", type=int, default=6)
     parser.add_argument("--part", choices=("all", "predicted", "emulated"), default="all")
+    parser.add_argument("--cost-model", default=None, help="predicted part: a measured per-layer cost table (YAML, "
+                        "python -m hetu_ext.megatron.calibrate on the GPU) instead of the FLOP model")
     args = parser.parse_args()
-    rows = predicted(args.steps) if args.part != "emulated" else []
+    rows = predicted(args.steps, args.cost_model) if args.part != "emulated" else []
     emulated_rows = emulated(args.emulated_steps) if args.part != "predicted" else []
     print(json.dumps({"predicted": rows, "emulated": emulated_rows}))
 
