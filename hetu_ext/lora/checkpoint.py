@@ -256,11 +256,7 @@ def load_adapters(trainer, directory: str) -> bool:
     start = time.perf_counter()
     report = load_pieces(storage, destinations, fallback=config.checkpoint.fallback, read=config.checkpoint.read)
     manifest = report.manifest
-    rng = None
-    if manifest.plan == plan_to_dict(trainer.plan):
-        rng = next((r for r in manifest.rng.values() if r.get("rank") == trainer.host.rank), None)
-    elif trainer.host.rank == 0:
-        logger.info("the plan differs from the saved one: adapters resharded; RNG states stay as the seed sets them")
+    rng = checkpointing.saved_rng(trainer, manifest, note="adapters resharded; ")
     state = manifest.state
     restore(trainer, RunState(iteration=manifest.iteration, source=f"{directory} iteration {manifest.iteration}",
                               losses=state.get("losses", []), scheduler=state.get("scheduler"), data=None,

@@ -176,6 +176,16 @@ def save_hetu(trainer, directory: str, *, blocking: bool) -> Checkpointer:
     return ckpt
 
 
+def saved_rng(trainer, manifest: Manifest, *, note: str = "") -> dict | None:
+    """This rank's RNG states in a hetu checkpoint when it was saved under the running plan; else None (the seed
+    sets them: ranks of another plan have no saved counterpart), logged once with ``note`` before the reason."""
+    if manifest.plan == plan_to_dict(trainer.plan):
+        return next((r for r in manifest.rng.values() if r.get("rank") == trainer.host.rank), None)
+    if trainer.host.rank == 0:
+        logger.info("the plan differs from the saved one: %sRNG states stay as the seed sets them", note)
+    return None
+
+
 def load_hetu(trainer, directory: str) -> RunState:
     """Collective over every rank (idle ones take part with nothing to fill): the tensors into this plan; returns
     the rest of the checkpoint's state."""
@@ -191,11 +201,7 @@ def load_hetu(trainer, directory: str) -> RunState:
 
     report = load_pieces(storage, destinations, fallback=fallback, read=trainer.config.checkpoint.read)
     manifest = report.manifest
-    rng = None
-    if manifest.plan == plan_to_dict(trainer.plan):
-        rng = next((r for r in manifest.rng.values() if r.get("rank") == trainer.host.rank), None)
-    elif trainer.host.rank == 0:
-        logger.info("the plan differs from the saved one: RNG states stay as the seed sets them")
+    rng = saved_rng(trainer, manifest)
     if trainer.host.rank == 0:
         logger.info("loaded checkpoint of iteration %d from %s (%.2f MiB mapped by rank 0, %.2f s)%s",
                     manifest.iteration, directory, report.bytes_read / 2**20, report.seconds,
