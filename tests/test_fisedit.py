@@ -24,14 +24,16 @@ LATENT = 16
 STEPS = 5
 
 
-def tiny_unet(*, linear_projection: bool = False, seed: int = 0) -> UNet2DConditionModel:
-    """Two map sizes (16, 8; the mid block at 8), cross-attention in every block."""
+def tiny_unet(*, linear_projection: bool = False, only_cross: bool = False, seed: int = 0) -> UNet2DConditionModel:
+    """Two map sizes (16, 8; the mid block at 8), cross-attention in every block (`only_cross`: no self-attention,
+    the toy model's blocks)."""
     torch.manual_seed(seed)
     return UNet2DConditionModel(
         sample_size=LATENT, in_channels=4, out_channels=4, block_out_channels=(16, 32), layers_per_block=1,
         down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
         up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=16,
-        attention_head_dim=4, norm_num_groups=8, use_linear_projection=linear_projection).eval()
+        attention_head_dim=4, norm_num_groups=8, use_linear_projection=linear_projection,
+        only_cross_attention=only_cross).eval()
 
 
 def inputs(seed: int = 1) -> dict[str, torch.Tensor]:
@@ -143,12 +145,12 @@ def test_sparse_kernels_on_borders_and_strides() -> None:
 
 # ---- whole UNet: exactness ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kw", [dict(), dict(key_values="cached", conv_kernel="conv", block_size=2),
-                                dict(group_norm="cached", linear=True)])
+                                dict(group_norm="cached", linear=True), dict(key_values="cached", only_cross=True)])
 def test_empty_mask_same_prompt_gives_the_cached_result_exactly(kw: dict) -> None:
     """Mask = nothing, same prompt: the dense steps repeat the generation's, then every sparse layer returns its
     cached output, so the final latents are bit-identical (catches any fresh value leaking into an inactive map)."""
     kw = dict(kw)
-    unet = tiny_unet(linear_projection=kw.pop("linear", False))
+    unet = tiny_unet(linear_projection=kw.pop("linear", False), only_cross=kw.pop("only_cross", False))
     data, engine = inputs(), FISEditEngine(unet, config(**kw))
     original = engine.generate(scheduler(), prompt_embeds=data["prompt"], **loop_kwargs(data))
     again = engine.edit(scheduler(), prompt_embeds=data["prompt"], mask=torch.zeros(LATENT, LATENT, dtype=bool),
@@ -158,7 +160,7 @@ def test_empty_mask_same_prompt_gives_the_cached_result_exactly(kw: dict) -> Non
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(key_values="cached"), dict(conv_kernel="conv", block_size=2),
-                                dict(linear=True)])
+                                dict(linear=True), dict(only_cross=True), dict(key_values="cached", only_cross=True)])
 def test_full_mask_matches_dense_edit(kw: dict) -> None:
     """Mask = everything. (1) Default max_active_fraction: every map falls back to dense, bit-identical to the
     dense run of the edited prompt. (2) Forced sparse (max_active_fraction=1): every kernel runs on all blocks;
@@ -166,7 +168,7 @@ def test_full_mask_matches_dense_edit(kw: dict) -> None:
     kernel, GEMM sum order), ~1e-7 relative per op, through 3 sparse steps of ~40 layers with CFG x4: bound
     1e-4 x max|latents| (measured ~1e-5). A wrong index, halo or statistic gives O(1) errors."""
     kw = dict(kw)
-    unet = tiny_unet(linear_projection=kw.pop("linear", False))
+    unet = tiny_unet(linear_projection=kw.pop("linear", False), only_cross=kw.pop("only_cross", False))
     data = inputs()
     full = torch.ones(LATENT, LATENT, dtype=torch.bool)
     engine = FISEditEngine(unet, config(**kw))

@@ -3,7 +3,9 @@
 Everything inside a `BasicTransformerBlock` is per token except self-attention, so its own forward runs unchanged
 on the gathered active tokens (B, n, C): LayerNorms, feed-forward, cross-attention and the projections cost n/N of
 dense. Self-attention then sees keys/values of the active tokens only (FISEdit's default) or, with
-`key_values="cached"`, of every token: fresh for active tokens, the generation's cached ones elsewhere.
+`key_values="cached"`, of every token: fresh for active tokens, the generation's cached ones elsewhere. A block
+built with diffusers' ``only_cross_attention`` has no self-attention (its first attention reads the text too), so
+it is per token throughout and its sparse run is the dense one's on the active tokens.
 """
 
 from __future__ import annotations
@@ -24,9 +26,20 @@ class _Current:
     active: ActiveSet | None = None
 
 
+def _attends_to_image(block: nn.Module) -> bool:
+    """The block's first attention is self-attention (not diffusers' ``only_cross_attention``)."""
+    return not getattr(block, "only_cross_attention", False)
+
+
 def _per_token_macs(module: nn.Module) -> int:
-    return sum(m.in_features * m.out_features for n, m in module.transformer_blocks.named_modules()
-               if isinstance(m, nn.Linear) and not n.endswith(("attn2.to_k", "attn2.to_v")))
+    """MACs per image token of the blocks' linear layers; the text's key/value projections (per text token, not
+    per image token) are left out."""
+    total = 0
+    for block in module.transformer_blocks:
+        text_kv = ("attn2.to_k", "attn2.to_v") + (() if _attends_to_image(block) else ("attn1.to_k", "attn1.to_v"))
+        total += sum(m.in_features * m.out_features for n, m in block.named_modules()
+                     if isinstance(m, nn.Linear) and not n.endswith(text_kv))
+    return total
 
 
 def attach_transformer(name: str, module: nn.Module, st: RunState) -> list[RemovableHandle]:
@@ -45,7 +58,8 @@ def attach_transformer(name: str, module: nn.Module, st: RunState) -> list[Remov
             tokens = height * width
             text = kwargs.get("encoder_hidden_states")
             text_len = text.shape[1] if text is not None else 0
-            attention = 2 * tokens * (tokens + text_len) * channels * len(blocks)
+            attention = sum(2 * tokens * channels * (tokens + text_len if _attends_to_image(block) else 2 * text_len)
+                            for block in blocks)
             st.note_macs(name, batch * (tokens * linear_tokens + attention))
 
     def gather_args(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
@@ -83,6 +97,8 @@ def attach_transformer(name: str, module: nn.Module, st: RunState) -> list[Remov
         handles.append(blocks[-1].register_forward_hook(scatter_tokens))
     if st.config.key_values == "cached":
         for i, block in enumerate(blocks):
+            if not _attends_to_image(block):
+                continue
             handles.append(block.attn1.to_k.register_forward_hook(scatter_cached(f"{name}#k{i}")))
             handles.append(block.attn1.to_v.register_forward_hook(scatter_cached(f"{name}#v{i}")))
     return handles
