@@ -1,7 +1,7 @@
 """FISEdit's fidelity where it means something: single-object edits on the toy model (toy.py), measured against the
 dense edit and the original, with the changed object's true region known from the generator.
 
-    python -m hetu_ext.diffusion.fidelity [--model DIR] [--set tune|check] [--count 24] [--grid]
+    python -m hetu_ext.diffusion.fidelity [--model DIR] [--set tune|check] [--count 24] [--grid [--grid-price K]]
 
 Per edit (source caption -> target caption, both held out from training; one object's colour or shape changes):
 
@@ -21,7 +21,9 @@ Per edit (source caption -> target caption, both held out from training; one obj
   pixel (2 image pixels).
 
 ``--grid`` tunes the mask settings (dense steps, mask steps, threshold, smoothing, morphology) by median IoU from
-the dense edit's and the generation's latents (the FISEdit mask is made from exactly those), without running FISEdit.
+the dense edit's and the generation's latents (the FISEdit mask is made from exactly those), without running FISEdit;
+``--grid-price K`` then runs FISEdit with the K best of them and the K widest masks among those of median IoU >=
+``--grid-min-iou`` and ranks them by median err_in (a mask that takes in the object's border trades IoU for err_in).
 """
 
 from __future__ import annotations
@@ -76,6 +78,22 @@ def latent_errors(fis: torch.Tensor, dense: torch.Tensor, orig: torch.Tensor, ma
     rms_edit = float(edit.pow(2).mean().sqrt())
     err_out = float((fis - orig)[..., outside].pow(2).mean().sqrt()) / rms_edit if outside.any() else 0.0
     return err_in, err_out
+
+
+@torch.no_grad()
+def latent_footprint(vae, edit: toy.Edit) -> tuple[float, float, float]:
+    """Where an edit changes the autoencoder's latents: the shares of the energy of (latents of the target's
+    rendering - latents of the source's) in the changed object's region, in the ring one latent pixel around it,
+    and beyond. A local autoencoder puts almost nothing beyond: then only the UNet can spread an edit."""
+    images = torch.from_numpy(np.stack([toy.render(edit.source), toy.render(edit.target)])).permute(0, 3, 1, 2)
+    encoded = vae.encode(images.to(vae.device, vae.dtype) * 2.0 - 1.0)
+    latents = encoded.latents if hasattr(encoded, "latents") else encoded.latent_dist.mean
+    energy = (latents[1] - latents[0]).float().pow(2).sum(0).cpu()
+    region = torch.from_numpy(edit.region(energy.shape[-1]))
+    near = torch.nn.functional.max_pool2d(region[None, None].float(), 3, stride=1, padding=1)[0, 0] > 0.5
+    total = float(energy.sum())
+    return (float(energy[region].sum()) / total, float(energy[near & ~region].sum()) / total,
+            float(energy[~near].sum()) / total)
 
 
 def image_mask(mask: torch.Tensor, size: int = toy.IMAGE) -> np.ndarray:
@@ -187,6 +205,33 @@ def grid(pipe, edits: list[toy.Edit], *, steps: int = STEPS, guidance: float = G
     return sorted(rows, key=lambda row: (-row["median_iou"], -row["mean_iou"], row["dense_steps"]))
 
 
+MASK_KEYS = ("dense_steps", "mask_steps", "threshold", "fixed_threshold", "smooth_radius", "close_radius",
+             "open_radius", "dilate_radius")
+
+
+def price_settings(model: str | Path, rows: list[dict], edits: list[toy.Edit], *, min_iou: float, count: int,
+                   steps: int = STEPS, guidance: float = GUIDANCE) -> list[dict]:
+    """FISEdit run on `edits` with mask settings from `grid`'s rows whose median IoU is >= `min_iou`: the `count`
+    best by IoU and the `count` that make the largest masks (lowest fixed threshold, then most closing and
+    dilation: a mask that takes in the object's border recomputes more of what the edit changes). Each row gains
+    the FISEdit medians (`summary`); sorted by median err_in. The defaults are the first row's settings."""
+    able = [row for row in rows if row["median_iou"] >= min_iou]
+    widest = sorted(able, key=lambda r: (r["fixed_threshold"] if r["threshold"] == "fixed" else 1.0,
+                                         -r["close_radius"] - r["dilate_radius"], -r["median_iou"]))
+    chosen: dict[tuple, dict] = {}
+    for row in able[:count] + widest[:count]:
+        chosen.setdefault(tuple(row[k] for k in MASK_KEYS), row)
+    priced = []
+    for row in chosen.values():
+        settings = {k: row[k] for k in MASK_KEYS if row[k] is not None}
+        pipe = load(model, FISEditConfig(**settings))
+        figures = summary([measure(pipe, edit, steps=steps, guidance=guidance) for edit in edits])
+        priced.append({**row, **{f"fisedit_{k}": v for k, v in figures.items()
+                                 if k in ("mask_iou", "err_in", "err_out", "mask_fraction")}})
+        print(json.dumps(priced[-1]), flush=True)
+    return sorted(priced, key=lambda row: row["fisedit_err_in"])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=str(TOY_MODEL))
@@ -207,6 +252,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-paste-outside", dest="paste_outside", action="store_false")
     parser.add_argument("--key-values", choices=("active", "cached"), default=FISEditConfig().key_values)
     parser.add_argument("--grid", action="store_true", help="tune mask settings by IoU instead")
+    parser.add_argument("--grid-price", type=int, default=0, metavar="K",
+                        help="with --grid: then run FISEdit with up to 2K settings of median IoU >= --grid-min-iou "
+                             "(the K best by IoU, the K widest masks) and rank them by median err_in")
+    parser.add_argument("--grid-min-iou", type=float, default=0.65)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -216,6 +265,11 @@ def main(argv: list[str] | None = None) -> int:
         rows = grid(load(args.model), edits, steps=args.steps, guidance=args.guidance)
         for row in rows[:15]:
             print(json.dumps(row))
+        if args.grid_price:
+            print("priced (lowest median err_in first):")
+            for row in price_settings(args.model, rows, edits, min_iou=args.grid_min_iou, count=args.grid_price,
+                                      steps=args.steps, guidance=args.guidance):
+                print(json.dumps(row))
         return 0
     config = FISEditConfig(dense_steps=args.dense_steps, mask_steps=args.mask_steps, threshold=args.threshold,
                            fixed_threshold=args.fixed_threshold, open_radius=args.open_radius,
