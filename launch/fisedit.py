@@ -3,9 +3,9 @@
     python launch/fisedit.py --model DIR --prompt "a cat on a sofa" --edit "a dog on a sofa" [--out runs/fisedit]
 
 DIR is a local StableDiffusionPipeline folder (save_pretrained layout); nothing is downloaded. The project's own
-trained toy model is hetu_ext/diffusion/toy_model (32x32 images of coloured shapes; prompts like "red circle top
-left and blue square bottom right"). Bad input exits
-with code 2 and one `error:` line, before anything is written; the three PNGs appear together or not at all.
+trained toy model is hetu_ext/diffusion/toy_model (32x32 images of coloured shapes; prompts name every quadrant:
+"red circle top left and no object top right and no object bottom left and blue square bottom right"). Bad input
+exits with code 2 and one `error:` line, before anything is written; the three PNGs appear together or not at all.
 """
 
 from __future__ import annotations

@@ -55,7 +55,10 @@ def loop_kwargs(data: dict[str, torch.Tensor]) -> dict:
 
 
 def config(**kw) -> FISEditConfig:
-    base = dict(dense_steps=2, min_sparse_size=4, stats_block_size=4)
+    """Small-model settings; the mask settings pinned (the defaults are tuned on the trained toy model and change
+    with it, these tests are about the engine on random weights)."""
+    base = dict(dense_steps=2, min_sparse_size=4, stats_block_size=4, threshold="fixed", fixed_threshold=0.4,
+                smooth_radius=1, close_radius=0, open_radius=1, dilate_radius=0)
     base.update(kw)
     return FISEditConfig(**base)
 

@@ -19,9 +19,8 @@ from hetu_ext.diffusion import toy  # noqa: E402
 from hetu_ext.diffusion.fidelity import TOY_MODEL  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-EDITS = 3
-ERR_IN = 0.4
-EMPTY_SHARE = 0.5
+EDITS = 7
+FOLLOW_SHARE = 0.9
 needs_model = pytest.mark.skipif(not (TOY_MODEL / "model_index.json").is_file(),
                                  reason=f"no trained toy model at {TOY_MODEL}: make it with python -m "
                                         "hetu_ext.diffusion.train_toy --out hetu_ext/diffusion/toy_model")
@@ -33,6 +32,8 @@ def test_vocabulary_tokenizer_and_split(tmp_path: Path) -> None:
     tokenizer = toy.write_tokenizer(tmp_path / "tok")
     ids = tokenizer("red circle top left and blue square bottom right").input_ids
     assert len(ids) == 2 + 9 and ids[0] == 0 and ids[-1] == 1
+    assert toy.caption(((0, "red", "circle"), (3, "blue", "square"))) == (
+        "red circle top left and no object top right and no object bottom left and blue square bottom right")
     data = toy.split()
     assert not set(data.train) & set(data.held_out) and len(data.held_out) > 2000
     tune, check = toy.edit_sets(24)
@@ -43,6 +44,9 @@ def test_vocabulary_tokenizer_and_split(tmp_path: Path) -> None:
         changed = [(a, b) for a, b in zip(edit.source, edit.target, strict=True) if a != b]
         assert len(changed) == 1 and changed[0][0][0] == changed[0][1][0] == edit.cell
         assert edit.region(16).sum() >= 12
+        source, target = (tokenizer(p, padding="max_length", max_length=toy.MAX_TOKENS).input_ids
+                          for p in edit.prompts)
+        assert len(source) == toy.MAX_TOKENS and sum(a != b for a, b in zip(source, target, strict=True)) == 1
 
 
 @pytest.fixture(scope="module")
@@ -57,10 +61,9 @@ def toy_pipe():
 @needs_model
 def test_toy_model_follows_held_out_captions() -> None:
     """Images generated for 12 captions never seen in training (2-3 objects each, 34 objects): where the caption
-    puts an object, the palette colour nearest to the mean of that object's pixels is the named one for at least
-    75% of the objects (chance: 1 in 7 with the background; measured 30/34), and at least half of the quadrants the
-    caption leaves empty are empty (measured 8/14). The shipped model draws some objects in a quadrant the caption
-    does not name (or a second copy there), hence rates and not every object."""
+    puts an object, the palette colour nearest to the mean of that object's pixels is the named one (chance: 1 in 7
+    with the background), and the quadrants the caption says have no object are empty; each for at least 90% of
+    them (measured: 34/34 and 14/14)."""
     from diffusers import StableDiffusionPipeline
 
     pipe = StableDiffusionPipeline.from_pretrained(str(TOY_MODEL), local_files_only=True, safety_checker=None,
@@ -75,25 +78,41 @@ def test_toy_model_follows_held_out_captions() -> None:
         empty += [toy.cell_is_empty(image, cell) for cell in set(range(4)) - {o[0] for o in layout}]
     print(f"named colour in the named quadrant: {sum(named)}/{len(named)}; unnamed quadrants empty: "
           f"{sum(empty)}/{len(empty)}")
-    assert sum(named) >= 0.75 * len(named), (sum(named), len(named))
-    assert sum(empty) >= EMPTY_SHARE * len(empty), (sum(empty), len(empty))
+    assert sum(named) >= FOLLOW_SHARE * len(named), (sum(named), len(named))
+    assert sum(empty) >= FOLLOW_SHARE * len(empty), (sum(empty), len(empty))
 
 
 def test_fisedit_on_held_out_edits(toy_pipe) -> None:
-    """The first EDITS of the check set's held-out edits with the engine's defaults (50 steps, 10 dense, automatic
-    mask). What holds: the mask is a small region overlapping the changed object, FISEdit's latents are the
-    original's outside it (err_out 0, keep_outside) and so is its image (paste_outside), and inside it FISEdit
-    realises most of the dense edit. The acceptance's median IoU >= 0.6 and err_in <= 0.1 are NOT met by the shipped
-    model: on these 3 edits median IoU 0.47 and err_in 0.30; on the 24 of the check set see benchmarks/fisedit.py
-    (benchmarks/results/fisedit_toy.txt). The bounds below sit under the measured values."""
+    """The first EDITS of the check set's held-out edits with the engine's defaults (50 steps, automatic mask),
+    medians held to the issue's bounds: mask IoU with the changed object >= 0.6, err_in (FISEdit against the dense
+    edit inside the mask, relative to the edit) <= 0.1, err_out (outside, against the original) <= 0.02, and the
+    decoded image >= 35 dB PSNR against the original outside the mask, measured on the edit's latents decoded as they
+    are (nothing pasted). Medians over the 24 of the check set: benchmarks/results/fisedit_toy.txt."""
     from hetu_ext.diffusion.fidelity import measure, summary
 
     _, check = toy.edit_sets(24)
     s = summary([measure(toy_pipe, edit) for edit in check[:EDITS]])
     print(s)
-    assert s["err_out"] <= 0.02 and s["psnr_out"] >= 35.0, s
-    assert s["mask_iou"] >= 0.4 and s["err_in"] <= ERR_IN, s
+    assert s["mask_iou"] >= 0.6 and s["err_in"] <= 0.1 and s["err_out"] <= 0.02, s
+    assert s["psnr_out_fresh"] >= 35.0 and s["psnr_out"] >= 35.0, s
     assert 0.0 < s["mask_fraction"] < 0.25, s
+
+
+@needs_model
+def test_shipped_autoencoder_is_local() -> None:
+    """A one-object edit moves the shipped autoencoder's latents near the object only (what FISEdit's premise needs
+    of the autoencoder): over 12 held-out edits of the check set, the median share of the latent change's energy
+    more than one latent pixel away from the object is below 2% (measured 0.09%; the first toy model's
+    AutoencoderKL, with GroupNorms: 13.5%)."""
+    from diffusers import AutoencoderTiny
+
+    from hetu_ext.diffusion.fidelity import latent_footprint
+
+    vae = AutoencoderTiny.from_pretrained(str(TOY_MODEL / "vae"), local_files_only=True)
+    _, check = toy.edit_sets(24)
+    shares = np.array([latent_footprint(vae, edit) for edit in check[:12]])
+    print("median energy share in the region, the ring, beyond:", np.median(shares, axis=0))
+    assert np.median(shares[:, 2]) < 0.02 and np.median(shares[:, 0]) > 0.7, shares
 
 
 @needs_model
@@ -102,8 +121,9 @@ def test_launcher_runs_on_the_shipped_model(tmp_path: Path) -> None:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     out = tmp_path / "out"
-    code = module.main(["--model", str(TOY_MODEL), "--prompt", "red circle top left and blue square bottom right",
-                        "--edit", "green circle top left and blue square bottom right", "--out", str(out),
+    source = ((0, "red", "circle"), (3, "blue", "square"))
+    code = module.main(["--model", str(TOY_MODEL), "--prompt", toy.caption(source),
+                        "--edit", toy.caption(((0, "green", "circle"), source[1])), "--out", str(out),
                         "--steps", "20", "--dense-steps", "4", "--no-progress"])
     assert code == 0
     from PIL import Image

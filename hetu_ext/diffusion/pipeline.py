@@ -50,6 +50,18 @@ def paste_outside(edited: Any, original: Any, mask: torch.Tensor) -> Any:
     return Image.fromarray(np.where(inside[..., None], new, old))
 
 
+class _DropMessage(logging.Filter):
+    """Drops log records whose message starts with `prefix` and contains `marker`."""
+
+    def __init__(self, prefix: str, marker: str) -> None:
+        super().__init__()
+        self.prefix, self.marker = prefix, marker
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not (message.startswith(self.prefix) and self.marker in message)
+
+
 class DecoderStats:
     """Forward hooks on the VAE decoder's GroupNorms: `record` keeps each layer's per-group mean and variance of a
     decode, `replay` normalises a later decode with them (FISEditConfig.decoder_stats == "cached"); `off` leaves
@@ -150,8 +162,16 @@ class FISEditPipeline:
         from diffusers import StableDiffusionPipeline
 
         path = check_model_dir(model_dir)
-        pipe = StableDiffusionPipeline.from_pretrained(str(path), local_files_only=True, safety_checker=None,
-                                                       requires_safety_checker=False, torch_dtype=dtype)
+        # The pipeline's type hint names AutoencoderKL; diffusers documents AutoencoderTiny (TAESD, the toy model's
+        # autoencoder) as a drop-in for it, so its "Expected types for vae" warning is noise here.
+        loader = logging.getLogger("diffusers.pipelines.pipeline_utils")
+        quiet = _DropMessage("Expected types for vae:", "AutoencoderTiny")
+        loader.addFilter(quiet)
+        try:
+            pipe = StableDiffusionPipeline.from_pretrained(str(path), local_files_only=True, safety_checker=None,
+                                                           requires_safety_checker=False, torch_dtype=dtype)
+        finally:
+            loader.removeFilter(quiet)
         return cls(pipe.to(device), config)
 
     def generate(self, prompt: str, *, num_inference_steps: int = 50, guidance_scale: float = 7.5,

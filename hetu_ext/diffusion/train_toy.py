@@ -3,9 +3,9 @@ StableDiffusionPipeline folder that `FISEditPipeline.from_pretrained(DIR)` loads
 
     python -m hetu_ext.diffusion.train_toy --out DIR [--seed 0] [--vae-steps 600] [--unet-steps 1500] [--threads 1]
 
-Three stages, seeded, one progress bar each: (1) the AutoencoderKL (32x32x3 <-> 16x16x4, no attention) learns to
-reconstruct rendered training images (MSE + 1e-6 KL); its latent scaling factor is set to 1 / std of the training
-latents; (2) every training layout is encoded (posterior mean); (3) the CLIP text encoder and the UNet learn
+Three stages, seeded, one progress bar each: (1) the autoencoder (diffusers' AutoencoderTiny, 32x32x3 <-> 16x16x4)
+learns to reconstruct rendered training images (MSE); its latent scaling factor is set to 1 / std of the training
+latents; (2) every training layout is encoded; (3) the CLIP text encoder and the UNet learn
 epsilon-prediction under Stable Diffusion's noise schedule (scaled linear, 1000 steps; Min-SNR-5 loss weights),
 10% of captions dropped to "" so classifier-free guidance works. The 10% held-out 2- and 3-object captions
 (toy.split) are never shown.
@@ -67,9 +67,7 @@ def train_vae(vae, layouts, toy, args, rng: random.Random) -> list[float]:
             for group in opt.param_groups:
                 group["lr"] = _lr(step, args.vae_steps, args.vae_lr, 20)
             x = _images(rng.choices(layouts, k=args.batch), toy)
-            posterior = vae.encode(x).latent_dist
-            recon = vae.decode(posterior.sample()).sample
-            loss = torch.nn.functional.mse_loss(recon, x) + 1e-6 * posterior.kl().mean()
+            loss = torch.nn.functional.mse_loss(vae.decode(vae.encode(x).latents).sample, x)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
@@ -86,7 +84,7 @@ def encode_all(vae, layouts, toy, args) -> torch.Tensor:
     with _bar(len(layouts), "encode", args.progress) as bar:
         for start in range(0, len(layouts), 256):
             chunk = layouts[start:start + 256]
-            out.append(vae.encode(_images(chunk, toy)).latent_dist.mean)
+            out.append(vae.encode(_images(chunk, toy)).latents)
             bar.update(len(chunk))
     return torch.cat(out)
 
@@ -178,6 +176,11 @@ def train(args: argparse.Namespace) -> dict:
                                        scheduler=toy.make_scheduler(), safety_checker=None, feature_extractor=None,
                                        requires_safety_checker=False)
         pipe.save_pretrained(out)
+        # AutoencoderTiny registers block_out_channels itself (for the pipeline's scale factor) and then warns on
+        # load that the saved key is unexpected: leave it out of the file, the model sets it again.
+        vae_config = out / "vae" / "config.json"
+        vae_config.write_text(json.dumps({k: v for k, v in json.loads(vae_config.read_text()).items()
+                                          if k != "block_out_channels"}, indent=2, sort_keys=True) + "\n")
         argv = {k: v for k, v in vars(args).items() if k not in ("out", "progress", "save_every")}
         argv["unet_steps"] = step
         record.update({"command": "python -m hetu_ext.diffusion.train_toy " + " ".join(
