@@ -22,6 +22,7 @@ from __future__ import annotations
 import pytest
 import torch
 import yaml
+from test_packed_training import ADAM_EPS
 
 from hetu_ext.testing.multiproc import run_ranks
 
@@ -58,6 +59,7 @@ pipelines:
 def _argv(tenants_file, *extra: str) -> list[str]:
     return ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--ffn-hidden-size", "64",
             "--seq-length", "64", "--micro-batch-size", "1", "--train-iters", str(K_STEPS), "--lr", "1e-3",
+            "--adam-eps", ADAM_EPS,  # why: test_packed_training.ADAM_EPS
             "--lr-decay-style", "constant", "--clip-grad", str(CLIP), "--hidden-dropout", "0", "--attention-dropout",
             "0", "--seed", "11", "--hetu-lora-tenants", str(tenants_file), *extra]
 
