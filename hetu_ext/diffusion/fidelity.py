@@ -43,6 +43,7 @@ import torch
 
 from hetu_ext.diffusion import toy
 from hetu_ext.diffusion.config import FISEditConfig
+from hetu_ext.diffusion.mask import dilate
 
 TOY_MODEL = Path(__file__).resolve().parent / "toy_model"
 """The shipped toy pipeline (made by `python -m hetu_ext.diffusion.train_toy`, see its training.json)."""
@@ -90,7 +91,7 @@ def latent_footprint(vae, edit: toy.Edit) -> tuple[float, float, float]:
     latents = encoded.latents if hasattr(encoded, "latents") else encoded.latent_dist.mean
     energy = (latents[1] - latents[0]).float().pow(2).sum(0).cpu()
     region = torch.from_numpy(edit.region(energy.shape[-1]))
-    near = torch.nn.functional.max_pool2d(region[None, None].float(), 3, stride=1, padding=1)[0, 0] > 0.5
+    near = dilate(region, 1)
     total = float(energy.sum())
     return (float(energy[region].sum()) / total, float(energy[near & ~region].sum()) / total,
             float(energy[~near].sum()) / total)
@@ -127,7 +128,7 @@ def measure(pipe, edit: toy.Edit, *, steps: int = STEPS, guidance: float = GUIDA
     region = edit.region(fis.mask.shape[-1])
     mask = fis.mask.numpy()
     pixels = image_mask(fis.mask, np.asarray(original).shape[0])
-    grown = torch.nn.functional.max_pool2d(fis.mask[None, None].float(), 3, stride=1, padding=1)[0, 0] > 0.5
+    grown = dilate(fis.mask, 1)
     margin = image_mask(grown, np.asarray(original).shape[0])
     return EditFigures(source=source, target=target, mask_fraction=float(mask.mean()),
                        mask_iou=toy.mask_iou(mask, region), err_in=err_in, err_out=err_out,

@@ -36,7 +36,8 @@ def otsu_threshold(values: torch.Tensor, bins: int = 256) -> float:
     return float((cut + 1) / bins)
 
 
-def _dilate(mask: torch.Tensor, radius: int) -> torch.Tensor:
+def dilate(mask: torch.Tensor, radius: int) -> torch.Tensor:
+    """(H, W) bool mask grown by `radius` pixels (a (2r+1)^2 square neighbourhood)."""
     if radius == 0:
         return mask
     size = 2 * radius + 1
@@ -44,17 +45,17 @@ def _dilate(mask: torch.Tensor, radius: int) -> torch.Tensor:
 
 
 def _erode(mask: torch.Tensor, radius: int) -> torch.Tensor:
-    return ~_dilate(~mask, radius)
+    return ~dilate(~mask, radius)
 
 
 def clean_mask(mask: torch.Tensor, *, open_radius: int, dilate_radius: int, close_radius: int = 0) -> torch.Tensor:
     """Closing (dilate then erode) fills holes and gaps narrower than 2*close_radius+1; opening (erode then dilate)
     removes specks thinner than 2*open_radius+1; then dilate grows the border."""
     if close_radius:
-        mask = _erode(_dilate(mask, close_radius), close_radius)
+        mask = _erode(dilate(mask, close_radius), close_radius)
     if open_radius:
-        mask = _dilate(_erode(mask, open_radius), open_radius)
-    return _dilate(mask, dilate_radius)
+        mask = dilate(_erode(mask, open_radius), open_radius)
+    return dilate(mask, dilate_radius)
 
 
 def smooth(diff: torch.Tensor, radius: int) -> torch.Tensor:
