@@ -16,7 +16,7 @@ import json
 
 import pytest
 from test_hotspa import assert_launch_refused
-from test_packed_training import HETERO
+from test_packed_training import ADAM_EPS, HETERO
 from test_uniform_equivalence import LOSS_RTOL, WEIGHT_ATOL, compare
 
 from hetu_ext.metrics import read_records
@@ -47,7 +47,8 @@ strategies:
 def _argv(method: str, *extra: str) -> list[str]:
     return ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--ffn-hidden-size", "64",
             "--seq-length", "64", "--micro-batch-size", "1", "--hetu-global-batch-tokens", "300",
-            "--train-iters", "3", "--lr", "1e-3", "--lr-decay-style", "constant", "--clip-grad", "1.0",
+            "--train-iters", "3", "--lr", "1e-3", "--adam-eps", ADAM_EPS,  # why: test_packed_training.ADAM_EPS
+            "--lr-decay-style", "constant", "--clip-grad", "1.0",
             "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", SEED, "--mock-data",
             "--hetu-varlen-mock", LENGTHS, "--hetu-mock-documents", "2000", "--hetu-packing", method, *extra]
 

@@ -30,7 +30,7 @@ LENGTHS = json.dumps({"mode": "distribution", "type": "lognormal", "min_seq_len"
 
 
 ADAM_EPS = "1e-4"
-"""Adam's epsilon in these gold runs (and LoRA's, test_lobra_training). With Megatron's 1e-8, an element whose
+"""Adam's epsilon in these gold runs (and HotSPa's, Hydraulis' and LoRA's). With Megatron's 1e-8, an element whose
 gradient is near epsilon turns fp32 rounding differences (the reduction order of packed vs unpacked attention,
 across TP ranks, the CPU's kernels) into weight differences of up to ~lr. On an AVX-512/AMX machine (2026-12-04)
 the packed and HotSPa runs measured 2.0-2.7e-6 against the unpacked reference and LoRA TP 2 vs TP 1 1.4e-4,
