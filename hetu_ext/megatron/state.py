@@ -92,12 +92,16 @@ def state_pieces(placement, *, moments: set[str] | None = None, step: float | No
 
     Names: ``param/KEY`` (model dtype), ``master/KEY`` (fp32 copy kept by the optimizer under --bf16),
     ``exp_avg/KEY``, ``exp_avg_sq/KEY``. With ``moments`` given (loading), the optimizer state of every parameter
-    is first created with those moments (zeros, to be filled) and Adam's ``step``.
+    is first created with those moments and Adam's ``step``, uninitialised: these pieces are the destinations of
+    a load (:func:`hetu_ext.checkpoint.load.load_pieces`), whose reshard fills every element or raises before
+    moving anything (a failed load stops the run). Not zero-filling them saves a pass over the moments' memory
+    (on one core of the benchmark machine: zeros at 2.2 GB/s, then the copy into them at 5 GB/s; the copy into
+    untouched memory at 3.4 GB/s).
     """
     if not placement.active:
         return []
     if moments is not None:
-        create_optimizer_state(placement, moments, step)
+        create_optimizer_state(placement, moments, step, zero=False)
     sharded = getattr(placement.optimizer, "hetu_sharded", None)
     if sharded is not None:  # --- the plan runtime's sharded optimizer: state of the owned boxes only
         pieces = [Piece(f"param/{s.key}", s.index, tuple((sl.start, sl.stop) for sl in s.slices), s.data.data)
@@ -121,13 +125,14 @@ def state_pieces(placement, *, moments: set[str] | None = None, step: float | No
     return pieces
 
 
-def create_optimizer_state(placement, moments: set[str], step: float | None) -> None:
-    """Give every parameter of this rank's optimizer the state ``moments`` (zeros, to be filled by a load) and
-    Adam's ``step``."""
+def create_optimizer_state(placement, moments: set[str], step: float | None, *, zero: bool = True) -> None:
+    """Give every parameter of this rank's optimizer the state ``moments`` (zeros; with ``zero=False``
+    uninitialised, for a caller that overwrites every element) and Adam's ``step``."""
+    new = torch.zeros_like if zero else torch.empty_like
     for opt in optimizers(placement.optimizer):
         for group in opt.param_groups:
             for p in group["params"]:
-                state = {m: torch.zeros_like(p.data) for m in moments}
+                state = {m: new(p.data) for m in moments}
                 if step is not None:
                     state["step"] = torch.tensor(float(step), dtype=torch.float32)
                 opt.state[p] = state
