@@ -1,17 +1,17 @@
 """Load a checkpoint into any layout: the file layout is the source of a reshard (collective).
 
-Every rank states the pieces it wants (its layout under the new plan: any TP / PP / DP, any rank count). Each
-stored shard is read whole and checked by one rank (:func:`selection.assign_reads`): one per job (policy
-``once``: the reshard engine then sends every rank its boxes point to point) or one per host (policy ``node``,
-the default: the host's other ranks read just the byte ranges they need from the memory-mapped file, which the
-host's page cache serves, and the reshard only copies locally). Measured on 2 -> 3 CPU ranks sharing one host,
-each load from a cold page cache (benchmarks/results/checkpoint_cpu_2026-12-02.txt, a 1.214 GB state), ``node``
-loads in 2.5 s, ``once`` in 6.6 s (gloo over loopback), Megatron's dist_checkpointing in 4.0 s and DeepSpeed's
-ds_to_universal + load_universal route in 13.2 s; both policies fetch 1.215 GB from the disk (/proc/self/io);
-under ``node`` the three replicas each read the whole state through their memory maps (3.6 GB, the page cache
-serving all but the first). Ranks agree on failure:
-if any rank finds a corrupt file, every rank learns it, and with ``fallback`` all move to the previous complete
-checkpoint together; nothing is written into the model before the whole checkpoint has read cleanly.
+Every rank states the pieces it wants (its layout under the new plan: any TP / PP / DP, any rank count). Each stored
+shard is read whole and checked by one rank (:func:`selection.assign_reads`): one per job (policy ``once``: the
+reshard engine then sends every rank its boxes point to point) or one per host (policy ``node``, the default: the
+host's other ranks read just the byte ranges they need from the memory-mapped file, which the host's page cache
+serves, and the reshard only copies locally). Measured on 2 -> 3 CPU ranks sharing one host, each load from a cold
+page cache (benchmarks/results/checkpoint_cpu_2026-12-04_b.txt, a 1.214 GB state, medians of 7 loads), ``node``
+loads in 1.50 s, ``once`` in 2.7 s (gloo over loopback), Megatron's dist_checkpointing in 2.27 s and DeepSpeed's
+ds_to_universal + load_universal route in 13.7 s; both policies fetch 1.215 GB from the disk (/proc/self/io); under
+``node`` the three replicas each read the whole state through their memory maps (3.6 GB, the page cache serving all
+but the first). Ranks agree on failure: if any rank finds a corrupt file, every rank learns it, and with
+``fallback`` all move to the previous complete checkpoint together; nothing is written into the model before the
+whole checkpoint has read cleanly.
 """
 
 from __future__ import annotations
