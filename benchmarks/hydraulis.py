@@ -22,7 +22,11 @@ all-reduce (hetu_ext.plan.hydraulis.sync_seconds at ``--bandwidth`` GB/s per GPU
   does without switching);
 * ``dynamic_s``: per step, the candidate hetu_ext.plan.hydraulis.Selector chooses (packer's time plus the
   switch of weights and gradients from the home and back, hetu_ext.data.hotspa.switch_seconds at
-  ``--bandwidth``), plus the home's gradient all-reduce.
+  ``--bandwidth``), plus the home's gradient all-reduce;
+* ``one_plan_bound_s`` (``meg/bnd``: ``megatron_s`` over it): hetu_ext.plan.hydraulis.one_plan_bound_s, a
+  certified lower bound on the compute time of any single plan of the pool's shapes per step (what per-step
+  selection among plans can reach at best, all-reduce and switches left out); where ``meg/bnd`` is below a
+  target, no candidate set and no selector meets it under this cost and memory model.
 
 Times: ``candidates_s`` (candidate_strategies on the whole length file; ``candidates_cpu_s`` its CPU time),
 ``select_ms`` (one step's choice: the bounds of every candidate holding the longest sequence and the packer on each
@@ -68,8 +72,10 @@ from hetu_ext.plan.hydraulis import (  # noqa: E402
     Selector,
     candidate_strategies,
     flops_cost_table,
+    one_plan_bound_s,
     sample_batches,
     select_candidate,
+    shape_pool,
     sync_seconds,
 )
 from hetu_ext.plan.lobra import megatron_time_s  # noqa: E402
@@ -148,9 +154,12 @@ def predicted_row(name: str, spec: ModelSpec, gpus: int, cost: CostTable, pieces
             if s.max_len >= longest and len(s.plan.pipelines) <= len(b):
                 exact[j].append(selector.exact(j, b) + sync_seconds(s.plan, spec, bandwidth=bandwidth))
     static = min((float(np.mean(v)), items[j].name) for j, v in exact.items() if len(v) == len(batches))
+    pool = shape_pool(spec, cost, world_size=gpus, max_len=max_len, prune=False)
+    bound = float(np.mean([one_plan_bound_s(b, pool, gpus) for b in batches]))
     row = {"model": name, "gpus": gpus, "max_len": max_len, "lengths": None,
            **megatron_best(spec, gpus, cost, batches, max_len=max_len, bandwidth=bandwidth),
            "static_hetero_s": static[0], "static_hetero": static[1], "dynamic_s": float(np.mean(dynamic)),
+           "one_plan_bound_s": bound,
            "chosen": sorted(set(chosen)), "candidates": len(items), "home": items[strategies.home].name,
            "candidates_s": candidates_s, "candidates_cpu_s": candidates_cpu_s,
            "select_ms": statistics.median(select_ms), "select_max_ms": max(select_ms),
@@ -260,7 +269,8 @@ def main() -> None:
           f"batch, {args.batches} batches, {args.gpu_memory_gb:g} GB per GPU, TP link {args.tp_bandwidth:g} GB/s, "
           f"switch/all-reduce {args.bandwidth:g} GB/s per GPU")
     header = (f"{'model':<8} {'gpus':>4} {'max_len':>7} {'megatron':>12} {'megatron_s':>10} {'causal_s':>8} "
-              f"{'static_h_s':>10} {'dynamic_s':>9} {'meg/dyn':>7} {'stat/dyn':>8} {'cand_s':>6} {'cnd_cpu':>7} "
+              f"{'static_h_s':>10} {'dynamic_s':>9} {'meg/dyn':>7} {'stat/dyn':>8} {'meg/bnd':>7} "
+              f"{'cand_s':>6} {'cnd_cpu':>7} "
               f"{'sel_ms':>7} {'sel_max':>7} "
               f"{'sel_cpu':>7} {'cpu_max':>7} {'pack_ms':>7} {'over_ms':>7} {'bound_s':>7} {'bnd_ms':>6} {'bnd_cpu':>7}"
               "  chosen (home)")
@@ -283,6 +293,7 @@ def main() -> None:
                       f"{row['megatron_causal_s']:>8.3f} {row['static_hetero_s']:>10.3f} {row['dynamic_s']:>9.3f} "
                       f"{row['megatron_s'] / row['dynamic_s']:>6.2f}x "
                       f"{row['static_hetero_s'] / row['dynamic_s']:>7.2f}x "
+                      f"{row['megatron_s'] / row['one_plan_bound_s']:>6.2f}x "
                       f"{row['candidates_s']:>6.2f} {row['candidates_cpu_s']:>7.2f} {row['select_ms']:>7.1f} "
                       f"{row['select_max_ms']:>7.1f} {row['select_cpu_ms']:>7.1f} {row['select_cpu_max_ms']:>7.1f} "
                       f"{row['pack_ms']:>7.1f} "

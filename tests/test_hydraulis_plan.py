@@ -19,6 +19,7 @@ from hetu_ext.plan.hydraulis import (
     candidate_strategies,
     group_cost,
     length_histogram,
+    one_plan_bound_s,
     select_candidate,
     shape_pool,
     solve,
@@ -158,6 +159,33 @@ def test_selection_equals_brute_force_over_the_candidates():
             assert tb == pytest.approx(prices[kb]) and tb >= t and max(packed_b.predicted_s) == exact[kb]
             chosen.add((id(st), k))
     assert len(chosen) > len(sets), "the batches should pick more than one candidate per set"
+
+
+def test_one_plan_bound_is_below_every_candidate_and_binds_when_only_the_whole_cluster_holds_the_longest():
+    """one_plan_bound_s (the certified limit of one-plan-per-step selection that benchmarks/hydraulis.py prints)
+    is at most the packer's time of every candidate holding the step's longest sequence, and when only shapes
+    of all the GPUs hold it, it counts those shapes alone."""
+    rng = np.random.default_rng(3)
+    forced_seen = 0
+    for gpus, seed in ((4, 0), (8, 2), (16, 1)):
+        cost = _cost(seed)
+        st = candidate_strategies(MODEL, gpus, cost, _lengths(seed, n=2000), max_len=SHORT, limit=8,
+                                  batch_tokens=gpus * 8 * 512)
+        pool = shape_pool(MODEL, cost, world_size=gpus, max_len=SHORT, prune=False)
+        sel = Selector(st, MODEL, cost, bandwidth=1e9)
+        for _ in range(8):
+            n = int(rng.integers(8, 60))
+            batch = np.clip(rng.lognormal(3.5, 1.2, n).astype(np.int64), 1, SHORT).tolist()
+            bound = one_plan_bound_s(batch, pool, gpus)
+            able = [j for j, s in enumerate(st.items) if s.max_len >= max(batch) and len(s.plan.pipelines) <= n]
+            exact = [sel.exact(j, batch) for j in able]
+            assert exact and all(bound <= t * (1 + 1e-9) for t in exact)
+            assert bound >= 0.5 * min(exact), "the bound should not be trivially loose"
+            holders = [s for s in pool if s.capacity >= max(batch)]
+            if all(s.gpus == gpus for s in holders):  # the plan is one replica of all the GPUs
+                forced_seen += 1
+                assert bound == one_plan_bound_s(batch, holders, gpus)
+    assert forced_seen, "some batch should need the whole cluster for its longest sequence"
 
 
 def test_pricer_hands_on_the_packing_it_priced():
