@@ -463,21 +463,19 @@ class Selector:
         return k, t, self._packed.get(k)
 
 
-# ------------------------------------------------------------------------------------------- planning CLI
-
 def one_plan_bound_s(lengths: Sequence[int], pool: Sequence[Shape], world_size: int) -> float:
     """A lower bound on the compute seconds of every plan over ``world_size`` GPUs whose replicas are shapes of
     ``pool`` (pass the unpruned pool, ``shape_pool(..., prune=False)``) training ``lengths`` in one step: what
     one-plan-per-step selection can reach at best, gradient all-reduce and switches left out.
 
     Proof (the packer's cost model): a replica of shape s runs each microbatch in at least any of its stages'
-    ``a Q + b S`` (Q, S: the microbatch's squared and plain tokens; the overhead c and the fill and drain are
-    >= 0), so its time is at least ``sum over its sequences of (a L^2 + b L)`` with a and b the least over its
-    stages. The step time T is at least every
-    replica's time, so ``G T >= sum over replicas of gpus_s x time_s >= sum over sequences of gpus_s (a_s L^2 +
-    b_s L)`` for the shape s that trains it, which is at least the least such term over the shapes whose capacity
-    holds L. A plan must have a replica holding the longest sequence; when every shape that holds it takes all G
-    GPUs, that replica is the whole plan, and only those shapes count for every sequence.
+    ``a Q + b S`` (Q, S: the microbatch's squared and plain tokens; the overhead c and the fill and drain are >= 0), so
+    its time is at least ``sum over its sequences of (a L^2 + b L)`` with a and b the least over its stages. The
+    step time T is at least every replica's time, so ``G T >= sum over replicas of gpus_s x time_s >= sum over
+    sequences of gpus_s (a_s L^2 + b_s L)`` for the shape s that trains it, which is at least the least such term
+    over the shapes whose capacity holds L. A plan must have a replica holding the longest sequence; when every
+    shape that holds it takes all G GPUs, that replica is the whole plan, and only those shapes count for every
+    sequence.
 
     ValueError when no shape holds the longest sequence."""
     if not len(lengths):
@@ -496,6 +494,8 @@ def one_plan_bound_s(lengths: Sequence[int], pool: Sequence[Shape], world_size: 
     work = np.where((caps[None, :] >= L) & allowed[None, :], work, np.inf)
     return float(work.min(axis=1).sum() / world_size)
 
+
+# ------------------------------------------------------------------------------------------- planning CLI
 
 def replicas_of(strategy: Strategy) -> list[tuple[int, int, int]]:
     """(TP, PP, count) of a strategy's pipelines, larger TP first (the first stage's TP stands for the pipeline)."""
