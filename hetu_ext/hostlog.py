@@ -14,6 +14,7 @@ untouched.
 from __future__ import annotations
 
 import logging
+import re
 import warnings
 
 HOST_MODULES = ("megatron", "deepspeed", "transformer_engine", "apex")
@@ -33,8 +34,9 @@ DROPPED_MESSAGES = {
     "megatron.core.datasets.megatron_tokenizer": ("legacy tokenizer system",),
     "megatron.core.datasets.gpt_dataset": ("because path_to_cache is None",),
 }
-"""Host log lines dropped by substring, per emitting logger: warnings that fire on every run and ask nothing of
-the user (hetu_ext's tokenizers are legacy-API subclasses by design; mock datasets have no cache path)."""
+"""Host log lines dropped by pattern (regular expressions, searched in the message), per emitting logger:
+warnings that fire on every run and ask nothing of the user (hetu_ext's tokenizers are legacy-API subclasses by
+design; mock datasets have no cache path)."""
 
 WARNING_MESSAGES = (
     r"Transformer Engine and Apex are not installed",
@@ -46,19 +48,19 @@ WARNING_MESSAGES = (
 """``warnings.warn`` messages (regex, start of message) dropped wherever they are attributed to."""
 
 
-class _DropMessages(logging.Filter):
-    """Drops records whose message contains one of ``substrings``."""
+class DropMessages(logging.Filter):
+    """Drops records whose message matches one of ``patterns`` (regular expressions, ``re.search``)."""
 
-    def __init__(self, substrings: tuple[str, ...]) -> None:
+    def __init__(self, patterns: tuple[str, ...]) -> None:
         super().__init__()
-        self.substrings = substrings
+        self.patterns = tuple(re.compile(p) for p in patterns)
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
-        return not any(s in message for s in self.substrings)
+        return not any(p.search(message) for p in self.patterns)
 
 
-_FILTERS = {name: _DropMessages(subs) for name, subs in DROPPED_MESSAGES.items()}
+_FILTERS = {name: DropMessages(patterns) for name, patterns in DROPPED_MESSAGES.items()}
 
 
 def quiet_host_frameworks() -> None:

@@ -12,6 +12,7 @@ import torch
 
 from hetu_ext.diffusion.config import FISEditConfig
 from hetu_ext.diffusion.engine import FISEditEngine
+from hetu_ext.hostlog import DropMessages
 
 logger = logging.getLogger(__name__)
 
@@ -48,18 +49,6 @@ def paste_outside(edited: Any, original: Any, mask: torch.Tensor) -> Any:
     scale = new.shape[0] // mask.shape[0]
     inside = np.kron(mask.numpy().astype(np.uint8), np.ones((scale, scale), dtype=np.uint8)).astype(bool)
     return Image.fromarray(np.where(inside[..., None], new, old))
-
-
-class _DropMessage(logging.Filter):
-    """Drops log records whose message starts with `prefix` and contains `marker`."""
-
-    def __init__(self, prefix: str, marker: str) -> None:
-        super().__init__()
-        self.prefix, self.marker = prefix, marker
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        return not (message.startswith(self.prefix) and self.marker in message)
 
 
 class DecoderStats:
@@ -165,7 +154,7 @@ class FISEditPipeline:
         # The pipeline's type hint names AutoencoderKL; diffusers documents AutoencoderTiny (TAESD, the toy model's
         # autoencoder) as a drop-in for it, so its "Expected types for vae" warning is noise here.
         loader = logging.getLogger("diffusers.pipelines.pipeline_utils")
-        quiet = _DropMessage("Expected types for vae:", "AutoencoderTiny")
+        quiet = DropMessages((r"(?s)^Expected types for vae:.*AutoencoderTiny",))
         loader.addFilter(quiet)
         try:
             pipe = StableDiffusionPipeline.from_pretrained(str(path), local_files_only=True, safety_checker=None,
