@@ -7,9 +7,12 @@ Two parts, one JSON line at the end:
   ``--batch-tokens`` tokens. ``static_s``: the best uniform TP x PP x DP whose memory holds the longest sequence
   (every shape that fits, searched as a Megatron user would; Hydraulis packing, the strongest packer here) plus
   its data-parallel gradient all-reduce. ``hotspa_s``: the dynamic program's grouping over every shape that fits
-  memory (hetu_ext.data.hotspa.auto_groups), each group's time, its all-reduce and the switch to and from the
-  home (the static best; weights bf16 in, gradients fp32 out at ``--bandwidth`` GB/s per GPU) included;
-  ``switch_s`` the switch part. Means over ``--batches`` batches.
+  memory (hetu_ext.data.hotspa.auto_groups, the candidates --hetu-hotspa auto offers), each group's time, its
+  all-reduce and the switch to and from the home (the static best; weights bf16 in, gradients fp32 out at
+  ``--bandwidth`` GB/s per GPU) included; ``switch_s`` the switch part. ``bound_s``: no grouping of the same
+  batches over those candidates, under any home, beats it (hetu_ext.data.hotspa.grouping_bound_s: compute and
+  all-reduce, switches left out); ``ceiling`` = static_s / bound_s, the most any HotSPa grouping can gain under
+  this cost and memory model. Means over ``--batches`` batches.
   The per-TP layer costs are the cost model's assumption: the A100 FLOPs model of hetu_ext.data.cost plus the
   tensor-parallel all-reduces a Megatron layer makes without sequence parallelism (4 per layer, forward and
   backward, of s x h bf16 values, ring 2 (t-1)/t at ``--tp-bandwidth`` GB/s: 150 for NVLink A100 SXM, 25 for a
@@ -51,8 +54,8 @@ from hetu_ext.data.hotspa import (  # noqa: E402
     allreduce_seconds,
     auto_groups,
     auto_strategies,
-    frontier,
     group_seconds,
+    grouping_bound_s,
     switch_seconds,
 )
 from hetu_ext.data.lengths import read_lengths, split_long  # noqa: E402
@@ -93,11 +96,7 @@ def predicted_row(spec: ModelSpec, gpus: int, cost: CostTable, batch_list: list[
 
     static_k = min(holding, key=static_time)
     static_s = static_time(static_k)
-    # the dynamic program's candidates: strategies no other one beats on both capacity and speed
-    probe = [x for x in batch_list[0] if x <= min(s.max_len for s in items)]
-    home = frontier(Strategies(items=items, home=static_k),
-                    [group_seconds(s.plan, spec, cost, probe, s.max_len) for s in items])
-    items, static_k = home.items, home.home
+    home = Strategies(items=items, home=static_k)  # every shape that fits: what --hetu-hotspa auto offers
     switch = [0.0 if k == static_k else switch_seconds(items[static_k].plan, s.plan, spec, weight_bytes=2,
                                                        bandwidth=bandwidth) for k, s in enumerate(items)]
     allreduce = [allreduce_seconds(s.plan, spec, bandwidth=bandwidth) for s in items]
@@ -109,7 +108,7 @@ def predicted_row(spec: ModelSpec, gpus: int, cost: CostTable, batch_list: list[
     def estimate_s(k, ls):
         return pricer.estimate(k, ls) + allreduce[k]
 
-    totals, switches, chosen, plan_ms = [], [], set(), []
+    totals, switches, chosen, plan_ms, bounds = [], [], set(), [], []
     for b in batch_list:
         start = time.perf_counter()
         groups = auto_groups(b, home, estimate_s, switch, exact=group_s)
@@ -121,10 +120,12 @@ def predicted_row(spec: ModelSpec, gpus: int, cost: CostTable, batch_list: list[
             chosen.add(items[g.strategy].name)
         totals.append(t + sw)
         switches.append(sw)
+        bounds.append(grouping_bound_s(b, home, spec, cost, fixed_s=allreduce))  # any grouping and home; no switch
     plan_ms = statistics.mean(plan_ms)
     hotspa_s, switch_s = statistics.mean(totals), statistics.mean(switches)
     return {"gpus": gpus, "max_len": longest, "static_s": static_s, "hotspa_s": hotspa_s, "switch_s": switch_s,
-            "static": items[static_k].name, "hotspa_strategies": sorted(chosen), "grouping_ms": plan_ms}
+            "static": items[static_k].name, "hotspa_strategies": sorted(chosen), "grouping_ms": plan_ms,
+            "bound_s": statistics.mean(bounds)}
 
 
 # ----------------------------------------------------------------------------------------------------- emulated
@@ -204,7 +205,7 @@ def main() -> None:
     predicted = []
     print(f"predicted: 7B-shaped model, {args.lengths}, {args.batch_tokens} tokens per 8 GPUs, cost: {cost.device}")
     print(f"{'gpus':>5} {'max_len':>8} {'static':>14} {'static_s':>9} {'hotspa_s':>9} {'switch_s':>9} "
-          f"{'speed-up':>8}  strategies used")
+          f"{'speed-up':>8} {'bound_s':>8} {'ceiling':>7}  strategies used")
     for max_len in () if args.skip_predicted else (16384, 32768):
         spec = ModelSpec(num_layers=32, hidden_size=4096, num_attention_heads=32, ffn_hidden_size=11008,
                          vocab_size=32000, seq_length=max_len, untie_embeddings_and_output_weights=True)
@@ -215,8 +216,8 @@ def main() -> None:
             row["max_len"] = max_len
             predicted.append(row)
             print(f"{gpus:>5} {max_len:>8} {row['static']:>14} {row['static_s']:>9.3f} {row['hotspa_s']:>9.3f} "
-                  f"{row['switch_s']:>9.3f} {row['static_s'] / row['hotspa_s']:>7.2f}x  "
-                  f"{', '.join(row['hotspa_strategies'])}")
+                  f"{row['switch_s']:>9.3f} {row['static_s'] / row['hotspa_s']:>7.2f}x {row['bound_s']:>8.3f} "
+                  f"{row['static_s'] / row['bound_s']:>6.2f}x  {', '.join(row['hotspa_strategies'])}")
 
     emulated = []
     if not args.skip_emulated:

@@ -228,8 +228,9 @@ def auto_groups(lengths: Sequence[int], strategies: Strategies, group_s: Callabl
     home): a dynamic program over split points of the sorted lengths (every capacity boundary and ``points``
     quantiles), each contiguous run of lengths given the strategy that takes its longest and has no more
     pipelines than sequences. ``group_s`` may be an estimate (the packer's bound); with ``exact`` (the packer)
-    the program's grouping and the home alone are both priced exactly and the cheaper is returned, so an
-    estimate's error never makes a step slower than running it all under the home strategy."""
+    the program's grouping is then improved by exactly priced merges of its groups (:func:`_merge_exactly`) and
+    compared with the home alone, so an estimate's error never makes a step slower than running it all under the
+    home strategy."""
     check_capacity(lengths, strategies)
     s = np.asarray(lengths, dtype=np.int64)
     order = np.argsort(s, kind="stable")
@@ -261,15 +262,109 @@ def auto_groups(lengths: Sequence[int], strategies: Strategies, group_s: Callabl
     for k, i, j, _ in best[n][1]:
         merged.setdefault(k, []).extend(int(x) for x in order[i:j])
     groups = [Group(strategy=k, indices=tuple(ix)) for k, ix in sorted(merged.items())]
-    home = strategies.home
-    if exact is None or len(groups) == 1 or strategies.items[home].max_len < int(sorted_s[-1]) \
-            or pipelines[home] > n:
+    if exact is None or len(groups) == 1:
         return groups
-    chosen_s = sum(exact(g.strategy, [int(s[i]) for i in g.indices]) + (0.0 if g.strategy == home else
-                                                                         switch_s[g.strategy]) for g in groups)
-    if exact(home, s.tolist()) <= chosen_s:
-        return [Group(strategy=home, indices=tuple(range(n)))]
-    return groups
+    return _merge_exactly(groups, s, strategies, exact, switch_s)
+
+
+def _merge_exactly(groups: list[Group], s: np.ndarray, strategies: Strategies,
+                   exact: Callable[[int, list[int]], float], switch_s: Sequence[float]) -> list[Group]:
+    """Greedy merging priced by ``exact``: while moving one group's sequences into another group (whose strategy
+    takes them) lowers the exact total, make the best such move. The dynamic program prices each group with an
+    estimate that is blind to what the packer adds (a group's fill and drain on every pipeline, its packs'
+    overheads), which on a few long sequences can favour a group of its own that the exact price does not; the
+    home alone is also priced (it is where merging ends when the home takes every sequence)."""
+    home = strategies.home
+    prices: dict[tuple[int, tuple[int, ...]], float] = {}
+
+    def price(group: Group) -> float:
+        key = (group.strategy, tuple(sorted(group.indices)))
+        if key not in prices:
+            prices[key] = exact(group.strategy, [int(s[i]) for i in group.indices]) + \
+                (0.0 if group.strategy == home else switch_s[group.strategy])
+        return prices[key]
+
+    total = sum(price(g) for g in groups)
+    while len(groups) > 1:
+        moves = []
+        for a, donor in enumerate(groups):
+            longest = int(s[list(donor.indices)].max())
+            for b, taker in enumerate(groups):
+                if a != b and strategies.items[taker.strategy].max_len >= longest:
+                    merged = Group(strategy=taker.strategy, indices=taker.indices + donor.indices)
+                    rest = [g for c, g in enumerate(groups) if c not in (a, b)]
+                    moves.append((sum(price(g) for g in rest) + price(merged), rest + [merged]))
+        if not moves or min(m[0] for m in moves) >= total:
+            break
+        total, groups = min(moves, key=lambda m: m[0])
+    alone = Group(strategy=home, indices=tuple(range(s.size)))
+    if len(groups) > 1 and strategies.items[home].max_len >= int(s.max()) \
+            and len(strategies.items[home].plan.pipelines) <= s.size and price(alone) <= total:
+        return [alone]
+    return sorted(groups, key=lambda g: g.strategy)
+
+
+def grouping_bound_s(lengths: Sequence[int], strategies: Strategies, spec: ModelSpec, cost: CostTable, *,
+                     fixed_s: Sequence[float] | None = None, time_limit_s: float = 120.0) -> float:
+    """A lower bound on ``sum over groups (the packer's time of the group under its strategy + fixed_s[k])``
+    over every grouping of ``lengths`` into groups under ``strategies`` (any split, contiguous or not, at most one
+    group per strategy: two groups under one strategy cost at least their union), ``fixed_s[k]`` a time every used
+    strategy adds (its all-reduce, its switch; default 0): what HotSPa can reach at best under the packer's cost
+    model. Needs scipy (HiGHS).
+
+    Proof. A strategy's plan covers at most G = the world's ranks. A pipeline r of it runs its microbatches in
+    ``T_r = sum over packs of max_j t_j(pack) + (pp - 1) max over packs of max_j t_j(pack)`` (the packer's 1F1B
+    model), ``t_j(p) = a_j Q + b_j S + c_j`` on stage j (Q, S: the pack's squared and plain tokens). With
+    ``g_j`` the ranks of stage j, the pipeline's rank-seconds ``sum_j g_j T_r`` are at least ``w_r(S_r) +
+    (pp - 1) w_r(longest of S_r)`` where ``w_r(X) = sum over x in X of sum_j g_j (a_j x^2 + b_j x)``
+    (``max_j >= any j``, ``Q >= sum x^2`` over the pack, ``c >= 0``, the longest pack holds at least the longest
+    sequence). The group's time is at least each pipeline's, so ``G x time >= sum over pipelines`` of those
+    rank-seconds. Each sequence lands on one pipeline that holds it, costing at least the least ``w`` over the
+    strategy's pipelines that hold it; the pipeline holding the group's longest sequence adds at least
+    ``(pp - 1) w`` of it. Minimising that relaxation over all groupings is the mixed-integer program solved here
+    (x: sequence i in strategy k's group, y: strategy k used, z: its fill and drain); HiGHS's dual bound is
+    returned, so a time limit keeps it a bound (HiGHS's default tolerances, 1e-6 relative, apply)."""
+    try:
+        from scipy.optimize import Bounds, LinearConstraint, milp
+        from scipy.sparse import coo_matrix
+    except ImportError as exc:  # pragma: no cover - the dev extra installs scipy
+        raise ImportError("grouping_bound_s needs scipy (HiGHS): pip install scipy") from exc
+    s = np.asarray(lengths, dtype=np.float64)
+    check_capacity(s.astype(np.int64).tolist(), strategies)
+    n, K = s.size, len(strategies.items)
+    world = max(r for st in strategies.items for p in st.plan.pipelines for stage in p.stages for r in stage.ranks) + 1
+    fixed = np.zeros(K) if fixed_s is None else np.asarray(fixed_s, dtype=np.float64)
+    work = np.full((n, K), np.inf)  # least rank-seconds of sequence i on a pipeline of strategy k holding it
+    fill = np.full((n, K), np.inf)  # least (pp - 1) x that over those pipelines
+    for k, st in enumerate(strategies.items):
+        for pipeline, rep in zip(st.plan.pipelines, replica_specs(st.plan, spec, cost, max_pack_tokens=st.max_len)):
+            w = sum(len(stage.ranks) * (c.a * s * s + c.b * s) for stage, c in zip(pipeline.stages, rep.stage_costs))
+            held = s <= rep.token_capacity
+            work[:, k] = np.where(held, np.minimum(work[:, k], w), work[:, k])
+            fill[:, k] = np.where(held, np.minimum(fill[:, k], (rep.pp - 1) * w), fill[:, k])
+    pairs = np.argwhere(np.isfinite(work))  # (i, k): a sequence and a strategy holding it
+    m = len(pairs)
+    ny, nz = m, m + K  # variables: x (m of them), then y (K), then z (K)
+    c = np.concatenate([work[pairs[:, 0], pairs[:, 1]] / world, fixed, np.ones(K) / world])
+    x = np.arange(m)
+    ones = np.ones(m)
+    rows = np.concatenate([pairs[:, 0],                   # sum over k of x_ik = 1 (rows 0..n-1)
+                           n + x, n + x,                  # x_ik - y_k <= 0
+                           n + m + x, n + m + x])         # fill_ik x_ik - z_k <= 0
+    cols = np.concatenate([x, x, ny + pairs[:, 1], x, nz + pairs[:, 1]])
+    vals = np.concatenate([ones, ones, -ones, fill[pairs[:, 0], pairs[:, 1]], -ones])
+    lo = np.concatenate([np.ones(n), np.full(2 * m, -np.inf)])
+    hi = np.concatenate([np.ones(n), np.zeros(2 * m)])
+    A = coo_matrix((vals, (rows, cols)), shape=(n + 2 * m, nz + K)).tocsr()
+    integrality = np.concatenate([np.ones(nz), np.zeros(K)])
+    upper = np.concatenate([np.ones(nz), np.full(K, np.inf)])
+    res = milp(c, constraints=LinearConstraint(A, lo, hi), integrality=integrality,
+               bounds=Bounds(np.zeros(nz + K), upper),
+               options={"time_limit": time_limit_s, "mip_rel_gap": 1e-6})
+    bound = getattr(res, "mip_dual_bound", None)
+    if bound is None or not np.isfinite(bound):
+        raise RuntimeError(f"grouping_bound_s: HiGHS returned no bound ({res.message})")
+    return float(bound)
 
 
 # ---------------------------------------------------------------------------------------------- switch volume
@@ -358,18 +453,6 @@ def group_seconds(plan: Plan, spec: ModelSpec, cost: CostTable, lengths: list[in
     if not lengths:
         return 0.0
     return max(assign(lengths, replicas, method="hetu").predicted_s)
-
-
-def frontier(strategies: Strategies, probe_s: Sequence[float]) -> Strategies:
-    """The strategies no other one dominates (holds as long sequences and is as fast on a probe, ``probe_s``:
-    each strategy's predicted seconds for the same short sequences), the home always kept: the dynamic program's
-    candidates (auto mode offers every uniform shape; most are slower than another that holds as much)."""
-    items = strategies.items
-    keep = [k for k in range(len(items)) if k == strategies.home or not any(
-        j != k and items[j].max_len >= items[k].max_len and probe_s[j] <= probe_s[k]
-        and (items[j].max_len > items[k].max_len or probe_s[j] < probe_s[k] or j < k) for j in range(len(items)))]
-    return Strategies(items=tuple(items[k] for k in keep), home=keep.index(strategies.home),
-                      home_first=strategies.home_first)
 
 
 class GroupPricer:
