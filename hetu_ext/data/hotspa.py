@@ -307,10 +307,10 @@ def _merge_exactly(groups: list[Group], s: np.ndarray, strategies: Strategies,
 def grouping_bound_s(lengths: Sequence[int], strategies: Strategies, spec: ModelSpec, cost: CostTable, *,
                      fixed_s: Sequence[float] | None = None, time_limit_s: float = 120.0) -> float:
     """A lower bound on ``sum over groups (the packer's time of the group under its strategy + fixed_s[k])``
-    over every grouping of ``lengths`` into groups under ``strategies`` (any split, contiguous or not, at most one
-    group per strategy: two groups under one strategy cost at least their union), ``fixed_s[k]`` a time every used
-    strategy adds (its all-reduce, its switch; default 0): what HotSPa can reach at best under the packer's cost
-    model. Needs scipy (HiGHS).
+    over every grouping of ``lengths`` into groups under ``strategies`` (any split, contiguous or not; two groups
+    under one strategy are bounded below as their union is), ``fixed_s[k]`` a time every used strategy adds (its
+    all-reduce, its switch; default 0): what HotSPa can reach at best under the packer's cost model. Needs scipy
+    (HiGHS).
 
     Proof. A strategy's plan covers at most G = the world's ranks. A pipeline r of it runs its microbatches in
     ``T_r = sum over packs of max_j t_j(pack) + (pp - 1) max over packs of max_j t_j(pack)`` (the packer's 1F1B
