@@ -332,3 +332,26 @@ def test_grouping_bound_is_below_every_grouping():
             bound = grouping_bound_s(lengths, strategies, spec, cost, fixed_s=fixed)
             assert bound <= min(tried) * (1 + 1e-6), (bound, min(tried))
             assert bound >= 0.9 * min(tried), (bound, min(tried))
+
+
+def test_auto_grouping_compares_the_home_after_merging_into_one_group():
+    """Merging can end in one group under a strategy other than the home (which pays a switch): the home alone is
+    still priced, and kept when it is exactly cheaper."""
+    from hetu_ext.data.hotspa import Strategies, Strategy, auto_groups
+    from hetu_ext.plan import uniform_plan
+
+    items = (Strategy("dp2", uniform_plan(world_size=2, num_layers=4, num_microbatches=2), 20),
+             Strategy("big", uniform_plan(world_size=2, tp=2, num_layers=4), 64),
+             Strategy("home", uniform_plan(world_size=2, pp=2, num_layers=4), 64))
+    strategies = Strategies(items=items, home=2)
+    lengths = [3, 9, 17, 18, 30, 35, 38, 50, 2, 12]
+    rate = {"estimate": (0.1, 0.5, 1.0), "exact": (2.0, 1.0, 1.0)}
+
+    def priced(kind):
+        return lambda k, ls: rate[kind][k] * sum(ls)
+
+    switch = [0.5, 0.5, 0.0]
+    split = auto_groups(lengths, strategies, priced("estimate"), switch, points=len(lengths))
+    assert sorted(g.strategy for g in split) == [0, 1]
+    chosen = auto_groups(lengths, strategies, priced("estimate"), switch, points=len(lengths), exact=priced("exact"))
+    assert [(g.strategy, sorted(g.indices)) for g in chosen] == [(2, list(range(len(lengths))))]

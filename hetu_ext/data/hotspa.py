@@ -294,12 +294,13 @@ def _merge_exactly(groups: list[Group], s: np.ndarray, strategies: Strategies,
                     merged = Group(strategy=taker.strategy, indices=taker.indices + donor.indices)
                     rest = [g for c, g in enumerate(groups) if c not in (a, b)]
                     moves.append((sum(price(g) for g in rest) + price(merged), rest + [merged]))
-        if not moves or min(m[0] for m in moves) >= total:
+        best = min(moves, key=lambda m: m[0], default=None)
+        if best is None or best[0] >= total:
             break
-        total, groups = min(moves, key=lambda m: m[0])
+        total, groups = best
     alone = Group(strategy=home, indices=tuple(range(s.size)))
-    if len(groups) > 1 and strategies.items[home].max_len >= int(s.max()) \
-            and len(strategies.items[home].plan.pipelines) <= s.size and price(alone) <= total:
+    if strategies.items[home].max_len >= int(s.max()) and len(strategies.items[home].plan.pipelines) <= s.size \
+            and price(alone) <= total:
         return [alone]
     return sorted(groups, key=lambda g: g.strategy)
 
@@ -332,7 +333,7 @@ def grouping_bound_s(lengths: Sequence[int], strategies: Strategies, spec: Model
     s = np.asarray(lengths, dtype=np.float64)
     check_capacity(s.astype(np.int64).tolist(), strategies)
     n, K = s.size, len(strategies.items)
-    world = max(r for st in strategies.items for p in st.plan.pipelines for stage in p.stages for r in stage.ranks) + 1
+    world = max(st.plan.world_size for st in strategies.items)
     fixed = np.zeros(K) if fixed_s is None else np.asarray(fixed_s, dtype=np.float64)
     work = np.full((n, K), np.inf)  # least rank-seconds of sequence i on a pipeline of strategy k holding it
     fill = np.full((n, K), np.inf)  # least (pp - 1) x that over those pipelines
