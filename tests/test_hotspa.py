@@ -243,32 +243,45 @@ def test_auto_grouping_never_exactly_slower_than_the_home_alone():
     assert [(g.strategy, sorted(g.indices)) for g in kept] == [(g.strategy, sorted(g.indices)) for g in split]
 
 
-def test_auto_grouping_merges_a_group_the_estimate_split_off():
-    """An estimate that favours a middle strategy of its own while its exact price is high: with ``exact`` its
-    sequences merge into the strategy above (the exactly cheapest of the merges), without it the split stays."""
+MERGE_LENGTHS = [3, 9, 17, 18, 30, 35, 38, 50, 2, 12]
+MERGE_SWITCH = [0.5, 0.5, 0.0]
+
+
+def _merge_case(middle: tuple[str, dict, int], rate: dict):
+    """Three strategies over 2 ranks, the third the home: DP 2 (takes 20 tokens), ``middle`` (name, uniform_plan
+    shape, max_len), a PP 2 or TP 2 home taking 64; ``rate[kind][k]`` seconds per token of strategy k under the
+    ``estimate`` and ``exact`` prices. Returns the strategies, the split without ``exact`` and the choice with it."""
     from hetu_ext.data.hotspa import Strategies, Strategy, auto_groups
     from hetu_ext.plan import uniform_plan
 
+    name, shape, max_len = middle
+    home = {"tp": 2} if shape.get("pp") else {"pp": 2}
     items = (Strategy("dp2", uniform_plan(world_size=2, num_layers=4, num_microbatches=2), 20),
-             Strategy("mid", uniform_plan(world_size=2, pp=2, num_layers=4), 40),
-             Strategy("tp2", uniform_plan(world_size=2, tp=2, num_layers=4), 64))
+             Strategy(name, uniform_plan(world_size=2, num_layers=4, **shape), max_len),
+             Strategy("home", uniform_plan(world_size=2, num_layers=4, **home), 64))
     strategies = Strategies(items=items, home=2)
-    lengths = [3, 9, 17, 18, 30, 35, 38, 50, 2, 12]
-    rate = {"estimate": (0.25, 0.4, 1.0), "exact": (0.25, 3.0, 1.0)}
 
     def priced(kind):
         return lambda k, ls: rate[kind][k] * sum(ls)
 
-    switch = [0.5, 0.5, 0.0]
-    split = auto_groups(lengths, strategies, priced("estimate"), switch, points=len(lengths))
-    assert sorted(g.strategy for g in split) == [0, 1, 2]
-    merged = auto_groups(lengths, strategies, priced("estimate"), switch, points=len(lengths),
+    split = auto_groups(MERGE_LENGTHS, strategies, priced("estimate"), MERGE_SWITCH, points=len(MERGE_LENGTHS))
+    chosen = auto_groups(MERGE_LENGTHS, strategies, priced("estimate"), MERGE_SWITCH, points=len(MERGE_LENGTHS),
                          exact=priced("exact"))
-    assert [(g.strategy, sorted(lengths[i] for i in g.indices)) for g in merged] == \
+    return priced("exact"), split, chosen
+
+
+def test_auto_grouping_merges_a_group_the_estimate_split_off():
+    """An estimate that favours a middle strategy of its own while its exact price is high: with ``exact`` its
+    sequences merge into the strategy above (the exactly cheapest of the merges), without it the split stays."""
+    exact, split, merged = _merge_case(("mid", {"pp": 2}, 40),
+                                       {"estimate": (0.25, 0.4, 1.0), "exact": (0.25, 3.0, 1.0)})
+    assert sorted(g.strategy for g in split) == [0, 1, 2]
+    assert [(g.strategy, sorted(MERGE_LENGTHS[i] for i in g.indices)) for g in merged] == \
         [(0, [2, 3, 9, 12, 17, 18]), (2, [30, 35, 38, 50])]
 
     def total(groups):
-        return sum(priced("exact")(g.strategy, [lengths[i] for i in g.indices]) + switch[g.strategy] for g in groups)
+        return sum(exact(g.strategy, [MERGE_LENGTHS[i] for i in g.indices]) + MERGE_SWITCH[g.strategy]
+                   for g in groups)
 
     assert total(merged) < total(split)
 
@@ -337,21 +350,6 @@ def test_grouping_bound_is_below_every_grouping():
 def test_auto_grouping_compares_the_home_after_merging_into_one_group():
     """Merging can end in one group under a strategy other than the home (which pays a switch): the home alone is
     still priced, and kept when it is exactly cheaper."""
-    from hetu_ext.data.hotspa import Strategies, Strategy, auto_groups
-    from hetu_ext.plan import uniform_plan
-
-    items = (Strategy("dp2", uniform_plan(world_size=2, num_layers=4, num_microbatches=2), 20),
-             Strategy("big", uniform_plan(world_size=2, tp=2, num_layers=4), 64),
-             Strategy("home", uniform_plan(world_size=2, pp=2, num_layers=4), 64))
-    strategies = Strategies(items=items, home=2)
-    lengths = [3, 9, 17, 18, 30, 35, 38, 50, 2, 12]
-    rate = {"estimate": (0.1, 0.5, 1.0), "exact": (2.0, 1.0, 1.0)}
-
-    def priced(kind):
-        return lambda k, ls: rate[kind][k] * sum(ls)
-
-    switch = [0.5, 0.5, 0.0]
-    split = auto_groups(lengths, strategies, priced("estimate"), switch, points=len(lengths))
+    _, split, chosen = _merge_case(("big", {"tp": 2}, 64), {"estimate": (0.1, 0.5, 1.0), "exact": (2.0, 1.0, 1.0)})
     assert sorted(g.strategy for g in split) == [0, 1]
-    chosen = auto_groups(lengths, strategies, priced("estimate"), switch, points=len(lengths), exact=priced("exact"))
-    assert [(g.strategy, sorted(g.indices)) for g in chosen] == [(2, list(range(len(lengths))))]
+    assert [(g.strategy, sorted(g.indices)) for g in chosen] == [(2, list(range(len(MERGE_LENGTHS))))]
