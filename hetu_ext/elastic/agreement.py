@@ -1,0 +1,112 @@
+"""One plan for whatever survives (pure): nodes report their healthy devices, one function turns the reports into
+a Malleus plan and places every rank of it on a healthy device of its node.
+
+The launcher of the rendezvous' group rank 0 calls :func:`agree` once per round and publishes the result; every
+other launcher reads it (``agent.py``), so all nodes run the same plan. Global ranks follow torch elastic's own
+assignment: node after node in group-rank order, ``len(devices)`` consecutive ranks per node
+(``SimpleElasticAgent._assign_worker_ranks``), local rank ``i`` of a node on its ``i``-th healthy device.
+
+Malleus plans a cluster of equal nodes (``Cluster``: ``gpus_per_node`` each). Nodes short of devices are planned
+as full nodes whose missing devices are infinitely slow (slowdown ``ABSENT_SLOWDOWN``): the planner's straggler
+cut-off leaves them unused, and they are then dropped and the ranks renumbered. TP groups stay inside a node.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+
+from hetu_ext.plan import Plan, plan_from_dict, plan_to_dict
+from hetu_ext.plan.cluster import Cluster
+from hetu_ext.plan.malleus import plan_malleus
+from hetu_ext.plan.model_spec import ModelSpec
+
+ABSENT_SLOWDOWN = 1e6
+"""The slowdown a missing device is planned with: any template that used one would be predicted a million times
+slower than one that does not, so the fastest never does (checked after planning)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeReport:
+    """What one node's launcher publishes in a rendezvous round."""
+
+    node: str
+    """The node's name (host and launcher id), for messages."""
+    devices: tuple[int, ...]
+    """Its healthy device indices (CUDA ordinals; CPU emulation: slots 0..nproc-1 less the lost ones)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "devices", tuple(self.devices))
+        if not self.devices or len(set(self.devices)) != len(self.devices) or min(self.devices) < 0:
+            raise ValueError(f"node {self.node}: healthy devices must be distinct indices >= 0, at least one "
+                             f"(a node with none leaves the job before the rendezvous), got {list(self.devices)}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Placement:
+    """Where one global rank runs."""
+
+    node: int
+    """Index of its node in the round (the rendezvous group rank)."""
+    local_rank: int
+    device: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Agreement:
+    """The round's plan and the place of each of its ranks (``ranks[r]`` for global rank ``r``)."""
+
+    plan: Plan
+    nodes: tuple[NodeReport, ...]
+    ranks: tuple[Placement, ...]
+
+    def node_ranks(self, node: int) -> list[int]:
+        """Global ranks of node ``node`` (consecutive, in local-rank order)."""
+        return [r for r, p in enumerate(self.ranks) if p.node == node]
+
+    def to_json(self) -> str:
+        return json.dumps({"plan": plan_to_dict(self.plan),
+                           "nodes": [{"node": n.node, "devices": list(n.devices)} for n in self.nodes]},
+                          sort_keys=True)
+
+    @staticmethod
+    def from_json(text: str) -> Agreement:
+        data = json.loads(text)
+        nodes = tuple(NodeReport(node=n["node"], devices=tuple(n["devices"])) for n in data["nodes"])
+        return Agreement(plan=plan_from_dict(data["plan"]), nodes=nodes, ranks=placements(nodes))
+
+
+def placements(nodes: tuple[NodeReport, ...]) -> tuple[Placement, ...]:
+    """torch elastic's rank order: node after node, local rank i of a node on its i-th healthy device."""
+    return tuple(Placement(node=n, local_rank=i, device=d) for n, report in enumerate(nodes)
+                 for i, d in enumerate(report.devices))
+
+
+def agree(nodes: list[NodeReport] | tuple[NodeReport, ...], spec: ModelSpec, *, micro_batch: int,
+          num_microbatches: int, gpu_memory_bytes: int = 80 * 2**30) -> Agreement:
+    """The Malleus plan over the healthy devices of ``nodes`` (in rendezvous group-rank order), keeping the global
+    batch (``num_microbatches`` of ``micro_batch``); ValueError when no plan fits."""
+    nodes = tuple(nodes)
+    if not nodes:
+        raise ValueError("plan agreement: no node reported a healthy device")
+    width = max(len(n.devices) for n in nodes)
+    real: dict[int, int] = {}  # padded rank -> global rank
+    slowdowns: dict[int, float] = {}
+    for n, report in enumerate(nodes):
+        for slot in range(width):
+            if slot < len(report.devices):
+                real[n * width + slot] = len(real)
+            else:
+                slowdowns[n * width + slot] = ABSENT_SLOWDOWN
+    cluster = Cluster(world_size=len(nodes) * width, gpus_per_node=width, gpu_memory_bytes=gpu_memory_bytes,
+                      slowdowns=slowdowns)
+    padded = plan_malleus(cluster, spec, micro_batch=micro_batch, num_microbatches=num_microbatches).plan
+    used_absent = sorted(set(padded.used_ranks) & set(slowdowns))
+    if used_absent:
+        raise ValueError(f"plan agreement: no plan fits the healthy devices alone ({[len(n.devices) for n in nodes]} "
+                         f"per node); the model needs more devices or fewer layers per device")
+    plan = Plan(pipelines=tuple(replace(p, stages=tuple(replace(s, ranks=tuple(real[r] for r in s.ranks))
+                                                        for s in p.stages)) for p in padded.pipelines),
+                unused_ranks=tuple(sorted(real[r] for r in padded.unused_ranks if r in real)))
+    plan.validate(spec, len(real))
+    return Agreement(plan=plan, nodes=nodes, ranks=placements(nodes))

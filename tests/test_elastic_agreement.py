@@ -1,0 +1,70 @@
+"""The plan agreement of launch/elastic.py across nodes (pure, no process group): nodes that report different
+healthy devices get one plan over all of them, every rank of it on a healthy device of its node.
+
+Bugs this catches: a plan laid out as if every node were full (Malleus' ``Cluster`` assumes equal nodes), which
+puts a rank on a device that is gone or a TP group across two nodes; ranks numbered in another order than torch
+elastic's (node after node in group-rank order), which starts a stage on the wrong node; a plan that does not
+survive the JSON round trip every other node reads it through.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from hetu_ext.elastic.agreement import Agreement, NodeReport, agree
+from hetu_ext.plan import ModelSpec
+
+SMALL = ModelSpec(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=128)
+"""The rehearsal's model: any plan fits, so Malleus uses every healthy device."""
+WIDE = ModelSpec(num_layers=8, hidden_size=8192, num_attention_heads=64, seq_length=4096, vocab_size=50304)
+"""A model whose layers do not fit one 80 GiB device: TP groups and several stages are needed."""
+
+
+def _check(agreement: Agreement, nodes: list[NodeReport]) -> None:
+    plan = agreement.plan
+    assert plan.world_size == sum(len(n.devices) for n in nodes)
+    assert len(agreement.ranks) == plan.world_size
+    start = 0
+    for n, report in enumerate(nodes):  # torch elastic's order: node after node, consecutive ranks
+        assert agreement.node_ranks(n) == list(range(start, start + len(report.devices)))
+        start += len(report.devices)
+    for rank, where in enumerate(agreement.ranks):
+        assert where.device in nodes[where.node].devices, (rank, where)
+        assert nodes[where.node].devices[where.local_rank] == where.device
+    for pipeline in plan.pipelines:
+        for stage in pipeline.stages:  # a TP group never spans two nodes
+            assert len({agreement.ranks[r].node for r in stage.ranks}) == 1, stage.ranks
+    again = Agreement.from_json(agreement.to_json())
+    assert again == agreement
+
+
+@pytest.mark.parametrize("devices", [
+    [(0, 1), (0, 1), (0, 1)],      # the rehearsal's start: 3 nodes of 2
+    [(0,), (0, 1), (0, 1)],        # one rank of node 0 lost
+    [(0, 1), (1,), (0, 1)],        # node 1 lost its device 0: local rank 0 runs on device 1
+    [(0, 1), (0, 1)],              # a whole node lost
+    [(0, 1), (0,), (0, 1), (1,)],  # a spare node joined beside two short ones
+])
+def test_nodes_with_different_healthy_counts_get_one_plan_on_healthy_devices(devices):
+    nodes = [NodeReport(node=f"node{i}", devices=d) for i, d in enumerate(devices)]
+    agreement = agree(nodes, SMALL, micro_batch=2, num_microbatches=4)
+    _check(agreement, nodes)
+    assert agreement.plan.num_microbatches == 4  # the global batch is kept
+    assert agree(nodes, SMALL, micro_batch=2, num_microbatches=4) == agreement  # one answer for one input
+
+
+def test_tensor_parallel_groups_stay_inside_short_nodes():
+    """A model that needs TP: nodes of 8, 5 and 7 healthy GPUs (device ids with holes) give TP groups inside each
+    node, leftovers unused, never a missing device."""
+    nodes = [NodeReport(node="a", devices=range(8)), NodeReport(node="b", devices=(0, 2, 3, 5, 7)),
+             NodeReport(node="c", devices=(0, 1, 2, 3, 4, 5, 7))]
+    agreement = agree(nodes, WIDE, micro_batch=1, num_microbatches=16)
+    _check(agreement, nodes)
+    assert max(s.tp for p in agreement.plan.pipelines for s in p.stages) > 1
+
+
+def test_no_plan_on_too_few_devices_is_an_error_naming_the_counts():
+    with pytest.raises(ValueError, match=r"no plan fits"):
+        agree([NodeReport(node="a", devices=(0,))], WIDE, micro_batch=1, num_microbatches=4)
+    with pytest.raises(ValueError, match="at least one"):
+        NodeReport(node="a", devices=())
