@@ -162,18 +162,31 @@ class DeepSpeedGPT:
                 "tokens": tokens, "consumed_samples": self.iteration * gbs, "step_ms": step_s * 1e3,
                 "tokens_per_s": tokens / step_s}
 
+    def data_settings(self) -> dict[str, Any]:
+        """What fixes the samples of step g (the data position is the iteration; the Megatron path's keys)."""
+        return {"global_batch_size": self.engine.train_batch_size(), "seed": self.config.training.seed,
+                "seq_length": self.config.model.seq_length, "split": self.config.data.split,
+                "mock_data": bool(self.config.data.mock_data)}
+
     def save(self, directory: str) -> str:
-        """``engine.save_checkpoint`` (collective) with hetu_ext's client state; returns the tag."""
+        """``engine.save_checkpoint`` (collective) with hetu_ext's client state (iteration, losses, LR schedule,
+        data settings, every rank's RNG states); returns the tag."""
+        from hetu_ext.megatron.state import rng_state
+
+        rng: list = [None] * dist.get_world_size()
+        dist.all_gather_object(rng, rng_state(dist.get_rank()))
         tag = f"global_step{self.engine.global_steps}"
         state = {CLIENT_STATE_KEY: {"iteration": self.iteration, "losses": list(self.losses),
-                                    "scheduler": self.scheduler.state_dict(),
-                                    "data": {"global_batch_size": self.engine.train_batch_size(),
-                                             "seed": self.config.training.seed,
-                                             "seq_length": self.config.model.seq_length,
-                                             "split": self.config.data.split,
-                                             "mock_data": bool(self.config.data.mock_data)}}}
+                                    "scheduler": self.scheduler.state_dict(), "data": self.data_settings(),
+                                    "rng": rng}}
         self.engine.save_checkpoint(directory, tag=tag, client_state=state)
         return tag
+
+    def load(self, directory: str):
+        """``--load``: a DeepSpeed ZeRO or hetu checkpoint saved on any number of ranks (engine_load.py)."""
+        from .engine_load import load
+
+        return load(self, directory)
 
 
 def _import_deepspeed():

@@ -1,0 +1,156 @@
+"""``--load`` on the DeepSpeed path: a checkpoint saved on any number of ranks, into the engine on this number, in
+process (no ``ds_to_universal``, no temporary files).
+
+Sources: a DeepSpeed ZeRO-1/2/3 checkpoint (``DIR/latest`` -> ``DIR/global_stepN``; zero_checkpoint.py rebuilds
+each kind of tensor on one rank with DeepSpeed's own reconstruction) or a hetu checkpoint (hetu_ext's trainer under
+any plan, or this path's ``--hetu-ckpt-format hetu``; hetu_ext/checkpoint/load.py). Destinations: this rank's
+fragments of DeepSpeed's flat fp32 partitions and Adam moments (engine_state.py), filled in place by the reshard
+engine; then Adam's step is set, the model-dtype weights are derived from the masters as DeepSpeed's step does,
+and the rest is restored: iteration (the data position: global batch g is samples [gB, (g + 1)B) at any world
+size), losses, the LR schedule by Megatron-LM's rule, the engine's step counters, and each rank's RNG when the
+world size is the one that saved (other world sizes have no saved counterpart per rank: the seed's stand).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from hetu_ext.checkpoint import CheckpointError
+from hetu_ext.runtime.reshard import Piece
+
+from . import engine_state
+
+logger = logging.getLogger(__name__)
+
+DATA_KEYS = ("global_batch_size", "seed", "seq_length", "split", "mock_data")
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """What a load restored, for the log and the tests."""
+
+    source: str
+    """``deepspeed`` or ``hetu``."""
+    path: str
+    iteration: int
+    saved_world_size: int
+    optimizer_step: float | None
+    seconds: float
+    bytes_sent: int
+    rng_restored: bool
+
+
+def checkpoint_kind(directory: str) -> str | None:
+    """``deepspeed``, ``hetu``, or None (an existing directory with no checkpoint). A missing directory, or a
+    DeepSpeed ``latest`` naming a tag that is not there, is a :class:`CheckpointError`."""
+    from hetu_ext.checkpoint.reader import latest_iteration
+    from hetu_ext.checkpoint.storage import LocalStorage
+
+    from .zero_checkpoint import is_deepspeed, tag_path
+
+    root = Path(directory)
+    if not root.is_dir():
+        raise CheckpointError(f"--load {directory}: no such directory; give the --save directory of the run to "
+                              "resume (DeepSpeed's save_checkpoint folder or a hetu checkpoint directory)")
+    if is_deepspeed(directory):
+        tag_path(directory)  # a 'latest' naming a missing or incomplete tag: one error naming it
+        return "deepspeed"
+    if latest_iteration(LocalStorage(directory)) is not None or any(root.glob("iter_*/manifest.json")):
+        return "hetu"
+    if (root / "latest_checkpointed_iteration.txt").exists() or any(root.glob("iter_*")):
+        raise CheckpointError(f"--load {directory}: a Megatron torch_dist checkpoint; the DeepSpeed path loads "
+                              "DeepSpeed ZeRO and hetu checkpoints: convert it with launch/pretrain_gpt.py "
+                              "--load DIR --save NEW --hetu-ckpt-format hetu")
+    return None
+
+
+def _destinations(engine, names: set[str], step: float | None) -> list[Piece]:
+    """Create Adam's state for ``step`` and return the engine's pieces to fill; the masters come from
+    ``master/`` when the checkpoint has it, else from ``param/`` (an fp32 run keeps no separate master)."""
+    have = {n.split("/", 1)[0] for n in names}
+    if step is None or not set(engine_state.MOMENTS) <= have:
+        raise CheckpointError(f"the checkpoint holds no Adam moments ({sorted(have)}, optimizer step {step}); "
+                              "the DeepSpeed path resumes Adam's state: load a checkpoint saved after a step")
+    engine_state.create_optimizer_state(engine, step)
+    master = "master" if "master" in have else "param"
+    return engine_state.engine_pieces(engine, ("master", *engine_state.MOMENTS), master_as=master)
+
+
+def _load_deepspeed(run, directory: str) -> tuple[dict[str, Any], int, float | None, int, str]:
+    from .zero_checkpoint import load_resharded, read_info
+
+    info = read_info(directory)
+    _, report = load_resharded(directory, lambda names: _destinations(run.engine, names, info.optimizer_step))
+    client = dict(info.client_state.get("hetu_ext", {}))
+    client.setdefault("iteration", info.global_steps)
+    return client, info.world_size, info.optimizer_step, report.bytes_sent, str(info.path)
+
+
+def _load_hetu(run, directory: str) -> tuple[dict[str, Any], int, float | None, int, str]:
+    from hetu_ext.checkpoint.load import load_pieces
+    from hetu_ext.checkpoint.storage import LocalStorage
+
+    checkpoint = run.config.checkpoint
+
+    def destinations(manifest) -> list[Piece]:
+        names = {t.name for t in manifest.tensors}
+        return _destinations(run.engine, names, manifest.state.get("optimizer_step"))
+
+    report = load_pieces(LocalStorage(directory), destinations, fallback=checkpoint.fallback, read=checkpoint.read)
+    m = report.manifest
+    state = dict(m.state)
+    state["iteration"] = m.iteration
+    state["rng"] = [r for _, r in sorted(m.rng.items(), key=lambda kv: int(kv[0]))] if m.rng else None
+    if (m.plan or {}).get("kind") != "deepspeed":
+        state["rng"] = None  # saved by hetu_ext's trainer: its ranks are not this path's ranks
+    return state, m.world_size, state.get("optimizer_step"), report.bytes_sent, f"{directory} iteration {m.iteration}"
+
+
+def load(run, directory: str) -> Loaded | None:
+    """Load the checkpoint under ``directory`` into ``run`` (a :class:`~hetu_ext.deepspeed.engine.DeepSpeedGPT`;
+    collective over every rank). None, with a warning, when the directory holds no checkpoint yet."""
+    from hetu_ext.checkpoint.schedule import resolve_schedule
+    from hetu_ext.megatron.state import schedule_policy, scheduler_settings, set_rng_state
+
+    start = time.perf_counter()
+    kind = checkpoint_kind(directory)
+    if kind is None:
+        if dist.get_rank() == 0:
+            logger.warning("--load %s: no checkpoint found, starting from scratch", directory)
+        return None
+    state, saved_world, step, sent, where = (_load_deepspeed if kind == "deepspeed" else _load_hetu)(run, directory)
+    engine = run.engine
+    engine_state.refresh_model_weights(engine)
+    data, now = state.get("data"), run.data_settings()
+    changed = {k: (data[k], now[k]) for k in DATA_KEYS if data and k in data and data[k] != now[k]}
+    if changed:
+        raise CheckpointError(f"{where} was trained with other data settings (saved, now): {changed}; resume "
+                              f"with the saved values so that step {state['iteration'] + 1} reads the samples "
+                              "that follow, none skipped or repeated")
+    iteration = int(state["iteration"])
+    gbs = engine.train_batch_size()
+    run.iteration, run.losses = iteration, list(state.get("losses") or [])
+    training = run.config.training
+    if state.get("scheduler") is not None:
+        run.scheduler.load_state_dict(resolve_schedule(state["scheduler"], scheduler_settings(training, gbs),
+                                                       policy=schedule_policy(training), unit=gbs, where=where))
+    else:  # a user's own DeepSpeed script: replay the flags' schedule to the iteration
+        run.scheduler.step(increment=iteration * gbs)
+    engine.global_steps, engine.global_samples = iteration, iteration * gbs
+    rng = state.get("rng")
+    restored = bool(rng) and saved_world == dist.get_world_size() and len(rng) == saved_world
+    if restored:
+        set_rng_state(rng[dist.get_rank()])
+    loaded = Loaded(source=kind, path=where, iteration=iteration, saved_world_size=saved_world, optimizer_step=step,
+                    seconds=time.perf_counter() - start, bytes_sent=sent, rng_restored=restored)
+    if dist.get_rank() == 0:
+        logger.info("loaded %s checkpoint %s (saved on %d rank(s)) into ZeRO-%d on %d rank(s) at iteration %d in "
+                    "%.2f s%s", kind, where, saved_world, engine_state.zero_stage(engine), dist.get_world_size(),
+                    iteration, loaded.seconds, "" if restored else "; RNG states stay as the seed sets them")
+    return loaded

@@ -1,0 +1,199 @@
+"""A DeepSpeed ZeRO-1/2/3 engine's state as reshard pieces: what a load fills and a hetu-format save writes.
+
+DeepSpeed keeps each rank's share of the fp32 master weights and of Adam's moments in flat buffers:
+
+* ZeRO-1/2: one flat fp32 partition per parameter group (``single_partition_of_fp32_groups[g]``); parameter ``p``
+  covers a contiguous range of it, ``p._hp_mapping`` (DeepSpeed's own link, mixed_precision_linkage.py) says
+  which elements of ``p`` flattened (``lp_fragment_address``) sit where in the partition (``hp_fragment_address``).
+  The moments are flat tensors of the partition's shape in ``optimizer.state[partition]``. Module weights are
+  whole on every rank.
+* ZeRO-3: one flat fp32 buffer per sub-group (``fp32_partitioned_groups_flat[g]``); rank r holds elements
+  ``[r * n_p, (r + 1) * n_p)`` of each parameter flattened (``n_p = p.partition_numel()``, the last rank padded),
+  at ``grad_position[id]`` in its sub-group's buffer. Module weights are placeholders; each rank's share is
+  ``p.ds_tensor`` (the model dtype).
+
+A range of a row-major tensor flattened is a union of boxes (:func:`flat_range_boxes`: a partial first row,
+whole rows, a partial last row, recursively), so each fragment becomes one to three pieces (``master/KEY``,
+``exp_avg/KEY``, ``exp_avg_sq/KEY``: hetu's names, zero_checkpoint.hetu_name) whose tensors are views into
+DeepSpeed's buffers: the reshard engine writes into them in place, a save reads from them. After a load the
+model-dtype weights are derived from the masters as DeepSpeed's own step does (:func:`refresh_model_weights`).
+Pure bookkeeping over DeepSpeed's buffers: nothing here talks to other ranks except that refresh (ZeRO-1/2's
+all-gather of the partitions).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+
+from hetu_ext.runtime.reshard import Piece
+
+from .zero_checkpoint import hetu_name
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+Box = tuple[tuple[int, int], ...]
+
+
+def flat_range_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[tuple[Box, int]]:
+    """Elements ``[start, stop)`` of a row-major tensor of ``shape`` flattened, as boxes with the offset of each
+    box's first element from ``start`` (boxes in flat order, so the i-th box is the next numel(box) elements).
+
+    >>> flat_range_boxes((3, 4), 2, 9)
+    [(((0, 1), (2, 4)), 0), (((1, 2), (0, 4)), 2), (((2, 3), (0, 1)), 6)]
+    """
+    if not 0 <= start <= stop <= math.prod(shape):
+        raise ValueError(f"flat range [{start}, {stop}) outside a tensor of shape {tuple(shape)}")
+    if start == stop:
+        return []
+    if len(shape) == 0:
+        return [((), 0)]
+    if len(shape) == 1:
+        return [(((start, stop),), 0)]
+    inner = math.prod(shape[1:])
+    out: list[tuple[Box, int]] = []
+    first, last = start // inner, (stop - 1) // inner
+    if first == last:  # within one row
+        return [(((first, first + 1),) + box, off)
+                for box, off in flat_range_boxes(shape[1:], start - first * inner, stop - first * inner)]
+    pos = start
+    if start % inner:  # the partial first row
+        out += [(((first, first + 1),) + box, off) for box, off in
+                flat_range_boxes(shape[1:], start % inner, inner)]
+        pos = (first + 1) * inner
+    whole_end = (stop // inner) * inner
+    if whole_end > pos:  # whole rows
+        out.append((((pos // inner, whole_end // inner),) + tuple((0, d) for d in shape[1:]), pos - start))
+        pos = whole_end
+    if stop > pos:  # the partial last row
+        row = pos // inner
+        out += [(((row, row + 1),) + box, off + pos - start) for box, off in flat_range_boxes(shape[1:], 0, stop - pos)]
+    return out
+
+
+def _fragment_pieces(kind: str, name: str, shape: tuple[int, ...], start: int, flat: torch.Tensor) -> list[Piece]:
+    """Pieces of parameter ``name``'s elements ``[start, start + flat.numel())`` (flattened), viewing ``flat``."""
+    key, index = hetu_name(kind, name)
+    pieces = []
+    for box, off in flat_range_boxes(shape, start, start + flat.numel()):
+        extent = tuple(hi - lo for lo, hi in box)
+        pieces.append(Piece(key, index, box, flat.narrow(0, off, math.prod(extent)).view(extent)))
+    return pieces
+
+
+def _names(engine) -> dict[int, str]:
+    return {id(p): n for n, p in engine.module.named_parameters()}
+
+
+def zero_stage(engine) -> int:
+    return int(engine.zero_optimization_stage())
+
+
+def flat_partitions(engine) -> list[torch.Tensor]:
+    """This rank's flat fp32 partitions (the tensors the base optimizer steps, one per group / sub-group)."""
+    optimizer = engine.optimizer
+    if zero_stage(engine) == 3:
+        return list(optimizer.fp32_partitioned_groups_flat)
+    return list(optimizer.single_partition_of_fp32_groups)
+
+
+def _fragments(engine) -> Iterable[tuple[str, tuple[int, ...], int, int, int]]:
+    """(parameter name, shape, first element of the parameter held here, element count, group, offset in the
+    group's flat partition) for each parameter fragment this rank holds."""
+    names = _names(engine)
+    optimizer = engine.optimizer
+    if zero_stage(engine) == 3:
+        for group in optimizer.fp16_groups:
+            for p in group:
+                if not p.requires_grad:
+                    continue
+                g, offset, numel = optimizer.grad_position[optimizer.get_param_id(p)]
+                rank = optimizer._get_param_partition_rank(p)
+                first = rank * numel
+                count = max(0, min(numel, p.ds_numel - first))
+                if count:
+                    yield names[id(p)], tuple(p.ds_shape), first, count, g, offset
+        return
+    for g, group in enumerate(optimizer.bit16_groups):
+        for p in group:
+            mapping = getattr(p, "_hp_mapping", None)
+            if mapping is None:
+                continue
+            lp, hp = mapping.lp_fragment_address, mapping.hp_fragment_address
+            yield names[id(p)], tuple(p.shape), lp.start, lp.numel, g, hp.start
+
+
+def create_optimizer_state(engine, step: float, moments: Iterable[str] = MOMENTS) -> None:
+    """Give the base optimizer the state of ``step`` steps for every flat partition (moments uninitialised: a
+    load fills every element a parameter covers; the alignment padding beyond them is zeroed), and link it to
+    the parameters as DeepSpeed does after its first step."""
+    optimizer = engine.optimizer
+    for flat in flat_partitions(engine):
+        state = {m: torch.zeros_like(flat) for m in moments}
+        state["step"] = torch.tensor(float(step), dtype=torch.float32)
+        optimizer.optimizer.state[flat] = state
+    if zero_stage(engine) <= 2:
+        optimizer._hp_optimizer_states_linked = False
+        optimizer._lazy_init_hp_params_optimizer_state()
+
+
+def engine_pieces(engine, kinds: Iterable[str] = ("master", *MOMENTS), *, master_as: str = "master") -> list[Piece]:
+    """This rank's fragments of the fp32 master weights and Adam moments as pieces viewing DeepSpeed's buffers
+    (``kinds`` among ``master``, ``exp_avg``, ``exp_avg_sq``; moments need the optimizer state to exist).
+    ``master_as="param"`` names the masters ``param/KEY`` (filled from an fp32 run's weights)."""
+    flats = flat_partitions(engine)
+    state = engine.optimizer.optimizer.state
+    pieces: list[Piece] = []
+    for name, shape, first, count, g, offset in _fragments(engine):
+        for kind in kinds:
+            buffer = (flats[g] if kind == "master" else state[flats[g]][kind]).detach()
+            named = master_as if kind == "master" else kind
+            pieces += _fragment_pieces(named, name, shape, first, buffer.narrow(0, offset, count))
+    return pieces
+
+
+def param_pieces(engine) -> list[Piece]:
+    """This rank's model-dtype weights as pieces (``param/KEY``): each fragment of the partitioned copy, so that
+    every element is held by exactly one rank (ZeRO-1/2: the module's weights at the rank's fp32 fragments;
+    ZeRO-3: ``ds_tensor``)."""
+    names = _names(engine)
+    pieces: list[Piece] = []
+    optimizer = engine.optimizer
+    if zero_stage(engine) == 3:
+        by_name = {n: p for n, p in engine.module.named_parameters()}
+        for name, shape, first, count, _, _ in _fragments(engine):
+            flat = by_name[name].ds_tensor.data.view(-1).narrow(0, 0, count)
+            pieces += _fragment_pieces("param", name, shape, first, flat)
+        return pieces
+    for group in optimizer.bit16_groups:
+        for p in group:
+            mapping = getattr(p, "_hp_mapping", None)
+            if mapping is not None:
+                lp = mapping.lp_fragment_address
+                flat = p.data.view(-1).narrow(0, lp.start, lp.numel)
+                pieces += _fragment_pieces("param", names[id(p)], tuple(p.shape), lp.start, flat)
+    return pieces
+
+
+def optimizer_step(engine) -> float | None:
+    """Adam's step (the same for every partition), or None before the first step."""
+    state = engine.optimizer.optimizer.state
+    steps = {float(state[f]["step"]) for f in flat_partitions(engine) if f in state and "step" in state[f]}
+    if len(steps) > 1:
+        raise AssertionError(f"flat partitions at different Adam steps {sorted(steps)}")
+    return steps.pop() if steps else None
+
+
+@torch.no_grad()
+def refresh_model_weights(engine) -> None:
+    """The model-dtype weights from the fp32 masters, as DeepSpeed's step ends (ZeRO-1/2: copy this rank's
+    partition and all-gather, collective; ZeRO-3: copy into each rank's ``ds_tensor`` partitions)."""
+    optimizer = engine.optimizer
+    if zero_stage(engine) <= 2:
+        optimizer.update_lp_params()
+        return
+    for lp, fp32 in zip(optimizer.fp16_partitioned_groups_flat, optimizer.fp32_partitioned_groups_flat):
+        if lp.data_ptr() != fp32.data_ptr():
+            lp.data.copy_(fp32.data)
