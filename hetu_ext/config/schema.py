@@ -70,6 +70,9 @@ class ParallelConfig:
     distributed_backend: str | None = setting(choices=("gloo", "nccl"), help="default: nccl with CUDA, gloo "
                                                                              "without")
     distributed_timeout_minutes: float = setting(10.0, help="collective timeout")
+    hang_timeout: float = setting(0.0, flag="--hetu-hang-timeout",
+                                  help="seconds without a completed step after which a rank exits (code 3) so that "
+                                       "launch/elastic.py restarts the job; 0: off")
     plan: str | None = setting(flag="--hetu-plan", path=True,
                                help="plan YAML; default: the uniform plan of the TP/PP flags")
     runtime: str = setting("auto", flag="--hetu-runtime", choices=("auto", "megatron", "plan"),

@@ -112,6 +112,8 @@ def validate_args(args: argparse.Namespace) -> None:
     if args.lr < 0 or args.min_lr < 0 or args.min_lr > args.lr:
         raise ValueError(f"learning rates must satisfy 0 <= --min-lr <= --lr, got --lr {args.lr} --min-lr "
                          f"{args.min_lr}")
+    if args.hetu_hang_timeout < 0:
+        raise ValueError(f"--hetu-hang-timeout must be >= 0 seconds (0: no watchdog), got {args.hetu_hang_timeout}")
     if args.clip_grad < 0:
         raise ValueError(f"--clip-grad must be >= 0 (0 disables clipping), got {args.clip_grad}")
     if not (0 <= args.hidden_dropout < 1 and 0 <= args.attention_dropout < 1):

@@ -116,10 +116,13 @@ class Trainer:
         data = None
         window: list[dict] = []  # the step records since the last log line
         step_start = time.perf_counter()  # a step's time runs from the previous step's end (data and saves included)
+        watchdog = _hang_watchdog(cfg.parallel.hang_timeout, self.host.rank)
         while self.iteration < train_iters:
             placement = self.placement
             replan = None
             if not placement.active:
+                if watchdog is not None:
+                    watchdog.pause()  # idle in this plan: no steps to time
                 pending = [step for step, _ in self.migrations if step > self.iteration]
                 if self.monitor:  # idle ranks take part in every exchange of timings
                     pending.append((self.iteration // self.monitor.interval + 1) * self.monitor.interval)
@@ -132,6 +135,8 @@ class Trainer:
                 if data is None:
                     data = self._open_data()
                 loss, grad_norm, replan, samples, tokens, packing = self._step(data, log)
+                if watchdog is not None:
+                    watchdog.beat(self.iteration)
                 step_s, step_start = time.perf_counter() - step_start, time.perf_counter()
                 window.append(self._step_record(loss=loss, grad_norm=grad_norm, samples=samples, tokens=tokens,
                                                 step_s=step_s, consumed=self._consumed(data, samples),
@@ -154,6 +159,8 @@ class Trainer:
                     data.close()
                 data = None
                 window, step_start = [], time.perf_counter()  # migrating is no step
+        if watchdog is not None:
+            watchdog.stop()  # the final save and barrier are no steps
         if save_dir and self.placement.active and (not save_interval or self.iteration % save_interval):
             self._save(save_dir)
         if isinstance(data, (PackedSteps, SwitchedSteps)):
@@ -401,6 +408,15 @@ class Trainer:
         dist.all_reduce(total, group=self.placement.report_group)
         self.overruns = int(total[2])
         return float(total[0] / total[1])
+
+
+def _hang_watchdog(timeout_s: float, rank: int):
+    """--hetu-hang-timeout: the step-progress watchdog of hetu_ext/elastic/watchdog.py (None when 0)."""
+    if not timeout_s:
+        return None
+    from hetu_ext.elastic.watchdog import StepWatchdog
+
+    return StepWatchdog(timeout_s, rank=rank)
 
 
 def _forward_step(data_iterator, model):
