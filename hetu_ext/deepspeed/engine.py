@@ -48,7 +48,21 @@ def add_deepspeed_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                    help="a DeepSpeed JSON config merged over the one built from the flags (its batch sizes, "
                         "optimizer and precision must agree with the flags)")
     g.add_argument("--local_rank", "--local-rank", type=int, default=None, help="set by the deepspeed launcher")
+    g.add_argument("--hetu-microbatches", type=_counts, default=None, metavar="N,N,...",
+                   help="microbatches per rank per global batch (ZeRO-1; they sum to the global batch's "
+                        "microbatches), e.g. 3,1 for a rank 3x slower; with --hetu-straggler-interval the "
+                        "starting counts, then the measured speeds decide")
     return parser
+
+
+def _counts(text: str) -> tuple[int, ...]:
+    try:
+        counts = tuple(int(c) for c in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected microbatch counts like 3,1") from None
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: every rank needs at least 1 microbatch")
+    return counts
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,10 +73,22 @@ class ZeroConfig:
     """ZeRO stage: 1 (optimizer state partitioned), 2 (+ gradients), 3 (+ parameters)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Entries of a user's DeepSpeed config, merged over the built one."""
+    microbatches: tuple[int, ...] | None = None
+    """Microbatches per rank (``--hetu-microbatches``); None: equal shares, or the straggler monitor's."""
+    straggler_interval: int = 0
+    """``--hetu-straggler-interval``: follow measured speeds with the microbatch counts (weighting.py)."""
 
     def __post_init__(self) -> None:
+        from .weighting import check_stage
+
         if self.stage not in ZERO_STAGES:
             raise ValueError(f"ZeRO stage {self.stage} is not one of {ZERO_STAGES}; pass --zero-stage 1, 2 or 3")
+        check_stage(self.stage, self.straggler_interval, self.microbatches)
+
+    @property
+    def weighted(self) -> bool:
+        """Per-rank microbatch counts: DeepSpeed's unmanaged gradient accumulation."""
+        return bool(self.microbatches or self.straggler_interval)
 
 
 _FROM_FLAGS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
@@ -81,6 +107,13 @@ def deepspeed_config(config: RunConfig, zero: ZeroConfig, world_size: int) -> di
           "gradient_accumulation_steps": gbs // (mbs * world_size), "gradient_clipping": training.clip_grad,
           "zero_optimization": {"stage": zero.stage}, "zero_allow_untested_optimizer": True,
           "steps_per_print": 2**31 - 1, "wall_clock_breakdown": False}
+    if zero.microbatches is not None and (len(zero.microbatches) != world_size
+                                          or sum(zero.microbatches) * mbs != gbs):
+        raise ValueError(f"--hetu-microbatches {','.join(map(str, zero.microbatches))} must give each of the "
+                         f"{world_size} ranks a count, summing to --global-batch-size {gbs} / --micro-batch-size "
+                         f"{mbs} = {gbs // mbs}; give {world_size} counts with that sum")
+    if zero.weighted:  # the caller's backwards make a step: per-rank counts may differ (weighting.py)
+        ds["managed_gradient_accumulation"] = False
     for key, value in zero.extra.items():
         if key in ("optimizer", "scheduler") or (key in ("fp16", "bf16") and dict(value).get("enabled", False)):
             raise ValueError(f"--deepspeed-config sets {key}={value!r}; this path takes precision, torch's AdamW "
@@ -116,32 +149,21 @@ class DeepSpeedGPT:
     device: torch.device
     iteration: int = 0
     losses: list[float] = field(default_factory=list)
+    weighting: Any = None
+    """A :class:`~hetu_ext.deepspeed.weighting.MicrobatchWeighting` when per-rank counts differ (ZeRO-1)."""
 
-    def train(self, log: Callable[[str], None] = logger.info) -> list[float]:
+    def train(self, log: Callable[[str], None] = logger.info,
+              after_step: Callable[[int], None] | None = None) -> list[float]:
         """Train to ``--train-iters``; returns the global per-step losses (the same on every rank). Rank 0 gives
         ``log`` a Megatron-LM log line every ``--log-interval`` steps and at the last (the Megatron path's
-        format; step time and tokens/s averaged over the interval)."""
-        from hetu_ext.data.assign import global_batch_size
-        from hetu_ext.megatron.data import microbatch_iterator
-
+        format; step time and tokens/s averaged over the interval). ``after_step(iteration)`` runs after each
+        step on every rank (periodic saves)."""
         training, rank = self.config.training, dist.get_rank()
-        data = microbatch_iterator(self.dataset, self.plan, rank, training.micro_batch_size,
-                                   start_iteration=self.iteration, num_iterations=training.train_iters - self.iteration,
-                                   device=self.device)
-        gbs = global_batch_size(self.plan, training.micro_batch_size)
+        gbs = self.engine.train_batch_size()
         window_start, window_iters = time.perf_counter(), 0
         while self.iteration < training.train_iters:
-            total = torch.zeros(2, dtype=torch.float64)
-            for _ in range(self.plan.pipelines[rank].num_microbatches):
-                batch = next(data)
-                per_token = self.engine(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-                mask = batch["loss_mask"].view(-1).float()
-                loss_sum = torch.sum(per_token.view(-1).float() * mask)
-                self.engine.backward(loss_sum / mask.sum())
-                self.engine.step()
-                total += torch.stack([loss_sum.detach(), mask.sum()]).double()
+            total = self._step(rank, log)
             self.scheduler.step(increment=gbs)
-            dist.all_reduce(total)
             self.iteration += 1
             self.losses.append(float(total[0] / total[1]))
             window_iters += 1
@@ -150,7 +172,53 @@ class DeepSpeedGPT:
                 if rank == 0:
                     log(format_log_line(self._record(gbs, step_s)))
                 window_start, window_iters = time.perf_counter(), 0
+            if after_step is not None:
+                after_step(self.iteration)
         return self.losses
+
+    def _batches(self, plan, rank: int) -> list[dict[str, torch.Tensor]]:
+        """This rank's microbatches of the next step under ``plan`` (global batch g: samples [gB, (g + 1)B))."""
+        from hetu_ext.data.assign import microbatch_samples
+
+        out = []
+        for ids in microbatch_samples(plan, rank, self.iteration, self.config.training.micro_batch_size):
+            samples = [self.dataset[i] for i in ids]
+            out.append({key: torch.stack([s[key] for s in samples]).to(self.device)
+                        for key in ("tokens", "labels", "loss_mask", "position_ids")})
+        return out
+
+    def _step(self, rank: int, log: Callable[[str], None]) -> torch.Tensor:
+        """One global batch; returns (loss sum, loss tokens) over every rank (float64)."""
+        weighting = self.weighting
+        if weighting is not None:
+            from .weighting import rank_plan
+
+            weighting.before_step(self.iteration + 1)
+            plan = rank_plan(weighting.counts, self.plan.pipelines[0].stages[0].layer_stop)
+        else:
+            plan = self.plan
+        batches = self._batches(plan, rank)
+        if weighting is not None:  # the global batch's loss tokens: each rank's loss is a share of their mean
+            tokens = torch.stack([b["loss_mask"].sum() for b in batches]).sum().double().reshape(1)
+            dist.all_reduce(tokens)
+            scale = dist.get_world_size() / float(tokens)  # DeepSpeed averages gradients over the ranks
+        total = torch.zeros(2, dtype=torch.float64)
+        for batch in batches:
+            per_token = self.engine(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+            mask = batch["loss_mask"].view(-1).float()
+            loss_sum = torch.sum(per_token.view(-1).float() * mask)
+            if weighting is None:
+                self.engine.backward(loss_sum / mask.sum())
+                self.engine.step()
+            else:
+                self.engine.backward(loss_sum * scale, scale_wrt_gas=False)
+            total += torch.stack([loss_sum.detach(), mask.sum()]).double()
+        if weighting is not None:
+            self.engine.step()  # the caller-owned accumulation boundary: reduce once, update
+        dist.all_reduce(total)
+        if weighting is not None:
+            weighting.after_step(self.iteration + 1, log)
+        return total
 
     def _record(self, gbs: int, step_s: float) -> dict[str, Any]:
         """The last step as a metrics step record (the fields format_log_line reads)."""
@@ -286,5 +354,25 @@ def build(config: RunConfig, zero: ZeroConfig) -> DeepSpeedGPT:
     dataset = build_train_dataset(data_spec, tokenizer, training.train_iters * gbs)
     if h.rank == 0:
         logger.info("DeepSpeed ZeRO-%d on %d %s rank(s): %s", zero.stage, h.world_size, h.device.type, ds_config)
-    return DeepSpeedGPT(config=config, engine=engine, scheduler=scheduler, dataset=dataset, plan=plan,
-                        device=h.device)
+    run = DeepSpeedGPT(config=config, engine=engine, scheduler=scheduler, dataset=dataset, plan=plan,
+                       device=h.device)
+    if zero.weighted:
+        run.weighting = _weighting(config, zero, h, ds_config["gradient_accumulation_steps"] * h.world_size)
+        run.weighting.attach(model.module.decoder.layers if hasattr(model, "module") else model.decoder.layers)
+    return run
+
+
+def _weighting(config: RunConfig, zero: ZeroConfig, h, total: int):
+    from hetu_ext.plan.straggler_policy import StragglerPolicy
+    from hetu_ext.runtime.straggler import parse_schedule
+
+    from .weighting import MicrobatchWeighting
+
+    straggler = config.straggler
+    counts = zero.microbatches or tuple(total // h.world_size for _ in range(h.world_size))
+    return MicrobatchWeighting(
+        rank=h.rank, world=h.world_size, counts=counts, interval=zero.straggler_interval,
+        policy=StragglerPolicy(threshold=straggler.threshold, min_change=straggler.min_change,
+                               window=straggler.window),
+        events=parse_schedule(straggler.emulate_slowdown or ""),
+        nominal_s=straggler.emulate_layer_ms / 1e3 if straggler.emulate_layer_ms else None)

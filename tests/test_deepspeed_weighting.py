@@ -1,0 +1,117 @@
+"""Straggler-weighted microbatches on DeepSpeed's engine (ZeRO-1, unmanaged gradient accumulation) equal the
+single-process run on the same global batches.
+
+Two ranks split each global batch of 4 microbatches 3:1 (given, and found by the straggler monitor from an
+emulated 3x straggler). Each rank's loss is its token sum over the global batch's tokens times the world size
+(DeepSpeed averages over ranks), so the update is the single-process one for any split; the order of
+floating-point sums differs (per rank, then across ranks), hence test_uniform_equivalence's tolerances (1e-6
+relative on losses, 2e-6 absolute on weights). Negative control: each rank normalising by its own tokens (the
+default of a data-parallel engine) weighs rank 1's single microbatch 3x too much and moves the weights by far
+more than the tolerance, so the test catches a lost global normalisation.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_ckpt_resume import SCHEDULE
+from test_ckpt_resume import _run as megatron_run
+from test_uniform_equivalence import LOSS_RTOL, WEIGHT_ATOL, _argv
+
+from hetu_ext.testing.multiproc import run_ranks
+
+STEPS = 4
+
+
+def weighted_body(rank: int, world: int, argv: list[str], microbatches: tuple[int, ...] | None,
+                  interval: int, per_rank_normalisation: bool = False) -> dict | None:
+    from hetu_ext.config import from_namespace
+    from hetu_ext.deepspeed.engine import ZeroConfig, add_deepspeed_args, build
+    from hetu_ext.deepspeed.zero_checkpoint import hetu_name
+    from hetu_ext.megatron.args import build_parser, validate_args
+
+    args = add_deepspeed_args(build_parser()).parse_args(argv)
+    validate_args(args)
+    run = build(from_namespace(args), ZeroConfig(stage=1, microbatches=microbatches, straggler_interval=interval))
+    if per_rank_normalisation:  # the control: this rank's mean instead of a share of the global batch's mean
+        backward, factor = run.engine.backward, sum(run.weighting.counts) / run.weighting.counts[rank]
+        run.engine.backward = lambda loss, **kw: backward(loss * factor, **kw)
+    lines: list[str] = []
+    losses = run.train(log=lines.append)
+    tensors = {hetu_name("param", n): p.detach().clone() for n, p in run.engine.module.named_parameters()}
+    return {"losses": losses, "tensors": tensors, "history": run.weighting.history, "lines": lines} \
+        if rank == 0 else None
+
+
+def _argv_steps(sample_prefix: str, extra: tuple[str, ...] = ()) -> list[str]:
+    return _argv(1, 1, sample_prefix, SCHEDULE + ("--train-iters", str(STEPS)) + extra)
+
+
+@pytest.fixture(scope="module")
+def reference(sample_prefix):
+    return megatron_run(1, _argv_steps(sample_prefix))["final"]
+
+
+def _diffs(result: dict, reference: dict) -> tuple[float, float]:
+    assert len(result["losses"]) == len(reference["losses"]) == STEPS
+    loss = max(abs(a - b) / abs(b) for a, b in zip(result["losses"], reference["losses"]))
+    params = {k: v for k, v in reference["tensors"].items() if k[0].startswith("param/")}
+    assert result["tensors"].keys() == params.keys()
+    return loss, max(float((result["tensors"][k] - v).abs().max()) for k, v in params.items())
+
+
+def test_zero1_weighted_3_to_1_equals_single_process(reference, sample_prefix):
+    """Given counts 3:1 (micro-batch 2, global batch 8): the same losses and weights as one process."""
+    result = run_ranks(weighted_body, 2, _argv_steps(sample_prefix), (3, 1), 0, timeout=180)[0]
+    loss, weight = _diffs(result, reference)
+    print(f"ZeRO-1 weighted 3:1 vs single process: loss rel diff {loss:.2e}, weight abs diff {weight:.2e}")
+    assert result["history"] == [(1, (3, 1))]
+    assert loss <= LOSS_RTOL and weight <= WEIGHT_ATOL
+    control = run_ranks(weighted_body, 2, _argv_steps(sample_prefix), (3, 1), 0, True, timeout=180)[0]
+    _, control_weight = _diffs(control, reference)
+    print(f"per-rank normalisation (control): weight abs diff {control_weight:.2e}")
+    assert control_weight > 100 * WEIGHT_ATOL
+
+
+def test_emulated_straggler_moves_microbatches_and_stays_exact(reference, sample_prefix):
+    """Rank 1 emulated 3x slower from step 1 (every layer's forward 10 ms of emulated device time, backward 20 ms,
+    so the emulation, not the shared CPU, sets the pace: 3x vs 1x holds on a busy machine); the monitor, with a
+    2-step window, finds it at step 2 and gives rank 1 one microbatch of 4 from step 3 on. The training equals
+    the single-process run throughout (counts 2:2, then 3:1)."""
+    extra = ("--hetu-straggler-interval", "1", "--hetu-straggler-window", "2", "--hetu-emulate-layer-ms", "10",
+             "--hetu-emulate-slowdown", "step=1:rank=1:x=3")
+    result = run_ranks(weighted_body, 2, _argv_steps(sample_prefix, extra), None, 1, timeout=180)[0]
+    print("\n".join(result["lines"]))
+    assert result["history"] == [(1, (2, 2)), (3, (3, 1))]
+    assert any("stragglers rank 1 x" in line and "[3, 1]" in line for line in result["lines"])
+    loss, weight = _diffs(result, reference)
+    print(f"emulated straggler, 2:2 then 3:1 vs single process: loss rel diff {loss:.2e}, weight abs diff "
+          f"{weight:.2e}")
+    assert loss <= LOSS_RTOL and weight <= WEIGHT_ATOL
+
+
+def test_weighted_counts_and_refusals():
+    """Pure: Malleus's split over one-stage pipelines, one microbatch at least per rank; ZeRO-2/3 and counts
+    that do not fit the global batch are refused with one line naming rule, values and fix."""
+    from hetu_ext.config import from_namespace
+    from hetu_ext.deepspeed.engine import ZeroConfig, add_deepspeed_args, deepspeed_config
+    from hetu_ext.deepspeed.weighting import weighted_counts
+    from hetu_ext.megatron.args import build_parser
+
+    assert weighted_counts(4, {1: 3.0}, 2) == (3, 1)
+    assert weighted_counts(4, {}, 2) == (2, 2)
+    counts = weighted_counts(12, {2: 2.0}, 4)  # a 2x rank takes 2, the others 3-4: the slowest rank's time 4
+    assert sum(counts) == 12 and counts[2] == 2 and max(c * (2.0 if r == 2 else 1.0) for r, c in enumerate(counts)) == 4
+    assert weighted_counts(3, {0: 50.0}, 3) == (1, 1, 1)
+    for stage in (2, 3):
+        with pytest.raises(ValueError, match=f"ZeRO-{stage} reduces gradients on every backward.*--zero-stage 1"):
+            ZeroConfig(stage=stage, straggler_interval=5)
+        with pytest.raises(ValueError, match=r"microbatches \[3, 1\] weights microbatches per rank"):
+            ZeroConfig(stage=stage, microbatches=(3, 1))
+    args = from_namespace(add_deepspeed_args(build_parser()).parse_args(_argv(1, 1, "unused")))
+    config = deepspeed_config(args, ZeroConfig(stage=1, microbatches=(3, 1)), 2)
+    assert config["managed_gradient_accumulation"] is False
+    assert "managed_gradient_accumulation" not in deepspeed_config(args, ZeroConfig(stage=1), 2)
+    with pytest.raises(ValueError, match="--hetu-microbatches 3,2 must give each of the 2 ranks a count, summing "
+                                         "to --global-batch-size 8 / --micro-batch-size 2 = 4"):
+        deepspeed_config(args, ZeroConfig(stage=1, microbatches=(3, 2)), 2)
