@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .formats import ForeignCheckpoints, recognising
+from .gated import is_gated, to_megatron
 from .manifest import CheckpointError, Manifest
 from .reader import ShardReader, candidates, read_manifest
 from .storage import LocalStorage
@@ -58,8 +59,9 @@ def _describe(m: Manifest) -> list[str]:
         lines += ["", "saved under the plan:", format_plan(plan_from_dict(m.plan))]
     lines += ["", f"{'tensor':<60} {'index':<6} {'shape':<16} {'dtype':<5} shards"]
     for t in m.tensors:
+        note = "  gated: [gate; up]" if is_gated(t.name, t.shape) else ""
         lines.append(f"{t.name:<60} {','.join(map(str, t.index)):<6} {'x'.join(map(str, t.shape)):<16} "
-                     f"{t.dtype:<5} {len(t.shards)}")
+                     f"{t.dtype:<5} {len(t.shards)}{note}")
     return lines
 
 
@@ -151,7 +153,8 @@ def run(args: argparse.Namespace, formats: Sequence[ForeignCheckpoints] = ()) ->
     from safetensors.torch import save_file
 
     full = reader.read_full({t.name for t in manifest.tensors if t.name.startswith(args.kind + "/")})
-    tensors = {_export_name(name, index): t for (name, index), t in full.items()}
+    tensors = {_export_name(name, index): to_megatron(t) if is_gated(name, tuple(t.shape)) else t
+               for (name, index), t in full.items()}  # a gated fc1 as Megatron's [gate; up]
     save_file(tensors, args.output, metadata={"iteration": str(iteration), "kind": args.kind})
     return [f"wrote {len(tensors)} tensors ({args.kind}, iteration {iteration}) to {args.output}"], None
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from .gated import is_gated
 from .manifest import CheckpointError
 from .selection import TensorId
 
@@ -49,6 +50,9 @@ def to_gpt2(params: dict[TensorId, torch.Tensor], *, num_attention_heads: int) -
     layers = set()
     for (name, index), t in params.items():
         key = name.split("/", 1)[1]
+        if is_gated(key, tuple(t.shape)):
+            raise CheckpointError(f"{name}: a gated MLP weight (--swiglu); GPT-2's MLP is not gated, so this export "
+                                  "does not apply to the model")
         if key in _GLOBAL_MAP:
             out[_GLOBAL_MAP[key]] = t.contiguous()
         elif key == "output_layer.weight":

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from hetu_ext.runtime.reshard import Piece, ReshardReport, reshard
 
+from .gated import from_megatron, is_gated, to_megatron
 from .manifest import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -59,12 +60,13 @@ def tensors_of(path: str) -> dict[str, tuple[str, torch.Size, torch.dtype]]:
     return out
 
 
-def _split(name: str, full: torch.Tensor) -> list[Piece]:
-    """A global tensor as hetu pieces: one per layer for stacked layer tensors, else one."""
+def _split(name: str, full: torch.Tensor, gated: bool) -> list[Piece]:
+    """A global tensor as hetu pieces: one per layer for stacked layer tensors, else one; a ``gated`` one
+    (Megatron's ``[gate; up]``) with its gate axis (:mod:`.gated`)."""
     key = name.split("/", 1)[1]
     if key.startswith(_LAYERED):
-        return [Piece(name, (layer,), tuple((0, d) for d in full.shape[1:]), full[layer])
-                for layer in range(full.shape[0])]
+        layers = [from_megatron(full[layer]) if gated else full[layer] for layer in range(full.shape[0])]
+        return [Piece(name, (layer,), tuple((0, d) for d in t.shape), t) for layer, t in enumerate(layers)]
     return [Piece(name, (), tuple((0, d) for d in full.shape), full)]
 
 
@@ -82,12 +84,14 @@ def load_resharded(path: str, destinations: list[Piece] | Callable[[set[str]], l
     missing = sorted({p.key for p in mine} - {n for n, _, _ in tensors.values()})
     error = (f"{path}: the checkpoint has no {missing[:3]} ({len(missing)} missing); it was saved from another "
              "model or optimizer") if missing else None
+    gated = sorted({p.key for p in mine if is_gated(p.key, tuple(b - a for a, b in p.box))})
     everyone: list = [None] * world
-    dist.all_gather_object(everyone, (sorted({p.key for p in mine}), error), group=group)
-    errors = sorted({e for _, e in everyone if e})
+    dist.all_gather_object(everyone, (sorted({p.key for p in mine}), error, gated), group=group)
+    errors = sorted({e for _, e, _ in everyone if e})
     if errors:
         raise CheckpointError("; ".join(errors))
-    wanted = {name for names, _ in everyone for name in names}
+    wanted = {name for names, _, _ in everyone for name in names}
+    gated_names = {name for _, _, names in everyone for name in names}
     load_by_rank = [0] * world
     reading = {}
     for key, (name, shape, dtype) in sorted(tensors.items()):
@@ -98,7 +102,8 @@ def load_resharded(path: str, destinations: list[Piece] | Callable[[set[str]], l
                 reading[key] = torch.empty(shape, dtype=dtype)
     if reading:
         load(reading, storage_reader=FileSystemReader(path), no_dist=True)
-    sources = [p for key, full in reading.items() for p in _split(tensors[key][0], full)]
+    sources = [p for key, full in reading.items()
+               for p in _split(tensors[key][0], full, tensors[key][0] in gated_names)]
     return reshard(sources, mine, group=group)
 
 
@@ -124,6 +129,8 @@ def export(full: dict[tuple[str, tuple[int, ...]], torch.Tensor], directory: str
         if kind not in _EXPORT_KINDS:
             raise CheckpointError(f"{name}: no dist_checkpointing counterpart for kind {kind!r}")
         target = _EXPORT_KINDS[kind] + key
+        if is_gated(key, tuple(t.shape)):
+            t = to_megatron(t)  # Megatron's [gate; up]
         if index:
             stacked.setdefault(target, {})[index[0]] = t
         else:

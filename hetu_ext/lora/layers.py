@@ -66,6 +66,8 @@ class Adapters(torch.nn.Module):
         for index, name, settings in tenants:
             self.lora_A[name] = torch.nn.Parameter(torch.zeros(settings.rank, in_local, dtype=dtype))
             self.lora_B[name] = torch.nn.Parameter(torch.zeros(out_local, settings.rank, dtype=dtype))
+            for adapter in (self.lora_A[name], self.lora_B[name]):  # not the base's: lora/checkpoint.py saves them
+                adapter.hetu_saved_apart = "LoRA adapter"
             split = self.lora_B[name] if kind == "column" else self.lora_A[name]
             split.tensor_model_parallel, split.partition_dim, split.partition_stride = True, \
                 (0 if kind == "column" else 1), 1

@@ -80,12 +80,12 @@ def _pieces(placement: Placement, *, create_state_at_step: int | None = None) ->
     pieces = []
     for s in local_shards(placement.model, **placement.shard_kwargs):
         box = tuple((sl.start, sl.stop) for sl in s.slices)
-        master = masters.get(id(s.data), s.data)
-        pieces.append(Piece(f"param:{s.key}", s.index, box, master.data))
+        master = masters.get(id(s.param), s.param)
+        pieces.append(Piece(f"param:{s.key}", s.index, box, s.view(master.data)))
         state = states.get(id(master), {})
         for m in (*_MOMENTS["adam"], *_MOMENTS["sgd"]):
             if state.get(m) is not None:
-                pieces.append(Piece(f"{m}:{s.key}", s.index, box, state[m]))
+                pieces.append(Piece(f"{m}:{s.key}", s.index, box, s.view(state[m])))
     return pieces
 
 

@@ -142,10 +142,11 @@ def build_plan_placement(training: TrainingConfig, spec: ModelSpec, plan: Plan, 
         for s in local_shards(model, **shard_kwargs):
             box = tuple((sl.start, sl.stop) for sl in s.slices)
             shards.append(ShardInfo(rank=host.rank, stage=where, tp_index=tp_rank, key=s.key, index=s.index,
-                                    box=box, offset=_buffer_offset(s.data, flat)))
+                                    box=box, offset=_buffer_offset(s.param, flat)))
             if (s.key, s.index) in local:
                 raise PlanError(f"{s.key}{list(s.index)} appears twice on rank {host.rank}")
-            local[(s.key, s.index)] = LocalTensor(param=s.data, box=box)
+            local[(s.key, s.index)] = LocalTensor(param=s.param, box=box,
+                                                   shape=tuple(s.data.shape) if s.gated else None)
     everyone: list = [None] * groups.world_size
     dist.all_gather_object(everyone, shards)
     all_shards = [s for part in everyone for s in part]

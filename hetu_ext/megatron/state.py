@@ -83,7 +83,9 @@ def restore(trainer, saved: RunState) -> None:
 
 
 def optimizers(optimizer) -> list:
-    """The torch optimizers inside Megatron's (chained) optimizer."""
+    """The torch optimizers inside Megatron's (chained) optimizer (none for a model without one)."""
+    if optimizer is None:
+        return []
     return [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])]
 
 
@@ -104,9 +106,9 @@ def state_pieces(placement, *, moments: set[str] | None = None, step: float | No
         return _pieces(placement)
     created = create_optimizer_state(placement, moments, step, zero=False)
     pieces = _pieces(placement)
-    named = {id(p.tensor) for p in pieces}
+    named = {p.tensor.data_ptr() for p in pieces}  # a gated weight's pieces view their whole tensor
     for tensor in created:
-        if id(tensor) not in named:
+        if tensor.data_ptr() not in named:
             tensor.zero_()
     return pieces
 
@@ -127,11 +129,11 @@ def _pieces(placement) -> list[Piece]:
     for s in local_shards(placement.model, **placement.shard_kwargs):
         box = tuple((sl.start, sl.stop) for sl in s.slices)
         pieces.append(Piece(f"param/{s.key}", s.index, box, s.data.data))
-        main = getattr(s.data, "main_param", None)
+        main = getattr(s.param, "main_param", None)
         if main is not None:
-            pieces.append(Piece(f"master/{s.key}", s.index, box, main.data))
-        state = states.get(id(main if main is not None else s.data), {})
-        pieces.extend(Piece(f"{m}/{s.key}", s.index, box, state[m]) for m in MOMENTS if m in state)
+            pieces.append(Piece(f"master/{s.key}", s.index, box, s.view(main.data)))
+        state = states.get(id(main if main is not None else s.param), {})
+        pieces.extend(Piece(f"{m}/{s.key}", s.index, box, s.view(state[m])) for m in MOMENTS if m in state)
     return pieces
 
 

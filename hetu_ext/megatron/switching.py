@@ -133,7 +133,7 @@ def _pieces(placement: Placement, kind: str) -> list[Piece]:
     out = []
     for s in local_shards(placement.model, **placement.shard_kwargs):
         box = tuple((sl.start, sl.stop) for sl in s.slices)
-        tensor = s.data.data if kind == "param" else s.data.main_grad
+        tensor = s.data.data if kind == "param" else s.view(s.param.main_grad)
         out.append(Piece(f"{kind}:{s.key}", s.index, box, tensor))
     return out
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import zlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +27,15 @@ from hetu_ext.errors import HetuExtError
 
 @dataclass(frozen=True)
 class LocalShard:
-    """One local piece of a global tensor: ``global[index][slices] == data`` (index: the prepended axes)."""
+    """One local piece of a global tensor: ``global[index][slices] == data`` (index: the prepended axes).
+
+    ``data`` is ``param`` itself, or a view of all of it in the global tensor's axes: a gated ``linear_fc1``
+    (SwiGLU, GeGLU) holds ``[gate_r; up_r]`` on each TP rank, which is no box of Megatron's global ``[gate; up]``
+    (rows ``2F``), so its global tensor gets a leading gate axis, ``(2, F, ...)`` (:data:`GATED_AXIS`; the same
+    bytes as ``[gate; up]`` in row-major order), of which the rank holds the box ``(0:2, rF/tp:(r+1)F/tp, ...)``,
+    a view of the whole local parameter. Anything that belongs to the parameter (its fp32 master, ``main_grad``,
+    Adam moments) takes the box's shape through :meth:`view`.
+    """
 
     key: str
     index: tuple[int, ...]
@@ -37,18 +44,34 @@ class LocalShard:
     shape: tuple[int, ...]
     """Global shape of one tensor, without the prepended axes."""
     data: torch.Tensor
+    param: torch.Tensor
+    """The local parameter (or buffer) that ``data`` views: optimizer state and ``main_grad`` are found by it."""
+
+    def view(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` (shaped like :attr:`param`: its master, gradient or a moment) in the box's shape."""
+        return tensor if tensor.shape == self.data.shape else tensor.view(self.data.shape)
+
+    @property
+    def gated(self) -> bool:
+        return self.data is not self.param
+
+
+GATED_AXIS = "gate"
+"""The leading axis of a gated weight's global tensor: index 0 the gate half, 1 the up half (Megatron's
+``apply_swiglu_sharded_factory`` chunks each TP rank's rows into those two halves)."""
 
 
 def local_shards(model: torch.nn.Module, *, layer_offset: int = 0, metadata: dict | None = None
-                 ) -> Iterator[LocalShard]:
-    """Every ShardedTensor of ``model`` (a GPTModel, or wrappers around one) as a :class:`LocalShard`.
+                 ) -> list[LocalShard]:
+    """Every tensor of ``model``'s sharded state dict (a GPTModel, or wrappers around one) as a
+    :class:`LocalShard`; raises :class:`HetuExtError` on an entry it has no rule for, and unless the shards cover
+    every element of every parameter (:func:`check_coverage`).
 
     ``layer_offset``: global number of the stage's first layer when the stage model was built with local layer
     numbering (the plan runtime); Megatron's own pipeline layout numbers layers globally (offset 0).
     ``metadata``: passed to ``sharded_state_dict`` (the plan runtime supplies its ``dp_cp_group`` there).
     """
     from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     module = model
     while hasattr(module, "module"):
@@ -65,18 +88,98 @@ def local_shards(model: torch.nn.Module, *, layer_offset: int = 0, metadata: dic
     finally:
         if tied_copy:
             module.share_embeddings_and_output_weights = True
-    for sh in nested_values(state):
-        if not isinstance(sh, ShardedTensor):
-            continue  # _extra_state objects carry no weights
-        if tied_copy and sh.key == "output_layer.weight":
-            sh = dataclasses.replace(sh, key="embedding.word_embeddings.weight")
-        if sh.flattened_range is not None:
-            raise NotImplementedError(f"{sh.key}: flattened shards are not supported")
-        n = sh.prepend_axis_num
-        index = tuple(o + layer_offset if k == 0 else o for k, o in enumerate(sh.global_offset[:n]))
-        slices = tuple(slice(o, o + s) for o, s in zip(sh.global_offset[n:], sh.local_shape))
-        yield LocalShard(key=sh.key, index=index, slices=slices, shape=tuple(sh.global_shape[n:]),
-                         data=sh.data)
+    shards = []
+    for entry in nested_values(state):
+        for shard in _entry_shards(entry, layer_offset):
+            if tied_copy and shard.key == "output_layer.weight":
+                shard = dataclasses.replace(shard, key="embedding.word_embeddings.weight")
+            shards.append(shard)
+    check_coverage(module, shards)
+    return shards
+
+
+def _entry_shards(entry, layer_offset: int) -> list[LocalShard]:
+    """The rule for each kind of entry of a sharded state dict; anything else is refused by name."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
+
+    if isinstance(entry, ShardedTensor):
+        return [_shard(entry, entry.data, entry.data, layer_offset)]
+    if isinstance(entry, ShardedObject) and entry.key.endswith("._extra_state") and not _holds_tensor(entry.data):
+        return []  # the local spec's layers have no extra state (Transformer Engine's FP8 metadata would)
+    if isinstance(entry, ShardedTensorFactory):
+        return [_gated_shard(entry, layer_offset)]
+    raise HetuExtError(f"{entry.key}: sharded_state_dict() returned a {type(entry).__name__} that hetu_ext has no "
+                       "rule for (a model option or layer spec it does not cover); drop that option or use "
+                       "--hetu-ckpt-format auto (Megatron's own checkpoints)")
+
+
+def _holds_tensor(data) -> bool:
+    if torch.is_tensor(data):
+        return data.numel() > 0
+    if isinstance(data, dict):
+        return any(_holds_tensor(v) for v in data.values())
+    if isinstance(data, (list, tuple)):
+        return any(_holds_tensor(v) for v in data)
+    return False
+
+
+def _shard(sh, data: torch.Tensor, param: torch.Tensor, layer_offset: int) -> LocalShard:
+    if sh.flattened_range is not None:
+        raise HetuExtError(f"{sh.key}: flattened shards (Megatron's distributed optimizer layout) have no rule "
+                           "here; save the model's own parameters")
+    n = sh.prepend_axis_num
+    index = tuple(o + layer_offset if k == 0 else o for k, o in enumerate(sh.global_offset[:n]))
+    slices = tuple(slice(o, o + s) for o, s in zip(sh.global_offset[n:], sh.local_shape))
+    return LocalShard(key=sh.key, index=index, slices=slices, shape=tuple(sh.global_shape[n:]), data=data,
+                      param=param)
+
+
+def _gated_shard(factory, layer_offset: int) -> LocalShard:
+    """Megatron's gated-rows factory (``apply_swiglu_sharded_factory``): it builds two ShardedTensors of one key,
+    the gate half ``t[:f]`` at rows ``r f`` and the up half ``t[f:]`` at rows ``F + r f`` of ``[gate; up]``
+    (``F`` = global rows / 2, ``f`` = local rows / 2). Anything else a factory builds is refused by name."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    param = factory.data
+    built = list(nested_values(factory.build()))
+    why = None
+    if len(built) != 2 or not all(isinstance(b, ShardedTensor) and b.key == factory.key for b in built):
+        why = f"it builds {[type(b).__name__ for b in built]}"
+    else:
+        gate, up = built
+        n, f = gate.prepend_axis_num, param.shape[0] // 2
+        rows = gate.global_shape[n]
+        if not (param.is_contiguous() and gate.data.data_ptr() == param.data_ptr()
+                and up.data.data_ptr() == param[f:].data_ptr() and tuple(gate.local_shape) == (f, *param.shape[1:])
+                and up.global_offset[n] - gate.global_offset[n] == rows // 2
+                and gate.global_offset[:n] == up.global_offset[:n]):
+            why = "its halves are not the gate and up rows of one parameter"
+    if why is not None:
+        raise HetuExtError(f"{factory.key}: a ShardedTensorFactory that hetu_ext has no rule for ({why}); only "
+                           "Megatron's gated linear_fc1 (--swiglu) is known; drop that option or use "
+                           "--hetu-ckpt-format auto (Megatron's own checkpoints)")
+    shard = _shard(gate, param.view(2, f, *param.shape[1:]), param, layer_offset)
+    return dataclasses.replace(shard, slices=(slice(0, 2), *shard.slices), shape=(2, rows // 2, *shard.shape[1:]))
+
+
+def check_coverage(module: torch.nn.Module, shards: list[LocalShard]) -> None:
+    """Every element of every parameter of ``module`` is in exactly one shard (parameters marked
+    ``hetu_saved_apart``, e.g. LoRA adapters, have their own checkpoint); raises naming the ones that are not."""
+    covered: dict[int, int] = {}
+    for s in shards:
+        covered[id(s.param)] = covered.get(id(s.param), 0) + s.data.numel()
+    seen, short = set(), []
+    for name, p in module.named_parameters():
+        if id(p) in seen or getattr(p, "hetu_saved_apart", None):
+            continue
+        seen.add(id(p))
+        if covered.get(id(p), 0) != p.numel():
+            short.append(f"{name} ({covered.get(id(p), 0)} of {p.numel()} elements)")
+    if short:
+        raise HetuExtError(f"the sharded state dict does not cover {len(short)} parameter(s): "
+                           f"{', '.join(short[:4])}{' ...' if len(short) > 4 else ''}; hetu_ext refuses to save or "
+                           "load a partial model")
 
 
 def initial_value(key: str, index: tuple[int, ...], shape: tuple[int, ...], *, seed: int, std: float,
@@ -109,7 +212,7 @@ def init_weights(model: torch.nn.Module, *, seed: int, std: float, num_layers: i
     count = 0
     for shard in local_shards(model, **shard_kwargs):
         split = tuple(s.stop - s.start for s in shard.slices) != shard.shape
-        if split and not getattr(shard.data, "tensor_model_parallel", False) and shard.data.requires_grad:
+        if split and not getattr(shard.param, "tensor_model_parallel", False) and shard.param.requires_grad:
             raise HetuExtError(f"{shard.key}: a TP-split parameter lacks tensor_model_parallel=True, so Megatron "
                                "would count one shard in the grad norm; build with perform_initialization=True")
         full = initial_value(shard.key, shard.index, shard.shape, seed=seed, std=std, num_layers=num_layers)
@@ -127,7 +230,7 @@ def gather_weights(model: torch.nn.Module | None, group=None, values: dict | Non
     ``values`` (parameter id -> tensor of its shape) gathers those instead, e.g. the optimizer's fp32 masters.
     """
     values = values or {}
-    mine = [(s.key, s.index, s.slices, s.shape, values.get(id(s.data), s.data).detach().float().cpu().clone())
+    mine = [(s.key, s.index, s.slices, s.shape, s.view(values.get(id(s.param), s.param)).detach().float().cpu().clone())
             for s in local_shards(model, **shard_kwargs)] if model is not None else []
     everyone: list = [None] * (dist.get_world_size(group) if dist.is_initialized() else 1)
     if dist.is_initialized():

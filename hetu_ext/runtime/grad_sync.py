@@ -24,6 +24,16 @@ class LocalTensor:
 
     param: torch.nn.Parameter
     box: Box
+    shape: tuple[int, ...] | None = None
+    """The box's extent where it differs from the parameter's shape (a gated weight's ``(2, f, ...)`` view)."""
+
+    def weights(self) -> torch.Tensor:
+        """The parameter's data in the box's shape."""
+        return self.param.data if self.shape is None else self.param.data.view(self.shape)
+
+    def grad(self) -> torch.Tensor:
+        """The parameter's ``main_grad`` in the box's shape."""
+        return self.param.main_grad if self.shape is None else self.param.main_grad.view(self.shape)
 
 
 def _local_slices(cell: Cell, local: LocalTensor) -> tuple[slice, ...]:
@@ -59,7 +69,7 @@ class GradSync:
 
     @staticmethod
     def _grad(local: LocalTensor) -> torch.Tensor:
-        return local.param.main_grad
+        return local.grad()
 
     def reduce(self) -> None:
         """Sum every cell's gradient over the stages holding it; every holder ends with the sum."""

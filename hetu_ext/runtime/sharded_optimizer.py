@@ -36,10 +36,10 @@ class OwnedBox:
     """Of ``local.param`` (and of its ``main_grad``)."""
 
     def param_view(self) -> torch.Tensor:
-        return self.local.param.data[self.slices]
+        return self.local.weights()[self.slices]
 
     def grad_view(self) -> torch.Tensor:
-        return self.local.param.main_grad[self.slices]
+        return self.local.grad()[self.slices]
 
 
 @dataclass
@@ -97,7 +97,7 @@ class ShardedGradSync:
             flat = torch.zeros(n * part, dtype=torch.float32, device=self._device(s))
             offset = 0
             for local, slices, adds in s.cells:
-                grad = local.param.main_grad[slices]
+                grad = local.grad()[slices]
                 if adds:
                     flat[offset:offset + grad.numel()].view_as(grad).copy_(grad)
                 offset += grad.numel()
@@ -121,7 +121,7 @@ class ShardedGradSync:
                 offset += view.numel()
             flat = torch.empty(n * part, dtype=first.dtype, device=first.device)
             dist.all_gather_into_tensor(flat, mine, group=s.group)
-            self._unpack(flat, [local.param.data[slices] for local, slices, _ in s.cells])
+            self._unpack(flat, [local.weights()[slices] for local, slices, _ in s.cells])
             self.bytes_sent += (n - 1) * part * flat.element_size()
 
     @staticmethod
