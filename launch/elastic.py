@@ -1,6 +1,15 @@
 """Elastic restart after partial GPU loss (Elastor): run pretrain_gpt.py under torchrun; when the job fails, plan
 over the GPUs that are left and resume from the newest complete checkpoint.
 
+Across nodes (one launcher per node, membership by torch's c10d rendezvous; hetu_ext/elastic/agent.py, docs/elastic.md):
+
+    python launch/elastic.py --nnodes 1:4 --nproc-per-node 8 --rdzv-endpoint HOST:PORT --rdzv-id job1 -- \\
+        --num-layers 32 ... --save ckpt --save-interval 100 --hetu-hang-timeout 120
+
+    python launch/elastic.py --serve-store --rdzv-endpoint HOST:PORT   # the store on a node that trains nothing
+
+Single node (no --nnodes):
+
     python launch/elastic.py --nproc-per-node 8 --gpus-per-node 8 --max-restarts 3 -- \\
         --num-layers 32 ... --save ckpt --save-interval 100      # pretrain_gpt.py's flags after "--"
 
@@ -33,40 +42,9 @@ from collections import Counter
 from pathlib import Path
 from typing import NamedTuple
 
+from hetu_ext.elastic.argv import REPLACED, restart_argv  # noqa: F401 (tests and callers use them from here)
+
 ROOT = Path(__file__).resolve().parents[1]
-REPLACED = ("--hetu-plan", "--load", "--tensor-model-parallel-size", "--pipeline-model-parallel-size")
-"""pretrain_gpt.py's flags a restart replaces (one value each): the new plan sets the layout, --save's checkpoints
-are loaded."""
-
-
-class _ArgvParser(argparse.ArgumentParser):
-    """argparse that raises ValueError instead of exiting (a restart's argv was accepted by the first attempt)."""
-
-    def error(self, message: str):
-        raise ValueError(f"pretrain_gpt.py's flags: {message}")
-
-
-def restart_argv(argv: list[str], *, plan_path: str) -> list[str]:
-    """pretrain_gpt.py's flags for a restart: the new plan instead of any plan or TP/PP flags, --load = --save.
-
-    The flags are read as pretrain_gpt.py's parser reads them: ``--load DIR`` and ``--load=DIR`` alike, no
-    abbreviation (its parser has ``allow_abbrev=False``, so ``--save-interval`` is never ``--save``). The
-    replaced flags are taken out by ``parse_known_args``, every other token kept in order; the directory loaded
-    is the ``--save`` pretrain_gpt.py would use (the last one typed, else ``checkpoint.save`` of the
-    ``--hetu-config`` file), by its own parser."""
-    from hetu_ext.config import build_parser, from_namespace, parse_namespace
-
-    replaced = _ArgvParser(add_help=False, allow_abbrev=False)
-    for flag in REPLACED:
-        replaced.add_argument(flag, action="append")
-    _, kept = replaced.parse_known_args(argv)
-    save = from_namespace(parse_namespace(argv, build_parser())).checkpoint.save
-    if save is None:
-        raise ValueError("elastic restarts need --save DIR (the checkpoints to resume from); add it with "
-                         "--save-interval N")
-    return kept + ["--hetu-plan", plan_path, "--load", save]
-
-
 def plan_for(argv: list[str], world_size: int, gpus_per_node: int) -> str:
     """A Malleus plan (YAML) of the model in ``argv`` over ``world_size`` healthy ranks."""
     from hetu_ext.config import build_parser, from_namespace, parse_namespace
@@ -155,6 +133,12 @@ def run_attempt(cmd: list[str]) -> Attempt:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    own = argv[:argv.index("--")] if "--" in argv else argv
+    if any(token.split("=", 1)[0] in ("--nnodes", "--rdzv-endpoint", "--serve-store") for token in own):
+        from hetu_ext.elastic.launcher import main as multinode_main  # across nodes: torch's rendezvous
+
+        return multinode_main(argv)
     from hetu_ext.hostlog import quiet_host_frameworks
 
     quiet_host_frameworks()  # planning imports Megatron-core (its Apex/TE warnings are no news on a restart)

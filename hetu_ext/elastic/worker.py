@@ -1,0 +1,44 @@
+"""The function each rank runs under the elastic agent (forked from a forkserver that has imported torch and
+Megatron-core once per node, so a restart does not pay the imports again)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+PRELOAD = ("torch", "hetu_ext.megatron.trainer", "hetu_ext.megatron.cli")
+"""Modules the node's forkserver imports once (about 5 s per process on a busy 2-core machine)."""
+
+
+class _ErrorLine:
+    """stderr that remembers the last ``error:`` line written through it (pretrain_gpt.py's one-line errors)."""
+
+    def __init__(self, stream) -> None:
+        self.stream, self.line = stream, None
+
+    def write(self, text: str) -> int:
+        for line in text.splitlines():
+            if ": error: " in line:
+                self.line = line
+        return self.stream.write(text)
+
+    def __getattr__(self, name: str):
+        return getattr(self.stream, name)
+
+
+def run_worker(argv_json: str, devices: str, report_dir: str) -> None:
+    """pretrain_gpt.py's entry (``hetu_ext.megatron.cli.main``) with ``argv``, local rank ``i`` on the ``i``-th
+    healthy device; exits with its code (2 leaves the error line in ``report_dir`` for the agent)."""
+    os.environ["CUDA_VISIBLE_DEVICES"] = devices  # before anything touches CUDA; ignored on a CPU
+    from hetu_ext.megatron.cli import main
+
+    sys.stderr = errors = _ErrorLine(sys.stderr)
+    code = main(json.loads(argv_json))
+    if code == 2 and errors.line:
+        Path(report_dir, f"config_error_local{os.environ.get('LOCAL_RANK', '0')}.txt").write_text(errors.line)
+    sys.stderr.flush()
+    sys.stdout.flush()
+    if code:
+        sys.exit(code)
