@@ -127,6 +127,22 @@ def deepspeed_config(config: RunConfig, zero: ZeroConfig, world_size: int) -> di
     return ds
 
 
+def check_supported(config: RunConfig) -> None:
+    """The hetu_ext features this path does not take, refused before launch with one line each."""
+    refused = {"--hetu-plan": config.parallel.plan, "--use-distributed-optimizer":
+               config.parallel.use_distributed_optimizer, "--hetu-hotspa": config.packing.hotspa,
+               "--hetu-strategies": config.packing.strategies, "--hetu-lora-tenants": config.lora.tenants,
+               "--hetu-migrate": config.straggler.migrate,
+               "--hetu-straggler-replan online": config.straggler.replan == "online",
+               "--hetu-ckpt-format torch_dist": config.checkpoint.format == "torch_dist",
+               "--hetu-emulate-cost": config.straggler.emulate_cost}
+    for flag, value in refused.items():
+        if value:
+            raise ValueError(f"{flag} is a feature of launch/pretrain_gpt.py; the DeepSpeed path shards with ZeRO "
+                             "over data-parallel ranks and weights microbatches per rank (--zero-stage 1 "
+                             f"--hetu-straggler-interval N): drop {flag.split()[0]} or use launch/pretrain_gpt.py")
+
+
 def param_groups(model: torch.nn.Module) -> list[dict[str, Any]]:
     """Megatron-core's default groups: weight decay except on biases and 1-D tensors (``wd_mult`` 0)."""
     decay, no_decay = [], []

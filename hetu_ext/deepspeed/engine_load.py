@@ -44,6 +44,8 @@ class Loaded:
     seconds: float
     bytes_sent: int
     rng_restored: bool
+    run_id: str | None = None
+    """The identity of the run that wrote a hetu checkpoint (a resumed run keeps it); None for DeepSpeed's."""
 
 
 def checkpoint_kind(directory: str) -> str | None:
@@ -106,9 +108,11 @@ def _load_hetu(run, directory: str) -> tuple[dict[str, Any], int, float | None, 
     m = report.manifest
     state = dict(m.state)
     state["iteration"] = m.iteration
-    state["rng"] = [r for _, r in sorted(m.rng.items(), key=lambda kv: int(kv[0]))] if m.rng else None
-    if (m.plan or {}).get("kind") != "deepspeed":
-        state["rng"] = None  # saved by hetu_ext's trainer: its ranks are not this path's ranks
+    from .engine_save import is_ours
+
+    # saved by hetu_ext's trainer, its ranks are not this path's ranks: the seed's RNG stands
+    state["rng"] = [r for _, r in sorted(m.rng.items(), key=lambda kv: int(kv[0]))] if is_ours(m.config) else None
+    state["run_id"] = m.run_id
     return state, m.world_size, state.get("optimizer_step"), report.bytes_sent, f"{directory} iteration {m.iteration}"
 
 
@@ -148,7 +152,8 @@ def load(run, directory: str) -> Loaded | None:
     if restored:
         set_rng_state(rng[dist.get_rank()])
     loaded = Loaded(source=kind, path=where, iteration=iteration, saved_world_size=saved_world, optimizer_step=step,
-                    seconds=time.perf_counter() - start, bytes_sent=sent, rng_restored=restored)
+                    seconds=time.perf_counter() - start, bytes_sent=sent, rng_restored=restored,
+                    run_id=state.get("run_id"))
     if dist.get_rank() == 0:
         logger.info("loaded %s checkpoint %s (saved on %d rank(s)) into ZeRO-%d on %d rank(s) at iteration %d in "
                     "%.2f s%s", kind, where, saved_world, engine_state.zero_stage(engine), dist.get_world_size(),
