@@ -1,0 +1,101 @@
+"""launch/pretrain_gpt_deepspeed.py: bad input is one error line and exit code 2 (no traceback), before launch
+(flags) and after it (a checkpoint that does not fit: another model, a missing tag, other data settings or LR
+schedule); the real launcher saves, resumes and saves in hetu's format."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_pretrain_cli import assert_one_error_line
+
+ROOT = Path(__file__).resolve().parents[1]
+LAUNCH = ROOT / "launch" / "pretrain_gpt_deepspeed.py"
+MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--ffn-hidden-size", "64",
+         "--seq-length", "32", "--micro-batch-size", "1", "--global-batch-size", "2", "--lr", "1e-3",
+         "--lr-decay-iters", "4", "--mock-data"]
+
+
+def run(args: list[str], timeout: float = 180) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    return subprocess.run([sys.executable, str(LAUNCH), *args], capture_output=True, text=True, timeout=timeout,
+                          env=env, cwd=ROOT)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--zero-stage", "2", "--hetu-straggler-interval", "5"],
+     "--hetu-straggler-interval 5 weights microbatches per rank, which needs a ZeRO stage whose backwards only "
+     "accumulate locally (1); ZeRO-2 reduces gradients on every backward"),
+    (["--zero-stage", "3", "--hetu-microbatches", "2"], "microbatches [2] weights microbatches per rank"),
+    (["--zero-stage", "1", "--hetu-microbatches", "3,1"],
+     "--hetu-microbatches 3,1 must give each of the 1 ranks a count, summing to --global-batch-size 2"),
+    (["--hetu-microbatches", "2,0"], "'2,0': every rank needs at least 1 microbatch"),
+    (["--hetu-plan", "configs/plans/hetero_2pipes.yaml"], "--hetu-plan is a feature of launch/pretrain_gpt.py"),
+    (["--hetu-ckpt-format", "torch_dist", "--save", "x"], "--hetu-ckpt-format torch_dist is a feature of"),
+    (["--load", "/nonexistent/ckpt"], "--load /nonexistent/ckpt: no such directory"),
+])
+def test_bad_flags_exit_2_with_one_line(args, needle):
+    assert_one_error_line(run(MODEL + ["--train-iters", "2", *args]), needle)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    """One rank, ZeRO-1, 2 steps, saved by the launcher (DeepSpeed's format)."""
+    directory = tmp_path_factory.mktemp("ds") / "ckpt"
+    proc = run(MODEL + ["--zero-stage", "1", "--train-iters", "2", "--save", str(directory)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "saved DeepSpeed ZeRO-1 checkpoint" in proc.stdout and (directory / "latest").is_file()
+    return directory
+
+
+def _with(flag: str, value: str) -> list[str]:
+    argv = list(MODEL)
+    argv[argv.index(flag) + 1] = value
+    return argv
+
+
+def test_checkpoint_of_another_model_is_one_line(checkpoint):
+    proc = run(_with("--ffn-hidden-size", "96") + ["--zero-stage", "1", "--train-iters", "4", "--load",
+                                                   str(checkpoint)])
+    assert_one_error_line(proc, "linear_fc1.weight[0]: the model holds box ((0, 96), (0, 32)) but the DeepSpeed "
+                                "checkpoint stores [64, 32]; the model configuration differs from the saved one")
+
+
+def test_missing_tag_is_one_line(checkpoint, tmp_path):
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(checkpoint, broken)
+    (broken / "latest").write_text("global_step9")
+    proc = run(MODEL + ["--zero-stage", "1", "--train-iters", "4", "--load", str(broken)])
+    assert_one_error_line(proc, f"{broken}/global_step9: named by {broken}/latest but holds no *_optim_states.pt")
+
+
+def test_other_data_settings_or_schedule_are_one_line(checkpoint):
+    proc = run(_with("--global-batch-size", "4") + ["--zero-stage", "1", "--train-iters", "4", "--load",
+                                                    str(checkpoint)])
+    assert_one_error_line(proc, "was trained with other data settings (saved, now): {'global_batch_size': (2, 4)}")
+    proc = run(_with("--lr", "2e-3") + ["--zero-stage", "1", "--train-iters", "4", "--load", str(checkpoint)])
+    assert_one_error_line(proc, "the LR schedule of the flags differs")
+
+
+def test_resume_and_hetu_save_through_the_launcher(checkpoint, tmp_path):
+    """The ZeRO-1 checkpoint resumed under ZeRO-3 (another stage: the fragments differ, the tensors do not),
+    saved every step in hetu's format with retention 2: iterations 3 and 4 kept, the tracker at 4, the manifest
+    stating the stage; the log names the source and iteration."""
+    out = tmp_path / "hetu"
+    proc = run(MODEL + ["--zero-stage", "3", "--train-iters", "4", "--load", str(checkpoint), "--save", str(out),
+                        "--save-interval", "1", "--hetu-ckpt-format", "hetu", "--hetu-ckpt-keep", "2"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"resumed from deepspeed checkpoint {checkpoint}/global_step2 (saved on 1 rank(s)) at iteration 2" \
+        in proc.stdout
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("iter_")) == ["iter_0000003", "iter_0000004"]
+    assert (out / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+    from hetu_ext.checkpoint.reader import read_manifest
+    from hetu_ext.checkpoint.storage import LocalStorage
+
+    manifest = read_manifest(LocalStorage(str(out)), 4)
+    assert manifest.config["deepspeed_zero_stage"] == 3 and manifest.state["optimizer_step"] == 4.0
