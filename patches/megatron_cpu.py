@@ -228,6 +228,8 @@ _TORCH_SCOPED_MODULES = {
     f"{_MC}.optimizer.distrib_optimizer": "shard buffers on torch.cuda.current_device()",
     f"{_MC}.transformer.utils": "attention masks made with device='cuda'",
     f"{_MC}.transformer.module": "buffers on torch.cuda.current_device()",
+    f"{_MC}.models.common.embeddings.rotary_pos_embedding": "RoPE moves inv_freq to torch.cuda.current_device() "
+                                                             "in get_emb (--position-embedding-type rope)",
     f"{_MC}.utils": "the global memory buffer and local l2 norm use the CUDA device",
     f"{_MC}.dist_checkpointing.strategies.filesystem_async": "torch.cuda.synchronize() before writing shards",
     f"{_MC}.dist_checkpointing.strategies.state_dict_saver": "save verification flags made on the CUDA device",

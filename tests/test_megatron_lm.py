@@ -114,9 +114,10 @@ def test_megatron_lm_hetu_checkpoint_dp2_into_tp2_continues(reference):
 def test_megatron_lm_straggler_weighting(reference):
     """Launch C: the slow rank runs fewer microbatches; the losses stay the reference's."""
     tmp, log = reference
+    # --hetu-ckpt-format hetu as in A: it masks the vocabulary's padding logits (hetu_ext.megatron.vocab)
     proc = torchrun(tmp, *COMMON, "--hetu-straggler-interval", "1", "--hetu-straggler-window", "2",
                     "--hetu-straggler-threshold", "2.0", "--hetu-emulate-slowdown", "step=1:rank=1:x=4",
-                    "--hetu-emulate-layer-ms", "10")
+                    "--hetu-emulate-layer-ms", "10", "--hetu-ckpt-format", "hetu")
     out = proc.stdout + proc.stderr
     assert "added --calculate-per-token-loss" in out
     detected = re.findall(r"straggler monitor: step \d+: stragglers (.*)", out)

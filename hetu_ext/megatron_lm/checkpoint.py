@@ -31,7 +31,9 @@ from hetu_ext.checkpoint.manifest import MANIFEST, Manifest
 from hetu_ext.checkpoint.ownership import new_run_id
 from hetu_ext.checkpoint.reader import latest_iteration
 from hetu_ext.checkpoint.writer import Checkpointer, SaveConfig, checkpoint_name
+from hetu_ext.checkpoint import CheckpointError
 from hetu_ext.megatron.state import MOMENTS, optimizer_step, rng_state, set_rng_state, state_pieces
+from hetu_ext.megatron.vocab import VOCAB_KEYS, check_vocab, narrow_to_vocab, padding_logit_mask
 from hetu_ext.patches.base import Patch
 from hetu_ext.plan import plan_to_dict, uniform_plan
 
@@ -39,6 +41,29 @@ logger = logging.getLogger(__name__)
 
 TRACKER = "latest_checkpointed_iteration.txt"
 TRAINING = "megatron.training.training"
+LANGUAGE_MODULE = "megatron.core.models.common.language_module.language_module:LanguageModule"
+
+
+def _vocab_size() -> int:
+    """The tokenizer's ids (Megatron-LM's model pads them to ``args.padded_vocab_size`` rows)."""
+    from megatron.training import get_tokenizer
+
+    return get_tokenizer().vocab_size
+
+
+def _vocab_rows(manifest: Manifest, pieces: list, *, where: str, padded: int) -> list:
+    """Refuse another vocabulary; where the checkpoint pads it to other rows than the model, load the real
+    rows only (:mod:`hetu_ext.megatron.vocab`)."""
+    vocab = _vocab_size()
+    check_vocab(manifest.state.get("vocab_size"), vocab, where=where)
+    stored = {t.name: t.shape[0] for t in manifest.tensors if t.name.split("/", 1)[1] in VOCAB_KEYS}
+    if all(rows == padded for rows in stored.values()):
+        return pieces
+    if manifest.state.get("vocab_size") is None:
+        raise CheckpointError(f"{where} stores {sorted(set(stored.values()))} vocabulary rows, this model {padded}, "
+                              "and it does not record its real vocabulary size; resume it under the "
+                              "--tensor-model-parallel-size that saved it")
+    return narrow_to_vocab(pieces, vocab_size=vocab, moments=MOMENTS)
 
 
 @dataclass
@@ -127,7 +152,8 @@ class HetuCheckpoints:
         last = iteration >= margs.train_iters or bool(margs.exit_interval and iteration % margs.exit_interval == 0)
         plan = uniform_plan(world_size=margs.world_size, tp=margs.tensor_model_parallel_size,
                             pp=margs.pipeline_model_parallel_size, num_layers=margs.num_layers)
-        state = {"iteration": iteration, "grid": grid(margs),
+        state = {"iteration": iteration, "grid": grid(margs), "vocab_size": _vocab_size(),
+                 "padded_vocab_size": margs.padded_vocab_size,
                  "scheduler": opt_param_scheduler.state_dict() if opt_param_scheduler is not None else None,
                  "optimizer_step": optimizer_step(placement),
                  "consumed_train_samples": margs.consumed_train_samples,
@@ -161,7 +187,9 @@ class HetuCheckpoints:
             saved_step = manifest.state.get("optimizer_step")
             moments = {m for m in MOMENTS if m in kinds} if saved_step is not None and optimizer is not None \
                 else None
-            return state_pieces(placement, moments=moments, step=saved_step)
+            pieces = state_pieces(placement, moments=moments, step=saved_step)
+            return _vocab_rows(manifest, pieces, where=f"{directory} (iteration {manifest.iteration})",
+                               padded=margs.padded_vocab_size)
 
         report = load_pieces(storage, destinations, fallback=self.fallback, read=self.read)
         manifest = report.manifest
@@ -185,6 +213,14 @@ class HetuCheckpoints:
         return manifest.iteration, state.get("num_floating_point_operations_so_far", 0)
 
     def patches(self) -> list[Patch]:
+        def make_loss(original):
+            def compute_language_model_loss(module, labels, logits):
+                tp_rank = module.pg_collection.tp.rank() if module.pg_collection.tp is not None else 0
+                return original(module, labels, padding_logit_mask(logits, vocab_size=_vocab_size(),
+                                                                   tp_rank=tp_rank))
+
+            return compute_language_model_loss
+
         def make_save(original):
             def save_checkpoint(*args, **kwargs):
                 return self.save(*args, **kwargs)
@@ -202,4 +238,7 @@ class HetuCheckpoints:
                   reason="--hetu-ckpt-format hetu: Megatron-LM's save call sites write hetu checkpoints"),
             Patch(name="hetu_ckpt:load_checkpoint", target=f"{TRAINING}:load_checkpoint", make=make_load,
                   reason="--hetu-ckpt-format hetu: --load reads hetu checkpoints into any grid"),
+            Patch(name="hetu_ckpt:padding_logit_mask", target=f"{LANGUAGE_MODULE}.compute_language_model_loss",
+                  make=make_loss, reason="--hetu-ckpt-format hetu: the vocabulary's padding rows take no part in "
+                                         "the loss, so a checkpoint resumes exactly under another TP's padding"),
         ]

@@ -17,6 +17,7 @@ import os
 import runpy
 import sys
 
+from hetu_ext.checkpoint.manifest import CheckpointError
 from hetu_ext.config import report_error
 from hetu_ext.errors import HetuExtError
 
@@ -89,6 +90,7 @@ def prepare(inv: Invocation) -> list:
 
             enable_cpu_support(True)
             import_without_triton()
+            cpu_flags(inv)
         check_patch_points()
         sets = [megatron_lm_cpu_patches()] if cpu else []
         hooks = feature_hooks(inv)
@@ -110,6 +112,17 @@ def prepare(inv: Invocation) -> list:
         print(f"{PROG}: {len(names)} patches and hooks on Megatron-LM {TESTED_TAG} at {inv.checkout} "
               f"({'CPU' if cpu else 'CUDA'})", flush=True)
     return applied
+
+
+def cpu_flags(inv: Invocation) -> None:
+    """Megatron-LM flags a CPU run needs that a GPU run does not: RoPE's default fused kernel is Transformer
+    Engine's (Megatron-LM refuses it without TE), so a RoPE model gets ``--no-rope-fusion``."""
+    argv = inv.megatron_argv
+    rope = any(t == "--position-embedding-type=rope" or (t == "--position-embedding-type" and i + 1 < len(argv)
+               and argv[i + 1] == "rope") for i, t in enumerate(argv))
+    if rope and "--no-rope-fusion" not in argv:
+        argv.append("--no-rope-fusion")
+        inv.notes.append("CPU: added --no-rope-fusion (the fused RoPE kernel needs Transformer Engine)")
 
 
 def feature_hooks(inv: Invocation) -> list:
@@ -155,6 +168,9 @@ def run_script(inv: Invocation) -> int:
         code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except CheckpointError as exc:  # every rank agreed on it (checkpoint.load): one line, on rank 0
+        report_error(PROG, str(exc))
+        code = 2
     finally:
         sys.argv = saved
     if dist.is_initialized():

@@ -1,0 +1,146 @@
+"""Megatron-LM's own ``pretrain_gpt.py`` (the shared core_v0.16.1 checkout) with hetu checkpoints, on the models
+users train: a Llama-style model (SwiGLU, RMSNorm, RoPE, GQA with 2 groups, no biases, untied output) and GPT
+models whose vocabulary Megatron-LM pads differently under each TP degree.
+
+What these catch (each failed on the code before the fix):
+
+* the gated ``linear_fc1`` was in no checkpoint: a resume restarted it from its initialisation (iteration 4 off by
+  ~6e-3 under the same TP);
+* RoPE crashed on CPU inside Megatron-core's rotary embedding (``torch.cuda.current_device()``);
+* a checkpoint saved under DP 2 (1,025 ids padded to 1,152 rows) did not load under TP 2 (1,280 rows), and the
+  reverse loaded silently with a different softmax (128 more padding classes: loss 0.1 lower).
+
+Tolerances: same layout bit-exact (losses as printed, every saved tensor equal); another layout the uniform
+equivalence test's (relative 1e-6 on losses; weights 2e-6), over the vocabulary's real rows (padding rows carry
+nothing: their logits are masked, hetu_ext.megatron.vocab).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_megatron_lm import COMMON, SCRIPT, assert_close, needs_checkout, step_losses, torchrun
+from test_uniform_equivalence import WEIGHT_ATOL
+
+from hetu_ext.checkpoint import LocalStorage
+from hetu_ext.checkpoint.reader import ShardReader, read_manifest
+from hetu_ext.megatron.vocab import VOCAB_KEYS
+
+pytestmark = needs_checkout
+
+
+def with_flags(base: list[str], **values: str) -> list[str]:
+    """``base`` with the values of some flags replaced (``vocab_size="1024"`` -> ``--vocab-size 1024``)."""
+    out = list(base)
+    for name, value in values.items():
+        out[out.index("--" + name.replace("_", "-")) + 1] = value
+    return out
+
+
+LLAMA = [*with_flags(COMMON, vocab_size="1024"), "--swiglu", "--normalization", "RMSNorm",
+         "--group-query-attention", "--num-query-groups", "2", "--disable-bias-linear",
+         "--untie-embeddings-and-output-weights", "--ffn-hidden-size", "96", "--position-embedding-type", "rope"]
+
+
+def final_state(directory: Path, iteration: int = 6) -> tuple[dict, int]:
+    """Every tensor of a hetu checkpoint (full), and the vocabulary size it records."""
+    storage = LocalStorage(directory)
+    manifest = read_manifest(storage, iteration)
+    return ShardReader(storage, manifest).read_full(), manifest.state["vocab_size"]
+
+
+def assert_same_state(got: Path, want: Path, *, exact: bool) -> None:
+    """Parameters and Adam moments of two final checkpoints; vocabulary tensors over their real rows."""
+    a, vocab = final_state(got)
+    b, vocab_b = final_state(want)
+    assert vocab == vocab_b
+    assert sorted(a) == sorted(b)
+    for tid in b:
+        x, y = a[tid], b[tid]
+        if tid[0].split("/", 1)[1] in VOCAB_KEYS and x.shape != y.shape:
+            x, y = x[:vocab], y[:vocab]
+        if exact:
+            assert torch.equal(x, y), tid
+        else:
+            assert x.shape == y.shape and float((x - y).abs().max()) <= WEIGHT_ATOL, (tid, (x - y).abs().max())
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """The uninterrupted run: TP 2, checkpoints at iterations 3 and 6."""
+    tmp = tmp_path_factory.mktemp("llama")
+    proc = torchrun(tmp, *LLAMA, "--tensor-model-parallel-size", "2", "--save", str(tmp / "ref"),
+                    "--save-interval", "3", "--hetu-ckpt-format", "hetu")
+    out = proc.stdout + proc.stderr
+    assert "added --no-rope-fusion" in out, out[-3000:]
+    return tmp, step_losses(out)
+
+
+def test_llama_resume_same_tp_is_bit_exact(llama):
+    tmp, losses = llama
+    proc = torchrun(tmp, *LLAMA, "--tensor-model-parallel-size", "2", "--load", str(tmp / "ref"), "--ckpt-step",
+                    "3", "--save", str(tmp / "tp2"), "--save-interval", "3", "--hetu-ckpt-format", "hetu")
+    resumed = step_losses(proc.stdout + proc.stderr)
+    assert sorted(resumed) == [4, 5, 6]
+    assert [resumed[i] for i in (4, 6)] == [losses[i] for i in (4, 6)]  # as printed (5: derived from two lines)
+    assert_close(resumed, losses, [5])
+    assert_same_state(tmp / "tp2", tmp / "ref", exact=True)
+
+
+@pytest.mark.parametrize("nproc", [2, 1], ids=["dp2", "single_rank"])
+def test_llama_resume_other_layout(llama, nproc):
+    """TP 2 -> DP 2 and -> one rank: another vocabulary padding (1,280 -> 1,152 rows) and the gated fc1's
+    halves regrouped."""
+    tmp, losses = llama
+    out_dir = tmp / f"n{nproc}"
+    proc = torchrun(tmp, *LLAMA, "--load", str(tmp / "ref"), "--ckpt-step", "3", "--save", str(out_dir),
+                    "--save-interval", "3", "--hetu-ckpt-format", "hetu", nproc=nproc)
+    resumed = step_losses(proc.stdout + proc.stderr)
+    assert sorted(resumed) == [4, 5, 6]
+    assert_close(resumed, losses, [4, 5, 6])
+    assert_same_state(out_dir, tmp / "ref", exact=False)
+
+
+@pytest.fixture(scope="module", params=["1024", "50257"])
+def gpt_vocab(request, tmp_path_factory):
+    """A GPT run on DP 2 with --vocab-size V (NullTokenizer: V + 1 ids), checkpoints at 3 and 6."""
+    tmp = tmp_path_factory.mktemp(f"vocab{request.param}")
+    flags = with_flags(COMMON, vocab_size=request.param)
+    proc = torchrun(tmp, *flags, "--save", str(tmp / "ref"), "--save-interval", "3", "--hetu-ckpt-format", "hetu")
+    return tmp, flags, step_losses(proc.stdout + proc.stderr)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_vocab_padding_differs_by_tp(gpt_vocab, tp):
+    """DP 2 -> TP 2 and TP 4: 1,025 ids pad to 1,152 / 1,280 / 1,536 rows; 50,258 to 50,304 / 50,432 / 50,688."""
+    tmp, flags, losses = gpt_vocab
+    out_dir = tmp / f"tp{tp}"
+    proc = torchrun(tmp, *flags, "--tensor-model-parallel-size", str(tp), "--load", str(tmp / "ref"),
+                    "--ckpt-step", "3", "--save", str(out_dir), "--save-interval", "3", "--hetu-ckpt-format", "hetu",
+                    nproc=tp)
+    resumed = step_losses(proc.stdout + proc.stderr)
+    assert sorted(resumed) == [4, 5, 6]
+    assert_close(resumed, losses, [4, 5, 6])
+    assert_same_state(out_dir, tmp / "ref", exact=False)
+
+
+def test_changed_vocabulary_refused_in_one_line(gpt_vocab, tmp_path):
+    tmp, flags, _ = gpt_vocab
+    other = str(int(flags[flags.index("--vocab-size") + 1]) + 7)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path), "PYTHONWARNINGS": "ignore"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+           "--rdzv-endpoint", "localhost:0", "-m", "hetu_ext.megatron_lm", str(SCRIPT),
+           *with_flags(flags, vocab_size=other), "--load", str(tmp / "ref"), "--hetu-ckpt-format", "hetu"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert proc.returncode != 0
+    errors = [ln for ln in (proc.stdout + proc.stderr).splitlines() if "hetu_ext.megatron_lm: error:" in ln]
+    saved = int(flags[flags.index("--vocab-size") + 1]) + 1
+    assert len(errors) == 1 and f"vocabulary of {saved} ids, this run has {int(other) + 1}" in errors[0], errors
+    ranks_tracebacks = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.startswith("[rank")
+                        and "Traceback" in ln]  # torchrun's own report of the exit code may follow
+    assert not ranks_tracebacks, (proc.stdout + proc.stderr)[-3000:]
