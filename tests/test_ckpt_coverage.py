@@ -99,7 +99,9 @@ def test_every_model_option_is_saved_whole():
 
 
 def _save_body(rank: int, world: int, directory: str, out: str):
-    """Save a TP-2 SwiGLU model through the hetu writer, convert it, and return what the module holds."""
+    """Save a TP-2 Llama-style model through the hetu writer, convert it (safetensors on rank 0; torch_dist, which
+    Megatron-core's dist_checkpointing and hetu_ext's torch_dist reader both load back exactly), and return what
+    the module holds."""
     import torch
     import torch.distributed as dist
 
@@ -119,7 +121,23 @@ def _save_body(rank: int, world: int, directory: str, out: str):
     dist.barrier()
     if rank == 0:
         assert cli(["convert", directory, out]) == 0
+        assert cli(["convert", directory, f"{out}.torch_dist", "--to", "torch_dist"]) == 0
     dist.barrier()
+    # the torch_dist export read back by Megatron-core's own loader and by hetu_ext's, into zeroed models
+    from megatron.core import dist_checkpointing
+
+    from hetu_ext.checkpoint.torch_dist import load_resharded
+
+    megatron_side, hetu_side = _model(rank, OPTIONS["llama"]), _model(rank, OPTIONS["llama"])
+    with torch.no_grad():
+        for p in (*megatron_side.parameters(), *hetu_side.parameters()):
+            p.zero_()
+    wanted = {k: v for k, v in megatron_side.sharded_state_dict().items() if not k.endswith("_extra_state")}
+    loaded = dist_checkpointing.load(wanted, f"{out}.torch_dist/iter_0000001")
+    megatron_side.load_state_dict(loaded, strict=False)
+    load_resharded(f"{out}.torch_dist/iter_0000001", state_pieces(GridPlacement(model=hetu_side, optimizer=None)))
+    for (name, p), q, r in zip(model.named_parameters(), megatron_side.parameters(), hetu_side.parameters()):
+        assert torch.equal(p, q) and torch.equal(p, r), name
     return [torch.stack(layer) for layer in zip(*everyone)]  # (tp, 2f, h) per layer
 
 
