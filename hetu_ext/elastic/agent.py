@@ -47,8 +47,9 @@ logger = logging.getLogger(__name__)
 
 CONFIG_ERROR = 2
 """pretrain_gpt.py's exit code for bad input: the same input fails on any number of ranks, so no restart."""
-AGENT_SIGNALS = (signal.SIGTERM, signal.SIGKILL)
-"""Signals the agent itself sends when it stops a worker group: a rank that died of one lost no device."""
+AGENT_SIGNALS = (signal.SIGTERM,)
+"""The signal torch's agent stops the other ranks of a failed group with: a rank that died of it lost no device
+(this agent's own SIGKILLs come after the failure is read, or are counted as hung ranks)."""
 
 
 class ConfigurationError(Exception):

@@ -16,10 +16,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, replace
 
-from hetu_ext.plan import Plan, plan_from_dict, plan_to_dict
+from hetu_ext.plan import ModelSpec, Plan, plan_from_dict, plan_to_dict
 from hetu_ext.plan.cluster import Cluster
 from hetu_ext.plan.malleus import plan_malleus
-from hetu_ext.plan.model_spec import ModelSpec
 
 ABSENT_SLOWDOWN = 1e6
 """The slowdown a missing device is planned with: any template that used one would be predicted a million times

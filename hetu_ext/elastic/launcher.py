@@ -98,6 +98,9 @@ def main(argv: list[str]) -> int:
     for name in ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher"):
         logging.getLogger(name).setLevel(logging.WARNING)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # each round's ranks get a fresh store on the new rank 0's node, not the one the first rank-0 agent shared:
+    # its keys from the previous round (a dead rank's address) made the next round's gloo mesh fail
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
 
     from torch.distributed.elastic.agent.server.api import WorkerSpec
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
