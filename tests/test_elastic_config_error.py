@@ -1,0 +1,47 @@
+"""A configuration error on one node of a multi-node elastic job stops every node with that error (exit code 2),
+and nothing re-plans (launch/elastic.py --nnodes; hetu_ext/elastic/agent.py).
+
+Two node launchers (one CPU rank each) on the loopback, the rendezvous store in its own process. Node B's flags
+name a data file that does not exist (a file present on one node only is the common case). Without the rule,
+node A would wait for B in the rendezvous until its join timeout, or re-plan without B and train alone: a job
+that quietly lost a node to a typo. Checked: both launchers exit 2 within a minute, node A's output carries B's
+one-line error, and no launcher agreed on a plan (no ``plan`` event).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("elastic_bench", ROOT / "benchmarks" / "elastic.py")
+bench = sys.modules.setdefault("elastic_bench", importlib.util.module_from_spec(_spec))
+_spec.loader.exec_module(bench)
+
+
+def test_config_error_on_one_node_stops_every_node_with_it(tmp_path):
+    job = bench.Job(workdir=tmp_path, nodes=2, nproc=1, max_nodes=2, train_iters=4)
+    cluster = bench.Cluster(job=job, port=bench.free_port(), rdzv_id="config-error")
+    good = job.train_flags()
+    bad = [t for t in good if t != "--mock-data"] + ["--data-path", str(tmp_path / "missing" / "corpus")]
+    try:
+        cluster.start_store()
+        start = time.time()
+        cluster.start_node("nodeA", good, nproc=1)
+        cluster.start_node("nodeB", bad, nproc=1)
+        codes = cluster.wait(120)
+        elapsed = time.time() - start
+    finally:
+        cluster.close()
+    logs = {n: (tmp_path / f"{n}.log").read_text() for n in ("nodeA", "nodeB")}
+    assert codes == {"nodeA": 2, "nodeB": 2}, (codes, logs)
+    error = next(line for line in logs["nodeB"].splitlines() if line.startswith("pretrain_gpt.py: error:"))
+    assert "missing" in error, error
+    assert error in logs["nodeA"], logs["nodeA"]  # A stops with B's own line
+    events = [json.loads(line) for n in ("nodeA", "nodeB") if cluster.events_path(n).exists()
+              for line in cluster.events_path(n).read_text().splitlines()]
+    assert not [e for e in events if e["event"] in ("plan", "workers_started")], events
+    assert elapsed < 60, elapsed
