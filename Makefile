@@ -8,7 +8,7 @@ STAMP := $(VENV)/.hetu_installed
 NPROC ?= 4
 DEMO_DIR := runs/demo
 
-.PHONY: demo test venv clean
+.PHONY: demo test test-fast venv clean
 
 venv: $(STAMP)
 
@@ -32,6 +32,11 @@ demo: venv
 
 test: venv
 	OMP_NUM_THREADS=1 $(PY) -m pytest
+
+# Every test not marked gold, e2e or faults (markers assigned in tests/conftest.py; docs/testing.md): pure tests,
+# small multi-process tests and the launchers' one-line errors, a few minutes on 2 cores.
+test-fast: venv
+	OMP_NUM_THREADS=1 $(PY) -m pytest -m "not gold and not e2e and not faults"
 
 clean:
 	rm -rf $(VENV) runs

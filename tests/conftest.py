@@ -1,4 +1,5 @@
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -19,3 +20,80 @@ def sample_prefix(tmp_path_factory) -> str:
     prefix, count = preprocess(str(SAMPLE), str(out), append_eod=True)
     assert count == 79
     return prefix
+
+
+# --- Test kinds (pytest.ini registers the markers; `make test-fast` deselects all three) -------------------------
+# gold:   exactness against a single-process (or uninterrupted, or dense) reference
+# e2e:    launches real processes: torchrun, Megatron-LM's script, the DeepSpeed launcher, the elastic launcher,
+#         the demo, README and docs/ blocks
+# faults: fault injection: kills, corrupt or truncated files
+# A test gets the markers of its module (MODULE_KINDS) plus those of every (module, name pattern) row of TEST_KINDS
+# whose pattern matches the start of its name. Kept here so that no test file carries its own marks; a module not
+# named is fast (pure tests, small multi-process tests, one-line-error checks).
+MODULE_KINDS: dict[str, tuple[str, ...]] = {
+    "test_uniform_equivalence": ("gold",),
+    "test_plan_runtime": ("gold",),
+    "test_migration": ("gold",),
+    "test_packed_attention": ("gold",),
+    "test_checkpointing": ("gold",),
+    "test_ckpt_resume": ("gold",),
+    "test_ckpt_interop": ("gold",),
+    "test_ckpt_hf": ("gold",),
+    "test_sharded_optimizer": ("gold",),
+    "test_lobra_training": ("gold",),
+    "test_lora_peft": ("gold",),
+    "test_deepspeed_interop": ("gold",),
+    "test_deepspeed_resume": ("gold",),
+    "test_ckpt_faults": ("faults",),
+    "test_ckpt_fallback": ("faults", "gold"),
+    "test_ckpt_recovery": ("faults", "gold"),
+    "test_deepspeed_elastic": ("faults", "gold"),
+    "test_demo": ("e2e",),
+    "test_megatron_lm": ("e2e",),
+    "test_megatron_lm_llama": ("e2e",),
+}
+TEST_KINDS: list[tuple[str, str, tuple[str, ...]]] = [
+    ("test_readme", r"test_(readme|docs)_block_runs", ("e2e",)),
+    ("test_megatron_lm", r"test_megatron_lm_(hetu_checkpoint|packing_equals)", ("gold",)),
+    ("test_megatron_lm_llama", r"test_llama_resume", ("gold",)),
+    ("test_packed_training", r"test_packed_training_matches_unpacked_reference", ("gold",)),
+    ("test_hotspa", r"test_(hotspa_matches|per_group_normalisation|bf16_hotspa|checkpoint_saved_from_the_home)",
+     ("gold",)),
+    ("test_hydraulis_training", r"test_(steps_longest|each_step_under_its_candidate)", ("gold",)),
+    ("test_lora_checkpoint", r"test_resume_(same_plan|resharded)", ("gold",)),
+    ("test_lora_pretrained", r"test_(base_is_the_pretrained|resume_on_the_same_base)", ("gold",)),
+    ("test_ckpt_deepspeed", r"test_(deepspeed_path_trains_like_megatron|zero2_world2|zero1_and_zero3|zero2_bf16)",
+     ("gold",)),
+    ("test_deepspeed_weighting", r"test_(zero1_weighted|emulated_straggler_moves)", ("gold",)),
+    ("test_ckpt_hardening", r"test_distributed_optimizer_save_and_resume", ("gold",)),
+    ("test_ckpt_hardening", r"test_schedule_error_is_one_line_and_exit_2_from_the_launcher", ("e2e",)),
+    ("test_ckpt_hardening", r"test_inspect_notices_a_truncated_shard", ("faults",)),
+    ("test_ckpt_format", r"test_every_flipped_byte_and_every_truncation", ("faults",)),
+    ("test_stragglers", r"test_timing_and_emulation_leave_training_bit_identical", ("gold",)),
+    ("test_fisedit", r"test_(conv_only_block|sparse_kernels|empty_mask|full_mask|budgeted_cache_stays_exact)",
+     ("gold",)),
+    ("test_fisedit_pipeline", r"test_launcher_writes", ("e2e",)),
+    ("test_fisedit_toy", r"test_launcher_runs", ("e2e",)),
+    ("test_pretrain_cli", r"test_(rank_errors_under_torchrun|without_torchrun_one_rank_trains|"
+                          r"launcher_reports_a_crashed_rank|torchrun_tp2_pp2_trains)", ("e2e",)),
+    ("test_deepspeed_cli", r"test_resume_and_hetu_save_through_the_launcher", ("e2e",)),
+    ("test_quiet", r"test_deepspeed_run_prints", ("e2e",)),
+    ("test_tools_hardening", r"test_elastic_stops_on_a_configuration_error", ("e2e",)),
+]
+KINDS = ("gold", "e2e", "faults")
+
+
+def kinds_of(module: str, name: str) -> set[str]:
+    """The kind markers of test ``name`` (parameters included or not) in ``module`` (file name without .py)."""
+    kinds = set(MODULE_KINDS.get(module, ()))
+    for mod, pattern, marks in TEST_KINDS:
+        if mod == module and re.match(pattern, name):
+            kinds.update(marks)
+    return kinds
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = Path(str(item.fspath)).stem
+        for kind in sorted(kinds_of(module, item.name)):
+            item.add_marker(getattr(pytest.mark, kind))

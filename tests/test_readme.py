@@ -1,11 +1,16 @@
-"""Every command block of the README runs as written (issue 12, acceptance 4), with small sizes.
+"""Every command block of README.md and of every docs/*.md page runs as written, with small sizes (issue 12,
+acceptance 4; issue 31, acceptance 5), and the pages stay honest (links resolve, the README's gold tests exist, the
+generated configuration page is up to date, the README stays short).
 
-The ```bash blocks are read from README.md in order and run by bash in one scratch folder that links the
-repository's launch/, configs/ and hetu_ext/ (so the blocks' relative paths hold, and what one block saves the
-next can load), with this environment's python, torchrun and deepspeed first on PATH. Sizes are made small by
-one table (``SMALL``): step counts and save intervals shrink, in proportion, nothing else changes. ``DIR`` (the
-FISEdit model folder, which no release ships yet) is the tiny random-weight pipeline of test_fisedit_pipeline.
-A block this file does not know fails the test, so a new README command gets run, or a reason here.
+The ```bash blocks are read from each page in order and run by bash in one scratch folder per page that links the
+repository's launch/, configs/ and hetu_ext/ (so the blocks' relative paths hold, and what one block of a page
+saves the next block of the same page can load), with this environment's python, torchrun and deepspeed first on
+PATH. Sizes are made small by one table (``SMALL``): step counts and save intervals shrink, in proportion, nothing
+else changes. ``DIR`` (the FISEdit model folder) is the tiny random-weight pipeline of test_fisedit_pipeline. A
+block that equals an earlier block and writes nothing (no --save, -o, --out, >) runs once. A block this file does
+not know fails the test, so a new command gets run, or a reason in ``SKIPPED``. Block ids are
+``PAGE-first_words_of_the_block`` (``readme-...``, ``checkpoints-...``): ``pytest tests/test_readme.py -k
+checkpoints`` runs one page's blocks.
 """
 
 from __future__ import annotations
@@ -20,20 +25,28 @@ import pytest
 from test_fisedit_pipeline import model_dir  # noqa: F401 - the fixture, re-used
 
 ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
+README_MAX_LINES = 200
 SMALL = [(r"--train-iters (\d+)", lambda m: f"--train-iters {max(2, int(m.group(1)) // 5)}"),
          (r"--lr-decay-iters (\d+)", lambda m: f"--lr-decay-iters {max(2, int(m.group(1)) // 5)}"),
          (r"--save-interval (\d+)", lambda m: "--save-interval 1"),
          (r"--exit-interval (\d+)", lambda m: f"--exit-interval {max(2, int(m.group(1)) // 5)}"),
          (r"--hetu-global-batch-tokens 16384", lambda m: "--hetu-global-batch-tokens 4096")]
 """Fewer steps (20 -> 4, 10 -> 2: a resume keeps its proportions) and a smaller token budget."""
-SKIPPED = {"make demo": "make demo (launch/demo.sh) runs in tests/test_demo.py, its metrics read back",
-           "make test": "make test is this suite"}
+SKIPPED = {"make test-fast": "make test-fast is a part of this suite",
+           "make demo": "make demo (launch/demo.sh) runs in tests/test_demo.py, its metrics read back",
+           "make test": "make test is this suite",
+           "python -m venv": "the install commands are the Makefile's venv target, which make test runs first"}
+"""First words of a block -> why this file does not run it."""
 
 
-def readme_blocks() -> list[str]:
-    """The README's ```bash blocks, each as one script (continuation lines joined, indentation removed)."""
-    text = (ROOT / "README.md").read_text()
-    blocks = re.findall(r"^( *)```bash\n(.*?)^\1```", text, flags=re.S | re.M)
+def page_id(page: Path) -> str:
+    return page.stem.lower().replace("_", "-")
+
+
+def page_blocks(page: Path) -> list[str]:
+    """A page's ```bash blocks, each as one script (indentation of an indented block removed)."""
+    blocks = re.findall(r"^( *)```bash\n(.*?)^\1```", page.read_text(), flags=re.S | re.M)
     return ["\n".join(line[len(indent):] for line in body.splitlines()) for indent, body in blocks]
 
 
@@ -42,28 +55,50 @@ def _name(block: str) -> str:
     return re.sub(r"[^a-z0-9]+", "_", first.split("#")[0].lower())[:60].strip("_")
 
 
-BLOCKS = readme_blocks()
+def all_blocks() -> list[tuple[str, Path, str]]:
+    """(id, page, script) of every block of every page, ids unique (a repeated id gets -2, -3, ...)."""
+    out, seen = [], {}
+    for page in PAGES:
+        for block in page_blocks(page):
+            base = f"{page_id(page)}-{_name(block)}"
+            seen[base] = seen.get(base, 0) + 1
+            out.append((base if seen[base] == 1 else f"{base}-{seen[base]}", page, block))
+    return out
+
+
+BLOCKS = all_blocks()
 
 
 @pytest.fixture(scope="module")
-def scratch(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("readme")
-    for name in ("launch", "configs", "hetu_ext"):
-        (folder / name).symlink_to(ROOT / name)
+def scratch(tmp_path_factory):
+    """One scratch folder per page, made on first use."""
+    folders: dict[Path, Path] = {}
+
+    def folder(page: Path) -> Path:
+        if page not in folders:
+            folders[page] = tmp_path_factory.mktemp(f"blocks_{page_id(page)}")
+            for name in ("launch", "configs", "hetu_ext"):
+                (folders[page] / name).symlink_to(ROOT / name)
+        return folders[page]
     return folder
 
 
 def test_readme_has_the_blocks_this_file_runs():
-    assert len(BLOCKS) >= 10, [_name(b) for b in BLOCKS]
-    assert any("--nproc-per-node 4" in b and "launch/pretrain_gpt.py" in b for b in BLOCKS)
+    readme = [b for _, page, b in BLOCKS if page.name == "README.md"]
+    assert any("--nproc-per-node 4" in b and "launch/pretrain_gpt.py" in b for b in readme), readme
+    assert len(BLOCKS) >= 15, [i for i, _, _ in BLOCKS]
+    assert len({i for i, _, _ in BLOCKS}) == len(BLOCKS)
 
 
-@pytest.mark.parametrize("index", range(len(BLOCKS)), ids=[_name(b) for b in BLOCKS])
-def test_readme_block_runs(index, scratch, model_dir):  # noqa: F811 - model_dir is the fixture
-    block = BLOCKS[index]
+@pytest.mark.parametrize("index", range(len(BLOCKS)), ids=[i for i, _, _ in BLOCKS])
+def test_docs_block_runs(index, scratch, model_dir):  # noqa: F811 - model_dir is the fixture
+    block_id, page, block = BLOCKS[index]
     skipped = [reason for command, reason in SKIPPED.items() if block.lstrip().startswith(command)]
     if skipped:
         pytest.skip(skipped[0])
+    earlier = [i for i, _, b in BLOCKS[:index] if b == block]
+    if earlier and not re.search(r"--save|--out\b| -o |>", block):  # writes nothing a later block could read
+        pytest.skip(f"the same commands run as {earlier[0]}")
     script = block
     for pattern, small in SMALL:
         script = re.sub(pattern, small, script)
@@ -73,12 +108,44 @@ def test_readme_block_runs(index, scratch, model_dir):  # noqa: F811 - model_dir
         if not shared.is_dir():
             pytest.skip(f"the block uses {shared}, which this machine does not have")
         script = script.replace("../shared/", f"{shared}/")
-    assert "<" not in script.replace("<<", ""), f"a placeholder is left in the README block:\n{block}"
+    assert "<" not in script.replace("<<", ""), f"a placeholder is left in {page.name}'s block:\n{block}"
     env = dict(os.environ, OMP_NUM_THREADS="1", PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
-    proc = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=scratch, capture_output=True, text=True,
-                          timeout=600, env=env)
+    proc = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=scratch(page), capture_output=True,
+                          text=True, timeout=600, env=env)
     assert proc.returncode == 0, f"{script}\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-5000:]}"
     assert "Traceback" not in proc.stderr, proc.stderr[-5000:]
     if "launch/pretrain_gpt" in script:  # a training block: Megatron-LM's log lines, finite losses
         losses = [float(m) for m in re.findall(r"lm loss: ([0-9.E+-]+)", proc.stdout)]
         assert losses and all(0 < loss < 20 for loss in losses), proc.stdout[-3000:]
+
+
+def test_readme_is_short_and_links_resolve():
+    """The README stays a front page (<= 200 lines); every relative link of it and of docs/ names a file that
+    exists (anchors are not checked)."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines; move detail into a docs/ page"
+    broken = []
+    for page in PAGES:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            path = target.split("#", 1)[0]
+            if path and not re.match(r"[a-z]+:", path) and not (page.parent / path).exists():
+                broken.append(f"{page.relative_to(ROOT)} -> {target}")
+    assert not broken, broken
+
+
+def test_readme_gold_tests_exist():
+    """Every ``tests/FILE.py::name`` the README names is a test function of that file."""
+    named = re.findall(r"(tests/test_\w+\.py)::(test_\w+)", (ROOT / "README.md").read_text())
+    assert len(named) >= 15, named
+    missing = [f"{file}::{name}" for file, name in named
+               if not (ROOT / file).is_file() or not re.search(rf"^def {name}\(", (ROOT / file).read_text(), re.M)]
+    assert not missing, f"the README names tests that do not exist (renamed or moved?): {missing}"
+
+
+def test_configuration_page_is_generated_from_the_schema():
+    """docs/configuration.md equals what the schema generates; after changing hetu_ext/config/schema.py run
+    ``python -m hetu_ext.config --markdown -o docs/configuration.md``."""
+    from hetu_ext.config.markdown import render_markdown
+
+    assert (ROOT / "docs" / "configuration.md").read_text() == render_markdown(), \
+        "docs/configuration.md is out of date: python -m hetu_ext.config --markdown -o docs/configuration.md"
