@@ -36,7 +36,7 @@ import numpy as np
 from hetu_ext.data.cost import CostTable, load_cost_table
 from hetu_ext.data.lengths import LognormalLengths, batch_bounds, concat_split, read_lengths, split_long
 from hetu_ext.data.packing import METHODS, assign, replica_specs
-from hetu_ext.plan.model_spec import ModelSpec
+from hetu_ext.model.spec import ModelSpec
 from hetu_ext.plan.plan import uniform_plan
 
 NUM_LAYERS = 32

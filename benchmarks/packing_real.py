@@ -95,7 +95,7 @@ def predicted(args: argparse.Namespace, cost_path: str) -> dict[tuple[str, str],
     from hetu_ext.data.packing import replica_specs
     from hetu_ext.data.sequences import GlobalBatches, SequenceTable
     from hetu_ext.megatron.packed_data import PackedSteps
-    from hetu_ext.plan.model_spec import ModelSpec
+    from hetu_ext.model.spec import ModelSpec
     from hetu_ext.plan.plan import uniform_plan
 
     docs = _documents(str(args.lengths))

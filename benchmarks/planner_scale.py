@@ -29,7 +29,7 @@ import time
 from hetu_ext.plan.cluster import Cluster
 from hetu_ext.plan.cost import CostModel, load_tp_efficiency, stage_cost, with_measured_tp
 from hetu_ext.plan.malleus import plan_malleus, predict, predict_uniform
-from hetu_ext.plan.model_spec import ModelSpec
+from hetu_ext.model.spec import ModelSpec
 from hetu_ext.plan.plan import uniform_plan
 
 SPEC = ModelSpec(num_layers=32, hidden_size=4096, num_attention_heads=32, vocab_size=50257, seq_length=4096)

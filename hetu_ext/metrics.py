@@ -39,15 +39,6 @@ def peak_tflops(device_name: str | None) -> float | None:
     return None
 
 
-def model_flops_per_token(*, num_layers: int, hidden_size: int, ffn_hidden_size: int, vocab_size: int,
-                          seq_length: float) -> float:
-    """Training FLOPs per token (forward + backward = 3 x forward): 6 x parameters (attention projections,
-    MLP, output layer) + causal attention scores and values (6 L s h, half the full square)."""
-    h, f = hidden_size, ffn_hidden_size
-    params = num_layers * (4 * h * h + 2 * h * f) + vocab_size * h
-    return 6.0 * params + 6.0 * num_layers * seq_length * h
-
-
 class MetricsWriter:
     """Appends records to ``path`` (JSONL, flushed per record) and mirrors step scalars to TensorBoard / W&B.
 

@@ -318,7 +318,8 @@ def test_grouping_bound_is_below_every_grouping():
         pricer = GroupPricer(strategies, spec, cost)
         fixed = [allreduce_seconds(s.plan, spec, bandwidth=100e9) for s in items]
         for size, mu in ((40, 7.0), (8, 8.5)):
-            lengths = np.minimum(rng.lognormal(mu, 1.3, size=size).astype(int) + 1, 20000).tolist()
+            longest = min(20000, strategies.capacity)  # the inventory's memory model: every strategy holds it
+            lengths = np.minimum(rng.lognormal(mu, 1.3, size=size).astype(int) + 1, longest).tolist()
 
             def price(groups):  # strategy -> its lengths
                 return sum(pricer.exact(k, ls) + fixed[k] for k, ls in groups.items() if ls)

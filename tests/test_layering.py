@@ -1,5 +1,7 @@
 """The import rules the README promises, checked on the source (AST scan, no import executed):
 
+* ``model/`` (the model's settings and inventory) is the base of the pure packages: it imports no torch and no
+  other hetu_ext package, so every package can read the inventory without an import circle;
 * ``plan/`` and ``data/`` (the pure planners and packers) import neither torch.distributed nor a host framework;
 * ``checkpoint/`` imports neither Megatron nor DeepSpeed (host-specific converters live in ``megatron/`` and
   ``deepspeed/``); ``config``, ``keys`` and ``metrics`` are pure too;
@@ -20,6 +22,8 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "hetu_ext"
 HOSTS = ("megatron", "deepspeed", "diffusers", "transformers", "transformer_engine", "apex")
 RULES = {
+    "model": HOSTS + ("torch", "hetu_ext.plan", "hetu_ext.data", "hetu_ext.megatron", "hetu_ext.deepspeed",
+                      "hetu_ext.runtime", "hetu_ext.checkpoint", "hetu_ext.diffusion", "hetu_ext.lora"),
     "plan": HOSTS + ("torch.distributed", "hetu_ext.megatron", "hetu_ext.deepspeed", "hetu_ext.runtime",
                      "hetu_ext.checkpoint", "hetu_ext.diffusion"),
     "data": HOSTS + ("torch.distributed", "hetu_ext.megatron", "hetu_ext.deepspeed", "hetu_ext.runtime",

@@ -26,7 +26,7 @@ from hetu_ext.data.lengths import (
 )
 from hetu_ext.data.packing import METHODS, ReplicaSpec, assign, replica_specs
 from hetu_ext.data.packing_bound import lower_bound_s, may_fit_within
-from hetu_ext.plan.model_spec import ModelSpec
+from hetu_ext.model.spec import ModelSpec
 from hetu_ext.plan.plan import Pipeline, Plan, Stage, uniform_plan
 
 LAYER = LengthCost(a=1.6e-10, b=8e-6, c=1e-4)
@@ -167,9 +167,10 @@ def test_heterogeneous_plan_replicas_finish_within_5_percent():
     specs = replica_specs(_hetero_plan(), ModelSpec(num_layers=8, hidden_size=64, num_attention_heads=4), table,
                           slowdowns={2: 1.5}, max_pack_tokens=16384)
     caps = [s.token_capacity for s in specs]
-    # pipeline 0 keeps 8 layers' weights (8 x 18 B x 12 h^2) and one microbatch of 8 x 34 h B per token in 40 GB
+    # pipeline 0 keeps 8 layers' weights (8 x 18 B x (12 h^2 + 13 h): the default table's 4096-wide GPT layer, its
+    # biases and norms included) and one microbatch of 8 x 34 h B per token in 40 GB
     h = 4096
-    assert caps[0] == int((40e9 - 8 * 18 * 12 * h * h) // (8 * 34 * h))
+    assert caps[0] == int((40e9 - 8 * 18 * (12 * h * h + 13 * h)) // (8 * 34 * h))
     assert caps[1:] == [16384] * 3 and [s.pp for s in specs] == [1, 2, 1, 4]
     assert specs[1].stage_costs[1].a == pytest.approx(table.for_tp(1).a * 4 * 1.5)
     docs = split_long(WIKI_LIKE.sample(5000, seed=6), caps[0]).length

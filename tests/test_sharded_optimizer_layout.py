@@ -59,7 +59,7 @@ def test_malleus_finds_plans_that_fit_only_with_a_sharded_optimizer():
     from hetu_ext.plan.cluster import Cluster
     from hetu_ext.plan.cost import CostModel, stage_cost
     from hetu_ext.plan.malleus import plan_malleus
-    from hetu_ext.plan.model_spec import ModelSpec
+    from hetu_ext.model.spec import ModelSpec
 
     spec = ModelSpec(num_layers=32, hidden_size=4096, num_attention_heads=32, ffn_hidden_size=16384,
                      vocab_size=50257, seq_length=2048)

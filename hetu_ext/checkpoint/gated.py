@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import torch
 
-GATED_SUFFIXES = ("mlp.linear_fc1.weight", "mlp.linear_fc1.bias")
+from hetu_ext.model.inventory import keys_split_as
+
+GATED_SUFFIXES = tuple(key.removeprefix("decoder.layers.") for key in keys_split_as("gated_rows"))
+"""The keys the model inventory splits as gated rows (under --swiglu)."""
 
 
 def is_gated(key: str, shape: tuple[int, ...]) -> bool:

@@ -94,18 +94,24 @@ class LengthCost:
 
 
 def _default_per_tp() -> dict[int, LengthCost]:
-    # A100-class defaults for a 4096-wide layer (ffn 16384), bf16, causal FlashAttention at 150 TFLOP/s sustained:
-    # forward FLOPs per token 24 h^2 (matmuls) and 2 s h (causal scores + values); backward = 2 x forward, so
-    # b = 3 * 24 h^2 / F = 8.05e-6 s/token and a = 3 * 2 h / F = 1.64e-10 s/token^2 (attention equals the matmuls
-    # at s = 12 h = 49K tokens); c = 1e-4 s (about 30 kernels fwd+bwd at a few microseconds each). TP t divides
-    # a and b by t at 0.95 / 0.9 / 0.85 efficiency for t = 2 / 4 / 8. Activations 34 h bytes per token
-    # (Korthikanti et al., no s x s term with FlashAttention); weights + grads + Adam 18 bytes per parameter.
-    h, flops = 4096, 150e12
-    base = {"a": 3 * 2 * h / flops, "b": 3 * 24 * h * h / flops, "c": 1e-4}
+    # A100-class defaults for a 4096-wide GPT layer (ffn 16384, 32 heads), bf16, causal FlashAttention at 150
+    # TFLOP/s sustained, FLOPs and bytes from the model inventory: forward FLOPs per token 24 h^2 (matmuls) and
+    # 2 s h (causal scores + values); backward = 2 x forward, so b = 3 * 24 h^2 / F = 8.05e-6 s/token and
+    # a = 3 * 2 h / F = 1.64e-10 s/token^2 (attention equals the matmuls at s = 12 h = 49K tokens); c = 1e-4 s
+    # (about 30 kernels fwd+bwd at a few microseconds each). TP t divides a and b by t at 0.95 / 0.9 / 0.85
+    # efficiency for t = 2 / 4 / 8. Activations h (10 + 24 / t) bytes per token (Korthikanti et al., no s x s term
+    # with FlashAttention); weights + grads + Adam 18 bytes per parameter a rank holds.
+    from hetu_ext.model import ModelSpec, inventory
+
+    spec, flops = ModelSpec(num_layers=1, hidden_size=4096, num_attention_heads=32), 150e12
+    base = {"a": 3 * inventory.attention_flops_per_square_token(spec, causal=True) / flops,
+            "b": 3 * inventory.layer_matmul_flops_per_token(spec) / flops, "c": 1e-4}
     table = {}
     for tp, eff in ((1, 1.0), (2, 0.95), (4, 0.9), (8, 0.85)):
-        table[tp] = LengthCost(a=base["a"] / (tp * eff), b=base["b"] / (tp * eff), c=base["c"],
-                               memory_per_token_bytes=34 * h / tp, memory_fixed_bytes=18 * 12 * h * h / tp)
+        table[tp] = LengthCost(
+            a=base["a"] / (tp * eff), b=base["b"] / (tp * eff), c=base["c"],
+            memory_per_token_bytes=inventory.activation_bytes_per_token(spec, tp=tp, attention_scores=False),
+            memory_fixed_bytes=18 * inventory.layer_params(spec, tp=tp))
     return table
 
 

@@ -35,7 +35,8 @@ import numpy as np
 
 from hetu_ext.keys import check_keys, read_yaml
 from hetu_ext.plan.io import load_plan
-from hetu_ext.plan.model_spec import ModelSpec
+from hetu_ext.model import inventory
+from hetu_ext.model.spec import ModelSpec
 from hetu_ext.plan.plan import Plan, PlanError, uniform_plan, validate_plan
 
 from .cost import CostTable
@@ -374,10 +375,11 @@ def _parts(spec: ModelSpec) -> dict:
     """Elements of each part of a Megatron GPT model (local layer spec, learned positions): per layer what TP
     splits (the four weight matrices, the column-parallel biases) and what every TP rank holds whole (layernorms,
     the row-parallel biases); the word embeddings (vocab-parallel), positions, final layernorm, output layer."""
-    h, f = spec.hidden_size, spec.ffn_hidden_size
-    return {"split": 4 * h * h + 2 * h * f + 3 * h + f, "replicated": 6 * h,
-            "word": spec.padded_vocab_size * h, "position": spec.max_position_embeddings * h, "final_norm": 2 * h,
-            "output": spec.padded_vocab_size * h}
+    h = spec.hidden_size
+    split, replicated = inventory.layer_params_by_split(spec)
+    position = spec.max_position_embeddings * h if spec.position_embedding_type == "learned_absolute" else 0
+    return {"split": split, "replicated": replicated, "word": spec.padded_vocab_size * h, "position": position,
+            "final_norm": inventory.final_norm_params(spec), "output": spec.padded_vocab_size * h}
 
 
 def _holdings(plan: Plan, spec: ModelSpec) -> dict[int, list[tuple[tuple, float, float]]]:
@@ -434,14 +436,13 @@ def switch_seconds(home: Plan, target: Plan, spec: ModelSpec, *, weight_bytes: i
 def allreduce_seconds(plan: Plan, spec: ModelSpec, *, bandwidth: float, grad_bytes: int = 4) -> float:
     """Predicted seconds of a data-parallel gradient all-reduce under ``plan`` (ring: 2 (d-1)/d of each rank's
     gradient bytes, ``d`` the pipelines), the slowest rank's."""
-    from hetu_ext.plan.cost import layer_params
 
     d = len(plan.pipelines)
     if d == 1:
         return 0.0
     worst = 0.0
     for stage in plan.pipelines[0].stages:
-        elements = layer_params(spec) * stage.num_layers / stage.tp
+        elements = inventory.layer_params(spec, tp=stage.tp) * stage.num_layers
         if stage.has_embedding:
             elements += spec.padded_vocab_size * spec.hidden_size / stage.tp
         worst = max(worst, 2 * (d - 1) / d * elements * grad_bytes / bandwidth)

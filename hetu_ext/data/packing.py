@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hetu_ext.plan.model_spec import ModelSpec
+from hetu_ext.model.spec import ModelSpec
 from hetu_ext.plan.plan import Plan
 
 from .cost import CostTable, LengthCost

@@ -30,7 +30,7 @@ from hetu_ext.megatron.launch_plan import check_launch
 from hetu_ext.megatron.model import TrainingNumerics
 from hetu_ext.megatron.plan_runtime import build_plan_placement
 from hetu_ext.megatron.trainer import Trainer, emulated_layer_cost, make_scheduler, plan_id
-from hetu_ext.metrics import model_flops_per_token
+from hetu_ext.model import inventory
 from hetu_ext.runtime.straggler import LayerTimer
 
 from .data import TenantCorpus, build_tenant_steps
@@ -169,9 +169,7 @@ def build_lora_trainer(config: RunConfig) -> LoRATrainer:
     with installed(tenants, seed=training.seed, layer_offset=offset):
         placement = build_plan_placement(training, spec, plan, h, numerics)
     lora = attach_sync(placement, plan, tuple(t.name for t in tenants), h.rank)
-    flops = model_flops_per_token(num_layers=spec.num_layers, hidden_size=spec.hidden_size,
-                                  ffn_hidden_size=spec.ffn_hidden_size or 4 * spec.hidden_size,
-                                  vocab_size=spec.padded_vocab_size, seq_length=spec.seq_length)
+    flops = inventory.training_flops_per_token(spec, seq_length=spec.seq_length, causal=True)  # MFU's convention
     layer_cost = emulated_layer_cost(config.straggler)  # --hetu-emulate-cost: layers padded to a cost table
     trainer = LoRATrainer(config=config, spec=spec, plan=plan, host=h, placement=placement,
                           scheduler=make_scheduler(training, config.packing, placement, plan), dataset=None,

@@ -48,7 +48,7 @@ def _build_layer(hidden: int, heads: int, ffn: int | None, tp: int = 1):
     import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
 
-    from hetu_ext.plan.model_spec import ModelSpec
+    from hetu_ext.model.spec import ModelSpec
 
     from .host import enable_cpu_support
     from .model import TrainingNumerics, build_gpt_stage, transformer_config

@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 import torch
 
 from hetu_ext.plan import ModelSpec, Plan, dump_plan, format_plan, plan_to_dict
-from hetu_ext.plan.cost import layer_forward_flops, pack_forward_flops
+from hetu_ext.model import inventory
+from hetu_ext.plan.cost import layer_forward_flops
 from hetu_ext.plan.straggler_policy import StragglerDetector, StragglerPolicy, replan
 from hetu_ext.runtime.straggler import CostFn, LayerTimer, SlowdownEvent, exchange_timings, factor_at, onset_latency
 
@@ -103,7 +104,7 @@ class StragglerMonitor:
         if where is not None:
             stage = self.plan.pipelines[where[0]].stages[where[1]]
             self._flops = 3 * stage.num_layers / stage.tp * sum(
-                pack_forward_flops(self.spec, tokens=t, sum_sq=q) for t, q in shapes)
+                inventory.layer_forward_flops(self.spec, tokens=t, sum_sq=q) for t, q in shapes)
 
     def use_group_microbatches(self, groups: list[tuple[Plan, list[tuple[int, int]]]]) -> None:
         """HotSPa: this step's work is the sum over its groups of this rank's share under each group's plan."""
@@ -113,7 +114,7 @@ class StragglerMonitor:
             if where is not None:
                 stage = plan.pipelines[where[0]].stages[where[1]]
                 self._flops += 3 * stage.num_layers / stage.tp * sum(
-                    pack_forward_flops(self.spec, tokens=t, sum_sq=q) for t, q in shapes)
+                    inventory.layer_forward_flops(self.spec, tokens=t, sum_sq=q) for t, q in shapes)
 
     def attach(self, layers, tp: int = 1) -> None:
         """Time ``layers`` (a stage of TP degree ``tp``: the cost emulation's strategy)."""

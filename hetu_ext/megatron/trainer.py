@@ -28,7 +28,8 @@ from hetu_ext.config import (
     TrainingConfig,
 )
 from hetu_ext.data.assign import global_batch_size
-from hetu_ext.metrics import MetricsWriter, format_log_line, model_flops_per_token, peak_tflops
+from hetu_ext.metrics import MetricsWriter, format_log_line, peak_tflops
+from hetu_ext.model import inventory
 from hetu_ext.plan import (
     ModelSpec,
     Plan,
@@ -558,9 +559,7 @@ def build_trainer(config: RunConfig) -> Trainer:
     if h.rank == 0:
         logger.info("plan (%s runtime, %s on %s, Megatron-core CPU patches: %s):\n%s", runtime, h.backend,
                     h.device.type, "on" if h.cpu_patched else "off", format_plan(plan))
-    flops = model_flops_per_token(num_layers=spec.num_layers, hidden_size=spec.hidden_size,
-                                  ffn_hidden_size=spec.ffn_hidden_size or 4 * spec.hidden_size,
-                                  vocab_size=spec.padded_vocab_size, seq_length=spec.seq_length)
+    flops = inventory.training_flops_per_token(spec, seq_length=spec.seq_length, causal=True)  # MFU's convention
     monitor = _straggler_monitor(config.straggler, training.micro_batch_size, config.logging.log_interval, spec,
                                  plan, h, placement,
                                  optimizer_sharded=runtime == "plan" and config.parallel.use_distributed_optimizer)

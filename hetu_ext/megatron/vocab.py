@@ -20,10 +20,11 @@ from __future__ import annotations
 import torch
 
 from hetu_ext.checkpoint import CheckpointError
+from hetu_ext.model import inventory
 from hetu_ext.runtime.reshard import Piece
 
-VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
-"""The tensors whose rows are the vocabulary (axis 0)."""
+VOCAB_KEYS = inventory.keys_split_as("vocab_rows")
+"""The tensors whose rows are the vocabulary (axis 0), as the model inventory splits them."""
 
 
 def check_vocab(saved: int | None, current: int, *, where: str) -> None:

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from hetu_ext.errors import HetuExtError
+from hetu_ext.model import inventory
 
 
 @dataclass(frozen=True)
@@ -184,17 +185,16 @@ def check_coverage(module: torch.nn.Module, shards: list[LocalShard]) -> None:
 
 def initial_value(key: str, index: tuple[int, ...], shape: tuple[int, ...], *, seed: int, std: float,
                   num_layers: int) -> torch.Tensor:
-    """The fp32 initial value of one global tensor: norms 1, biases 0, weights N(0, std).
-
-    Output projections of each layer (``linear_proj``, ``linear_fc2``) use std / sqrt(2 num_layers), as Megatron's
-    ``output_layer_init_method`` does.
-    """
-    name = key.rsplit(".", 1)[-1]
-    if "norm" in key and name in ("weight", "layer_norm_weight"):
+    """The fp32 initial value of one global tensor, by the model inventory's rule for ``key``
+    (:func:`hetu_ext.model.inventory.init_rule`): norms 1, biases 0, weights N(0, std), each layer's output
+    projections (``linear_proj``, ``linear_fc2``) N(0, std / sqrt(2 num_layers)) as Megatron's
+    ``output_layer_init_method``; a key the inventory does not list is an error, not a guess."""
+    rule = inventory.init_rule(key)
+    if rule == "ones":
         return torch.ones(shape)
-    if name.endswith("bias"):
+    if rule == "zeros":
         return torch.zeros(shape)
-    if key.endswith(("linear_proj.weight", "linear_fc2.weight")):
+    if rule == "normal_output":
         std = std / math.sqrt(2.0 * num_layers)
     generator = torch.Generator().manual_seed(
         (seed * 1_000_003 + zlib.crc32(key.encode()) * 10_007 + sum(i * 31 ** k for k, i in enumerate(index)))

@@ -1,7 +1,7 @@
 """Plans and planners: pure (no torch.distributed, no host framework)."""
 
 from .io import dump_plan, format_plan, load_plan, plan_from_dict, plan_to_dict
-from .model_spec import ModelSpec
+from hetu_ext.model.spec import ModelSpec
 from .plan import Pipeline, Plan, PlanError, Stage, uniform_plan, uniform_shape
 
 __all__ = ["ModelSpec", "Pipeline", "Plan", "PlanError", "Stage", "dump_plan", "format_plan", "load_plan",

@@ -17,7 +17,7 @@ from .cluster import Cluster
 from .cost import CostModel
 from .io import dump_plan, format_plan, load_plan
 from .malleus import plan_malleus
-from .model_spec import ModelSpec
+from hetu_ext.model.spec import ModelSpec
 from .plan import PlanError
 
 

@@ -1,8 +1,8 @@
 """Per-layer time and memory of a GPT stage (pure), the numbers the planner and the simulator share.
 
-Time: the forward FLOPs of one transformer layer for ``b`` samples of ``s`` tokens are
-``2 b s (4 h^2 + 2 h f) + 4 b s^2 h`` (QKV/projection and MLP matmuls, then scores and values); backward costs
-twice the forward. A TP group of degree t divides the work by t at ``tp_efficiency[t]`` and adds its all-reduces
+Time: the forward FLOPs of one transformer layer for ``b`` samples of ``s`` tokens are the model inventory's
+(:mod:`hetu_ext.model.inventory`; for GPT ``2 b s (4 h^2 + 2 h f) + 4 b s^2 h``: QKV/projection and MLP matmuls,
+then scores and values over the whole square); backward costs twice the forward. A TP group of degree t divides the work by t at ``tp_efficiency[t]`` and adds its all-reduces
 (4 per layer per microbatch, forward and backward, of ``b s h`` values, ring cost 2 (t-1)/t) over the node's
 link. The efficiencies are assumed constants unless measured ones are given (:func:`load_tp_efficiency`: the
 file ``python -m hetu_ext.data.calibrate`` derives from a device's calibration, all-reduces included, so for those
@@ -11,9 +11,11 @@ layer add ``2 b s h V`` FLOPs to the first and last stages.
 
 Memory per rank (bytes): weights (dtype), fp32 gradient buffer, optimizer state (Adam: two fp32 moments, plus fp32
 master weights under bf16), all divided by TP, the optimizer state further divided by the number of holders of each
-element when it is sharded (``optimizer_sharded``: --use-distributed-optimizer); activations of one layer for one
-microbatch ``b s h (34 + 5 a s / h)`` x dtype / 2 (Korthikanti et al.'s count for fp16), divided by TP, times the
-microbatches a stage holds in flight under 1F1B: ``min(pp - stage, m)``, more on early stages.
+element when it is sharded (``optimizer_sharded``: --use-distributed-optimizer); weights TP splits are divided by
+TP, norms and row-parallel biases are not (the inventory's split); activations of one layer for one microbatch
+``b s`` x the inventory's bytes per token (Korthikanti et al.'s count; GPT: ``h (10 + 24 / t) + 5 a s / t``, the
+attention scores materialised) x dtype / 2, times the microbatches a stage holds in flight under 1F1B:
+``min(pp - stage, m)``, more on early stages.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ import yaml
 
 from hetu_ext.keys import check_keys
 
-from .model_spec import ModelSpec
+from hetu_ext.model import inventory
+from hetu_ext.model.spec import ModelSpec
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,22 +93,10 @@ class StageCost:
     memory_bytes: float
 
 
-def layer_params(spec: ModelSpec) -> int:
-    h, f = spec.hidden_size, spec.ffn_hidden_size
-    return 4 * h * h + 2 * h * f + 9 * h + f  # QKV + proj + fc1 + fc2 weights, their biases, two layernorms
-
-
 def layer_forward_flops(spec: ModelSpec, micro_batch: int) -> float:
-    """Forward FLOPs of one layer for ``micro_batch`` sequences of ``spec.seq_length`` tokens."""
+    """Forward FLOPs of one layer for ``micro_batch`` sequences of ``spec.seq_length`` tokens (the inventory's)."""
     s = spec.seq_length
-    return pack_forward_flops(spec, tokens=micro_batch * s, sum_sq=micro_batch * s * s)
-
-
-def pack_forward_flops(spec: ModelSpec, *, tokens: int, sum_sq: int) -> float:
-    """Forward FLOPs of one layer for a microbatch of ``tokens`` tokens whose documents' squared lengths sum to
-    ``sum_sq`` (each document attends to itself only): matmuls grow with tokens, attention with ``sum_sq``."""
-    h, f = spec.hidden_size, spec.ffn_hidden_size
-    return 2.0 * tokens * (4 * h * h + 2 * h * f) + 4.0 * sum_sq * h
+    return inventory.layer_forward_flops(spec, tokens=micro_batch * s, sum_sq=micro_batch * s * s)
 
 
 def stage_cost(spec: ModelSpec, cost: CostModel, *, num_layers: int, tp: int, slowdown: float, micro_batch: int,
@@ -117,18 +108,19 @@ def stage_cost(spec: ModelSpec, cost: CostModel, *, num_layers: int, tp: int, sl
     flops = num_layers * layer_forward_flops(spec, micro_batch)
     extra_params = 0
     if first:
-        extra_params += v * h + spec.max_position_embeddings * h
+        extra_params += inventory.embedding_params(spec)
     if last:
-        flops += 2.0 * micro_batch * s * h * v
+        flops += micro_batch * s * inventory.output_flops_per_token(spec)
         extra_params += v * h if spec.untie_embeddings_and_output_weights or not first else 0
     efficiency = cost.tp_efficiency.get(tp, 0.8)
     compute = flops / (cost.flops_per_s * tp * efficiency) * slowdown
     comm = 0.0
     if tp > 1 and tp not in cost.tp_measured:
         comm = num_layers * 2 * micro_batch * s * h * cost.dtype_bytes * 2 * (tp - 1) / tp / cost.intra_node_bytes_per_s
-    params = (num_layers * layer_params(spec) + extra_params) / tp
+    params = num_layers * inventory.layer_params(spec, tp=tp) + extra_params / tp
     shards = optimizer_holders if cost.optimizer_sharded else 1
     static = params * (cost.dtype_bytes + cost.grad_bytes + cost.optimizer_state_bytes / shards)
-    per_layer_act = micro_batch * s * h * (34 + 5 * spec.num_attention_heads * s / h) * cost.dtype_bytes / 2 / tp
+    per_layer_act = (micro_batch * s * inventory.activation_bytes_per_token(spec, tp=tp, seq_length=s)
+                     * cost.dtype_bytes / 2)
     activations = per_layer_act * num_layers * in_flight
     return StageCost(forward_s=compute + comm, backward_s=2 * compute + comm, memory_bytes=static + activations)

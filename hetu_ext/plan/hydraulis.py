@@ -51,10 +51,12 @@ from hetu_ext.data.lengths import split_long
 from hetu_ext.data.packing import Assignment, assign, replica_specs
 from hetu_ext.data.packing_bound import lower_bound_s, may_fit_within
 
-from .cost import CostModel, layer_params
+from hetu_ext.model import inventory
+
+from .cost import CostModel
 from .lobra import Deployment, deployment_plan
 from .lobra import Strategy as Shape
-from .model_spec import ModelSpec
+from hetu_ext.model.spec import ModelSpec
 from .plan import Plan, PlanError, uniform_plan, validate_plan
 
 MAX_PP = 16
@@ -67,21 +69,25 @@ def flops_cost_table(spec: ModelSpec, *, memory_bytes: float, tp_degrees: Sequen
                      cost: CostModel | None = None) -> CostTable:
     """Per-layer costs of training ``spec`` from hetu_ext.plan.cost's device constants (an A100-class GPU by
     default), for the planning CLI and benchmarks when no measured table is given: per token
-    ``3 x 2 (4 h^2 + 2 h f)`` matmul FLOPs (forward + backward) at ``flops_per_s x tp x efficiency`` plus the 4
-    TP all-reduces of ``h`` values (ring ``2 (t-1)/t``, intra-node link); per squared token ``3 x 2 h`` FLOPs
-    (causal attention); 1e-4 s per microbatch. Memory: activations ``10 h + 24 h / t`` bytes per token (bf16,
-    FlashAttention, no sequence parallelism), weights, gradients and Adam state
-    ``dtype + grad + optimizer_state`` bytes per parameter divided by TP."""
+    3 x the inventory's matmul FLOPs (forward + backward; GPT: ``2 (4 h^2 + 2 h f)``) at ``flops_per_s x tp x
+    efficiency`` plus the 4 TP all-reduces of ``h`` values (ring ``2 (t-1)/t``, intra-node link); per squared
+    token 3 x its causal attention FLOPs (GPT: ``2 h``); 1e-4 s per microbatch. Memory: the inventory's
+    activations per token without the score matrices (GPT: ``10 h + 24 h / t`` bytes, bf16, FlashAttention, no
+    sequence parallelism), weights, gradients and Adam state ``dtype + grad + optimizer_state`` bytes per
+    parameter a rank holds (split tensors divided by TP)."""
     cost = cost or CostModel()
     h, f = spec.hidden_size, spec.ffn_hidden_size
     per_tp = {}
     for tp in tp_degrees:
         speed = cost.flops_per_s * tp * cost.tp_efficiency.get(tp, 0.8)
         comm = 0.0 if tp == 1 else 4 * 2 * (tp - 1) / tp * h * cost.dtype_bytes / cost.intra_node_bytes_per_s
-        per_tp[tp] = LengthCost(a=3 * 2.0 * h / speed, b=3 * 2.0 * (4 * h * h + 2 * h * f) / speed + comm, c=1e-4,
-                                memory_per_token_bytes=(10 * h + 24 * h / tp) * cost.dtype_bytes / 2,
-                                memory_fixed_bytes=layer_params(spec) * (cost.dtype_bytes + cost.grad_bytes
-                                                                         + cost.optimizer_state_bytes) / tp)
+        per_tp[tp] = LengthCost(
+            a=3 * inventory.attention_flops_per_square_token(spec, causal=True) / speed,
+            b=3 * inventory.layer_matmul_flops_per_token(spec) / speed + comm, c=1e-4,
+            memory_per_token_bytes=inventory.activation_bytes_per_token(spec, tp=tp, attention_scores=False)
+            * cost.dtype_bytes / 2,
+            memory_fixed_bytes=inventory.layer_params(spec, tp=tp) * (cost.dtype_bytes + cost.grad_bytes
+                                                                      + cost.optimizer_state_bytes))
     return CostTable(per_tp=per_tp, device=f"flops-model({cost.flops_per_s / 1e12:g} TFLOP/s, "
                      f"TP link {cost.intra_node_bytes_per_s / 1e9:g} GB/s, h {h}, ffn {f})",
                      device_memory_bytes=memory_bytes)
@@ -98,7 +104,7 @@ def sync_seconds(plan: Plan, spec: ModelSpec, *, bandwidth: float, grad_bytes: i
     worst = 0.0
     for pipeline in plan.pipelines:
         for stage in pipeline.stages:
-            elements = layer_params(spec) * stage.num_layers / stage.tp
+            elements = inventory.layer_params(spec, tp=stage.tp) * stage.num_layers
             if stage.has_embedding:
                 elements += spec.padded_vocab_size * spec.hidden_size / stage.tp
             worst = max(worst, 2 * (d - 1) / d * elements * grad_bytes / bandwidth)
@@ -122,8 +128,7 @@ def shape_pool(model: ModelSpec, cost: CostTable, *, world_size: int, max_len: i
     slow = max(dict(slowdowns or {}).values(), default=1.0)
     out = []
     for tp in sorted(cost.per_tp):
-        if tp > gpus_per_node or tp > world_size or any(
-                size % tp for size in (model.num_attention_heads, model.ffn_hidden_size, model.padded_vocab_size)):
+        if tp > gpus_per_node or tp > world_size or inventory.tp_problems(model, tp):
             continue
         for pp in range(1, min(MAX_PP, model.num_layers) + 1):
             if model.num_layers % pp or tp * pp > world_size:

@@ -37,8 +37,9 @@ from hetu_ext.data.cost import CostTable, LengthCost, load_cost_table
 from hetu_ext.data.lengths import concat_split
 from hetu_ext.data.packing import ReplicaSpec, assign
 
-from .cost import CostModel, layer_params
-from .model_spec import ModelSpec
+from .cost import CostModel
+from hetu_ext.model import inventory
+from hetu_ext.model.spec import ModelSpec
 from .plan import Pipeline, Plan, Stage
 
 DEGREES = (1, 2, 4, 8, 16)
@@ -94,14 +95,15 @@ class Deployment:
 
 def layer_cost(spec: ModelSpec, cost: CostModel, tp: int) -> LengthCost:
     """Forward + backward seconds and memory of one transformer layer at TP ``tp`` with a frozen base (LoRA)."""
-    h, f = spec.hidden_size, spec.ffn_hidden_size
+    h = spec.hidden_size
     eff = cost.tp_efficiency.get(tp, 0.8)
-    b = 3 * 2.0 * (4 * h * h + 2 * h * f) / (cost.flops_per_s * tp * eff)
+    b = 3 * inventory.layer_matmul_flops_per_token(spec) / (cost.flops_per_s * tp * eff)
     if tp > 1 and tp not in cost.tp_measured:  # 2 all-reduces of s x h forward, 2 backward, ring 2 (t-1)/t
         b += 2 * 2 * h * cost.dtype_bytes * 2 * (tp - 1) / tp / cost.intra_node_bytes_per_s
-    a = 3 * 4.0 * h / (cost.flops_per_s * tp * eff)
-    return LengthCost(a=a, b=b, c=1e-4, memory_per_token_bytes=34 * h * cost.dtype_bytes / 2 / tp,
-                      memory_fixed_bytes=layer_params(spec) * cost.dtype_bytes / tp)
+    a = 3 * inventory.attention_flops_per_square_token(spec) / (cost.flops_per_s * tp * eff)
+    per_token = inventory.activation_bytes_per_token(spec, tp=tp, attention_scores=False)
+    return LengthCost(a=a, b=b, c=1e-4, memory_per_token_bytes=per_token * cost.dtype_bytes / 2,
+                      memory_fixed_bytes=inventory.layer_params(spec, tp=tp) * cost.dtype_bytes)
 
 
 def strategy_pool(spec: ModelSpec, cost: CostModel, *, gpu_memory_bytes: float, gpus_per_node: int,
@@ -114,7 +116,7 @@ def strategy_pool(spec: ModelSpec, cost: CostModel, *, gpu_memory_bytes: float, 
     if table is not None and table.device_memory_bytes is not None:
         gpu_memory_bytes = table.device_memory_bytes
     for tp, pp in itertools.product(DEGREES, DEGREES):
-        if tp > gpus_per_node or tp * pp > max_gpus or spec.num_layers % pp or spec.num_attention_heads % tp:
+        if tp > gpus_per_node or tp * pp > max_gpus or spec.num_layers % pp or inventory.tp_problems(spec, tp):
             continue
         if table is not None and tp not in table.per_tp:
             continue

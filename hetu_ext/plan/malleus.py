@@ -27,7 +27,8 @@ from dataclasses import dataclass
 
 from .cluster import Cluster
 from .cost import CostModel, stage_cost
-from .model_spec import ModelSpec
+from hetu_ext.model import inventory
+from hetu_ext.model.spec import ModelSpec
 from .plan import Pipeline, Plan, Stage, uniform_plan
 from .simulate import one_f_one_b, pipeline_time_closed_form
 
@@ -179,8 +180,7 @@ def plan_malleus(cluster: Cluster, spec: ModelSpec, *, micro_batch: int, num_mic
     candidates = []
     cutoffs = sorted({cluster.slowdown(r) for r in range(cluster.world_size)}, reverse=True)[:4]
     for tp in tp_degrees:
-        if tp > cluster.gpus_per_node or any(n % tp for n in (spec.num_attention_heads, spec.ffn_hidden_size,
-                                                                spec.padded_vocab_size)):
+        if tp > cluster.gpus_per_node or inventory.tp_problems(spec, tp):
             continue
         for cutoff in cutoffs:
             groups, unused = _groups(cluster, tp, cutoff)

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .model_spec import ModelSpec
+from hetu_ext.model import inventory
+from hetu_ext.model.spec import ModelSpec
 
 
 class PlanError(ValueError):
@@ -187,12 +188,9 @@ def _validate_against_model(plan: Plan, model: ModelSpec, num_layers: int) -> No
                         f"{model.num_layers}; make the last stage stop at layer {model.num_layers}")
     for i, pipeline in enumerate(plan.pipelines):
         for j, stage in enumerate(pipeline.stages):
-            for what, size in (("num_attention_heads", model.num_attention_heads),
-                               ("ffn_hidden_size", model.ffn_hidden_size),
-                               ("padded vocab size", model.padded_vocab_size)):
-                if size % stage.tp:
-                    raise PlanError(f"pipeline {i} stage {j}: TP degree {stage.tp} must divide {what} ({size}); "
-                                    f"use a TP degree among {_divisors(size)}")
+            for what, size in inventory.tp_problems(model, stage.tp)[:1]:
+                raise PlanError(f"pipeline {i} stage {j}: TP degree {stage.tp} must divide {what} ({size}); "
+                                f"use a TP degree among {_divisors(size)}")
 
 
 def _divisors(n: int, limit: int = 16) -> list[int]:

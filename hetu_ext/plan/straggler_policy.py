@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from .cluster import Cluster
 from .cost import CostModel
 from .malleus import PlannedStep, plan_malleus
-from .model_spec import ModelSpec
+from hetu_ext.model.spec import ModelSpec
 from .plan import Plan
 
 

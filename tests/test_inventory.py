@@ -1,0 +1,144 @@
+"""The model inventory against the real thing: Megatron-core's GPTModel built from the same settings (parameter
+count and every tensor's key and shape exact) and ``torch.utils.flop_counter.FlopCounterMode`` on a forward and
+backward (within 2%: the inventory counts the linear layers and attention matmuls; the counter also sees nothing
+else, so the gap is only rounding of what the inventory leaves out, which must stay small). The planners' figures
+are the inventory's (a planner that re-derives a formula fails here)."""
+
+from __future__ import annotations
+
+import pytest
+
+from hetu_ext.model import ModelSpec
+from hetu_ext.model import inventory as inv
+
+SPECS = {
+    "gpt_tied": ModelSpec(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=1000, seq_length=32),
+    "gpt_untied": ModelSpec(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=1000, seq_length=32,
+                            untie_embeddings_and_output_weights=True),
+    "llama": ModelSpec(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=96,
+                       vocab_size=1000, seq_length=32, untie_embeddings_and_output_weights=True, swiglu=True,
+                       normalization="RMSNorm", position_embedding_type="rope", add_bias_linear=False),
+    "qwen_like": ModelSpec(num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=2, ffn_hidden_size=80,
+                           vocab_size=500, seq_length=32, untie_embeddings_and_output_weights=True, swiglu=True,
+                           normalization="RMSNorm", position_embedding_type="rope", add_bias_linear=False,
+                           add_qkv_bias=True, qk_layernorm=True),
+}
+
+
+def _megatron_model(spec: ModelSpec):
+    """Megatron-core's GPTModel for ``spec`` on one process (local layer spec), with the CPU patches."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer import TransformerConfig
+
+    from hetu_ext.megatron.host import enable_cpu_support
+
+    enable_cpu_support(True)
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        store = dist.HashStore()
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel()
+    model_parallel_cuda_manual_seed(7)
+    config = TransformerConfig(
+        num_layers=spec.num_layers, hidden_size=spec.hidden_size, num_attention_heads=spec.num_attention_heads,
+        num_query_groups=spec.num_query_groups, ffn_hidden_size=spec.ffn_hidden_size, kv_channels=spec.kv_channels,
+        gated_linear_unit=spec.swiglu, activation_func=F.silu if spec.swiglu else F.gelu,
+        normalization=spec.normalization, add_bias_linear=spec.add_bias_linear, add_qkv_bias=spec.add_qkv_bias,
+        qk_layernorm=spec.qk_layernorm, use_cpu_initialization=True, pipeline_dtype=torch.float32,
+        hidden_dropout=0.0, attention_dropout=0.0)
+    layer_spec = get_gpt_layer_local_spec(normalization=spec.normalization, qk_layernorm=spec.qk_layernorm)
+    return GPTModel(config=config, transformer_layer_spec=layer_spec, vocab_size=spec.padded_vocab_size,
+                    max_sequence_length=spec.max_position_embeddings,
+                    share_embeddings_and_output_weights=not spec.untie_embeddings_and_output_weights,
+                    position_embedding_type=spec.position_embedding_type)
+
+
+@pytest.fixture(scope="module", params=list(SPECS))
+def built(request):
+    spec = SPECS[request.param]
+    return spec, _megatron_model(spec)
+
+
+def test_parameters_match_megatron_core(built):
+    """Same count, and every tensor of the inventory is a tensor of local_shards with that key and shape."""
+    from hetu_ext.megatron.weights import local_shards
+
+    spec, model = built
+    assert inv.param_count(spec) == sum(p.numel() for p in model.parameters())
+    shards = {(s.key, s.shape) for s in local_shards(model)}
+    listed = {(p.key, p.shape) for p in inv.parameters(spec)}
+    assert listed == shards
+
+
+def test_flops_match_flop_counter(built):
+    """Forward + backward FLOPs of a microbatch of 2 sequences within 2% of FlopCounterMode's count."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    spec, model = built
+    b, s = 2, spec.seq_length
+    tokens = torch.randint(0, spec.vocab_size, (b, s))
+    position_ids = torch.arange(s).unsqueeze(0).expand(b, s)
+    mask = torch.ones(b, 1, s, s, dtype=torch.bool).triu(1)
+    with FlopCounterMode(display=False) as counter:
+        loss = model(tokens, position_ids, mask, labels=tokens).float().sum()
+        loss.backward()
+    counted = counter.get_total_flops()
+    predicted = b * s * inv.training_flops_per_token(spec, seq_length=s)
+    assert abs(predicted / counted - 1) < 0.02, (predicted, counted)
+
+
+def test_gpt_activation_formula_is_korthikanti():
+    """For GPT (f = 4h, one group per head) the generalised count is Korthikanti et al.'s h (10 + 24/t) + 5as/t."""
+    spec = SPECS["gpt_tied"]
+    h, a, s = spec.hidden_size, spec.num_attention_heads, 100
+    for tp in (1, 2, 4):
+        assert inv.activation_bytes_per_token(spec, tp=tp, seq_length=s) == pytest.approx(
+            h * (10 + 24 / tp) + 5 * a * s / tp)
+
+
+def test_tp_rule_names_query_groups():
+    spec = SPECS["llama"]
+    assert inv.tp_problems(spec, 2) == []
+    assert inv.tp_problems(spec, 4) == [("num_query_groups", 2)]
+    with pytest.raises(ValueError, match=r"TP degree 4 must divide num_query_groups \(2\)"):
+        inv.check_tp(spec, 4)
+
+
+def test_planner_figures_are_the_inventorys():
+    """The cost models' per-layer FLOPs, parameters and activations come from the inventory: equal figures."""
+    from hetu_ext.plan import cost
+
+    from hetu_ext.data import hotspa
+    from hetu_ext.plan import hydraulis, lobra
+
+    default = cost.CostModel()
+    for spec in SPECS.values():
+        s = spec.seq_length
+        assert cost.layer_forward_flops(spec, 3) == inv.layer_forward_flops(spec, tokens=3 * s, sum_sq=3 * s * s)
+        per_layer = cost.stage_cost(spec, default, num_layers=1, tp=2, slowdown=1.0, micro_batch=1, first=False,
+                                    last=False, in_flight=1)
+        want = (inv.layer_params(spec, tp=2) * (default.dtype_bytes + default.grad_bytes
+                                                 + default.optimizer_state_bytes)
+                + s * inv.activation_bytes_per_token(spec, tp=2, seq_length=s) * default.dtype_bytes / 2)
+        assert per_layer.memory_bytes == pytest.approx(want, rel=1e-12)
+        table = hydraulis.flops_cost_table(spec, memory_bytes=80e9, tp_degrees=(2,), cost=default).per_tp[2]
+        assert table.memory_per_token_bytes == inv.activation_bytes_per_token(spec, tp=2, attention_scores=False)
+        assert table.memory_fixed_bytes == inv.layer_params(spec, tp=2) * (
+            default.dtype_bytes + default.grad_bytes + default.optimizer_state_bytes)
+        lora = lobra.layer_cost(spec, default, 2)
+        assert lora.memory_per_token_bytes == inv.activation_bytes_per_token(spec, tp=2, attention_scores=False)
+        assert lora.memory_fixed_bytes == inv.layer_params(spec, tp=2) * default.dtype_bytes
+        split, replicated = inv.layer_params_by_split(spec)
+        parts = hotspa._parts(spec)
+        assert (parts["split"], parts["replicated"]) == (split, replicated)
+
