@@ -47,7 +47,7 @@ class Job:
     """One rehearsal job: its flags and where it writes."""
 
     workdir: Path
-    train_iters: int = 24
+    train_iters: int = 30
     save_interval: int = 3
     layer_ms: float = 10.0
     """Emulated time of one layer's forward (backward: twice), so that a step lasts long enough to be hit."""
@@ -181,8 +181,14 @@ def inject(cluster: Cluster, scenario: str) -> tuple[float, float]:
     elif scenario == "hang":
         os.kill(rank_pid(cluster, "node1", 0), signal.SIGSTOP)
         return now, now + cluster.job.hang_timeout
-    elif scenario == "spare":
+    elif scenario == "spare":  # measured from when the new node is ready to join (its launcher's start-up aside)
         cluster.start_node("node3")
+        deadline = time.time() + 120
+        while not (ready := [e for e in cluster.events("node3") if e["event"] == "rendezvous_start"]):
+            if time.time() > deadline:
+                raise RuntimeError("the spare node's launcher did not reach the rendezvous in 120 s")
+            time.sleep(0.05)
+        return ready[0]["time"], ready[0]["time"]
     elif scenario == "rank0":
         rounds = [e for e in cluster.events() if e["event"] == "rendezvous" and e["group_rank"] == 0]
         cluster.kill_node(rounds[-1]["launcher"])
@@ -203,7 +209,8 @@ def final_history(records: list[dict]) -> dict[int, dict]:
 def recovery_split(cluster: Cluster, records: list[dict], failed_at: float, t0: float) -> dict:
     """The recovery's phases (seconds) from the launchers' events and the metrics records after ``failed_at``."""
     after = [e for e in cluster.events() if e["time"] >= failed_at]
-    noticed = [e["time"] for e in after if e["event"] in ("failure", "rendezvous_start")]
+    noticed = [e["time"] for e in after if e["event"] in ("failure", "rendezvous_start")
+               and e["launcher"] != "node3"]  # the spare's own arrival is not the others noticing it
     loads = [r for r in records if r.get("event") == "checkpoint_load" and r["time"] >= failed_at]
     if not noticed or not loads:
         return {"recovered": False}
@@ -250,16 +257,18 @@ def reference_losses(job: Job, cluster: Cluster, resumed_at: int, out: Path) -> 
     return {i: r["loss"] for i, r in final_history(metrics(out)).items()}
 
 
-def run_scenario(scenario: str, workdir: Path, *, inject_at: int = 7, timeout: float = 300) -> dict:
+def run_scenario(scenario: str, workdir: Path, *, inject_at: int = 7, timeout: float = 300,
+                 train_iters: int = 30) -> dict:
     """One job of 3 nodes x 2 ranks with the scenario's failure at ``inject_at``; its row of the table."""
-    job = Job(workdir=workdir)
+    job = Job(workdir=workdir, train_iters=train_iters * (2 if scenario == "spare" else 1))  # the spare's launcher
+    # starts (imports) while the job trains on: a longer job is still running when it joins
     workdir.mkdir(parents=True, exist_ok=True)
     cluster = Cluster(job=job, port=free_port(), rdzv_id=f"rehearsal-{scenario}")
     try:
         cluster.start_store()
         for n in range(job.nodes):
             cluster.start_node(f"node{n}")
-        wait_for_iteration(job.save, inject_at, timeout)
+        wait_for_iteration(job.save, 2 if scenario == "spare" else inject_at, timeout)
         failed_at, t0 = inject(cluster, scenario)
         codes = cluster.wait(timeout)
         survivors = {n: c for n, c in codes.items() if not (scenario in ("node", "rank0") and c == -9)}
@@ -267,7 +276,7 @@ def run_scenario(scenario: str, workdir: Path, *, inject_at: int = 7, timeout: f
         row = {"name": scenario, "exit_codes": survivors}
         row |= recovery_split(cluster, records, failed_at, t0)
         history = final_history(records)
-        gbs = 24
+        gbs = 24  # --global-batch-size
         row["samples_lost"] = sum(gbs - history[i]["samples"] if i in history else gbs
                                   for i in range(1, job.train_iters + 1))
         row["finished"] = all(c == 0 for c in survivors.values()) and max(history, default=0) == job.train_iters

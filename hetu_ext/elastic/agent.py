@@ -211,18 +211,21 @@ class HetuElasticAgent(LocalElasticAgent):
         return result
 
     def _hung_ranks(self) -> dict[int, int]:
-        """Local ranks stopped (process state T) for ``hang_timeout_s`` or longer: local rank -> pid."""
+        """Local ranks stopped (process state T) for ``hang_timeout_s`` or longer, or stopped while a rank of the
+        group has exited (torch would SIGTERM the stopped one and wait 30 s for it): local rank -> pid."""
         if not self.settings.hang_timeout_s or self._pcontext is None:
             return {}
-        now, hung = time.monotonic(), {}
+        now, stopped, exited = time.monotonic(), {}, False
         for local_rank, pid in self._pcontext.pids().items():
-            if _process_state(pid) in ("T", "t"):
-                since = self._stopped_since.setdefault(pid, now)
-                if now - since >= self.settings.hang_timeout_s:
-                    hung[local_rank] = pid
+            state = _process_state(pid)
+            exited |= state in (None, "Z", "X")
+            if state in ("T", "t"):
+                stopped[local_rank] = pid
+                self._stopped_since.setdefault(pid, now)
             else:
                 self._stopped_since.pop(pid, None)
-        return hung
+        return {r: pid for r, pid in stopped.items()
+                if exited or now - self._stopped_since[pid] >= self.settings.hang_timeout_s}
 
     def _exit_codes(self, result: RunResult) -> dict[int, int]:
         """Local rank -> exit code of every rank that has exited (a negative code: killed by that signal)."""

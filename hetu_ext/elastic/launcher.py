@@ -104,7 +104,7 @@ def main(argv: list[str]) -> int:
 
     from torch.distributed.elastic.agent.server.api import WorkerSpec
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
-    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousParameters
     from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
     from .agent import ConfigurationError, HetuElasticAgent, NodeSettings, NoHealthyDevice
@@ -154,6 +154,10 @@ def main(argv: list[str]) -> int:
     except ConfigurationError as exc:
         print(f"elastic: stopped, {exc}", file=sys.stderr, flush=True)
         return 2
+    except RendezvousClosedError:
+        print(f"elastic: the rendezvous of job {args.rdzv_id!r} is closed: the job finished or stopped before this "
+              f"node joined", file=sys.stderr, flush=True)
+        return 1
     except NoHealthyDevice as exc:
         print(f"elastic: {exc}", file=sys.stderr, flush=True)
         return 1
