@@ -26,6 +26,7 @@ import sys
 from pathlib import Path
 
 from hetu_ext.config import build_parser, from_namespace, parse_namespace
+from hetu_ext.config.parse import report_error
 from hetu_ext.deepspeed.engine import (
     ZeroConfig,
     add_deepspeed_args,
@@ -68,8 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         loaded = run.load(args.load) if args.load else None
         saver = _saver(run, args, loaded)
     except ValueError as exc:  # bad input found with the process group up (CheckpointError: the same on all)
-        if rank == 0:
-            print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        report_error(parser.prog, str(exc))  # rank 0 prints; the others wait so that torchrun lets it
         host.shutdown()
         return 2
     try:
