@@ -48,6 +48,8 @@ MODULE_KINDS: dict[str, tuple[str, ...]] = {
     "test_ckpt_fallback": ("faults", "gold"),
     "test_ckpt_recovery": ("faults", "gold"),
     "test_deepspeed_elastic": ("faults", "gold"),
+    "test_elastic_rehearsal": ("e2e", "faults", "gold"),
+    "test_elastic_config_error": ("e2e",),
     "test_demo": ("e2e",),
     "test_megatron_lm": ("e2e",),
     "test_megatron_lm_llama": ("e2e",),
