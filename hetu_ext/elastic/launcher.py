@@ -143,6 +143,9 @@ def main(argv: list[str]) -> int:
                       args=("[]", "", ""), rdzv_handler=handler, max_restarts=args.max_restarts,
                       monitor_interval=args.monitor_interval)
     multiprocessing.set_forkserver_preload(list(PRELOAD))
+    from multiprocessing import forkserver
+
+    forkserver.ensure_running()  # its imports overlap the rendezvous (a spare node joins seconds sooner)
     agent = HetuElasticAgent(spec, settings, logs_specs=DefaultLogsSpecs(), start_method="forkserver",
                              exit_barrier_timeout=300)
     if message is not None:  # bad flags on this node: every node stops with this line
