@@ -81,10 +81,10 @@ def lobra_body(rank: int, world_size: int, argv: list[str], normalisation: str =
     snapshots of the absent tenant's parameters and moments (every rank checks its own)."""
     from hetu_ext.lora.adapters import gather_adapters
     from hetu_ext.megatron.args import parse_run_config
-    from hetu_ext.megatron.trainer import build_trainer
+    from hetu_ext.megatron.cli import build_run
     from hetu_ext.megatron.weights import gather_weights
 
-    trainer = build_trainer(parse_run_config(argv))
+    trainer = build_run(parse_run_config(argv))
     trainer.normalisation = normalisation
     base_before = gather_weights(trainer.model, **trainer.placement.shard_kwargs)
     absent_same, norms = None, []

@@ -57,9 +57,9 @@ def _state(trainer) -> dict:
 def ckpt_body(rank: int, world_size: int, argv: list[str]) -> dict | None:
     """Build (loading with --load), capture the state, train (capturing it at each save), capture again."""
     from hetu_ext.megatron.args import parse_run_config
-    from hetu_ext.megatron.trainer import build_trainer
+    from hetu_ext.megatron.cli import build_run
 
-    trainer = build_trainer(parse_run_config(argv))
+    trainer = build_run(parse_run_config(argv))
     loaded = _state(trainer)
     saved, save = {}, trainer._save
 

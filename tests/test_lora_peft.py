@@ -33,10 +33,10 @@ def export_body(rank: int, world_size: int, argv: list[str], out: str) -> dict |
     from hetu_ext.lora.install import routing_of
     from hetu_ext.lora.peft import write_peft
     from hetu_ext.megatron.args import parse_run_config
-    from hetu_ext.megatron.trainer import build_trainer
+    from hetu_ext.megatron.cli import build_run
     from hetu_ext.megatron.weights import gather_weights
 
-    trainer = build_trainer(parse_run_config(argv))
+    trainer = build_run(parse_run_config(argv))
     trainer.train(log=lambda line: None)
     base = gather_weights(trainer.model, **trainer.placement.shard_kwargs)
     params = {}

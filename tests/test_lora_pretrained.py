@@ -28,10 +28,10 @@ PRETRAIN = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads",
 
 def pretrain_body(rank: int, world_size: int, argv: list[str]) -> dict | None:
     from hetu_ext.megatron.args import parse_run_config
-    from hetu_ext.megatron.trainer import build_trainer
+    from hetu_ext.megatron.cli import build_run
     from hetu_ext.megatron.weights import gather_weights
 
-    trainer = build_trainer(parse_run_config(argv))
+    trainer = build_run(parse_run_config(argv))
     initial = gather_weights(trainer.model, **trainer.placement.shard_kwargs)
     trainer.train(log=lambda line: None)
     return {"initial": initial} if rank == 0 else None
@@ -40,10 +40,10 @@ def pretrain_body(rank: int, world_size: int, argv: list[str]) -> dict | None:
 def finetune_body(rank: int, world_size: int, argv: list[str]) -> dict | None:
     """The base (gathered) right after building, and after training; the keys of this rank's base shards."""
     from hetu_ext.megatron.args import parse_run_config
-    from hetu_ext.megatron.trainer import build_trainer
+    from hetu_ext.megatron.cli import build_run
     from hetu_ext.megatron.weights import gather_weights, local_shards
 
-    trainer = build_trainer(parse_run_config(argv))
+    trainer = build_run(parse_run_config(argv))
     kwargs = trainer.placement.shard_kwargs
     loaded = gather_weights(trainer.model, **kwargs)
     keys = sorted({s.key for s in local_shards(trainer.model, **kwargs)})

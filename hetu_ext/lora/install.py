@@ -1,10 +1,9 @@
 """Install tenants' adapters into the stage models hetu_ext builds, through Megatron-core's layer spec.
 
-:func:`installed` is a context manager around the plan runtime's model building: while it is open, one probed,
-removable patch (patches/base.py) makes ``megatron.core.models.gpt.GPTModel`` (the name
-``hetu_ext.megatron.model.build_gpt_stage`` resolves when it builds) a subclass that
+:class:`LoRAConverter` is the model converter the plan runtime's stage builder takes
+(``hetu_ext.megatron.model.build_gpt_stage(converter=...)``); for every stage model it
 
-1. rewrites a copy of the transformer-layer spec it receives, replacing the local spec's ``linear_qkv``,
+1. rewrites a copy of the transformer-layer spec, replacing the local spec's ``linear_qkv``,
    ``linear_proj``, ``linear_fc1``, ``linear_fc2`` (checked to be 0.16.1's ColumnParallelLinear and
    RowParallelLinear) by :mod:`hetu_ext.lora.layers`' LoRA linears, each given the tenants that target it;
 2. freezes every base parameter (``requires_grad=False``), before DistributedDataParallel and the optimizer
@@ -12,14 +11,13 @@ removable patch (patches/base.py) makes ``megatron.core.models.gpt.GPTModel`` (t
 3. sets each adapter to its layout-independent initial value (:func:`hetu_ext.lora.adapters.init_adapters`,
    the stage's global layer offset given here).
 
-No other target is touched, and the patch is removed when the context closes.
+Nothing of Megatron-core is patched.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
-from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -55,39 +53,31 @@ def _lora_spec(layer_spec, tenants: tuple[TenantSpec, ...], routing):
     return spec
 
 
-def _lora_model_class(original, tenants: tuple[TenantSpec, ...], *, seed: int, layer_offset: int):
-    from .adapters import init_adapters
-    from .layers import TenantRouting
+@dataclass
+class LoRAConverter:
+    """The model converter that gives stage models tenants' adapters over a frozen base (the ``converter`` of
+    hetu_ext.megatron.model.build_gpt_stage, as torchtitan's model converters: chosen where the command line is
+    read, applied by the core's stage builder without it knowing LoRA)."""
 
-    class LoRAGPTModel(original):
-        """Megatron-core's GPTModel with tenants' adapters in every layer and its base frozen."""
+    tenants: tuple[TenantSpec, ...]
+    seed: int
 
-        def __init__(self, config, transformer_layer_spec, *args, **kwargs):
-            routing = TenantRouting()
-            super().__init__(config, _lora_spec(transformer_layer_spec, tenants, routing), *args, **kwargs)
-            self.lora_routing = routing
-            for name, param in self.named_parameters():
-                if ".lora." not in f".{name}":
-                    param.requires_grad_(False)
-            init_adapters(self, seed=seed, layer_offset=layer_offset)
+    def layer_spec(self, layer_spec):
+        """1: the spec's four linears become LoRA linears (a fresh routing per model built)."""
+        from .layers import TenantRouting
 
-    LoRAGPTModel.__qualname__ = LoRAGPTModel.__name__ = "LoRAGPTModel"
-    return LoRAGPTModel
+        self._routing = TenantRouting()
+        return _lora_spec(layer_spec, self.tenants, self._routing)
 
+    def convert(self, model: torch.nn.Module, *, layer_offset: int) -> None:
+        """2 and 3: freeze the base (before DDP and the optimizer exist), initialise the adapters."""
+        from .adapters import init_adapters
 
-@contextlib.contextmanager
-def installed(tenants: tuple[TenantSpec, ...], *, seed: int, layer_offset: int) -> Iterator[None]:
-    """While open, stage models built by hetu_ext carry ``tenants``' adapters over a frozen base."""
-    from hetu_ext.patches.base import Patch
-
-    patch = Patch(name="lora-gpt-model", target="megatron.core.models.gpt:GPTModel",
-                  make=lambda original: _lora_model_class(original, tenants, seed=seed, layer_offset=layer_offset),
-                  reason="Megatron-core 0.16.1 has no LoRA: the stage model's linears get tenants' adapters")
-    patch.apply()
-    try:
-        yield
-    finally:
-        patch.remove()
+        model.lora_routing = self._routing
+        for name, param in model.named_parameters():
+            if ".lora." not in f".{name}":
+                param.requires_grad_(False)
+        init_adapters(model, seed=self.seed, layer_offset=layer_offset)
 
 
 def routing_of(model: torch.nn.Module):

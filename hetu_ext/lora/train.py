@@ -1,6 +1,6 @@
 """LobRA's joint training: many tenants' adapters over one frozen base, on any plan, through pretrain_gpt.py.
 
-``--hetu-lora-tenants FILE`` makes :func:`hetu_ext.megatron.trainer.build_trainer` hand over to
+``--hetu-lora-tenants FILE`` makes :func:`hetu_ext.megatron.cli.build_run` (where the command line is read) choose
 :func:`build_lora_trainer`: the plan runtime builds Megatron-core's stage models with the tenants' adapters
 installed (hetu_ext.lora.install), every step packs all tenants' sequences together across the plan's pipelines
 (hetu_ext.lora.data), and the loss is
@@ -29,12 +29,13 @@ from hetu_ext.megatron.data import make_tokenizer
 from hetu_ext.megatron.launch_plan import check_launch
 from hetu_ext.megatron.model import TrainingNumerics
 from hetu_ext.megatron.plan_runtime import build_plan_placement
+from hetu_ext.megatron.step import StepKind, StepWork
 from hetu_ext.megatron.trainer import Trainer, emulated_layer_cost, make_scheduler, plan_id
 from hetu_ext.model import inventory
 from hetu_ext.runtime.straggler import LayerTimer
 
 from .data import TenantCorpus, build_tenant_steps
-from .install import installed, routing_of
+from .install import LoRAConverter, routing_of
 from .pretrained import load_base, seed_base
 from .sync import LoRASync, attach_sync
 from .tenants import TenantSpec, load_tenants
@@ -54,42 +55,8 @@ class LoRATrainer(Trainer):
     base: dict | None = None
     """The frozen base (hetu_ext.lora.pretrained.base_record): the pretrained checkpoint's, else the seed's."""
 
-    def _open_data(self):
-        return build_tenant_steps(self.tenants, method=self.config.packing.method,
-                                  cost_model=self.config.packing.cost_model, spec=self.spec, plan=self.plan,
-                                  pipeline=self.placement.pipeline_index, device=self.host.device,
-                                  seed=self.config.training.seed, vocab_size=0, corpus=self.documents)
-
-    def _step(self, data, log):
-        g = self.iteration
-        counts = data.batches.tenant_tokens(g)
-        present = [bool(n) for n in counts]
-        self.iteration += 1
-        if not any(present):  # nobody has data: no step (every rank agrees: the batches are deterministic)
-            self.scheduler.step(increment=1)
-            self.losses.append(float("nan"))
-            self.tenant_losses.append([None] * len(self.tenants))
-            return float("nan"), None, None, 0, 0, None
-        step = data.step(g)
-        if self.normalisation == "tenant":
-            weights = torch.tensor([1.0 / n if n else 0.0 for n in counts], dtype=torch.float32)
-        else:
-            weights = torch.full((len(counts),), 1.0 / float(counts.sum()), dtype=torch.float32)
-        self.model.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        forward = partial(_forward_step, routing_of(self.model), weights.to(self.host.device), len(self.tenants))
-        reports = self.placement.forward_backward(
-            forward_step_func=forward, data_iterator=iter(step.microbatches), model=[self.model],
-            num_microbatches=len(step.microbatches), seq_length=self.spec.seq_length, micro_batch_size=1,
-            forward_only=False, **self.placement.schedule_kwargs)
-        grad_norm = self.lora.step(self.optimizer, present=present, clip_grad=self.config.training.clip_grad)
-        self.scheduler.step(increment=1)
-        loss = self._global_loss(reports)
-        self.losses.append(loss)
-        self.tenant_losses.append(self._tenant_losses(reports))
-        packing = {"microbatches": len(step.microbatches), "predicted_s": list(step.predicted_s),
-                   "tenant_tokens": [int(n) for n in counts], "tenant_loss": self.tenant_losses[-1]}
-        return loss, grad_norm, None, step.sequences, step.tokens, packing
+    def __post_init__(self) -> None:
+        self.steps = TenantSteps()
 
     def _save(self, directory: str) -> None:
         """Save the tenants' adapters and Adam state (not the frozen base): hetu_ext.lora.checkpoint."""
@@ -115,7 +82,7 @@ class LoRATrainer(Trainer):
                                blocking_s=seconds, total_s=seconds)
         return loaded
 
-    def _tenant_losses(self, reports: list[dict]) -> list[float | None]:
+    def tenant_losses_of(self, reports: list[dict]) -> list[float | None]:
         total = torch.zeros(2 * len(self.tenants), dtype=torch.float64)
         if self.placement.is_last_stage and self.placement.tp_rank == 0:
             for report in reports:
@@ -123,6 +90,46 @@ class LoRATrainer(Trainer):
         dist.all_reduce(total, group=self.placement.report_group)
         sums, counts = total[: len(self.tenants)], total[len(self.tenants):]
         return [float(s / n) if n else None for s, n in zip(sums, counts)]
+
+
+class TenantSteps(StepKind):
+    """One step of every tenant (hetu_ext.megatron.step): all tenants' sequences packed together, each token's loss
+    weighted by its tenant (``normalisation``), the adapters stepped per tenant present (LoRASync)."""
+
+    scheduler_increment = 1
+
+    def open(self, trainer):
+        return build_tenant_steps(trainer.tenants, method=trainer.config.packing.method,
+                                  cost_model=trainer.config.packing.cost_model, spec=trainer.spec, plan=trainer.plan,
+                                  pipeline=trainer.placement.pipeline_index, device=trainer.host.device,
+                                  seed=trainer.config.training.seed, vocab_size=0, corpus=trainer.documents)
+
+    def prepare(self, trainer, data) -> StepWork | None:
+        counts = data.batches.tenant_tokens(trainer.iteration)
+        if not counts.any():  # nobody has data: no step (every rank agrees: the batches are deterministic)
+            trainer.tenant_losses.append([None] * len(trainer.tenants))
+            return None
+        step = data.step(trainer.iteration)
+        if trainer.normalisation == "tenant":
+            weights = torch.tensor([1.0 / n if n else 0.0 for n in counts], dtype=torch.float32)
+        else:
+            weights = torch.full((len(counts),), 1.0 / float(counts.sum()), dtype=torch.float32)
+        return StepWork(microbatches=iter(step.microbatches), num_microbatches=len(step.microbatches),
+                        samples=step.sequences, tokens=step.tokens, micro_batch_size=1,
+                        extra={"counts": counts, "weights": weights, "predicted_s": list(step.predicted_s)})
+
+    def forward_step(self, trainer, work: StepWork):
+        weights = work.extra["weights"].to(trainer.host.device)
+        return partial(_forward_step, routing_of(trainer.model), weights, len(trainer.tenants))
+
+    def optimizer_step(self, trainer, work: StepWork) -> float | None:
+        present = [bool(n) for n in work.extra["counts"]]
+        return trainer.lora.step(trainer.optimizer, present=present, clip_grad=trainer.config.training.clip_grad)
+
+    def statistics(self, trainer, work: StepWork, reports: list) -> dict:
+        trainer.tenant_losses.append(trainer.tenant_losses_of(reports))
+        return {"microbatches": work.num_microbatches, "predicted_s": work.extra["predicted_s"],
+                "tenant_tokens": [int(n) for n in work.extra["counts"]], "tenant_loss": trainer.tenant_losses[-1]}
 
 
 def _forward_step(routing, weights, num_tenants, data_iterator, model):
@@ -164,10 +171,8 @@ def build_lora_trainer(config: RunConfig) -> LoRATrainer:
     numerics = TrainingNumerics(bf16=training.bf16, hidden_dropout=config.model.hidden_dropout,
                                 attention_dropout=config.model.attention_dropout,
                                 init_method_std=config.model.init_method_std, variable_seq_lengths=True)
-    where = plan.stage_of(h.rank)
-    offset = plan.pipelines[where[0]].stages[where[1]].layer_start if where is not None else 0
-    with installed(tenants, seed=training.seed, layer_offset=offset):
-        placement = build_plan_placement(training, spec, plan, h, numerics)
+    placement = build_plan_placement(training, spec, plan, h, numerics,
+                                     converter=LoRAConverter(tenants, seed=training.seed))
     lora = attach_sync(placement, plan, tuple(t.name for t in tenants), h.rank)
     flops = inventory.training_flops_per_token(spec, seq_length=spec.seq_length, causal=True)  # MFU's convention
     layer_cost = emulated_layer_cost(config.straggler)  # --hetu-emulate-cost: layers padded to a cost table

@@ -138,6 +138,18 @@ def _strip_launcher_flags(argv: list[str]) -> list[str]:
     return out
 
 
+def build_run(config: RunConfig):
+    """The trainer the command line asks for (collective): the tenants' (hetu_ext.lora, a plug-in of the trainer,
+    chosen here rather than inside it) with --hetu-lora-tenants, else the plain one."""
+    if config.lora.tenants:
+        from hetu_ext.lora.train import build_lora_trainer
+
+        return build_lora_trainer(config)
+    from .trainer import build_trainer
+
+    return build_trainer(config)
+
+
 def _train(config: RunConfig) -> int:
     rank = int(os.environ.get("RANK", "0"))
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
@@ -145,10 +157,9 @@ def _train(config: RunConfig) -> int:
     logging.getLogger("megatron").setLevel(logging.WARNING)  # its INFO lists every parameter and config field
 
     from . import host
-    from .trainer import build_trainer
 
     try:
-        trainer = build_trainer(config)
+        trainer = build_run(config)
     except (PlanError, ValueError) as exc:
         report_error(PROG, str(exc))
         host.shutdown()

@@ -59,8 +59,14 @@ def transformer_config(spec: ModelSpec, numerics: TrainingNumerics, *, tp: int, 
     )
 
 
-def build_gpt_stage(spec: ModelSpec, config, *, pre_process: bool, post_process: bool, pg_collection=None):
-    """Megatron-core's GPTModel holding this rank's layers (the layer range comes from Megatron's layout)."""
+def build_gpt_stage(spec: ModelSpec, config, *, pre_process: bool, post_process: bool, pg_collection=None,
+                    converter=None, layer_offset: int = 0):
+    """Megatron-core's GPTModel holding this rank's layers (the layer range comes from Megatron's layout).
+
+    ``converter`` (a model converter, e.g. hetu_ext.lora.install.LoRAConverter): ``converter.layer_spec(spec)``
+    transforms the transformer-layer spec before the model is built (Megatron's ModuleSpec seam), then
+    ``converter.convert(model, layer_offset=...)`` adjusts the built model (``layer_offset``: the global number of
+    its first layer)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
@@ -69,12 +75,17 @@ def build_gpt_stage(spec: ModelSpec, config, *, pre_process: bool, post_process:
     layer_spec = get_gpt_layer_local_spec()
     # the local spec's core attention, able to take THD packs (--hetu-packing): Megatron's ModuleSpec seam
     layer_spec.submodules.self_attention.submodules.core_attention = PackedDotProductAttention
+    if converter is not None:
+        layer_spec = converter.layer_spec(layer_spec)
     kwargs = {} if pg_collection is None else {"pg_collection": pg_collection}
-    return GPTModel(
+    model = GPTModel(
         config=config, transformer_layer_spec=layer_spec, vocab_size=spec.padded_vocab_size,
         max_sequence_length=spec.max_position_embeddings, pre_process=pre_process, post_process=post_process,
         share_embeddings_and_output_weights=not spec.untie_embeddings_and_output_weights,
         position_embedding_type="learned_absolute", **kwargs)
+    if converter is not None:
+        converter.convert(model, layer_offset=layer_offset)
+    return model
 
 
 def optimizer_config(training: TrainingConfig, numerics: TrainingNumerics, *,

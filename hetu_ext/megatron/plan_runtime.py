@@ -61,7 +61,8 @@ def _buffer_offset(param: torch.Tensor, buffers: list[torch.Tensor]) -> int:
     return -1
 
 
-def _probe_layer(training: TrainingConfig, spec: ModelSpec, numerics: TrainingNumerics, groups: PlanGroups, host):
+def _probe_layer(training: TrainingConfig, spec: ModelSpec, numerics: TrainingNumerics, groups: PlanGroups, host,
+                 converter=None):
     """One transformer layer of the model on an idle rank (TP 1, its own group): the straggler monitor times it
     so that an idle rank's speed is measured on the same work as the others' and it can be brought back."""
     from megatron.core import tensor_parallel
@@ -71,7 +72,7 @@ def _probe_layer(training: TrainingConfig, spec: ModelSpec, numerics: TrainingNu
     one = dataclasses.replace(spec, num_layers=1)
     config = transformer_config(one, numerics, tp=1, pp=1, on_cpu=host.device.type == "cpu")
     model = build_gpt_stage(one, config, pre_process=False, post_process=False,
-                            pg_collection=_pg_collection(groups, tp=groups.single))
+                            pg_collection=_pg_collection(groups, tp=groups.single), converter=converter)
     return model.decoder.layers[0].to(host.device)
 
 
@@ -96,12 +97,14 @@ def _join_optimizer_setup(training: TrainingConfig, spec: ModelSpec, numerics: T
 
 
 def build_plan_placement(training: TrainingConfig, spec: ModelSpec, plan: Plan, host, numerics: TrainingNumerics,
-                         *, use_distributed_optimizer: bool = False, with_optimizer: bool = True) -> Placement:
+                         *, use_distributed_optimizer: bool = False, with_optimizer: bool = True,
+                         converter=None) -> Placement:
     """Groups, stage model, DDP, optimizer, schedule and gradient sync for this rank under ``plan`` (reads the
     seed and the optimizer settings of ``training``). ``use_distributed_optimizer``: each element's optimizer
     state on one of its holders (megatron/sharded_optimizer.py). ``with_optimizer=False``: a compute placement
     (HotSPa's strategies, megatron/switching.py): no optimizer; its gradients are reduced over its own holders,
-    then pulled into the home placement's."""
+    then pulled into the home placement's. ``converter``: a model converter for every stage model built
+    (model.build_gpt_stage; LoRA's adapters)."""
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import get_megatron_optimizer
@@ -123,7 +126,8 @@ def build_plan_placement(training: TrainingConfig, spec: ModelSpec, plan: Plan, 
         stage_spec = dataclasses.replace(spec, num_layers=stage.num_layers)
         config = transformer_config(stage_spec, numerics, tp=stage.tp, pp=1, on_cpu=host.device.type == "cpu")
         model = build_gpt_stage(stage_spec, config, pre_process=stage.has_embedding,
-                                post_process=stage.has_output, pg_collection=pgc)
+                                post_process=stage.has_output, pg_collection=pgc, converter=converter,
+                                layer_offset=stage.layer_start)
         model.to(host.device)
         shard_kwargs = {"layer_offset": stage.layer_start, "metadata": {"dp_cp_group": groups.single}}
         init_weights(model, seed=training.seed, std=numerics.init_method_std, num_layers=spec.num_layers,
@@ -158,12 +162,14 @@ def build_plan_placement(training: TrainingConfig, spec: ModelSpec, plan: Plan, 
         add_lane_groups(groups, [h for h in opt_shards.holder_sets() if h not in layout.lanes])
         if where is None:
             join_sharded_setup(optimizer_config(training, numerics))
-            return Placement(active=False, probe_layer=_probe_layer(training, spec, numerics, groups, host))
+            return Placement(active=False, probe_layer=_probe_layer(training, spec, numerics, groups, host,
+                                                                                  converter))
     # --- end sharded optimizer
     if where is None:
         if with_optimizer:
             _join_optimizer_setup(training, spec, numerics, groups, host)
-        return Placement(active=False, probe_layer=_probe_layer(training, spec, numerics, groups, host))
+        return Placement(active=False, probe_layer=_probe_layer(training, spec, numerics, groups, host,
+                                                                                  converter))
 
     opt_config = optimizer_config(training, numerics)
     optimizer = None

@@ -37,20 +37,21 @@ from hetu_ext.plan import (
     plan_to_dict,
 )
 from hetu_ext.plan.straggler_policy import StragglerPolicy
-from hetu_ext.runtime.straggler import CostFn, LayerTimer, factor_at, parse_schedule
+from hetu_ext.runtime.straggler import CostFn, LayerTimer, parse_schedule
 
 from . import checkpointing, host
-from .data import DataSpec, build_train_dataset, make_tokenizer, microbatch_iterator
+from .data import DataSpec, build_train_dataset, make_tokenizer
 from .launch_plan import check_launch, save_format
 from .memory import memory_table
 from .migrate import migrate
 from .model import TrainingNumerics
 from .monitor import StragglerMonitor
-from .packed_data import PackedSteps, StepData, build_packed_steps, open_documents
+from .packed_data import PackedSteps, StepData, open_documents
 from .placement import Placement
 from .plan_runtime import build_plan_placement
 from .state import scheduler_settings
-from .switching import SwitchedSteps, Switching, local_loss, predicted_switch_s
+from .step import MicrobatchSteps, PackedDocumentSteps, StepKind, SwitchedGroupSteps, run_step
+from .switching import SwitchedSteps, Switching
 from .uniform_runtime import build_megatron_placement
 
 logger = logging.getLogger(__name__)
@@ -92,6 +93,16 @@ class Trainer:
     """--hetu-hotspa: the home (``placement``) and the strategies' compute placements."""
     overruns: int = 0
     """Layer passes of the last step, over all used ranks, whose real time exceeded the emulated one."""
+    steps: StepKind | None = None
+    """What a step is (hetu_ext.megatron.step): set by the builder of a plug-in (LoRA's tenants); else derived
+    from the run: switching (--hetu-hotspa, --hetu-strategies), packed documents, or plain microbatches."""
+
+    @property
+    def step_kind(self) -> StepKind:
+        if self.steps is None:
+            self.steps = SwitchedGroupSteps() if self.switching is not None else \
+                PackedDocumentSteps() if self.documents is not None else MicrobatchSteps()
+        return self.steps
 
     @property
     def model(self):
@@ -135,13 +146,15 @@ class Trainer:
             else:
                 if data is None:
                     data = self._open_data()
-                loss, grad_norm, replan, samples, tokens, packing = self._step(data, log)
+                result = run_step(self, self.step_kind, data, log)
+                replan = result.replan
                 if watchdog is not None:
                     watchdog.beat(self.iteration)
                 step_s, step_start = time.perf_counter() - step_start, time.perf_counter()
-                window.append(self._step_record(loss=loss, grad_norm=grad_norm, samples=samples, tokens=tokens,
-                                                step_s=step_s, consumed=self._consumed(data, samples),
-                                                packing=packing))
+                window.append(self._step_record(loss=result.loss, grad_norm=result.grad_norm,
+                                                samples=result.samples, tokens=result.tokens, step_s=step_s,
+                                                consumed=self._consumed(data, result.samples),
+                                                packing=result.statistics))
                 if self.iteration % cfg.logging.log_interval == 0 or self.iteration == train_iters:
                     if self.host.rank == self.log_rank:  # Megatron-LM's line: the window's mean step time
                         seconds = sum(r["step_ms"] for r in window) / 1e3
@@ -178,18 +191,8 @@ class Trainer:
         return self.iteration * samples_per_step
 
     def _open_data(self):
-        """This pipeline's data from the current step on: packed steps, or Megatron samples in microbatches."""
-        training, placement = self.config.training, self.placement
-        if self.switching is not None:
-            return self._switched_data()
-        if self.documents is not None:
-            return build_packed_steps(self.config.packing, self.spec, self.plan, placement.pipeline_index,
-                                      self.documents, self.host.device, seed=training.seed,
-                                      global_batch_size=training.global_batch_size,
-                                      slowdowns=self.monitor.assumed if self.monitor else None)
-        return microbatch_iterator(self.dataset, self.plan, placement.pipeline_index, training.micro_batch_size,
-                                   start_iteration=self.iteration,
-                                   num_iterations=training.train_iters - self.iteration, device=self.host.device)
+        """This pipeline's data from the current step on, as the step kind reads it."""
+        return self.step_kind.open(self)
 
     def _step_record(self, *, loss: float, grad_norm: float | None, samples: int, tokens: int, step_s: float,
                      consumed: int, packing: dict | None) -> dict:
@@ -213,106 +216,12 @@ class Trainer:
             self.metrics.step(**record)
         return record
 
-    def _switched_data(self) -> SwitchedSteps:
-        """HotSPa / Hydraulis: each strategy's packer over the same global batches, and the grouping (or the
-        candidate) of each step."""
-        packing, training, strategies = self.config.packing, self.config.training, self.switching.strategies
-        per_strategy = []
-        for strategy in strategies.items:
-            where = strategy.plan.stage_of(self.host.rank)
-            steps = build_packed_steps(packing, self.spec, strategy.plan, where[0] if where else None,
-                                       self.documents, self.host.device, seed=training.seed,
-                                       global_batch_size=training.global_batch_size,
-                                       max_pack_tokens=strategy.max_len)
-            steps.close()  # planning ahead happens once, for the whole step, in SwitchedSteps
-            per_strategy.append(steps)
-        cost = per_strategy[0].cost
-        switch_s = predicted_switch_s(strategies, self.spec, weight_bytes=2 if training.bf16 else 4,
-                                      bandwidth=packing.hotspa_bandwidth_gbs * 1e9)
-        mode = "select" if packing.strategies else "auto" if packing.hotspa == "auto" else "fixed"
-        return SwitchedSteps(per_strategy, strategies, mode=mode, spec=self.spec, cost=cost,
-                             switch_s=switch_s)
-
-    def _run_schedule(self, placement: Placement, step: StepData) -> list:
+    def run_schedule(self, placement: Placement, step: StepData, forward=None) -> list:
         """One schedule (Megatron's) over ``step``'s microbatches on ``placement``; its loss reports."""
         return placement.forward_backward(
-            forward_step_func=_forward_step, data_iterator=iter(step.microbatches), model=[placement.model],
-            num_microbatches=len(step.microbatches), seq_length=self.spec.seq_length,
+            forward_step_func=forward or forward_step, data_iterator=iter(step.microbatches),
+            model=[placement.model], num_microbatches=len(step.microbatches), seq_length=self.spec.seq_length,
             micro_batch_size=self.config.training.micro_batch_size, forward_only=False, **placement.schedule_kwargs)
-
-    def _switched_step(self, data: SwitchedSteps, log):
-        """HotSPa / Hydraulis: the step's groups under their strategies (megatron/switching.py), one optimizer
-        step."""
-        step = data.step(self.iteration)
-        if self.monitor:
-            self.monitor.before_step(self.iteration + 1)
-            self.monitor.use_group_microbatches(
-                [(self.switching.strategies.items[g.strategy].plan, g.data.shapes) for g in step.groups if g.data])
-        elif self.timer is not None:
-            self.timer.factor = factor_at(parse_schedule(self.config.straggler.emulate_slowdown or ""),
-                                          self.host.rank, self.iteration + 1)
-        results, switches = self.switching.run(step, self._run_schedule)
-        _, grad_norm, _ = self.optimizer.step()
-        self.scheduler.step(increment=1)
-        self.iteration += 1
-        loss = self._global_loss([], local=local_loss(results, self.switching.placement))
-        self.losses.append(loss)
-        replan = self.monitor.after_step(self.iteration, log) if self.monitor else None
-        names = [s.name for s in self.switching.strategies.items]
-        moved = torch.tensor([float(w.bytes_sent) for w in switches] or [0.0], dtype=torch.float64)
-        dist.all_reduce(moved)  # every rank runs the same switches: the bytes all ranks sent in each
-        hotspa = {"groups": [{"strategy": names[g.strategy], "sequences": g.sequences, "tokens": g.tokens,
-                              "predicted_s": g.predicted_s} for g in step.groups],
-                  "switches": [{"from": None if w.strategy_from is None else names[w.strategy_from],
-                                "to": None if w.strategy_to is None else names[w.strategy_to],
-                                "bytes_sent": w.bytes_sent, "bytes_total": int(moved[i]), "seconds": w.seconds}
-                               for i, w in enumerate(switches)]}
-        if data.mode != "select":
-            return loss, grad_norm, replan, step.sequences, step.tokens, {"hotspa": hotspa}
-        chosen = step.groups[0]
-        hydraulis = {"candidate": names[chosen.strategy], "predicted_s": chosen.predicted_s
-                     + data.switch_s[chosen.strategy], "predicted_compute_s": chosen.predicted_s,
-                     "predicted_switch_s": data.switch_s[chosen.strategy], "switches": hotspa["switches"],
-                     "switch_bytes": int(moved.sum()) if switches else 0,
-                     "switch_s": sum(w.seconds for w in switches)}
-        return loss, grad_norm, replan, step.sequences, step.tokens, {"hydraulis": hydraulis}
-
-    def _step(self, data, log) -> tuple[float, float | None, Plan | None, int, int, dict | None]:
-        """One training step of this rank's pipeline: the global loss, the grad norm, the plan the straggler
-        monitor proposes (or None), the global batch's samples and tokens, and packing statistics (or None)."""
-        if self.switching is not None:
-            return self._switched_step(data, log)
-        training, placement, seq_length = self.config.training, self.placement, self.spec.seq_length
-        packing = None
-        if isinstance(data, PackedSteps):
-            step = data.step(self.iteration)
-            microbatches, num_microbatches = iter(step.microbatches), len(step.microbatches)
-            samples, tokens = step.sequences, step.tokens
-            packing = {"microbatches": num_microbatches, "predicted_s": list(step.predicted_s)}
-        else:
-            num_microbatches = self.plan.pipelines[placement.pipeline_index].num_microbatches
-            microbatches, samples = data, global_batch_size(self.plan, training.micro_batch_size)
-            tokens = samples * seq_length
-        if self.monitor:
-            self.monitor.before_step(self.iteration + 1)
-            if isinstance(data, PackedSteps):
-                self.monitor.use_microbatches(step.shapes)
-        elif self.timer is not None:
-            self.timer.factor = factor_at(parse_schedule(self.config.straggler.emulate_slowdown or ""),
-                                          self.host.rank, self.iteration + 1)
-        self.model.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        reports = placement.forward_backward(
-            forward_step_func=_forward_step, data_iterator=microbatches, model=[self.model],
-            num_microbatches=num_microbatches, seq_length=seq_length,
-            micro_batch_size=training.micro_batch_size, forward_only=False, **placement.schedule_kwargs)
-        _, grad_norm, _ = self.optimizer.step()
-        self.scheduler.step(increment=scheduler_unit(training, self.config.packing, self.plan))
-        self.iteration += 1
-        loss = self._global_loss(reports)
-        self.losses.append(loss)
-        replan = self.monitor.after_step(self.iteration, log) if self.monitor else None
-        return loss, grad_norm, replan, samples, tokens, packing
 
     def _migrate(self, plan: Plan, log) -> None:
         """Move to ``plan`` now (collective over every rank): new stage models, state resharded, same run."""
@@ -394,7 +303,7 @@ class Trainer:
         self.attach_timer(placement, plan)
         return placement
 
-    def _global_loss(self, reports: list[dict], local: torch.Tensor | None = None) -> float:
+    def global_loss(self, reports: list[dict], local: torch.Tensor | None = None) -> float:
         """Mean per-token loss of the whole global batch: sums from every pipeline's last stage (``local``: this
         rank's (loss, tokens) sums, when several placements ran). Also sums, over the used ranks, the layer passes
         whose real time overran the emulated one (``self.overruns``)."""
@@ -420,7 +329,7 @@ def _hang_watchdog(timeout_s: float, rank: int):
     return StepWatchdog(timeout_s, rank=rank)
 
 
-def _forward_step(data_iterator, model):
+def forward_step(data_iterator, model):
     """One microbatch through a stage; the loss is a token sum (normalised once per global batch)."""
     batch = next(data_iterator)
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
@@ -515,10 +424,9 @@ def metrics_path(config: RunConfig) -> str | None:
 
 def build_trainer(config: RunConfig) -> Trainer:
     """Check the plan, start the process group, then place this rank and build its scheduler and dataset."""
-    if config.lora.tenants:  # --- LobRA (issue 16): tenants' adapters over a frozen base, hetu_ext/lora ---
-        from hetu_ext.lora.train import build_lora_trainer
-
-        return build_lora_trainer(config)
+    if config.lora.tenants:  # a plug-in's run: never train it as a plain one, silently without its tenants
+        raise ValueError("--hetu-lora-tenants: LoRA tenants are built by hetu_ext.lora.train.build_lora_trainer "
+                         "(hetu_ext.megatron.cli.build_run chooses it); build_trainer trains the plain model only")
     # the plan is checked against the model before any process group exists
     world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     launch = check_launch(config, world_size)

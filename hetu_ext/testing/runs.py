@@ -13,11 +13,11 @@ def train(rank: int, world_size: int, argv: list[str], gather: bool = True,
     (HotSPa groups each divided by their own tokens)."""
     from hetu_ext.megatron.args import parse_run_config
     from hetu_ext.megatron.migrate import master_weights
-    from hetu_ext.megatron.trainer import build_trainer
+    from hetu_ext.megatron.cli import build_run
     from hetu_ext.megatron.weights import gather_weights
 
     config = parse_run_config(argv)
-    trainer = build_trainer(config)
+    trainer = build_run(config)
     if hotspa_per_group_normalisation:
         trainer.switching.per_group_normalisation = True
     lines: list[str] = []
