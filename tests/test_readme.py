@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -110,13 +111,30 @@ def test_docs_block_runs(index, scratch, model_dir):  # noqa: F811 - model_dir i
         script = script.replace("../shared/", f"{shared}/")
     assert "<" not in script.replace("<<", ""), f"a placeholder is left in {page.name}'s block:\n{block}"
     env = dict(os.environ, OMP_NUM_THREADS="1", PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
-    proc = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=scratch(page), capture_output=True,
-                          text=True, timeout=600, env=env)
+    proc = run_block(script, scratch(page), env)
     assert proc.returncode == 0, f"{script}\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-5000:]}"
     assert "Traceback" not in proc.stderr, proc.stderr[-5000:]
     if "launch/pretrain_gpt" in script:  # a training block: Megatron-LM's log lines, finite losses
         losses = [float(m) for m in re.findall(r"lm loss: ([0-9.E+-]+)", proc.stdout)]
         assert losses and all(0 < loss < 20 for loss in losses), proc.stdout[-3000:]
+
+
+def run_block(script: str, cwd: Path, env: dict[str, str], timeout: float = 600) -> subprocess.CompletedProcess:
+    """bash -euo pipefail -c SCRIPT in its own session, output to files (a process the block leaves in the
+    background cannot hold a pipe open and hang the test); whatever is left of the session afterwards is killed."""
+    out, err = cwd / ".block_stdout", cwd / ".block_stderr"
+    with open(out, "w") as stdout, open(err, "w") as stderr:
+        proc = subprocess.Popen(["bash", "-euo", "pipefail", "-c", script], cwd=cwd, stdout=stdout, stderr=stderr,
+                                env=env, start_new_session=True)
+        try:
+            code = proc.wait(timeout=timeout)
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+    return subprocess.CompletedProcess(proc.args, code, out.read_text(), err.read_text())
 
 
 def test_readme_is_short_and_links_resolve():
