@@ -112,7 +112,7 @@ class Cluster:
         log = open(self.job.workdir / f"{name}.log", "w")
         cmd = [sys.executable, str(ROOT / "launch" / "elastic.py"), "--nnodes", f"1:{self.job.max_nodes}",
                "--nproc-per-node", str(nproc or self.job.nproc), "--rdzv-endpoint", f"127.0.0.1:{self.port}",
-               "--rdzv-id", self.rdzv_id, "--max-restarts", "5", "--events", str(self.events_path(name)), "--",
+               "--rdzv-id", self.rdzv_id, "--rdzv-conf", "is_host=false", "--max-restarts", "5", "--events", str(self.events_path(name)), "--",
                *(train or self.train or self.job.train_flags())]
         self.nodes[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(self.job.workdir),
                                             start_new_session=True)
