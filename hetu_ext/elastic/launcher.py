@@ -78,6 +78,24 @@ def serve_store(host: str, port: int) -> int:
         del store
 
 
+def _check_flags(train: list[str]) -> tuple[str, float]:
+    """pretrain_gpt.py's flags checked as its launcher checks them, plus what elastic restarts need: (--save,
+    --hetu-hang-timeout); ValueError / OSError with the one-line message."""
+    from hetu_ext.config import build_parser as train_parser, from_namespace, parse_namespace
+    from hetu_ext.megatron.args import validate_args
+
+    from .argv import plan_inputs
+
+    parsed = parse_namespace(train, train_parser())
+    validate_args(parsed)
+    config = from_namespace(parsed)
+    if config.checkpoint.save is None:
+        raise ValueError("elastic restarts need --save DIR (the checkpoints to resume from); add it with "
+                         "--save-interval N")
+    plan_inputs(train)
+    return config.checkpoint.save, config.parallel.hang_timeout
+
+
 def main(argv: list[str]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -108,50 +126,37 @@ def main(argv: list[str]) -> int:
     from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
     from .agent import ConfigurationError, HetuElasticAgent, NodeSettings, NoHealthyDevice
-    from .argv import check_round, plan_inputs, round_argv, saved_dir
+    from .argv import check_round, plan_inputs, round_argv
     from .worker import PRELOAD, run_worker
 
     handler = get_rendezvous_handler(RendezvousParameters(
         backend="c10d", endpoint=args.rdzv_endpoint, run_id=args.rdzv_id, min_nodes=low, max_nodes=high, **conf))
     node = f"{socket.gethostname()}:{os.getpid()}"
     try:
-        from hetu_ext.config import build_parser as train_parser, from_namespace, parse_namespace
-        from hetu_ext.megatron.args import validate_args
-
-        parsed = parse_namespace(train, train_parser())
-        validate_args(parsed)
-        hang_timeout = from_namespace(parsed).parallel.hang_timeout
-        save = saved_dir(train)
-        if save is None:
-            raise ValueError("elastic restarts need --save DIR (the checkpoints to resume from); add it with "
-                             "--save-interval N")
-        plan_inputs(train)
-    except (ValueError, OSError) as exc:
-        message = f"pretrain_gpt.py: error: {exc}"
-        settings = None
-    else:
+        save, hang_timeout = _check_flags(train)
         message = None
+    except (ValueError, OSError) as exc:  # published below, once the agent can reach the store
+        save, hang_timeout, message = ".", 0.0, f"pretrain_gpt.py: error: {exc}"
     settings = NodeSettings(
         node=node, nproc_per_node=args.nproc_per_node,
         round_argv=lambda plan_path: round_argv(train, plan_path=plan_path),
         plan_inputs=lambda: plan_inputs(train), check_round=check_round,
-        plan_dir=Path(save if message is None else ".") / "elastic" / node.replace(":", "_"),
-        store_endpoint=(host, port), run_id=args.rdzv_id, healthy_devices_cmd=args.healthy_devices_cmd,
-        hang_timeout_s=hang_timeout if message is None else 0.0,
+        plan_dir=Path(save) / "elastic" / node.replace(":", "_"), store_endpoint=(host, port), run_id=args.rdzv_id,
+        healthy_devices_cmd=args.healthy_devices_cmd, hang_timeout_s=hang_timeout,
         events_path=Path(args.events) if args.events else None)
     spec = WorkerSpec(role="trainer", local_world_size=args.nproc_per_node, entrypoint=run_worker,
                       args=("[]", "", ""), rdzv_handler=handler, max_restarts=args.max_restarts,
                       monitor_interval=args.monitor_interval)
-    multiprocessing.set_forkserver_preload(list(PRELOAD))
-    from multiprocessing import forkserver
-
-    forkserver.ensure_running()  # its imports overlap the rendezvous (a spare node joins seconds sooner)
     agent = HetuElasticAgent(spec, settings, logs_specs=DefaultLogsSpecs(), start_method="forkserver",
                              exit_barrier_timeout=300)
     if message is not None:  # bad flags on this node: every node stops with this line
         agent.publish_error(message)
         print(message, file=sys.stderr, flush=True)
         return 2
+    multiprocessing.set_forkserver_preload(list(PRELOAD))
+    from multiprocessing import forkserver
+
+    forkserver.ensure_running()  # its imports overlap the rendezvous (a spare node joins seconds sooner)
     try:
         result = agent.run()
     except ConfigurationError as exc:
