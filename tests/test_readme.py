@@ -160,6 +160,18 @@ def test_readme_gold_tests_exist():
     assert not missing, f"the README names tests that do not exist (renamed or moved?): {missing}"
 
 
+def test_every_test_module_states_its_kind():
+    """docs/testing.md's promise: each tests/test_*.py is named in tests/conftest.py, in MODULE_KINDS or TEST_KINDS
+    (gold, e2e, faults) or in FAST_MODULES, so a new slow gold test does not slip into ``make test-fast``."""
+    import conftest
+
+    named = set(conftest.MODULE_KINDS) | {m for m, _, _ in conftest.TEST_KINDS} | conftest.FAST_MODULES
+    modules = {p.stem for p in (ROOT / "tests").glob("test_*.py")}
+    assert not modules - named, (f"add {sorted(modules - named)} to tests/conftest.py: MODULE_KINDS or TEST_KINDS "
+                                 "for gold / e2e / faults tests, else FAST_MODULES")
+    assert not named - modules, f"tests/conftest.py names modules that no longer exist: {sorted(named - modules)}"
+
+
 def test_configuration_page_is_generated_from_the_schema():
     """docs/configuration.md equals what the schema generates; after changing hetu_ext/config/schema.py run
     ``python -m hetu_ext.config --markdown -o docs/configuration.md``."""
