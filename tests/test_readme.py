@@ -139,16 +139,26 @@ def run_block(script: str, cwd: Path, env: dict[str, str], timeout: float = 600)
 
 def test_readme_is_short_and_links_resolve():
     """The README stays a front page (<= 200 lines); every relative link of it and of docs/ names a file that
-    exists (anchors are not checked)."""
+    exists and, with ``#anchor``, a heading of that page (GitHub's anchors: lower case, punctuation dropped, spaces
+    to hyphens)."""
     lines = (ROOT / "README.md").read_text().splitlines()
     assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines; move detail into a docs/ page"
     broken = []
     for page in PAGES:
         for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
-            path = target.split("#", 1)[0]
-            if path and not re.match(r"[a-z]+:", path) and not (page.parent / path).exists():
+            path, _, anchor = target.partition("#")
+            if re.match(r"[a-z]+:", path):
+                continue
+            linked = (page.parent / path) if path else page
+            if not linked.exists() or anchor and linked.suffix == ".md" and anchor not in _anchors(linked):
                 broken.append(f"{page.relative_to(ROOT)} -> {target}")
     assert not broken, broken
+
+
+def _anchors(page: Path) -> set[str]:
+    text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.S | re.M)  # no headings inside code blocks
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+            for h in re.findall(r"^#+ (.*)$", text, flags=re.M)}
 
 
 def test_readme_gold_tests_exist():
