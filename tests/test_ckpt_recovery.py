@@ -50,15 +50,16 @@ def recovery_body(rank: int, world: int, argv: list[str], out: str, kill: bool) 
     where = trainer.plan.stage_of(rank)
     if where is not None and where[1] == 0 and trainer.placement.tp_rank == 0:  # one reader per pipeline
         trainer.dataset = _Recorder(trainer.dataset, trainer, Path(out) / f"ids_{world}_{rank}.txt")
-    if kill and rank == KILLED_RANK:
-        step = trainer._step
+    if kill and rank == KILLED_RANK:  # dies as its step KILLED_AT_STEP starts (the step kind's first part)
+        kind = trainer.step_kind
+        prepare = kind.prepare
 
-        def dying_step(*a, **kw):
-            if trainer.iteration + 1 == KILLED_AT_STEP:
+        def dying_prepare(trainer_, data):
+            if trainer_.iteration + 1 == KILLED_AT_STEP:
                 os.kill(os.getpid(), signal.SIGKILL)
-            return step(*a, **kw)
+            return prepare(trainer_, data)
 
-        trainer._step = dying_step
+        kind.prepare = dying_prepare
     losses = trainer.train(log=lambda line: None)
     return losses if rank == trainer.log_rank else None
 

@@ -32,7 +32,7 @@ class LocalShard:
 
     ``data`` is ``param`` itself, or a view of all of it in the global tensor's axes: a gated ``linear_fc1``
     (SwiGLU, GeGLU) holds ``[gate_r; up_r]`` on each TP rank, which is no box of Megatron's global ``[gate; up]``
-    (rows ``2F``), so its global tensor gets a leading gate axis, ``(2, F, ...)`` (:data:`GATED_AXIS`; the same
+    (rows ``2F``), so its global tensor gets a leading gate axis, ``(2, F, ...)`` (:mod:`hetu_ext.checkpoint.gated`; the same
     bytes as ``[gate; up]`` in row-major order), of which the rank holds the box ``(0:2, rF/tp:(r+1)F/tp, ...)``,
     a view of the whole local parameter. Anything that belongs to the parameter (its fp32 master, ``main_grad``,
     Adam moments) takes the box's shape through :meth:`view`.
@@ -55,11 +55,6 @@ class LocalShard:
     @property
     def gated(self) -> bool:
         return self.data is not self.param
-
-
-GATED_AXIS = "gate"
-"""The leading axis of a gated weight's global tensor: index 0 the gate half, 1 the up half (Megatron's
-``apply_swiglu_sharded_factory`` chunks each TP rank's rows into those two halves)."""
 
 
 def local_shards(model: torch.nn.Module, *, layer_offset: int = 0, metadata: dict | None = None
