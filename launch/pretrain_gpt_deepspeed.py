@@ -1,5 +1,5 @@
 """Train Megatron-core's GPTModel (TP 1, PP 1) with DeepSpeed ZeRO-1/2/3: resume at any world size, straggler-
-weighted microbatches (ZeRO-1), DeepSpeed or hetu checkpoints. Megatron-LM's flag names plus ``--zero-stage``,
+weighted microbatches and length-aware packing (ZeRO-1), DeepSpeed or hetu checkpoints (docs/deepspeed.md). Megatron-LM's flag names plus ``--zero-stage``,
 ``--deepspeed-config`` and ``--hetu-microbatches``; on a machine without CUDA it runs on CPU (gloo,
 DS_ACCELERATOR=cpu).
 
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         config = from_namespace(args)
         check_supported(config)
         zero = ZeroConfig(stage=args.zero_stage, extra=extra, microbatches=args.hetu_microbatches,
-                          straggler_interval=config.straggler.interval)
+                          straggler_interval=config.straggler.interval, packing=config.packing.method)
         deepspeed_config(config, zero, int(os.environ.get("WORLD_SIZE", "1")))  # contradictions fail before launch
         if args.load and not Path(args.load).is_dir():
             raise ValueError(f"--load {args.load}: no such directory; give the --save directory of the run to resume")

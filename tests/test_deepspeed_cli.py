@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_packed_training import LENGTHS
 from test_pretrain_cli import assert_one_error_line
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,6 +34,8 @@ def run(args: list[str], timeout: float = 180) -> subprocess.CompletedProcess:
     (["--zero-stage", "1", "--hetu-microbatches", "3,1"],
      "--hetu-microbatches 3,1 must give each of the 1 ranks a count, summing to --global-batch-size 2"),
     (["--hetu-microbatches", "2,0"], "'2,0': every rank needs at least 1 microbatch"),
+    (["--zero-stage", "2", "--hetu-packing", "balanced", "--hetu-varlen-mock", LENGTHS],
+     "--hetu-packing balanced weights microbatches per rank, which needs a ZeRO stage whose backwards only"),
     (["--hetu-plan", "configs/plans/hetero_2pipes.yaml"], "--hetu-plan is a feature of launch/pretrain_gpt.py"),
     (["--hetu-ckpt-format", "torch_dist", "--save", "x"], "--hetu-ckpt-format torch_dist is a feature of"),
     (["--load", "/nonexistent/ckpt"], "--load /nonexistent/ckpt: no such directory"),

@@ -77,18 +77,20 @@ class ZeroConfig:
     """Microbatches per rank (``--hetu-microbatches``); None: equal shares, or the straggler monitor's."""
     straggler_interval: int = 0
     """``--hetu-straggler-interval``: follow measured speeds with the microbatch counts (weighting.py)."""
+    packing: str = "off"
+    """``--hetu-packing``: packs per rank differ, so the caller's backwards make a step (ZeRO-1)."""
 
     def __post_init__(self) -> None:
         from .weighting import check_stage
 
         if self.stage not in ZERO_STAGES:
             raise ValueError(f"ZeRO stage {self.stage} is not one of {ZERO_STAGES}; pass --zero-stage 1, 2 or 3")
-        check_stage(self.stage, self.straggler_interval, self.microbatches)
+        check_stage(self.stage, self.straggler_interval, self.microbatches, self.packing)
 
     @property
     def weighted(self) -> bool:
         """Per-rank microbatch counts: DeepSpeed's unmanaged gradient accumulation."""
-        return bool(self.microbatches or self.straggler_interval)
+        return bool(self.microbatches or self.straggler_interval or self.packing != "off")
 
 
 _FROM_FLAGS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
@@ -167,6 +169,13 @@ class DeepSpeedGPT:
     losses: list[float] = field(default_factory=list)
     weighting: Any = None
     """A :class:`~hetu_ext.deepspeed.weighting.MicrobatchWeighting` when per-rank counts differ (ZeRO-1)."""
+    packed: Any = None
+    """--hetu-packing: :class:`~hetu_ext.megatron.packed_data.PackedSteps` of this rank (``dataset`` is None)."""
+    repack: Callable[[dict[int, float]], Any] | None = None
+    """--hetu-packing: the packed steps for given slowdowns (the straggler monitor's, on a change)."""
+    schedule_unit: int = 1
+    """What one step advances the LR schedule by: the global batch's samples (1 with --hetu-packing)."""
+    _tokens: int = 0
 
     def train(self, log: Callable[[str], None] = logger.info,
               after_step: Callable[[int], None] | None = None) -> list[float]:
@@ -179,7 +188,7 @@ class DeepSpeedGPT:
         window_start, window_iters = time.perf_counter(), 0
         while self.iteration < training.train_iters:
             total = self._step(rank, log)
-            self.scheduler.step(increment=gbs)
+            self.scheduler.step(increment=self.schedule_unit)
             self.iteration += 1
             self.losses.append(float(total[0] / total[1]))
             window_iters += 1
@@ -206,6 +215,7 @@ class DeepSpeedGPT:
     def _step(self, rank: int, log: Callable[[str], None]) -> torch.Tensor:
         """One global batch; returns (loss sum, loss tokens) over every rank (float64)."""
         weighting = self.weighting
+        unmanaged = weighting is not None or self.packed is not None  # this rank's backwards, then one step()
         if weighting is not None:
             from .weighting import rank_plan
 
@@ -213,34 +223,39 @@ class DeepSpeedGPT:
             plan = rank_plan(weighting.counts, self.plan.pipelines[0].stages[0].layer_stop)
         else:
             plan = self.plan
-        batches = self._batches(plan, rank)
-        if weighting is not None:  # the global batch's loss tokens: each rank's loss is a share of their mean
+        batches = self._batches(plan, rank) if self.packed is None else self.packed.step(self.iteration).microbatches
+        if unmanaged:  # the global batch's loss tokens: each rank's loss is a share of their mean
             tokens = torch.stack([b["loss_mask"].sum() for b in batches]).sum().double().reshape(1)
             dist.all_reduce(tokens)
             scale = dist.get_world_size() / float(tokens)  # DeepSpeed averages gradients over the ranks
         total = torch.zeros(2, dtype=torch.float64)
         for batch in batches:
-            per_token = self.engine(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+            per_token = self.engine(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
+                                    packed_seq_params=batch.get("packed_seq_params"))
             mask = batch["loss_mask"].view(-1).float()
             loss_sum = torch.sum(per_token.view(-1).float() * mask)
-            if weighting is None:
+            if unmanaged:
+                self.engine.backward(loss_sum * scale, scale_wrt_gas=False)
+            else:  # DeepSpeed's accumulation: it divides by the steps and updates at the boundary
                 self.engine.backward(loss_sum / mask.sum())
                 self.engine.step()
-            else:
-                self.engine.backward(loss_sum * scale, scale_wrt_gas=False)
             total += torch.stack([loss_sum.detach(), mask.sum()]).double()
-        if weighting is not None:
+        if unmanaged:
             self.engine.step()  # the caller-owned accumulation boundary: reduce once, update
         dist.all_reduce(total)
+        self._tokens = int(total[1])
         if weighting is not None:
-            weighting.after_step(self.iteration + 1, log)
+            work = None if self.packed is None else float(sum(b["loss_mask"].numel() for b in batches))
+            if weighting.after_step(self.iteration + 1, log, work=work) and self.repack is not None:
+                self.packed.close()  # the packer's shares follow the measured slowdowns from the next step
+                self.packed = self.repack(weighting.assumed)
         return total
 
     def _record(self, gbs: int, step_s: float) -> dict[str, Any]:
         """The last step as a metrics step record (the fields format_log_line reads)."""
         norm = self.engine.get_global_grad_norm()
         norm = float(norm) if norm is not None else None
-        tokens = gbs * self.config.model.seq_length
+        tokens = self._tokens or gbs * self.config.model.seq_length
         return {"iteration": self.iteration, "train_iters": self.config.training.train_iters, "loss": self.losses[-1],
                 "lr": self.engine.optimizer.param_groups[0]["lr"], "grad_norm": norm, "samples": gbs,
                 "tokens": tokens, "consumed_samples": self.iteration * gbs, "step_ms": step_s * 1e3,
@@ -250,7 +265,8 @@ class DeepSpeedGPT:
         """What fixes the samples of step g (the data position is the iteration; the Megatron path's keys)."""
         return {"global_batch_size": self.engine.train_batch_size(), "seed": self.config.training.seed,
                 "seq_length": self.config.model.seq_length, "split": self.config.data.split,
-                "mock_data": bool(self.config.data.mock_data)}
+                "mock_data": bool(self.config.data.mock_data), "packing": self.config.packing.method,
+                "global_batch_tokens": self.config.packing.global_batch_tokens}
 
     def save(self, directory: str) -> str:
         """``engine.save_checkpoint`` (collective) with hetu_ext's client state (iteration, losses, LR schedule,
@@ -361,21 +377,37 @@ def build(config: RunConfig, zero: ZeroConfig) -> DeepSpeedGPT:
                                   eps=training.adam_eps, weight_decay=training.weight_decay)
     engine, ds_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
     gbs = ds_config["train_batch_size"]
-    scheduler = OptimizerParamScheduler(ds_optimizer, init_lr=0.0, **scheduler_settings(training, gbs))
+    packed = config.packing.method != "off"
+    unit = 1 if packed else gbs  # with packing a global batch's sequence count varies: the schedule counts steps
+    scheduler = OptimizerParamScheduler(ds_optimizer, init_lr=0.0, **scheduler_settings(training, unit))
     plan = uniform_plan(world_size=h.world_size, num_layers=spec.num_layers,
                         num_microbatches=ds_config["gradient_accumulation_steps"])
     data = config.data
     data_spec = DataSpec(mock=data.mock_data, data_path=tuple(data.data_path or ()), split=data.split,
                          seq_length=model_cfg.seq_length, seed=training.seed, cache_path=data.data_cache_path)
-    dataset = build_train_dataset(data_spec, tokenizer, training.train_iters * gbs)
+    dataset = None if packed else build_train_dataset(data_spec, tokenizer, training.train_iters * gbs)
     if h.rank == 0:
         logger.info("DeepSpeed ZeRO-%d on %d %s rank(s): %s", zero.stage, h.world_size, h.device.type, ds_config)
     run = DeepSpeedGPT(config=config, engine=engine, scheduler=scheduler, dataset=dataset, plan=plan,
-                       device=h.device)
-    if zero.weighted:
+                       device=h.device, schedule_unit=unit)
+    if packed:
+        run.repack = _packer(config, spec, plan, h, tokenizer, gbs)
+        run.packed = run.repack({})
+    if zero.microbatches or zero.straggler_interval:
         run.weighting = _weighting(config, zero, h, ds_config["gradient_accumulation_steps"] * h.world_size)
         run.weighting.attach(model.module.decoder.layers if hasattr(model, "module") else model.decoder.layers)
     return run
+
+
+def _packer(config: RunConfig, spec, plan, h, tokenizer, gbs: int) -> Callable[[dict[int, float]], Any]:
+    """--hetu-packing: slowdowns -> this rank's packed steps (the Megatron path's packer over one-stage
+    pipelines, rank r = pipeline r; every rank plans every pipeline's share, so all agree)."""
+    from hetu_ext.megatron.packed_data import build_packed_steps, open_documents
+
+    documents = open_documents(config.data, config.packing, tokenizer, seed=config.training.seed)
+    return lambda slowdowns: build_packed_steps(config.packing, spec, plan, h.rank, documents, h.device,
+                                                seed=config.training.seed, global_batch_size=gbs,
+                                                slowdowns=slowdowns or None)
 
 
 def _weighting(config: RunConfig, zero: ZeroConfig, h, total: int):

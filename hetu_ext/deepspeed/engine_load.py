@@ -28,7 +28,7 @@ from . import engine_state
 
 logger = logging.getLogger(__name__)
 
-DATA_KEYS = ("global_batch_size", "seed", "seq_length", "split", "mock_data")
+DATA_KEYS = ("global_batch_size", "seed", "seq_length", "split", "mock_data", "packing", "global_batch_tokens")
 
 
 @dataclass(frozen=True)
@@ -138,15 +138,15 @@ def load(run, directory: str) -> Loaded | None:
                               f"with the saved values so that step {state['iteration'] + 1} reads the samples "
                               "that follow, none skipped or repeated")
     iteration = int(state["iteration"])
-    gbs = engine.train_batch_size()
+    unit = run.schedule_unit  # the LR schedule's unit: samples per step (1 with --hetu-packing)
     run.iteration, run.losses = iteration, list(state.get("losses") or [])
     training = run.config.training
     if state.get("scheduler") is not None:
-        run.scheduler.load_state_dict(resolve_schedule(state["scheduler"], scheduler_settings(training, gbs),
-                                                       policy=schedule_policy(training), unit=gbs, where=where))
+        run.scheduler.load_state_dict(resolve_schedule(state["scheduler"], scheduler_settings(training, unit),
+                                                       policy=schedule_policy(training), unit=unit, where=where))
     else:  # a user's own DeepSpeed script: replay the flags' schedule to the iteration
-        run.scheduler.step(increment=iteration * gbs)
-    engine.global_steps, engine.global_samples = iteration, iteration * gbs
+        run.scheduler.step(increment=iteration * unit)
+    engine.global_steps, engine.global_samples = iteration, iteration * engine.train_batch_size()
     rng = state.get("rng")
     restored = bool(rng) and saved_world == dist.get_world_size() and len(rng) == saved_world
     if restored:

@@ -69,10 +69,10 @@ class HetuSaver:
         pieces = engine_state.engine_pieces(engine, master_as="master" if bf16 else "param")
         if bf16:
             pieces += engine_state.param_pieces(engine)
-        data = {**run.data_settings(), "packing": "off", "global_batch_tokens": None}
+        data = run.data_settings()
         state = {"iteration": run.iteration, "losses": list(run.losses), "scheduler": run.scheduler.state_dict(),
                  "data": data, "optimizer_step": engine_state.optimizer_step(engine), "assumed": None}
-        info = {"consumed_samples": run.iteration * data["global_batch_size"],
+        info = {"consumed_samples": None if run.packed is not None else run.iteration * data["global_batch_size"],
                 "plan": _plan_dict(run), "config": {**_flat_config(run), ENGINE_MARK: engine_state.zero_stage(engine)},
                 "state": state}
         self.checkpointer.save(iteration=run.iteration, pieces=pieces, rng=rng_state(dist.get_rank()), info=info,

@@ -34,10 +34,12 @@ WEIGHTED_STAGES = (1,)
 builds: its checkpoints hold no ZeRO partitions)."""
 
 
-def check_stage(stage: int, interval: int, microbatches: tuple[int, ...] | None = None) -> None:
-    """One error naming rule, values and fix when weighting is asked of a ZeRO stage that reduces per backward."""
-    if (interval or microbatches) and stage not in WEIGHTED_STAGES:
-        asked = f"--hetu-straggler-interval {interval}" if interval else f"microbatches {list(microbatches or ())}"
+def check_stage(stage: int, interval: int, microbatches: tuple[int, ...] | None = None, packing: str = "off") -> None:
+    """One error naming rule, values and fix when weighting (or packing, whose pack counts differ per rank) is
+    asked of a ZeRO stage that reduces per backward."""
+    if (interval or microbatches or packing != "off") and stage not in WEIGHTED_STAGES:
+        asked = (f"--hetu-straggler-interval {interval}" if interval else f"--hetu-packing {packing}"
+                 if packing != "off" else f"microbatches {list(microbatches or ())}")
         raise ValueError(f"{asked} weights microbatches per rank, which needs a ZeRO stage whose backwards only "
                          f"accumulate locally ({', '.join(map(str, WEIGHTED_STAGES))}); ZeRO-{stage} reduces "
                          "gradients on every backward, so ranks with different microbatch counts would deadlock: "
@@ -87,6 +89,8 @@ class MicrobatchWeighting:
     """Emulated slowdowns (hetu_ext.runtime.straggler.parse_schedule)."""
     nominal_s: float | None = None
     """--hetu-emulate-layer-ms in seconds (emulated device time of a layer's forward)."""
+    assumed: dict[int, float] = field(default_factory=dict)
+    """The slowdowns of the latest change (rank -> x)."""
     history: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)
     """(step from which they apply, counts) at the start and at each change."""
     detector: object = field(init=False)
@@ -114,14 +118,16 @@ class MicrobatchWeighting:
 
         self.timer.factor = factor_at(self.events, self.rank, step)
 
-    def after_step(self, iteration: int, log: Callable[[str], None]) -> bool:
-        """Record the step (``iteration`` steps done); every ``interval`` steps exchange timings (collective)
-        and, when the stragglers moved past the hysteresis, set new counts from the next step; True then."""
+    def after_step(self, iteration: int, log: Callable[[str], None], work: float | None = None) -> bool:
+        """Record the step (``iteration`` steps done; ``work``: this rank's work in it, default its microbatch
+        count; --hetu-packing: its tokens); every ``interval`` steps exchange timings (collective) and, when the
+        stragglers moved past the hysteresis, set new counts from the next step; True then (``assumed``: the
+        slowdowns the counts, or the packer, now follow)."""
         from hetu_ext.runtime.straggler import exchange_timings
 
         if not self.interval:
             return False
-        self._samples.append((self.timer.take(), float(self.counts[self.rank])))
+        self._samples.append((self.timer.take(), float(self.counts[self.rank] if work is None else work)))
         if iteration % self.interval:
             return False
         everyone = exchange_timings(self.rank, self._samples)
@@ -131,7 +137,8 @@ class MicrobatchWeighting:
         if found is None or not found.changed:
             return False
         counts = weighted_counts(self.total, found.stragglers, self.world)
-        if counts == self.counts:
+        self.assumed = dict(found.stragglers)
+        if counts == self.counts and work is None:
             return False
         self.counts = counts
         self.history.append((iteration + 1, counts))

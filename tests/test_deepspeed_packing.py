@@ -1,0 +1,105 @@
+"""Length-aware packing (``--hetu-packing``, Hydraulis's two-stage assignment) on DeepSpeed's engine equals the
+unpacked run on the same global batches.
+
+The reference is the unpacked run of the same engine on one rank: ZeRO-1, ``--hetu-packing unpacked`` (each
+sequence its own microbatch, ordinary causal attention), global batches of 600 tokens of log-normal document
+lengths (test_packed_training's settings and Adam epsilon). The packed runs put the global batch on 2 ranks in THD
+packs of at most 64 tokens (PackedDotProductAttention, document-causal); the ranks' pack counts may differ, so the
+caller's backwards make the step (unmanaged gradient accumulation), every rank's loss a token sum over the global
+batch's tokens. Only the order of floating-point sums differs, hence test_packed_training's tolerances (1e-6
+relative on losses, 2e-6 absolute on weights). With an emulated straggler the packer re-packs for the measured
+slowdown (the slow rank's share shrinks) and the training is still the reference's. Negative control:
+``concat-causal`` packs (documents attend to the ones before them) move the losses by > 100x the tolerance
+(measured 5.3e-4).
+
+(Against hetu_ext's Megatron trainer on the same settings the DeepSpeed runs differ by up to 5.7e-4 on single
+bias elements after one step, where Adam's epsilon 1e-4 makes the update proportional to a small gradient; the
+DeepSpeed engine's gradients equal plain autograd's on its module to 1.5e-8. Not resolved here: the reference is
+this engine's own unpacked run.)
+"""
+
+from __future__ import annotations
+
+import pytest
+from test_packed_training import _argv
+from test_uniform_equivalence import LOSS_RTOL, WEIGHT_ATOL
+
+from hetu_ext.testing.multiproc import run_ranks
+
+
+def packed_body(rank: int, world: int, argv: list[str]) -> dict | None:
+    """DeepSpeed ZeRO-1 with --hetu-packing; records (step, packs, tokens) of this rank's steps."""
+    import torch.distributed as dist
+
+    from hetu_ext.config import from_namespace
+    from hetu_ext.deepspeed.engine import ZeroConfig, add_deepspeed_args, build
+    from hetu_ext.deepspeed.zero_checkpoint import hetu_name
+    from hetu_ext.megatron.args import build_parser, validate_args
+
+    args = add_deepspeed_args(build_parser()).parse_args(argv)
+    validate_args(args)
+    config = from_namespace(args)
+    run = build(config, ZeroConfig(stage=1, packing=config.packing.method,
+                                   straggler_interval=config.straggler.interval))
+    record: list[tuple[int, int, int]] = []
+
+    def recorded(steps):
+        step = steps.step
+
+        def recording(g: int):
+            data = step(g)
+            record.append((g + 1, len(data.microbatches), sum(b["tokens"].numel() for b in data.microbatches)))
+            return data
+
+        steps.step = recording
+        return steps
+
+    repack = run.repack
+    run.repack, run.packed = (lambda slowdowns: recorded(repack(slowdowns))), recorded(run.packed)
+    losses = run.train()
+    tensors = {hetu_name("param", n): p.detach().clone() for n, p in run.engine.module.named_parameters()}
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, record)
+    return {"losses": losses, "tensors": tensors, "steps": everyone} if rank == 0 else None
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return run_ranks(packed_body, 1, _argv("unpacked"), timeout=180)[0]
+
+
+def _diffs(result: dict, reference: dict) -> tuple[float, float]:
+    """(largest relative loss difference, largest absolute weight difference)."""
+    loss = max(abs(a - b) / abs(b) for a, b in zip(result["losses"], reference["losses"]))
+    assert result["tensors"].keys() == reference["tensors"].keys()
+    return loss, max(float((v - reference["tensors"][k]).abs().max()) for k, v in result["tensors"].items())
+
+
+STRAGGLER = ("--hetu-straggler-interval", "1", "--hetu-straggler-window", "1", "--hetu-emulate-layer-ms", "5",
+             "--hetu-emulate-slowdown", "step=1:rank=1:x=3")
+"""Rank 1 emulated 3x slower (layer time 5 ms forward, 10 ms backward, times 3: the emulation sets the pace on a
+busy machine); found after step 1, the packer gives it a smaller share from step 2 on."""
+
+
+@pytest.mark.parametrize("case", ["balanced", "balanced-straggler"])
+def test_packed_deepspeed_equals_unpacked_reference(case, reference):
+    extra = STRAGGLER if case.endswith("straggler") else ()
+    result = run_ranks(packed_body, 2, _argv("balanced", *extra), timeout=180)[0]
+    assert len(result["losses"]) == len(reference["losses"])
+    loss, weight = _diffs(result, reference)
+    steps = result["steps"]
+    print(f"DeepSpeed ZeRO-1 x2 {case} vs one rank unpacked: loss rel diff {loss:.2e}, weight abs diff "
+          f"{weight:.2e}; (step, packs, tokens) per rank: {steps}")
+    if extra:
+        last = {rank: [t for s, _, t in steps[rank] if s == 3][0] for rank in (0, 1)}
+        assert last[1] < 0.6 * last[0], steps  # the slow rank's share after the re-pack
+    assert loss <= LOSS_RTOL and weight <= WEIGHT_ATOL
+
+
+def test_packs_that_let_documents_see_each_other_fail(reference):
+    """The control: concat-causal packs (documents attend to the ones before them in a pack) differ by more
+    than 100x the tolerance."""
+    control = run_ranks(packed_body, 2, _argv("concat-causal"), timeout=180)[0]
+    loss = max(abs(a - b) / abs(b) for a, b in zip(control["losses"], reference["losses"]))
+    print(f"control (concat-causal): loss rel diff {loss:.2e}")
+    assert loss > 100 * LOSS_RTOL
