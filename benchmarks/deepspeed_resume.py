@@ -22,9 +22,10 @@ conversion plus the load. Building the M-rank engine is needed by both routes an
 largest process's peak resident set during the route (VmHWM, reset through /proc/self/clear_refs before the load;
 for the converter, the largest of its processes by getrusage(RUSAGE_CHILDREN)), and its growth during the route (a
 rank's peak minus its resident set before the load, whose ~0.4 GB of imports and engine both routes pay; the
-converter's whole peak, a fresh process). Temp disk: bytes the route writes beside the checkpoint (the universal folder; hetu writes none, checked by
-listing the checkpoint directory before and after). Each load is checked against the saving engine (sums of |x| of
-module weights, fp32 partitions and Adam moments; Adam's step). Prints its configuration, a table and one JSON line.
+converter's whole peak, a fresh process). Temp disk: bytes the route writes beside the checkpoint (the universal
+folder; hetu writes none, checked by listing the checkpoint directory before and after). Each load is checked
+against the saving engine (sums of |x| of module weights, fp32 partitions and Adam moments; Adam's step). Prints its
+configuration, a table and one JSON line.
 """
 
 from __future__ import annotations
@@ -114,8 +115,6 @@ def save_body(rank: int, world: int, argv: list[str], stage: int, directory: str
 
 def _timed_load(load, engine) -> dict:
     import torch.distributed as dist
-
-    from hetu_ext.checkpoint.load import _no_cyclic_gc  # noqa: F401 - imported before the clock starts
 
     bench = _checkpoint_bench()
     dist.barrier()

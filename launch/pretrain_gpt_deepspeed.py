@@ -1,7 +1,7 @@
-"""Train Megatron-core's GPTModel (TP 1, PP 1) with DeepSpeed ZeRO-1/2/3: resume at any world size, straggler-
-weighted microbatches and length-aware packing (ZeRO-1), DeepSpeed or hetu checkpoints (docs/deepspeed.md). Megatron-LM's flag names plus ``--zero-stage``,
-``--deepspeed-config`` and ``--hetu-microbatches``; on a machine without CUDA it runs on CPU (gloo,
-DS_ACCELERATOR=cpu).
+"""Train Megatron-core's GPTModel (TP 1, PP 1) with DeepSpeed ZeRO-1/2/3: resume at any world size, straggler-weighted
+microbatches and length-aware packing (ZeRO-1), DeepSpeed or hetu checkpoints (docs/deepspeed.md). Megatron-LM's
+flag names plus ``--zero-stage``, ``--deepspeed-config`` and ``--hetu-microbatches``; on a machine without CUDA it
+runs on CPU (gloo, DS_ACCELERATOR=cpu).
 
     torchrun --nproc-per-node 4 launch/pretrain_gpt_deepspeed.py --zero-stage 2 --num-layers 4 \
         --hidden-size 64 --num-attention-heads 4 --seq-length 128 --micro-batch-size 1 --global-batch-size 12 \

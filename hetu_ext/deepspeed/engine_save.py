@@ -94,9 +94,10 @@ def _plan_dict(run) -> dict[str, Any]:
 
 
 def _flat_config(run) -> dict[str, Any]:
-    from hetu_ext.megatron.checkpointing import _json_safe
+    """The run's flags, JSON-able (values JSON cannot hold as their text, as the trainer's manifests do)."""
+    import json
 
-    return _json_safe(run.config.to_flat_dict())
+    return json.loads(json.dumps(run.config.to_flat_dict(), default=str))
 
 
 def is_ours(config: dict[str, Any]) -> bool:
