@@ -56,8 +56,20 @@ class ModelConfig:
     hidden_dropout: float = setting(0.1, help="dropout after attention and MLP")
     attention_dropout: float = setting(0.1, help="dropout of attention probabilities")
     init_method_std: float = setting(0.02, help="std of the normal weight initialisation")
-    position_embedding_type: str = setting("learned_absolute", choices=("learned_absolute",),
-                                           help="position embeddings")
+    position_embedding_type: str = setting("learned_absolute", choices=("learned_absolute", "rope", "none"),
+                                           help="position embeddings: a learned table, rotary (Llama) or none")
+    rotary_base: int = setting(10000, help="RoPE's base period (with --position-embedding-type rope)")
+    rotary_percent: float = setting(1.0, help="the share of each head's dimensions RoPE rotates")
+    normalization: str = setting("LayerNorm", choices=("LayerNorm", "RMSNorm"), help="the norm of every layer")
+    norm_epsilon: float = setting(1e-5, help="epsilon of the norms")
+    swiglu: bool = setting(False, help="a gated MLP with SiLU (Llama's SwiGLU); --ffn-hidden-size is each half")
+    group_query_attention: bool = setting(False, help="grouped-query attention (with --num-query-groups)")
+    num_query_groups: int = setting(1, help="query groups under --group-query-attention; every stage's TP degree "
+                                            "must divide it")
+    kv_channels: int | None = setting(help="the head dimension; default: hidden size / attention heads")
+    disable_bias_linear: bool = setting(False, help="no biases on the linear layers (Llama)")
+    add_qkv_bias: bool = setting(False, help="a bias on the QKV projection even with --disable-bias-linear (Qwen2)")
+    qk_layernorm: bool = setting(False, help="a norm over each query and key head")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -114,6 +114,15 @@ def validate_args(args: argparse.Namespace) -> None:
                          f"{args.min_lr}")
     if args.hetu_hang_timeout < 0:
         raise ValueError(f"--hetu-hang-timeout must be >= 0 seconds (0: no watchdog), got {args.hetu_hang_timeout}")
+    if args.position_embedding_type != "rope" and (args.rotary_base != 10000 or args.rotary_percent != 1.0):
+        raise ValueError(f"--rotary-base {args.rotary_base} / --rotary-percent {args.rotary_percent} set rotary "
+                         f"positions, but --position-embedding-type is {args.position_embedding_type}; add "
+                         "--position-embedding-type rope or drop them")
+    if not 0 < args.rotary_percent <= 1:
+        raise ValueError(f"--rotary-percent must be in (0, 1], got {args.rotary_percent}")
+    if args.group_query_attention and (args.num_query_groups < 1 or args.num_attention_heads % args.num_query_groups):
+        raise ValueError(f"--num-query-groups {args.num_query_groups} must divide --num-attention-heads "
+                         f"{args.num_attention_heads}; choose a divisor")
     if args.clip_grad < 0:
         raise ValueError(f"--clip-grad must be >= 0 (0 disables clipping), got {args.clip_grad}")
     if not (0 <= args.hidden_dropout < 1 and 0 <= args.attention_dropout < 1):

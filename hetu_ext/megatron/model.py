@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from hetu_ext.config import TrainingConfig
 from hetu_ext.plan import ModelSpec
@@ -38,7 +39,11 @@ def transformer_config(spec: ModelSpec, numerics: TrainingNumerics, *, tp: int, 
                      persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False) if on_cpu else {}
     return TransformerConfig(
         num_layers=spec.num_layers, hidden_size=spec.hidden_size, ffn_hidden_size=spec.ffn_hidden_size,
-        num_attention_heads=spec.num_attention_heads, tensor_model_parallel_size=tp,
+        num_attention_heads=spec.num_attention_heads, num_query_groups=spec.num_query_groups,
+        kv_channels=spec.kv_channels, normalization=spec.normalization, layernorm_epsilon=spec.norm_epsilon,
+        gated_linear_unit=spec.swiglu, activation_func=F.silu if spec.swiglu else F.gelu,
+        add_bias_linear=spec.add_bias_linear, add_qkv_bias=spec.add_qkv_bias, qk_layernorm=spec.qk_layernorm,
+        tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp, pipeline_dtype=numerics.dtype, params_dtype=numerics.dtype,
         bf16=numerics.bf16, hidden_dropout=numerics.hidden_dropout, attention_dropout=numerics.attention_dropout,
         init_method_std=numerics.init_method_std,
@@ -72,7 +77,7 @@ def build_gpt_stage(spec: ModelSpec, config, *, pre_process: bool, post_process:
 
     from .attention import PackedDotProductAttention
 
-    layer_spec = get_gpt_layer_local_spec()
+    layer_spec = get_gpt_layer_local_spec(normalization=spec.normalization, qk_layernorm=spec.qk_layernorm)
     # the local spec's core attention, able to take THD packs (--hetu-packing): Megatron's ModuleSpec seam
     layer_spec.submodules.self_attention.submodules.core_attention = PackedDotProductAttention
     if converter is not None:
@@ -82,7 +87,8 @@ def build_gpt_stage(spec: ModelSpec, config, *, pre_process: bool, post_process:
         config=config, transformer_layer_spec=layer_spec, vocab_size=spec.padded_vocab_size,
         max_sequence_length=spec.max_position_embeddings, pre_process=pre_process, post_process=post_process,
         share_embeddings_and_output_weights=not spec.untie_embeddings_and_output_weights,
-        position_embedding_type="learned_absolute", **kwargs)
+        position_embedding_type=spec.position_embedding_type, rotary_percent=spec.rotary_percent,
+        rotary_base=spec.rotary_base, **kwargs)
     if converter is not None:
         converter.convert(model, layer_offset=layer_offset)
     return model

@@ -27,6 +27,8 @@ IMPLIED: dict[str, object] = {
     "--no-bias-dropout-fusion": None,
     "--calculate-per-token-loss": None,
     "--use-cpu-initialization": None,
+    "--no-rope-fusion": None,
+    "--no-bias-swiglu-fusion": None,
     "--eval-iters": "0",
     "--eval-interval": "*",
 }

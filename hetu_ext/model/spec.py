@@ -42,6 +42,12 @@ class ModelSpec:
     """``--add-qkv-bias``: a bias on linear_qkv even without the other biases (Qwen2)."""
     qk_layernorm: bool = False
     """``--qk-layernorm``: a norm over each query and key head."""
+    norm_epsilon: float = 1e-5
+    """``--norm-epsilon``."""
+    rotary_base: int = 10000
+    """``--rotary-base`` (RoPE only)."""
+    rotary_percent: float = 1.0
+    """``--rotary-percent`` (RoPE only)."""
 
     def __post_init__(self) -> None:
         if self.ffn_hidden_size is None:

@@ -1,0 +1,102 @@
+"""Llama-family models on hetu_ext's trainer (launch/pretrain_gpt.py's code path): RMSNorm, SwiGLU, RoPE,
+grouped-query attention with 2 groups, no biases, untied output, 4 layers, against the single-process reference.
+
+The gold tests of the plan runtime (tests/test_plan_runtime.py) on this model: heterogeneous plans (TP 2 -> 1
+inside a pipeline, TP differing between replicas, an unused rank) and the sharded optimizer, each equal to one
+process within test_uniform_equivalence's tolerances. What they catch beyond GPT: the gated fc1's rows (each TP
+rank holds [gate_r; up_r]: a reshard or gradient reduction by plain row boxes mixes gate and up), GQA's grouped
+qkv rows (TP splits whole groups), RMSNorm's and RoPE's parameters (none for RoPE) in the inventory's
+initialisation. Bad input: a TP degree that does not divide the query groups, rotary flags without RoPE.
+"""
+
+from __future__ import annotations
+
+import pytest
+from test_uniform_equivalence import LOSS_RTOL, WEIGHT_ATOL, _argv, compare
+
+from hetu_ext.testing.multiproc import run_ranks
+from hetu_ext.testing.runs import train
+
+LLAMA = ("--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--group-query-attention",
+         "--num-query-groups", "2", "--disable-bias-linear", "--untie-embeddings-and-output-weights")
+
+PLANS = [
+    ("tp_2_to_1_in_pipeline", 4,
+     "pipelines: [{num_microbatches: 3, stages: [{ranks: [0, 1], layers: [0, 3]}, {ranks: [2], layers: [3, 4]}]},"
+     " {num_microbatches: 1, stages: [{ranks: [3], layers: [0, 4]}]}]", ()),
+    ("tp_differs_between_pipelines", 4,
+     "pipelines: [{num_microbatches: 2, stages: [{ranks: [0, 1], layers: [0, 4]}]},"
+     " {num_microbatches: 1, stages: [{ranks: [2], layers: [0, 4]}]},"
+     " {num_microbatches: 1, stages: [{ranks: [3], layers: [0, 4]}]}]", ()),
+    ("unused_rank", 5,
+     "pipelines: [{num_microbatches: 2, stages: [{ranks: [0], layers: [0, 2]}, {ranks: [1], layers: [2, 4]}]},"
+     " {num_microbatches: 2, stages: [{ranks: [3, 4], layers: [0, 4]}]}]\nunused_ranks: [2]", ()),
+    ("sharded_optimizer", 4,
+     "pipelines: [{num_microbatches: 3, stages: [{ranks: [0, 1], layers: [0, 3]}, {ranks: [2], layers: [3, 4]}]},"
+     " {num_microbatches: 1, stages: [{ranks: [3], layers: [0, 4]}]}]", ("--use-distributed-optimizer",)),
+]
+
+
+@pytest.fixture(scope="module")
+def llama_reference(sample_prefix):
+    return run_ranks(train, 1, _argv(1, 1, sample_prefix, LLAMA), timeout=180)[0]
+
+
+@pytest.mark.parametrize("name,world,text,extra", PLANS, ids=[p[0] for p in PLANS])
+def test_llama_plan_matches_single_process(name, world, text, extra, llama_reference, sample_prefix, tmp_path):
+    plan = tmp_path / f"{name}.yaml"
+    plan.write_text(text)
+    results = run_ranks(train, world, _argv(1, 1, sample_prefix, (*LLAMA, "--hetu-plan", str(plan), *extra)),
+                        timeout=300)
+    result = next(r for r in results if r is not None)
+    loss_diff, weight_diff = compare(result, llama_reference)
+    assert loss_diff <= LOSS_RTOL and weight_diff <= WEIGHT_ATOL, (loss_diff, weight_diff)
+    fc1 = result["weights"]["decoder.layers.mlp.linear_fc1.weight"]
+    assert fc1.shape == (4, 2, 64, 32)  # layers x (gate, up) x ffn x hidden
+
+
+def test_llama_reference_trains(llama_reference):
+    """Not vacuous: the reference's loss falls over its steps, and the model is the Llama shape."""
+    losses = llama_reference["losses"]
+    assert losses[-1] < losses[0], losses
+    keys = set(llama_reference["weights"])
+    assert "embedding.position_embeddings.weight" not in keys and "output_layer.weight" in keys
+    assert not any(k.endswith("bias") for k in keys), sorted(k for k in keys if k.endswith("bias"))
+    qkv = llama_reference["weights"]["decoder.layers.self_attention.linear_qkv.weight"]
+    assert qkv.shape == (4, (4 + 2 * 2) * 8, 32)  # groups x (q heads per group + k + v) x head_dim rows
+
+
+@pytest.mark.parametrize("extra, message", [
+    (("--tensor-model-parallel-size", "4", "--num-attention-heads", "4"), "TP degree 4 must divide num_query_groups (2)"),
+    (("--rotary-base", "500000", "--position-embedding-type", "learned_absolute"), "--rotary-base 500000"),
+])
+def test_llama_bad_input_is_one_line(tmp_path, sample_prefix, extra, message):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "launch" / "pretrain_gpt.py"
+    argv = [a for a in _argv(1, 1, sample_prefix, LLAMA)]
+    proc = subprocess.run([sys.executable, str(script), *argv, *extra, "--nproc-per-node", "4"],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [ln for ln in proc.stderr.splitlines() if "error:" in ln]
+    assert len(errors) == 1 and message in errors[0], proc.stderr[-2000:]
+
+
+@pytest.fixture(scope="module")
+def llama_unpacked():
+    from test_packed_training import _argv as packed_argv
+
+    return run_ranks(train, 1, packed_argv("unpacked", *LLAMA), timeout=180)[0]
+
+
+@pytest.mark.parametrize("world, extra", [(2, ()), (2, ("--pipeline-model-parallel-size", "2"))], ids=["dp2", "pp2"])
+def test_llama_packed_equals_unpacked(llama_unpacked, world, extra):
+    """THD packs of several documents: rotary positions restart at each document inside a pack (Megatron-core's
+    thd rotary path, cu_seqlens), so the packed run equals one sequence per microbatch."""
+    from test_packed_training import _argv as packed_argv
+
+    result = run_ranks(train, world, packed_argv("balanced", *LLAMA, *extra), timeout=240)[0]
+    loss_diff, weight_diff = compare(result, llama_unpacked)
+    assert loss_diff <= LOSS_RTOL and weight_diff <= WEIGHT_ATOL, (loss_diff, weight_diff)
