@@ -32,6 +32,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,6 +40,8 @@ from torch.distributed import TCPStore
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerSpec, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.rendezvous import RendezvousClosedError
+
+from hetu_ext.plan import ModelSpec, dump_plan
 
 from .agreement import Agreement, NodeReport, agree
 from .watchdog import HANG_EXIT_CODE
@@ -68,11 +71,11 @@ class NodeSettings:
     """This node's name in messages and events (host and launcher pid)."""
     nproc_per_node: int
     """Devices (ranks) of this node when healthy."""
-    round_argv: object
+    round_argv: Callable[[str], list[str]]
     """``(plan_path) -> pretrain_gpt.py's flags`` for a round (launch/elastic.py's rewrite)."""
-    plan_inputs: object
+    plan_inputs: Callable[[], tuple[ModelSpec, int, int]]
     """``() -> (ModelSpec, micro_batch, num_microbatches)`` of the flags (group rank 0 plans with it)."""
-    check_round: object
+    check_round: Callable[[list[str], int], None]
     """``(argv, world_size) -> None``: pretrain_gpt.py's launch check of a round's flags; ValueError/OSError."""
     plan_dir: Path
     """Where this node writes each round's agreed plan (YAML)."""
@@ -159,8 +162,6 @@ class HetuElasticAgent(LocalElasticAgent):
         self._round += 1
         plan_path = self.settings.plan_dir / f"elastic_plan_round{self._round}_node{group_rank}.yaml"
         plan_path.parent.mkdir(parents=True, exist_ok=True)
-        from hetu_ext.plan import dump_plan
-
         plan_path.write_text(dump_plan(agreement.plan))
         argv = self.settings.round_argv(str(plan_path))
         try:
