@@ -100,3 +100,50 @@ def test_llama_packed_equals_unpacked(llama_unpacked, world, extra):
     result = run_ranks(train, world, packed_argv("balanced", *LLAMA, *extra), timeout=240)[0]
     loss_diff, weight_diff = compare(result, llama_unpacked)
     assert loss_diff <= LOSS_RTOL and weight_diff <= WEIGHT_ATOL, (loss_diff, weight_diff)
+
+
+def test_llama_migration_continues_the_same_run(sample_prefix, tmp_path):
+    """A scheduled migration after step 2 from TP 2 (the gated fc1's halves split over two ranks) to two TP-1
+    replicas: the state (weights, Adam moments) moves by the inventory's boxes and the run continues as one
+    process would."""
+    from test_migration import STEPS, compare_k
+
+    reference = run_ranks(train, 1, _argv(1, 1, sample_prefix, (*LLAMA, *STEPS)), timeout=180)[0]
+    first, second = tmp_path / "before.yaml", tmp_path / "after.yaml"
+    first.write_text("pipelines: [{num_microbatches: 4, stages: [{ranks: [0, 1], layers: [0, 4]}]}]")
+    second.write_text("pipelines: [{num_microbatches: 3, stages: [{ranks: [0], layers: [0, 4]}]},"
+                      " {num_microbatches: 1, stages: [{ranks: [1], layers: [0, 4]}]}]")
+    argv = _argv(1, 1, sample_prefix, (*LLAMA, *STEPS, "--hetu-plan", str(first), "--hetu-migrate",
+                                       f"step=2:plan={second}"))
+    result = next(r for r in run_ranks(train, 2, argv, timeout=300) if r is not None)
+    loss_diff, weight_diff = compare_k(result, reference)
+    assert loss_diff <= LOSS_RTOL and weight_diff <= WEIGHT_ATOL, (loss_diff, weight_diff)
+    assert any(line.startswith("migrated to a new plan after step 2") for line in result["log_lines"])
+
+
+def test_llama_hotspa_switching_equals_unpacked(llama_unpacked, tmp_path):
+    """HotSPa: short sequences on DP 2, long ones on TP 2 (the switch reshards the gated fc1 and the grouped
+    qkv between the two layouts and pulls the gradients home) equals one sequence per microbatch."""
+    from test_hotspa import TWO
+    from test_packed_training import _argv as packed_argv
+
+    path = tmp_path / "hotspa.yaml"
+    path.write_text(TWO.format(home_first="true"))
+    result = run_ranks(train, 2, packed_argv("balanced", *LLAMA, "--hetu-hotspa", str(path)), timeout=300)[0]
+    loss_diff, weight_diff = compare(result, llama_unpacked)
+    assert loss_diff <= LOSS_RTOL and weight_diff <= WEIGHT_ATOL, (loss_diff, weight_diff)
+
+
+def test_llama_lora_tenants_tp2_equal_one_process(tmp_path):
+    """LoRA tenants over a frozen Llama-style base (targets on the grouped qkv and the gated fc1, whose B rows
+    are [gate_r; up_r] on each TP rank): 3 tenants jointly under TP 2 equal the same tenants in one process."""
+    from test_lobra_training import ADAPTER_ATOL, TENANTS, _argv as lora_argv, _max_diff, _tenants_file, lobra_body
+
+    tenants = _tenants_file(tmp_path / "tenants.yaml", TENANTS)
+    one = run_ranks(lobra_body, 1, lora_argv(tenants, *LLAMA), timeout=240)[0]
+    two = run_ranks(lobra_body, 2, lora_argv(tenants, *LLAMA, "--tensor-model-parallel-size", "2"), timeout=240)[0]
+    assert one["base_same"] and two["base_same"]
+    fc1 = [k for k in one["adapters"] if "linear_fc1.lora_B" in k]
+    assert fc1 and all(one["adapters"][k].dim() == 4 for k in fc1)  # (layers, gate/up, ffn, rank)
+    for t in TENANTS:
+        assert _max_diff(two, one, t["name"]) <= ADAPTER_ATOL, t["name"]

@@ -34,6 +34,13 @@ class AdapterShard:
     """Global shape of the tensor."""
     tenant: str
     param: torch.nn.Parameter
+    data: torch.Tensor | None = None
+    """``param`` in the box's shape where they differ: a gated fc1's B, ``(2, f, r)`` (gate rows, up rows: its
+    TP rank holds ``[gate_r; up_r]``, as the base weight, hetu_ext.checkpoint.gated); None: ``param`` itself."""
+
+    def view(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` (shaped like ``param``: its gradient, a moment) in the box's shape."""
+        return tensor if self.data is None else tensor.view(self.data.shape)
 
 
 def _tp_rank(adapters: Adapters, module) -> int:
@@ -55,7 +62,14 @@ def adapter_shards(model: torch.nn.Module, *, layer_offset: int = 0) -> list[Ada
         tp, rank = adapters.tp, _tp_rank(adapters, linear)
         for tenant in adapters.settings:
             a, b = adapters.lora_A[tenant], adapters.lora_B[tenant]
-            if adapters.kind == "column":  # A (r, in) whole; B (out, r) split by rows
+            b_data = None
+            if adapters.kind == "column" and _gated(linear):  # B's rows are [gate_r; up_r]: (2, f, r) boxes
+                a_shape, a_sl = tuple(a.shape), (slice(0, a.shape[0]), slice(0, a.shape[1]))
+                f = b.shape[0] // 2
+                b_data = b.view(2, f, b.shape[1])
+                b_shape = (2, f * tp, b.shape[1])
+                b_sl = (slice(0, 2), slice(rank * f, (rank + 1) * f), slice(0, b.shape[1]))
+            elif adapters.kind == "column":  # A (r, in) whole; B (out, r) split by rows
                 a_shape, a_sl = tuple(a.shape), (slice(0, a.shape[0]), slice(0, a.shape[1]))
                 b_shape = (b.shape[0] * tp, b.shape[1])
                 b_sl = (slice(rank * b.shape[0], (rank + 1) * b.shape[0]), slice(0, b.shape[1]))
@@ -64,8 +78,14 @@ def adapter_shards(model: torch.nn.Module, *, layer_offset: int = 0) -> list[Ada
                 a_sl = (slice(0, a.shape[0]), slice(rank * a.shape[1], (rank + 1) * a.shape[1]))
                 b_shape, b_sl = tuple(b.shape), (slice(0, b.shape[0]), slice(0, b.shape[1]))
             out.append(AdapterShard(f"decoder.layers.{path}.lora_A.{tenant}", (layer,), a_sl, a_shape, tenant, a))
-            out.append(AdapterShard(f"decoder.layers.{path}.lora_B.{tenant}", (layer,), b_sl, b_shape, tenant, b))
+            out.append(AdapterShard(f"decoder.layers.{path}.lora_B.{tenant}", (layer,), b_sl, b_shape, tenant, b,
+                                    b_data))
     return out
+
+
+def _gated(linear) -> bool:
+    """A gated MLP's fc1 (--swiglu): its output rows on each TP rank are [gate_r; up_r]."""
+    return bool(getattr(linear, "lora_gated", False))
 
 
 def initial_adapter(key: str, index: tuple[int, ...], shape: tuple[int, ...], *, seed: int) -> torch.Tensor:
@@ -84,7 +104,7 @@ def init_adapters(model: torch.nn.Module, *, seed: int, layer_offset: int = 0) -
     """Set every adapter of a stage model to its layout-independent initial value; returns the elements set."""
     count = 0
     for s in adapter_shards(model, layer_offset=layer_offset):
-        s.param.copy_(initial_adapter(s.key, s.index, s.shape, seed=seed)[s.slices])
+        s.view(s.param).copy_(initial_adapter(s.key, s.index, s.shape, seed=seed)[s.slices])
         count += s.param.numel()
     return count
 
@@ -97,7 +117,7 @@ def gather_adapters(model: torch.nn.Module | None, *, layer_offset: int = 0, val
     from hetu_ext.megatron.weights import assemble
 
     values = values or {}
-    mine = [(s.key, s.index, s.slices, s.shape, values.get(id(s.param), s.param).detach().float().cpu().clone())
+    mine = [(s.key, s.index, s.slices, s.shape, s.view(values.get(id(s.param), s.param)).detach().float().cpu().clone())
             for s in adapter_shards(model, layer_offset=layer_offset)] if model is not None else []
     everyone: list = [None] * (dist.get_world_size() if dist.is_initialized() else 1)
     if dist.is_initialized():

@@ -152,9 +152,9 @@ def adapter_pieces(placement, *, steps: dict[str, float | None] | None = None) -
                 opt.state[param] = {"step": torch.tensor(float(step), dtype=torch.float32),
                                     **{m: torch.zeros_like(param.data) for m in MOMENTS}}
         box = tuple((sl.start, sl.stop) for sl in s.slices)
-        pieces.append(Piece(f"param/{s.key}", s.index, box, s.param.data))
+        pieces.append(Piece(f"param/{s.key}", s.index, box, s.view(s.param.data)))
         state = opt.state.get(param, {})
-        pieces.extend(Piece(f"{m}/{s.key}", s.index, box, state[m]) for m in MOMENTS if m in state)
+        pieces.extend(Piece(f"{m}/{s.key}", s.index, box, s.view(state[m])) for m in MOMENTS if m in state)
     return pieces
 
 

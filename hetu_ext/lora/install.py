@@ -49,7 +49,8 @@ def _lora_spec(layer_spec, tenants: tuple[TenantSpec, ...], routing):
             raise PatchError(f"LoRA: the layer spec's {part}.{slot} is {current!r}, not Megatron-core 0.16.1's "
                              f"{base.__name__}; hetu_ext.lora supports the local layer spec of 0.16.1")
         mine = tuple((k, t.name, t.lora) for k, t in enumerate(tenants) if target in t.lora.targets)
-        setattr(owner, slot, ModuleSpec(module=lora, params={"lora_tenants": mine, "lora_routing": routing}))
+        params = {"lora_tenants": mine, "lora_routing": routing, **({"lora_slot": target} if kind == "column" else {})}
+        setattr(owner, slot, ModuleSpec(module=lora, params=params))
     return spec
 
 

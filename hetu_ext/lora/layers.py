@@ -108,11 +108,14 @@ def _add(base: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
 class LoRAColumnParallelLinear(ColumnParallelLinear):
     """ColumnParallelLinear with tenants' adapters; built by the LoRA layer spec (hetu_ext.lora.install)."""
 
-    def __init__(self, *args, lora_tenants=(), lora_routing: TenantRouting | None = None, **kwargs) -> None:
+    def __init__(self, *args, lora_tenants=(), lora_routing: TenantRouting | None = None, lora_slot: str = "",
+                 **kwargs) -> None:
         kwargs["disable_grad_reduce"] = True  # the input gradient is all-reduced once, in forward's region below
         super().__init__(*args, **kwargs)
         if self.gather_output:
             raise NotImplementedError("LoRA on a ColumnParallelLinear with gather_output is not supported")
+        self.lora_gated = lora_slot == "fc1" and bool(self.config.gated_linear_unit)
+        """A gated MLP's fc1: each TP rank's output rows (and B's rows) are [gate_r; up_r] (lora/adapters.py)."""
         tp = self.tp_group.size() if self.tp_group is not None else 1
         self.lora = Adapters(list(lora_tenants), self.input_size, self.output_size_per_partition, kind="column",
                              tp=tp, routing=lora_routing, dtype=self.weight.dtype)

@@ -46,6 +46,9 @@ def peft_state(adapters: dict[str, torch.Tensor], tenant: str, *, num_attention_
         if match is None or match.group(3) != tenant:
             continue
         target, factor = _MODULE[match.group(1)], match.group(2)
+        if stacked.dim() != 3:  # (layers, 2, F, r): a gated fc1's B (--swiglu)
+            raise ValueError(f"{key}: a gated MLP's adapter (--swiglu); this export writes GPT-2's PEFT layout, "
+                             "whose MLP is not gated")
         for layer in range(stacked.shape[0]):
             t = stacked[layer]
             if target == "qkv" and factor == "B":

@@ -41,7 +41,7 @@ class LoRASync:
     params_of: dict[int, list] = field(default_factory=dict)
     """Tenant index -> its local adapter parameters."""
     owned: list = field(default_factory=list)
-    """(parameter, slices, tenant index) of the cells this rank counts in the tenants' norms."""
+    """(adapter shard, slices of its box, tenant index) of the cells this rank counts in the tenants' norms."""
     tenant_norms: list[float] = field(default_factory=list)
     """Each tenant's gradient norm of the last step (before clipping)."""
 
@@ -67,8 +67,8 @@ class LoRASync:
         for inner in inners:
             inner.prepare_grads()  # param.grad = param.main_grad
         squares = torch.zeros(len(self.tenants), dtype=torch.float64)
-        for param, slices, t in self.owned:
-            squares[t] += param.main_grad[slices].double().square().sum()
+        for shard, slices, t in self.owned:
+            squares[t] += shard.view(shard.param.main_grad)[slices].double().square().sum()
         dist.all_reduce(squares, group=self.used_group)
         norms = squares.sqrt()
         self.tenant_norms = norms.tolist()
@@ -108,8 +108,8 @@ def attach_sync(placement, plan, tenants: tuple[str, ...], rank: int) -> LoRASyn
     if missing:
         raise HetuExtError(f"adapter gradient lanes {missing} are not lanes of the base model's layout; every "
                            "adapter is held by the stages holding its layer, so this is a bug")
-    local = {(s.key, s.index): LocalTensor(param=s.param, box=tuple((sl.start, sl.stop) for sl in s.slices))
-             for s in shards}
+    local = {(s.key, s.index): LocalTensor(param=s.param, box=tuple((sl.start, sl.stop) for sl in s.slices),
+                                           shape=None if s.data is None else tuple(s.data.shape)) for s in shards}
     index_of = {name: k for k, name in enumerate(tenants)}
     params_of: dict[int, list] = {k: [] for k in range(len(tenants))}
     by_key = {}
@@ -121,7 +121,7 @@ def attach_sync(placement, plan, tenants: tuple[str, ...], rank: int) -> LoRASyn
         if owner == rank:
             s = by_key[(cell.key, cell.index)]
             slices = tuple(slice(c0 - b.start, c1 - b.start) for (c0, c1), b in zip(cell.box, s.slices))
-            owned.append((s.param, slices, index_of[s.tenant]))
+            owned.append((s, slices, index_of[s.tenant]))
     lora = LoRASync(tenants=tenants, active=True, sync=GradSync(layout=layout, groups=groups, local=local),
                     tp_group=groups.tp, used_group=groups.used, partial=partial_grads(placement.model),
                     params_of=params_of, owned=owned)
