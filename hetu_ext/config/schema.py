@@ -70,6 +70,14 @@ class ModelConfig:
     disable_bias_linear: bool = setting(False, help="no biases on the linear layers (Llama)")
     add_qkv_bias: bool = setting(False, help="a bias on the QKV projection even with --disable-bias-linear (Qwen2)")
     qk_layernorm: bool = setting(False, help="a norm over each query and key head")
+    recompute_granularity: str | None = setting(choices=("full", "selective"),
+                                                help="activation recomputation: whole layers, or the modules of "
+                                                     "--recompute-modules")
+    recompute_method: str | None = setting(choices=("uniform", "block"),
+                                           help="with full recomputation: which layers (Megatron-LM's meaning)")
+    recompute_num_layers: int | None = setting(help="layers per recomputed unit (uniform) or per stage (block)")
+    recompute_modules: list[str] | None = setting(nargs="*", help="with selective recomputation (default: "
+                                                                  "core_attn)")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -168,9 +168,7 @@ def build_lora_trainer(config: RunConfig) -> LoRATrainer:
     force = {"auto": None, "on": True, "off": False}[config.parallel.cpu_patches]
     h = host.init_distributed(force_cpu=force, timeout_minutes=config.parallel.distributed_timeout_minutes,
                               backend=config.parallel.distributed_backend)
-    numerics = TrainingNumerics(bf16=training.bf16, hidden_dropout=config.model.hidden_dropout,
-                                attention_dropout=config.model.attention_dropout,
-                                init_method_std=config.model.init_method_std, variable_seq_lengths=True)
+    numerics = TrainingNumerics.of(config.model, training, variable_seq_lengths=True)
     placement = build_plan_placement(training, spec, plan, h, numerics,
                                      converter=LoRAConverter(tenants, seed=training.seed))
     lora = attach_sync(placement, plan, tuple(t.name for t in tenants), h.rank)

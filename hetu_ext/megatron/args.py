@@ -123,6 +123,17 @@ def validate_args(args: argparse.Namespace) -> None:
     if args.group_query_attention and (args.num_query_groups < 1 or args.num_attention_heads % args.num_query_groups):
         raise ValueError(f"--num-query-groups {args.num_query_groups} must divide --num-attention-heads "
                          f"{args.num_attention_heads}; choose a divisor")
+    if args.recompute_granularity != "full" and (args.recompute_method or args.recompute_num_layers):
+        raise ValueError(f"--recompute-method / --recompute-num-layers choose which layers full recomputation "
+                         f"covers; got --recompute-granularity {args.recompute_granularity}: add "
+                         "--recompute-granularity full or drop them")
+    if args.recompute_granularity == "full" and (args.recompute_method is None or args.recompute_num_layers is None):
+        raise ValueError("--recompute-granularity full needs --recompute-method (uniform or block) and "
+                         "--recompute-num-layers N (as Megatron-LM); e.g. --recompute-method uniform "
+                         "--recompute-num-layers 1 recomputes every layer")
+    if args.recompute_modules and args.recompute_granularity != "selective":
+        raise ValueError("--recompute-modules names what selective recomputation recomputes; add "
+                         "--recompute-granularity selective or drop it")
     if args.clip_grad < 0:
         raise ValueError(f"--clip-grad must be >= 0 (0 disables clipping), got {args.clip_grad}")
     if not (0 <= args.hidden_dropout < 1 and 0 <= args.attention_dropout < 1):

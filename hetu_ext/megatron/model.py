@@ -25,6 +25,20 @@ class TrainingNumerics:
     """``--init-method-std``."""
     variable_seq_lengths: bool = False
     """Microbatches differ in length (``--hetu-packing``: THD packs); pipeline stages exchange shapes first."""
+    recompute_granularity: str | None = None
+    """``--recompute-granularity`` (full, selective) and the three below: Megatron-core's own recomputation."""
+    recompute_method: str | None = None
+    recompute_num_layers: int | None = None
+    recompute_modules: tuple[str, ...] | None = None
+
+    @classmethod
+    def of(cls, model, training, *, variable_seq_lengths: bool) -> "TrainingNumerics":
+        """From the run's model and training settings (hetu_ext.config's ModelConfig and TrainingConfig)."""
+        return cls(bf16=training.bf16, hidden_dropout=model.hidden_dropout, attention_dropout=model.attention_dropout,
+                   init_method_std=model.init_method_std, variable_seq_lengths=variable_seq_lengths,
+                   recompute_granularity=model.recompute_granularity, recompute_method=model.recompute_method,
+                   recompute_num_layers=model.recompute_num_layers,
+                   recompute_modules=tuple(model.recompute_modules) if model.recompute_modules else None)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -58,6 +72,9 @@ def transformer_config(spec: ModelSpec, numerics: TrainingNumerics, *, tp: int, 
         # parallel_state's); "native" is its pure-torch implementation, which runs on CPU too
         cross_entropy_loss_fusion=True, cross_entropy_fusion_impl="native",
         variable_seq_lengths=numerics.variable_seq_lengths,
+        recompute_granularity=numerics.recompute_granularity, recompute_method=numerics.recompute_method,
+        recompute_num_layers=numerics.recompute_num_layers,
+        **({"recompute_modules": list(numerics.recompute_modules)} if numerics.recompute_modules else {}),
         # no MoE here, but 0.16.1 refuses variable lengths with its default (allgather) token dispatcher
         **({"moe_token_dispatcher_type": "alltoall"} if numerics.variable_seq_lengths else {}),
         **no_fusion,
