@@ -144,3 +144,32 @@ def test_changed_vocabulary_refused_in_one_line(gpt_vocab, tmp_path):
     ranks_tracebacks = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.startswith("[rank")
                         and "Traceback" in ln]  # torchrun's own report of the exit code may follow
     assert not ranks_tracebacks, (proc.stdout + proc.stderr)[-3000:]
+
+
+def test_llama_packing_on_megatron_lm_equals_unpacked(tmp_path):
+    """Hydraulis' packs on Megatron-LM's own loop (DP 2) with RoPE: Megatron-core's THD rotary path restarts
+    positions at each document of a pack once pretrain_gpt.py's (1, n) cu_seqlens are flattened (the
+    packing:get_thd_batch_on_this_cp_rank hook; without it the run crashes in _apply_rotary_pos_emb_thd), and the
+    packed run equals one sequence per microbatch on one rank."""
+    from test_megatron_lm import LENGTHS
+
+    flags = [*with_flags(LLAMA, global_batch_size="16", train_iters="3"), "--hetu-varlen-mock", LENGTHS,
+             "--hetu-mock-documents", "2000"]
+    ref = torchrun(tmp_path, *flags, "--hetu-packing", "unpacked", nproc=1)
+    packed = torchrun(tmp_path, *flags, "--hetu-packing", "balanced")
+    assert_close(step_losses(packed.stdout + packed.stderr), step_losses(ref.stdout + ref.stderr), [1, 2, 3])
+
+
+def test_llama_hetero_plan_handed_to_hetu_trainer(tmp_path):
+    """--hetu-plan with the Llama flags: the same command line runs in hetu_ext's trainer (the hand-off takes
+    --swiglu, --normalization, --position-embedding-type rope, GQA, --disable-bias-linear; --no-rope-fusion is
+    implied) and trains."""
+    from test_megatron_lm import HETERO
+
+    plan = tmp_path / "hetero.yaml"
+    plan.write_text(HETERO)
+    proc = torchrun(tmp_path, *with_flags(LLAMA, train_iters="4"), "--hetu-plan", str(plan))
+    out = proc.stdout + proc.stderr
+    assert "2 pipeline(s), 8 microbatches per global batch" in out, out[-3000:]
+    losses = step_losses(out)
+    assert sorted(losses) == [1, 2, 3, 4] and losses[4] < losses[1], out[-3000:]

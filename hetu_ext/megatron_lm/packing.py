@@ -8,7 +8,7 @@ sequences, or ``--hetu-global-batch-tokens`` tokens) to the data-parallel ranks'
 two-stage length-aware one) and serves its own packs in Megatron-LM's batch format: ``tokens``, ``labels``,
 ``loss_mask``, ``position_ids`` of shape ``(1, t)``, ``cu_seqlens`` ``(1, documents + 1)`` and ``max_seqlen``, which
 ``pretrain_gpt.py``'s own ``get_batch`` turns into THD ``PackedSeqParams``. The local layer spec's core attention
-becomes :class:`PackedLocalAttention` (each document attends causally to itself only), so a pack computes exactly
+becomes hetu_ext's PackedDotProductAttention (each document attends causally to itself only), so a pack computes exactly
 what its documents would alone; with ``--calculate-per-token-loss`` (required, added by the entry point) the loss is
 the reference's (``--hetu-packing unpacked``: one sequence per microbatch) up to summation order.
 
@@ -33,19 +33,6 @@ from hetu_ext.patches.base import Patch
 from hetu_ext.plan import ModelSpec, uniform_plan
 
 TRAINING = "megatron.training.training"
-
-
-class PackedLocalAttention(PackedDotProductAttention):
-    """hetu_ext's packed core attention, taking Megatron-LM's ``cu_seqlens`` of shape ``(1, n)``."""
-
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None):
-        if packed_seq_params is not None and packed_seq_params.cu_seqlens_q is not None \
-                and packed_seq_params.cu_seqlens_q.dim() > 1:
-            cu = packed_seq_params.cu_seqlens_q.reshape(-1)
-            packed_seq_params = dataclasses.replace(packed_seq_params, cu_seqlens_q=cu, cu_seqlens_kv=cu)
-        return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
-                               attention_bias=attention_bias, packed_seq_params=packed_seq_params)
 
 
 class PackedLoader:
@@ -129,7 +116,7 @@ class MegatronLMPacking:
                 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
                 if isinstance(core, type) and issubclass(core, DotProductAttention):
-                    attention.core_attention = PackedLocalAttention  # the local spec; TE's takes THD itself
+                    attention.core_attention = PackedDotProductAttention  # the local spec; TE's takes THD itself
                 return spec
 
             return _get_transformer_layer_spec
@@ -153,7 +140,18 @@ class MegatronLMPacking:
 
             return get_forward_backward_func
 
+        def make_thd(original):
+            def get_thd_batch_on_this_cp_rank(batch, cu_seqlens, *args, **kwargs):
+                if cu_seqlens is not None and cu_seqlens.dim() > 1:  # Megatron-LM's (1, n): one pack per row
+                    cu_seqlens = cu_seqlens.reshape(-1)
+                return original(batch, cu_seqlens, *args, **kwargs)
+
+            return get_thd_batch_on_this_cp_rank
+
         return [
+            Patch(name="packing:get_thd_batch_on_this_cp_rank",
+                  target="megatron.core.utils:get_thd_batch_on_this_cp_rank", make=make_thd, reason="pretrain_gpt.py hands the batch's (1, n) cu_seqlens on as they are; "
+                                        "Megatron-core's THD RoPE and attention take (n,)"),
             Patch(name="packing:_get_transformer_layer_spec", target="gpt_builders:_get_transformer_layer_spec",
                   make=make_spec, reason="the local spec's core attention takes THD packs"),
             Patch(name="packing:build_pretraining_data_loader", target=f"{TRAINING}:build_pretraining_data_loader",
