@@ -133,22 +133,27 @@ def test_zero_checkpoint_resumes_on_other_rank_counts(saved, world, sample_prefi
         assert loss <= LOSS_RTOL and weight <= WEIGHT_ATOL
 
 
-def test_bf16_zero2_resumes_on_3(sample_prefix, tmp_path):
+@pytest.mark.parametrize("stage", [2, 3])
+def test_bf16_resumes_on_3(stage, sample_prefix, tmp_path):
     """--bf16 (bf16 module weights, fp32 master partitions and moments): 4 -> 3 ranks. Right after the load the
-    fp32 masters and moments equal the saved ones bit for bit and the bf16 weights too (derived from the masters
-    as DeepSpeed's step derives them; a load that kept the freshly initialised weights or rounded differently
-    fails here); steps 3-4 match the uninterrupted 4-rank bf16 run within test_ckpt_resume's BF16_LOSS_RTOL
-    (bf16 roundings of differently grouped sums)."""
+    fp32 masters and moments equal the saved ones bit for bit (and under ZeRO-2 the bf16 weights too, derived from
+    the masters as DeepSpeed's step derives them: a load that kept the freshly initialised weights fails here).
+    ZeRO-2: steps 3-4 match the uninterrupted 4-rank bf16 run within test_ckpt_resume's BF16_LOSS_RTOL (measured
+    1.8e-7). ZeRO-3 is checked on the state only: its bf16 gradient reduction differs with the world size even
+    without a resume (uninterrupted 3 vs 4 ranks: 2.4e-4 and 3.9e-4 on the losses of steps 3-4, measured with the
+    launcher on mock data), so no continuation tolerance separates a good load from a bad one there."""
     from test_ckpt_resume import BF16_LOSS_RTOL
 
     directory = tmp_path / "ckpt"
-    reference = _run(4, ds_argv(sample_prefix, 4, ("--bf16",)), 2, None, None)
-    at_save = _run(4, ds_argv(sample_prefix, 2, ("--bf16",)), 2, None, str(directory))
-    result = _run(3, ds_argv(sample_prefix, 4, ("--bf16",)), 2, str(directory), None)
-    assert {v.dtype for k, v in at_save["final"].items() if k[0] == "param"} == {torch.bfloat16}
+    at_save = _run(4, ds_argv(sample_prefix, 2, ("--bf16",)), stage, None, str(directory))
+    result = _run(3, ds_argv(sample_prefix, 4, ("--bf16",)), stage, str(directory), None)
+    assert stage == 3 or {v.dtype for k, v in at_save["final"].items() if k[0] == "param"} == {torch.bfloat16}
     assert result["after_load"].keys() == at_save["final"].keys()
     for key, value in at_save["final"].items():
         assert torch.equal(result["after_load"][key], value), key
-    loss = max(abs(a - b) / abs(b) for a, b in zip(result["losses"][2:], reference["losses"][2:]))
-    print(f"bf16 ZeRO-2 4 -> 3 ranks: steps 3-4 loss rel diff {loss:.2e}")
-    assert len(result["losses"]) == 4 and loss <= BF16_LOSS_RTOL
+    assert result["after_load_step"] == 2.0 and result["losses"][:2] == at_save["losses"]
+    if stage == 2:
+        reference = _run(4, ds_argv(sample_prefix, 4, ("--bf16",)), stage, None, None)
+        loss = max(abs(a - b) / abs(b) for a, b in zip(result["losses"][2:], reference["losses"][2:]))
+        print(f"bf16 ZeRO-2 4 -> 3 ranks: steps 3-4 loss rel diff {loss:.2e}")
+        assert len(result["losses"]) == 4 and loss <= BF16_LOSS_RTOL
