@@ -116,6 +116,8 @@ def run(args: argparse.Namespace, formats: Sequence[ForeignCheckpoints] = ()) ->
     if foreign is not None:
         return foreign.cli_lines(args.command, args.path, getattr(args, "output", None),
                                  getattr(args, "kind", "param"), getattr(args, "to", "safetensors")), None
+    if args.command == "import-hf":
+        return import_hf(args.path, args.output), None
     if args.command == "verify" and args.all:
         lines, bad = _verify_all(args.path)
         error = f"{len(bad)} of {len(lines)} checkpoint(s) failed verification ({', '.join(bad)})" if bad else None
@@ -147,6 +149,17 @@ def run(args: argparse.Namespace, formats: Sequence[ForeignCheckpoints] = ()) ->
         params = reader.read_full({t.name for t in manifest.tensors if t.name.startswith("param/")})
         count = write_gpt2(args.output, params, num_attention_heads=int(heads))
         return [f"wrote a GPT-2 model ({count} tensors, iteration {iteration}) to {args.output}"], None
+    if args.to == "hf-llama":
+        from .hf_llama import spec_from_hf, to_hf, write_hf
+
+        config = manifest.state.get("hf_config")
+        if not config:
+            raise CheckpointError(f"{args.path}: the manifest records no Hugging Face config; hf-llama exports a "
+                                  "model imported with import-hf (its config is kept)")
+        params = reader.read_full({t.name for t in manifest.tensors if t.name.startswith("param/")})
+        count = write_hf(args.output, to_hf(params, spec_from_hf(config)), config)
+        return [f"wrote a {config['architectures'][0]} model ({count} tensors, iteration {iteration}) to "
+                f"{args.output}"], None
     kinds = sorted({t.name.split("/", 1)[0] for t in manifest.tensors})
     if args.kind not in kinds:
         raise CheckpointError(f"--kind {args.kind}: the checkpoint holds {kinds}; pick one of them")
@@ -157,6 +170,50 @@ def run(args: argparse.Namespace, formats: Sequence[ForeignCheckpoints] = ()) ->
                for (name, index), t in full.items()}  # a gated fc1 as Megatron's [gate; up]
     save_file(tensors, args.output, metadata={"iteration": str(iteration), "kind": args.kind})
     return [f"wrote {len(tensors)} tensors ({args.kind}, iteration {iteration}) to {args.output}"], None
+
+
+def import_hf(hf_dir: str, output: str) -> list[str]:
+    """Write the Hugging Face model in ``hf_dir`` as a hetu checkpoint (iteration 0, weights only) in ``output``,
+    from one process; the manifest keeps the model's settings as flags and its Hugging Face config."""
+    import os
+    import tempfile
+
+    import torch.distributed as dist
+
+    from hetu_ext.plan import plan_to_dict, uniform_plan
+    from hetu_ext.runtime.reshard import Piece
+
+    from .hf_llama import from_hf, read_config, read_state, spec_from_hf
+    from .writer import Checkpointer, SaveConfig
+
+    config = read_config(hf_dir)
+    spec = spec_from_hf(config)
+    full = from_hf(read_state(hf_dir), spec)
+    pieces = [Piece(name, index, tuple((0, d) for d in t.shape), t) for (name, index), t in full.items()]
+    flags = {"num_layers": spec.num_layers, "hidden_size": spec.hidden_size,
+             "num_attention_heads": spec.num_attention_heads, "ffn_hidden_size": spec.ffn_hidden_size,
+             "max_position_embeddings": spec.max_position_embeddings, "seq_length": spec.seq_length,
+             "untie_embeddings_and_output_weights": spec.untie_embeddings_and_output_weights, "swiglu": True,
+             "normalization": "RMSNorm", "position_embedding_type": "rope", "group_query_attention": True,
+             "num_query_groups": spec.num_query_groups, "kv_channels": spec.kv_channels,
+             "disable_bias_linear": True, "add_qkv_bias": spec.add_qkv_bias, "norm_epsilon": spec.norm_epsilon,
+             "rotary_base": spec.rotary_base}
+    own_group = not dist.is_initialized()
+    if own_group:  # the writer is collective: a group of this one process
+        store = dist.FileStore(os.path.join(tempfile.mkdtemp(prefix="hetu_import_"), "store"), 1)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        Path(output).mkdir(parents=True, exist_ok=True)
+        plan = uniform_plan(world_size=1, tp=1, pp=1, num_layers=spec.num_layers)
+        Checkpointer(LocalStorage(output), SaveConfig(keep=1)).save(
+            iteration=0, pieces=pieces, rng={}, blocking=True,
+            info={"consumed_samples": 0, "plan": plan_to_dict(plan), "config": flags,
+                  "state": {"hf_config": config, "vocab_size": spec.vocab_size}})
+    finally:
+        if own_group:
+            dist.destroy_process_group()
+    return [f"imported {config['architectures'][0]} ({len(pieces)} tensors, {spec.num_layers} layers, "
+            f"{spec.num_query_groups} query groups) from {hf_dir} into {output}"]
 
 
 def main(argv: list[str] | None = None, formats: Sequence[ForeignCheckpoints] = ()) -> int:
@@ -173,9 +230,15 @@ def main(argv: list[str] | None = None, formats: Sequence[ForeignCheckpoints] = 
     convert.add_argument("path")
     convert.add_argument("output")
     convert.add_argument("--kind", default="param", help="param (default), master, exp_avg or exp_avg_sq")
-    convert.add_argument("--to", choices=["safetensors", "torch_dist", "hf-gpt2"], default="safetensors",
+    convert.add_argument("--to", choices=["safetensors", "torch_dist", "hf-gpt2", "hf-llama"], default="safetensors",
                          help="safetensors: one file of full tensors; torch_dist: Megatron's dist_checkpointing; "
-                              "hf-gpt2: a Hugging Face GPT-2 directory")
+                              "hf-gpt2: a Hugging Face GPT-2 directory; hf-llama: the Hugging Face directory of "
+                              "a model imported with import-hf (Llama, Mistral, Qwen2)")
+    imp = sub.add_parser("import-hf", help="a Hugging Face Llama / Mistral / Qwen2 directory as a hetu checkpoint "
+                                           "(weights only; --load, --pretrained-checkpoint and the reshard engine "
+                                           "take it into any plan)")
+    imp.add_argument("path", help="the Hugging Face model directory (config.json, *.safetensors)")
+    imp.add_argument("output", help="the hetu checkpoint directory to write")
     args = parser.parse_args(argv)
     from hetu_ext.hostlog import quiet_host_frameworks
 

@@ -1,0 +1,175 @@
+"""Hugging Face Llama-family checkpoints (Llama, Mistral, Qwen2) to and from hetu checkpoints, by the inventory.
+
+A Hugging Face model directory (``config.json`` + ``model.safetensors`` or its shards) maps onto Megatron-core's
+GPT with the local layer spec, tensor by tensor (no transformers import: its files are read directly):
+
+* ``q_proj``, ``k_proj``, ``v_proj`` -> ``linear_qkv``, grouped rows ``[groups x (q heads per group + k + v) x
+  head_dim]`` (and their biases for Qwen2);
+* ``gate_proj``, ``up_proj`` -> the gated ``linear_fc1`` with its gate axis ``(2, F, h)`` (hetu_ext.checkpoint.gated);
+* ``o_proj`` -> ``linear_proj``, ``down_proj`` -> ``linear_fc2``; ``input_layernorm`` / ``post_attention_layernorm``
+  -> the layer's two norms (``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``), ``norm`` ->
+  ``final_layernorm``; ``embed_tokens`` / ``lm_head`` -> the word embedding / output layer, padded to the model's
+  padded vocabulary (zero rows: padding carries nothing) and cut back on export.
+
+Rotary embeddings need no permutation: Megatron-core's default RoPE rotates halves as Hugging Face's does.
+An architecture or a setting this mapping does not cover is refused by name (one line), never approximated.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from hetu_ext.model.spec import ModelSpec
+
+from .manifest import CheckpointError
+
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+LAYER = "decoder.layers."
+
+
+def read_config(directory: str | Path) -> dict:
+    path = Path(directory) / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{directory}: no config.json; give a Hugging Face model directory (save_pretrained)")
+    config = json.loads(path.read_text())
+    archs = config.get("architectures") or []
+    if not archs or archs[0] not in ARCHITECTURES:
+        raise CheckpointError(f"{directory}: architecture {archs[0] if archs else None!r} has no mapping here; "
+                              f"supported: {', '.join(ARCHITECTURES)}")
+    scaling = config.get("rope_scaling") or (config.get("rope_parameters") or {})
+    kind = scaling.get("rope_type") or scaling.get("type") if isinstance(scaling, dict) else None
+    if kind not in (None, "default"):
+        raise CheckpointError(f"{directory}: rope scaling {kind!r} has no mapping here (default RoPE only)")
+    if config.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"{directory}: hidden_act {config.get('hidden_act')!r}; the gated MLP here is SwiGLU")
+    return config
+
+
+def spec_from_hf(config: dict, *, seq_length: int | None = None) -> ModelSpec:
+    """The hetu_ext model settings of a Hugging Face Llama-family config."""
+    h, heads = config["hidden_size"], config["num_attention_heads"]
+    qwen2 = config["architectures"][0] == "Qwen2ForCausalLM"
+    theta = config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+    max_pos = config.get("max_position_embeddings", 2048)
+    return ModelSpec(num_layers=config["num_hidden_layers"], hidden_size=h, num_attention_heads=heads,
+                     ffn_hidden_size=config["intermediate_size"], vocab_size=config["vocab_size"],
+                     seq_length=seq_length or max_pos, max_position_embeddings=max_pos,
+                     untie_embeddings_and_output_weights=not config.get("tie_word_embeddings", False),
+                     normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
+                     num_query_groups=config.get("num_key_value_heads", heads),
+                     kv_channels=config.get("head_dim") or h // heads, add_bias_linear=False,
+                     add_qkv_bias=bool(config.get("attention_bias", qwen2)),
+                     norm_epsilon=float(config.get("rms_norm_eps", 1e-6)), rotary_base=int(theta))
+
+
+def read_state(directory: str | Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    root = Path(directory)
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{directory}: no *.safetensors weights (save_pretrained writes model.safetensors)")
+    state = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    return state
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])]) if rows > t.shape[0] else t
+
+
+def from_hf(state: dict[str, torch.Tensor], spec: ModelSpec) -> dict[tuple[str, tuple[int, ...]], torch.Tensor]:
+    """Hugging Face tensors -> hetu ``param/KEY`` full tensors (per layer), fp32. Every HF tensor must be used."""
+    groups, d, heads = spec.num_query_groups, spec.kv_channels, spec.num_attention_heads
+    used: set[str] = set()
+
+    def take(name: str) -> torch.Tensor:
+        if name not in state:
+            raise CheckpointError(f"the Hugging Face checkpoint has no {name}; it is not a {ARCHITECTURES} model")
+        used.add(name)
+        return state[name].float()
+
+    def grouped(q, k, v):  # (heads*d, ...), (groups*d, ...) -> [groups x (q per group + 2) x d] rows
+        rest = q.shape[1:]
+        parts = (q.reshape(groups, heads // groups * d, *rest), k.reshape(groups, d, *rest),
+                 v.reshape(groups, d, *rest))
+        return torch.cat(parts, dim=1).reshape(-1, *rest)
+
+    out = {("param/embedding.word_embeddings.weight", ()): _pad_rows(take("model.embed_tokens.weight"),
+                                                                        spec.padded_vocab_size)}
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}."
+        attn = [take(f"{p}self_attn.{x}_proj.weight") for x in "qkv"]
+        layer = {"self_attention.linear_qkv.layer_norm_weight": take(f"{p}input_layernorm.weight"),
+                 "self_attention.linear_qkv.weight": grouped(*attn),
+                 "self_attention.linear_proj.weight": take(f"{p}self_attn.o_proj.weight"),
+                 "mlp.linear_fc1.layer_norm_weight": take(f"{p}post_attention_layernorm.weight"),
+                 "mlp.linear_fc1.weight": torch.stack([take(f"{p}mlp.gate_proj.weight"),
+                                                       take(f"{p}mlp.up_proj.weight")]),
+                 "mlp.linear_fc2.weight": take(f"{p}mlp.down_proj.weight")}
+        if spec.add_qkv_bias:
+            layer["self_attention.linear_qkv.bias"] = grouped(*(take(f"{p}self_attn.{x}_proj.bias") for x in "qkv"))
+        out.update({(f"param/{LAYER}{k}", (i,)): t for k, t in layer.items()})
+    out[("param/decoder.final_layernorm.weight", ())] = take("model.norm.weight")
+    if spec.untie_embeddings_and_output_weights:
+        out[("param/output_layer.weight", ())] = _pad_rows(take("lm_head.weight"), spec.padded_vocab_size)
+    left = sorted(set(state) - used - {"lm_head.weight"})
+    if left:
+        raise CheckpointError(f"the Hugging Face checkpoint holds {left[:3]} ({len(left)} tensors) that have no "
+                              "mapping here; refusing to drop them")
+    return out
+
+
+def to_hf(full: dict[tuple[str, tuple[int, ...]], torch.Tensor], spec: ModelSpec) -> dict[str, torch.Tensor]:
+    """hetu ``param/KEY`` full tensors -> Hugging Face tensors (the inverse of :func:`from_hf`)."""
+    groups, d, heads = spec.num_query_groups, spec.kv_channels, spec.num_attention_heads
+    qpg = heads // groups
+
+    def split(t):  # grouped rows -> q, k, v
+        rest = t.shape[1:]
+        g = t.reshape(groups, (qpg + 2) * d, *rest)
+        return (g[:, :qpg * d].reshape(-1, *rest), g[:, qpg * d:(qpg + 1) * d].reshape(-1, *rest),
+                g[:, (qpg + 1) * d:].reshape(-1, *rest))
+
+    def get(key, index=()):
+        t = full.get((f"param/{key}", index))
+        if t is None:
+            raise CheckpointError(f"the checkpoint has no param/{key}{list(index)}; it is not this model's")
+        return t
+
+    v = spec.vocab_size
+    out = {"model.embed_tokens.weight": get("embedding.word_embeddings.weight")[:v],
+           "model.norm.weight": get("decoder.final_layernorm.weight")}
+    for i in range(spec.num_layers):
+        p, L = f"model.layers.{i}.", (i,)
+        q, k, vv = split(get(f"{LAYER}self_attention.linear_qkv.weight", L))
+        fc1 = get(f"{LAYER}mlp.linear_fc1.weight", L)
+        out.update({f"{p}input_layernorm.weight": get(f"{LAYER}self_attention.linear_qkv.layer_norm_weight", L),
+                    f"{p}self_attn.q_proj.weight": q, f"{p}self_attn.k_proj.weight": k,
+                    f"{p}self_attn.v_proj.weight": vv,
+                    f"{p}self_attn.o_proj.weight": get(f"{LAYER}self_attention.linear_proj.weight", L),
+                    f"{p}post_attention_layernorm.weight": get(f"{LAYER}mlp.linear_fc1.layer_norm_weight", L),
+                    f"{p}mlp.gate_proj.weight": fc1[0], f"{p}mlp.up_proj.weight": fc1[1],
+                    f"{p}mlp.down_proj.weight": get(f"{LAYER}mlp.linear_fc2.weight", L)})
+        if spec.add_qkv_bias:
+            qb, kb, vb = split(get(f"{LAYER}self_attention.linear_qkv.bias", L))
+            out.update({f"{p}self_attn.q_proj.bias": qb, f"{p}self_attn.k_proj.bias": kb,
+                        f"{p}self_attn.v_proj.bias": vb})
+    if spec.untie_embeddings_and_output_weights:
+        out["lm_head.weight"] = get("output_layer.weight")[:v]
+    return {k: t.contiguous() for k, t in out.items()}
+
+
+def write_hf(directory: str | Path, state: dict[str, torch.Tensor], config: dict) -> int:
+    """``config.json`` (the imported model's, kept) and ``model.safetensors``; returns the tensors written."""
+    from safetensors.torch import save_file
+
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    return len(state)
