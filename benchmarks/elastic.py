@@ -308,6 +308,12 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _torch_version() -> str:
+    from importlib.metadata import version
+
+    return version("torch")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scenarios", default=",".join(SCENARIOS))
@@ -325,7 +331,9 @@ def main() -> int:
     header = (f"# Elastor rehearsal: {job.nodes} node launchers x {job.nproc} CPU ranks on the loopback, store on "
               f"its own process; {job.train_iters} iterations, save every {job.save_interval}, layer "
               f"{job.layer_ms} ms emulated, --hetu-hang-timeout {job.hang_timeout} s; {os.cpu_count()} cores, "
-              f"python {sys.version.split()[0]}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+              f"python {sys.version.split()[0]}, torch {_torch_version()}, load average at start "
+              f"{' '.join(Path('/proc/loadavg').read_text().split()[:3])}, "
+              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     print(header, flush=True)
     rows = []
     for scenario in scenarios:
