@@ -93,6 +93,8 @@ def _check_flags(train: list[str]) -> tuple[str, float]:
         raise ValueError("elastic restarts need --save DIR (the checkpoints to resume from); add it with "
                          "--save-interval N")
     plan_inputs(train)
+    import hetu_ext.checkpoint.reader  # noqa: F401 - warm: every round's argv looks for the newest checkpoint
+
     return config.checkpoint.save, config.parallel.hang_timeout
 
 
