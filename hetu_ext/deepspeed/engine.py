@@ -265,9 +265,8 @@ def build(config: RunConfig, zero: ZeroConfig) -> DeepSpeedGPT:
         parallel_state.initialize_model_parallel(1, 1, create_gloo_process_groups=False)
     training, model_cfg = config.training, config.model
     tensor_parallel.model_parallel_cuda_manual_seed(training.seed)
-    numerics = TrainingNumerics(bf16=training.bf16, hidden_dropout=model_cfg.hidden_dropout,
-                                attention_dropout=model_cfg.attention_dropout,
-                                init_method_std=model_cfg.init_method_std)
+    # the trainer's numerics from the same settings (dropout, init, --bf16, --recompute-*)
+    numerics = TrainingNumerics.of(model_cfg, training, variable_seq_lengths=config.packing.method != "off")
     tconfig = transformer_config(spec, numerics, tp=1, pp=1, on_cpu=h.device.type == "cpu")
     model = build_gpt_stage(spec, tconfig, pre_process=True, post_process=True).to(h.device)
     init_weights(model, seed=training.seed, std=model_cfg.init_method_std, num_layers=spec.num_layers)

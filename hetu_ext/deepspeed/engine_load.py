@@ -72,7 +72,7 @@ def checkpoint_kind(directory: str) -> str | None:
     return None
 
 
-def _destinations(engine, names: set[str], step: float | None) -> list[Piece]:
+def _destinations(engine, names: set[str], step: float | None, gated: bool) -> list[Piece]:
     """Create Adam's state for ``step`` and return the engine's pieces to fill; the masters come from
     ``master/`` when the checkpoint has it, else from ``param/`` (an fp32 run keeps no separate master)."""
     have = {n.split("/", 1)[0] for n in names}
@@ -81,14 +81,15 @@ def _destinations(engine, names: set[str], step: float | None) -> list[Piece]:
                               "the DeepSpeed path resumes Adam's state: load a checkpoint saved after a step")
     engine_state.create_optimizer_state(engine, step)
     master = "master" if "master" in have else "param"
-    return engine_state.engine_pieces(engine, ("master", *engine_state.MOMENTS), master_as=master)
+    return engine_state.engine_pieces(engine, ("master", *engine_state.MOMENTS), master_as=master, gated=gated)
 
 
 def _load_deepspeed(run, directory: str) -> tuple[dict[str, Any], int, float | None, int, str]:
     from .zero_checkpoint import load_resharded, read_info
 
     info = read_info(directory)
-    _, report = load_resharded(directory, lambda names: _destinations(run.engine, names, info.optimizer_step))
+    gated = run.config.model.swiglu
+    _, report = load_resharded(directory, lambda names: _destinations(run.engine, names, info.optimizer_step, gated))
     client = dict(info.client_state.get("hetu_ext", {}))
     client.setdefault("iteration", info.global_steps)
     return client, info.world_size, info.optimizer_step, report.bytes_sent, str(info.path)
@@ -102,7 +103,7 @@ def _load_hetu(run, directory: str) -> tuple[dict[str, Any], int, float | None, 
 
     def destinations(manifest) -> list[Piece]:
         names = {t.name for t in manifest.tensors}
-        return _destinations(run.engine, names, manifest.state.get("optimizer_step"))
+        return _destinations(run.engine, names, manifest.state.get("optimizer_step"), run.config.model.swiglu)
 
     report = load_pieces(LocalStorage(directory), destinations, fallback=checkpoint.fallback, read=checkpoint.read)
     m = report.manifest

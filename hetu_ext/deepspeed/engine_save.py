@@ -66,9 +66,10 @@ class HetuSaver:
         run = self.run
         engine = run.engine
         bf16 = engine.bfloat16_enabled()
-        pieces = engine_state.engine_pieces(engine, master_as="master" if bf16 else "param")
+        gated = run.config.model.swiglu
+        pieces = engine_state.engine_pieces(engine, master_as="master" if bf16 else "param", gated=gated)
         if bf16:
-            pieces += engine_state.param_pieces(engine)
+            pieces += engine_state.param_pieces(engine, gated=gated)
         data = run.data_settings()
         state = {"iteration": run.iteration, "losses": list(run.losses), "scheduler": run.scheduler.state_dict(),
                  "data": data, "optimizer_step": engine_state.optimizer_step(engine), "assumed": None}

@@ -73,9 +73,21 @@ def flat_range_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[tupl
     return out
 
 
-def _fragment_pieces(kind: str, name: str, shape: tuple[int, ...], start: int, flat: torch.Tensor) -> list[Piece]:
+def hetu_shape(key: str, shape: tuple[int, ...], gated: bool) -> tuple[int, ...]:
+    """A parameter's global shape in hetu checkpoints: a gated MLP's ``linear_fc1`` (``--swiglu``) gets a leading gate
+    axis, ``(2F, ...)`` -> ``(2, F, ...)`` (hetu_ext/checkpoint/gated.py; the same bytes in the same order)."""
+    from hetu_ext.checkpoint.gated import GATED_SUFFIXES
+
+    if gated and key.endswith(GATED_SUFFIXES):
+        return (2, shape[0] // 2, *shape[1:])
+    return shape
+
+
+def _fragment_pieces(kind: str, name: str, shape: tuple[int, ...], start: int, flat: torch.Tensor,
+                     gated: bool = False) -> list[Piece]:
     """Pieces of parameter ``name``'s elements ``[start, start + flat.numel())`` (flattened), viewing ``flat``."""
     key, index = hetu_name(kind, name)
+    shape = hetu_shape(key, shape, gated)
     pieces = []
     for box, off in flat_range_boxes(shape, start, start + flat.numel()):
         extent = tuple(hi - lo for lo, hi in box)
@@ -139,10 +151,12 @@ def create_optimizer_state(engine, step: float, moments: Iterable[str] = MOMENTS
         optimizer._lazy_init_hp_params_optimizer_state()
 
 
-def engine_pieces(engine, kinds: Iterable[str] = ("master", *MOMENTS), *, master_as: str = "master") -> list[Piece]:
+def engine_pieces(engine, kinds: Iterable[str] = ("master", *MOMENTS), *, master_as: str = "master",
+                  gated: bool = False) -> list[Piece]:
     """This rank's fragments of the fp32 master weights and Adam moments as pieces viewing DeepSpeed's buffers
     (``kinds`` among ``master``, ``exp_avg``, ``exp_avg_sq``; moments need the optimizer state to exist).
-    ``master_as="param"`` names the masters ``param/KEY`` (filled from an fp32 run's weights)."""
+    ``master_as="param"`` names the masters ``param/KEY`` (filled from an fp32 run's weights); ``gated``: the model
+    has a gated MLP (``--swiglu``), whose ``linear_fc1`` hetu checkpoints hold as ``(2, F, ...)``."""
     flats = flat_partitions(engine)
     state = engine.optimizer.optimizer.state
     pieces: list[Piece] = []
@@ -150,11 +164,11 @@ def engine_pieces(engine, kinds: Iterable[str] = ("master", *MOMENTS), *, master
         for kind in kinds:
             buffer = (flats[g] if kind == "master" else state[flats[g]][kind]).detach()
             named = master_as if kind == "master" else kind
-            pieces += _fragment_pieces(named, name, shape, first, buffer.narrow(0, offset, count))
+            pieces += _fragment_pieces(named, name, shape, first, buffer.narrow(0, offset, count), gated)
     return pieces
 
 
-def param_pieces(engine) -> list[Piece]:
+def param_pieces(engine, *, gated: bool = False) -> list[Piece]:
     """This rank's model-dtype weights as pieces (``param/KEY``): each fragment of the partitioned copy, so that
     every element is held by exactly one rank (ZeRO-1/2: the module's weights at the rank's fp32 fragments;
     ZeRO-3: ``ds_tensor``)."""
@@ -165,7 +179,7 @@ def param_pieces(engine) -> list[Piece]:
         by_name = {n: p for n, p in engine.module.named_parameters()}
         for name, shape, first, count, _, _ in _fragments(engine):
             flat = by_name[name].ds_tensor.data.view(-1).narrow(0, 0, count)
-            pieces += _fragment_pieces("param", name, shape, first, flat)
+            pieces += _fragment_pieces("param", name, shape, first, flat, gated)
         return pieces
     for group in optimizer.bit16_groups:
         for p in group:
@@ -173,7 +187,7 @@ def param_pieces(engine) -> list[Piece]:
             if mapping is not None:
                 lp = mapping.lp_fragment_address
                 flat = p.data.view(-1).narrow(0, lp.start, lp.numel)
-                pieces += _fragment_pieces("param", names[id(p)], tuple(p.shape), lp.start, flat)
+                pieces += _fragment_pieces("param", names[id(p)], tuple(p.shape), lp.start, flat, gated)
     return pieces
 
 

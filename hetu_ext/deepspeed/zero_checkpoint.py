@@ -215,10 +215,26 @@ def rebuild(info: DeepSpeedInfo, kind: str) -> dict[str, torch.Tensor]:
     return {n: out[n].detach().clone() for n in info.shapes}
 
 
-def _pieces(kind: str, full: dict[str, torch.Tensor]) -> list[Piece]:
+def _gated_key(key: str) -> bool:
+    from hetu_ext.checkpoint.gated import GATED_SUFFIXES
+
+    return key.endswith(GATED_SUFFIXES)
+
+
+def _wants_gated(mine: list[Piece]) -> bool:
+    """This rank's destinations hold a gated MLP's ``linear_fc1`` with the gate axis (``(2, F, ...)``, --swiglu):
+    DeepSpeed stores Megatron's ``[gate; up]`` ``(2F, ...)``, the same bytes in the same order."""
+    return any(_gated_key(p.key) and len(p.box) == (3 if p.key.endswith("weight") else 2) for p in mine)
+
+
+def _pieces(kind: str, full: dict[str, torch.Tensor], gated: bool = False) -> list[Piece]:
+    from hetu_ext.checkpoint.gated import from_megatron
+
     pieces = []
     for name, t in full.items():
         key, index = hetu_name(kind, name)
+        if gated and _gated_key(key):
+            t = from_megatron(t)
         pieces.append(Piece(key, index, tuple((0, d) for d in t.shape), t))
     return pieces
 
@@ -226,8 +242,11 @@ def _pieces(kind: str, full: dict[str, torch.Tensor]) -> list[Piece]:
 def _shape_error(info: DeepSpeedInfo, mine: list[Piece]) -> str | None:
     """The first destination piece that does not fit the stored tensor's shape (another model configuration)."""
     shapes = {}
+    gated = _wants_gated(mine)
     for name, shape in info.shapes.items():
         key, index = hetu_name("param", name)
+        if gated and _gated_key(key):
+            shape = (2, shape[0] // 2, *shape[1:])
         shapes[(key.split("/", 1)[1], index)] = tuple(shape)
     for p in mine:
         shape = shapes.get((p.key.split("/", 1)[1], p.index))
@@ -253,15 +272,17 @@ def load_resharded(directory: str, destinations: list[Piece] | Callable[[set[str
              f"{sorted(names)[:3]}); it was saved from another model or optimizer") if missing else None
     error = error or _shape_error(info, mine)
     everyone: list = [None] * world
-    dist.all_gather_object(everyone, (sorted({p.key.split('/', 1)[0] for p in mine}), error), group=group)
-    errors = sorted({e for _, e in everyone if e})
+    dist.all_gather_object(everyone, (sorted({p.key.split('/', 1)[0] for p in mine}), error, _wants_gated(mine)),
+                           group=group)
+    errors = sorted({e for _, e, _ in everyone if e})
     if errors:
         raise CheckpointError("; ".join(errors))
-    wanted = sorted({kind for kinds, _ in everyone for kind in kinds}, key=KINDS.index)
+    wanted = sorted({kind for kinds, _, _ in everyone for kind in kinds}, key=KINDS.index)
+    gated = any(g for _, _, g in everyone)  # the rank rebuilding a kind may hold no fc1 itself
     sources: list[Piece] = []
     for i, kind in enumerate(wanted):
         if i % world == rank:
-            sources += _pieces(kind, rebuild(info, kind))
+            sources += _pieces(kind, rebuild(info, kind), gated)
     report = reshard(sources, mine, group=group)
     if rank == 0:
         logger.info("loaded DeepSpeed ZeRO-%d checkpoint %s (world size %d, step %d): %s", info.zero_stage,
