@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("elastic_bench", ROOT / "benchmarks" / "elastic.py")
@@ -45,3 +48,21 @@ def test_config_error_on_one_node_stops_every_node_with_it(tmp_path):
               for line in cluster.events_path(n).read_text().splitlines()]
     assert not [e for e in events if e["event"] in ("plan", "workers_started")], events
     assert elapsed < 60, elapsed
+
+
+@pytest.mark.parametrize("flags, rule", [
+    (["--nnodes", "3:1"], "--nnodes must be N or MIN:MAX with 1 <= MIN <= MAX, got '3:1'"),
+    (["--rdzv-endpoint", "nohost"], "--rdzv-endpoint must be HOST:PORT with a port in 1..65535, got 'nohost'"),
+    (["--nproc-per-node", "0"], "--nproc-per-node must be >= 1 (this node's devices), got 0"),
+    (["--rdzv-conf", "last_call_timeout"], "--rdzv-conf takes key=value pairs separated by commas"),
+])
+def test_bad_launcher_flags_are_one_line_and_exit_2(flags, rule):
+    """Checked before any store is contacted (the endpoint below has nothing listening)."""
+    base = {"--nnodes": "1:2", "--nproc-per-node": "1", "--rdzv-endpoint": "127.0.0.1:9"}
+    base.update(dict(zip(flags[::2], flags[1::2])))
+    argv = [token for pair in base.items() for token in pair]
+    proc = subprocess.run([sys.executable, str(ROOT / "launch" / "elastic.py"), *argv, "--", "--mock-data"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()], proc.stderr  # one line
+    assert proc.stderr.startswith("launch/elastic.py: error: ") and rule in proc.stderr, proc.stderr

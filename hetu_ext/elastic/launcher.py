@@ -24,9 +24,17 @@ leaves the rendezvous after keep_alive_interval x keep_alive_max_attempt = 3 s w
 and a round closes 2 s after its minimum of nodes joined (torch: 30 s), the time a late node has to join it."""
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """Bad launcher flags are one ``error:`` line and exit code 2, as pretrain_gpt.py's."""
+
+    def error(self, message: str):
+        print(f"{self.prog}: error: {message}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="launch/elastic.py", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _OneLineParser(prog="launch/elastic.py", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nnodes", default="1", help="MIN:MAX nodes (or N), as torchrun's")
     parser.add_argument("--nproc-per-node", type=int, help="devices (ranks) of this node when healthy")
     parser.add_argument("--rdzv-endpoint", required=True, help="HOST:PORT of the rendezvous store")
