@@ -68,3 +68,18 @@ def test_no_plan_on_too_few_devices_is_an_error_naming_the_counts():
         agree([NodeReport(node="a", devices=(0,))], WIDE, micro_batch=1, num_microbatches=4)
     with pytest.raises(ValueError, match="at least one"):
         NodeReport(node="a", devices=())
+
+
+def test_a_node_reports_the_devices_its_command_prints_or_those_not_lost():
+    """--healthy-devices-cmd prints a count or a list (a node that lost device 1 of 4 prints [0, 2, 3]); without
+    one, on a CPU, the devices not lost so far. A malformed answer is an error naming the command and the fix."""
+    from hetu_ext.elastic.agent import healthy_devices
+
+    assert healthy_devices("echo 3", 8, set()) == (0, 1, 2)
+    assert healthy_devices("echo '[0, 2, 3]'", 4, set()) == (0, 2, 3)
+    import torch
+
+    if not torch.cuda.is_available():  # CPU emulation; with CUDA each device is probed instead
+        assert healthy_devices(None, 4, {1}) == (0, 2, 3)
+    with pytest.raises(ValueError, match=r"must print a count or a JSON list of device indices"):
+        healthy_devices("echo '\"all\"'", 4, set())

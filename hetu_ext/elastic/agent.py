@@ -127,7 +127,10 @@ class HetuElasticAgent(LocalElasticAgent):
 
     # --- rendezvous and plan agreement --------------------------------------------------------------------------
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
-        self.devices = self._healthy_devices()
+        try:
+            self.devices = self._healthy_devices()
+        except (ValueError, subprocess.CalledProcessError) as exc:  # a broken --healthy-devices-cmd
+            raise self.publish_error(f"launch/elastic.py: error: {exc}") from None
         if not self.devices:
             raise NoHealthyDevice(f"node {self.settings.node} has no healthy device left; it leaves the job")
         if (message := self.published_error()) is not None:
@@ -238,21 +241,29 @@ class HetuElasticAgent(LocalElasticAgent):
         return codes
 
     def _healthy_devices(self) -> tuple[int, ...]:
-        """This node's healthy devices now: ``--healthy-devices-cmd`` (JSON: a count, or a list of indices), a CUDA
-        probe of each device, or (CPU emulation) every device less those lost so far."""
         settings = self.settings
-        if settings.healthy_devices_cmd:
-            out = json.loads(subprocess.run(settings.healthy_devices_cmd, shell=True, check=True, capture_output=True,
-                                            text=True).stdout)
-            return tuple(range(out)) if isinstance(out, int) else tuple(int(d) for d in out)
-        import torch
+        return healthy_devices(settings.healthy_devices_cmd, settings.nproc_per_node, settings.lost)
 
-        if torch.cuda.is_available():
-            probe = "import torch,sys; torch.zeros(1, device=f'cuda:{sys.argv[1]}'); torch.cuda.synchronize()"
-            procs = {d: subprocess.Popen([sys.executable, "-c", probe, str(d)], stdout=subprocess.DEVNULL,
-                                         stderr=subprocess.DEVNULL) for d in range(settings.nproc_per_node)}
-            return tuple(d for d, p in procs.items() if p.wait() == 0)
-        return tuple(d for d in range(settings.nproc_per_node) if d not in settings.lost)
+
+def healthy_devices(command: str | None, nproc_per_node: int, lost: set[int]) -> tuple[int, ...]:
+    """A node's healthy devices now: ``command``'s output (JSON: a count, or a list of device indices), else a CUDA
+    probe of each device in a fresh process, else (CPU emulation) every device less those ``lost`` so far."""
+    if command:
+        out = json.loads(subprocess.run(command, shell=True, check=True, capture_output=True, text=True).stdout)
+        if isinstance(out, int) and not isinstance(out, bool) and out >= 0:
+            return tuple(range(out))
+        if isinstance(out, list) and all(isinstance(d, int) and d >= 0 for d in out):
+            return tuple(out)
+        raise ValueError(f"--healthy-devices-cmd {command!r} printed {out!r}; it must print a count or a JSON list of "
+                         f"device indices, e.g. 8 or [0, 1, 3]")
+    import torch
+
+    if torch.cuda.is_available():
+        probe = "import torch,sys; torch.zeros(1, device=f'cuda:{sys.argv[1]}'); torch.cuda.synchronize()"
+        procs = {d: subprocess.Popen([sys.executable, "-c", probe, str(d)], stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL) for d in range(nproc_per_node)}
+        return tuple(d for d, p in procs.items() if p.wait() == 0)
+    return tuple(d for d in range(nproc_per_node) if d not in lost)
 
 
 def _process_state(pid: int) -> str | None:
