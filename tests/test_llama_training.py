@@ -67,7 +67,8 @@ def test_llama_reference_trains(llama_reference):
 
 
 @pytest.mark.parametrize("extra, message", [
-    (("--tensor-model-parallel-size", "4", "--num-attention-heads", "4"), "TP degree 4 must divide num_query_groups (2)"),
+    (("--tensor-model-parallel-size", "4", "--num-attention-heads", "4"),
+     "TP degree 4 must divide num_query_groups (2)"),
     (("--rotary-base", "500000", "--position-embedding-type", "learned_absolute"), "--rotary-base 500000"),
 ])
 def test_llama_bad_input_is_one_line(tmp_path, sample_prefix, extra, message):
@@ -149,22 +150,27 @@ def test_llama_lora_tenants_tp2_equal_one_process(tmp_path):
         assert _max_diff(two, one, t["name"]) <= ADAPTER_ATOL, t["name"]
 
 
+def _plan_run(sample_prefix, plan, *extra):
+    results = run_ranks(train, 4, _argv(1, 1, sample_prefix, (*LLAMA, "--hetu-plan", str(plan), *extra)), timeout=300)
+    return next(r for r in results if r is not None)
+
+
+@pytest.fixture(scope="module")
+def plain_plan_run(sample_prefix, tmp_path_factory):
+    """PLANS[0] (TP 2 -> 1 inside a pipeline, beside a TP-1 replica) without recomputation."""
+    plan = tmp_path_factory.mktemp("recompute") / "plan.yaml"
+    plan.write_text(PLANS[0][2])
+    return plan, _plan_run(sample_prefix, plan)
+
+
 @pytest.mark.parametrize("recompute", [("--recompute-granularity", "full", "--recompute-method", "uniform",
                                         "--recompute-num-layers", "1"),
                                        ("--recompute-granularity", "selective")], ids=["full", "selective"])
-def test_llama_recomputation_is_bit_exact(sample_prefix, tmp_path, recompute):
+def test_llama_recomputation_is_bit_exact(sample_prefix, plain_plan_run, recompute):
     """Activation recomputation (Megatron-core's: whole layers, or the core attention) on a heterogeneous plan
     changes no bit of the losses or the weights against the same plan without it."""
-    text = PLANS[0][2]
-    plan = tmp_path / "plan.yaml"
-    plan.write_text(text)
-
-    def run(*extra):
-        results = run_ranks(train, 4, _argv(1, 1, sample_prefix, (*LLAMA, "--hetu-plan", str(plan), *extra)),
-                            timeout=300)
-        return next(r for r in results if r is not None)
-
-    plain, recomputed = run(), run(*recompute)
+    plan, plain = plain_plan_run
+    recomputed = _plan_run(sample_prefix, plan, *recompute)
     assert recomputed["losses"] == plain["losses"]
     assert all(bool((recomputed["weights"][k] == w).all()) for k, w in plain["weights"].items())
 

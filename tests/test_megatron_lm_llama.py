@@ -129,8 +129,11 @@ def test_vocab_padding_differs_by_tp(gpt_vocab, tp):
     assert_same_state(out_dir, tmp / "ref", exact=False)
 
 
-def test_changed_vocabulary_refused_in_one_line(gpt_vocab, tmp_path):
-    tmp, flags, _ = gpt_vocab
+def test_changed_vocabulary_refused_in_one_line(llama, tmp_path):
+    """A checkpoint of 1,025 ids loaded with --vocab-size 1031 (the same padded rows, 1,152): refused on rank 0 in
+    one line naming both sizes, no traceback from the ranks."""
+    tmp, _ = llama
+    flags = LLAMA
     other = str(int(flags[flags.index("--vocab-size") + 1]) + 7)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path), "PYTHONWARNINGS": "ignore"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
