@@ -29,7 +29,6 @@ def validate_lora_args(args: argparse.Namespace) -> None:
         ("--hetu-ckpt-format torch_dist", args.hetu_ckpt_format == "torch_dist"),
         ("--hetu-migrate", args.hetu_migrate),
         ("--hetu-straggler-replan online", args.hetu_straggler_replan == "online"),
-        ("--hetu-straggler-interval", args.hetu_straggler_interval),
         ("--hetu-hotspa", getattr(args, "hetu_hotspa", None))) if value]
     if unsupported:
         raise ValueError(f"--hetu-lora-tenants does not combine with {' '.join(unsupported)} yet; drop it")

@@ -30,7 +30,7 @@ from hetu_ext.megatron.launch_plan import check_launch
 from hetu_ext.megatron.model import TrainingNumerics
 from hetu_ext.megatron.plan_runtime import build_plan_placement
 from hetu_ext.megatron.step import StepKind, StepWork
-from hetu_ext.megatron.trainer import Trainer, emulated_layer_cost, make_scheduler, plan_id
+from hetu_ext.megatron.trainer import Trainer, emulated_layer_cost, make_scheduler, plan_id, straggler_monitor
 from hetu_ext.model import inventory
 from hetu_ext.runtime.straggler import LayerTimer
 
@@ -115,8 +115,11 @@ class TenantSteps(StepKind):
         else:
             weights = torch.full((len(counts),), 1.0 / float(counts.sum()), dtype=torch.float32)
         return StepWork(microbatches=iter(step.microbatches), num_microbatches=len(step.microbatches),
-                        samples=step.sequences, tokens=step.tokens, micro_batch_size=1,
+                        samples=step.sequences, tokens=step.tokens, micro_batch_size=1, shapes=step.shapes,
                         extra={"counts": counts, "weights": weights, "predicted_s": list(step.predicted_s)})
+
+    def observe(self, trainer, work: StepWork) -> None:
+        trainer.monitor.use_microbatches(work.shapes)
 
     def forward_step(self, trainer, work: StepWork):
         weights = work.extra["weights"].to(trainer.host.device)
@@ -174,11 +177,12 @@ def build_lora_trainer(config: RunConfig) -> LoRATrainer:
     lora = attach_sync(placement, plan, tuple(t.name for t in tenants), h.rank)
     flops = inventory.training_flops_per_token(spec, seq_length=spec.seq_length, causal=True)  # MFU's convention
     layer_cost = emulated_layer_cost(config.straggler)  # --hetu-emulate-cost: layers padded to a cost table
+    monitor = straggler_monitor(config.straggler, 1, config.logging.log_interval, spec, plan, h, placement)
     trainer = LoRATrainer(config=config, spec=spec, plan=plan, host=h, placement=placement,
                           scheduler=make_scheduler(training, config.packing, placement, plan), dataset=None,
                           numerics=numerics, documents=corpus, flops_per_token=flops, plan_key=plan_id(plan),
-                          tenants=tenants, lora=lora, layer_cost=layer_cost,
-                          timer=LayerTimer() if layer_cost else None)
+                          tenants=tenants, lora=lora, layer_cost=layer_cost, monitor=monitor,
+                          timer=monitor.timer if monitor else (LayerTimer() if layer_cost else None))
     if layer_cost is not None and placement.active:
         _gradient_into_first_layer(placement.model)
     trainer.attach_timer()

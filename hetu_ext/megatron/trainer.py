@@ -373,8 +373,8 @@ def _transformer_layers(model) -> list:
     return [m for m in model.modules() if isinstance(m, TransformerLayer)]
 
 
-def _straggler_monitor(straggler: StragglerConfig, micro_batch: int, log_interval: int, spec: ModelSpec, plan: Plan,
-                       h: host.Host, placement: Placement, optimizer_sharded: bool = False):
+def straggler_monitor(straggler: StragglerConfig, micro_batch: int, log_interval: int, spec: ModelSpec, plan: Plan,
+                      h: host.Host, placement: Placement, optimizer_sharded: bool = False):
     """The straggler monitor (on every rank, idle ones too), or None when --hetu-straggler-interval is 0."""
     if not straggler.interval:
         return None
@@ -466,9 +466,9 @@ def build_trainer(config: RunConfig) -> Trainer:
         logger.info("plan (%s runtime, %s on %s, Megatron-core CPU patches: %s):\n%s", runtime, h.backend,
                     h.device.type, "on" if h.cpu_patched else "off", format_plan(plan))
     flops = inventory.training_flops_per_token(spec, seq_length=spec.seq_length, causal=True)  # MFU's convention
-    monitor = _straggler_monitor(config.straggler, training.micro_batch_size, config.logging.log_interval, spec,
-                                 plan, h, placement,
-                                 optimizer_sharded=runtime == "plan" and config.parallel.use_distributed_optimizer)
+    monitor = straggler_monitor(config.straggler, training.micro_batch_size, config.logging.log_interval, spec,
+                                plan, h, placement,
+                                optimizer_sharded=runtime == "plan" and config.parallel.use_distributed_optimizer)
     layer_cost = emulated_layer_cost(config.straggler)
     trainer = Trainer(config=config, spec=spec, plan=plan, host=h, placement=placement, scheduler=scheduler,
                       dataset=dataset, monitor=monitor,
