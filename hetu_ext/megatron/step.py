@@ -19,12 +19,15 @@ still advances and the loss is NaN.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from hetu_ext.config import PackingConfig, TrainingConfig
 from hetu_ext.data.assign import global_batch_size
+from hetu_ext.plan import Plan
 from hetu_ext.runtime.straggler import factor_at, parse_schedule
 
 from .data import microbatch_iterator
@@ -62,6 +65,28 @@ class StepWork:
     extra: dict = field(default_factory=dict)
 
 
+def forward_step(data_iterator, model):
+    """One microbatch through a stage; the loss is a token sum (normalised once per global batch)."""
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
+                   packed_seq_params=batch.get("packed_seq_params"))
+    return output, partial(_loss_func, batch["loss_mask"])
+
+
+def _loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(per_token_loss.view(-1).float() * mask)  # (b*s,) -> scalar sum
+    num_tokens = mask.sum().to(torch.int)
+    report = torch.stack([loss.detach().clone(), num_tokens.detach().float()])
+    return loss, num_tokens, {"lm loss": report}
+
+
+def scheduler_unit(training: TrainingConfig, packing: PackingConfig, plan: Plan) -> int:
+    """What one step advances the LR schedule by: its samples, as Megatron-LM counts; with --hetu-packing a
+    global batch's sequence count varies (token budgets), so the schedule counts steps."""
+    return 1 if packing.method != "off" else global_batch_size(plan, training.micro_batch_size)
+
+
 class StepKind:
     """The parts of a step that differ between kinds; the defaults are the plain trainer's."""
 
@@ -89,8 +114,6 @@ class StepKind:
             **placement.schedule_kwargs)
 
     def forward_step(self, trainer, work: StepWork):
-        from .trainer import forward_step
-
         return forward_step
 
     def optimizer_step(self, trainer, work: StepWork) -> float | None:
@@ -225,8 +248,6 @@ def run_step(trainer, kind: StepKind, data, log) -> StepResult:
     grad_norm = kind.optimizer_step(trainer, work)
     increment = kind.scheduler_increment
     if increment is None:
-        from .trainer import scheduler_unit
-
         increment = scheduler_unit(trainer.config.training, trainer.config.packing, trainer.plan)
     trainer.scheduler.step(increment=increment)
     trainer.iteration += 1

@@ -16,7 +16,6 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -50,7 +49,15 @@ from .packed_data import PackedSteps, StepData, open_documents
 from .placement import Placement
 from .plan_runtime import build_plan_placement
 from .state import scheduler_settings
-from .step import MicrobatchSteps, PackedDocumentSteps, StepKind, SwitchedGroupSteps, run_step
+from .step import (
+    MicrobatchSteps,
+    PackedDocumentSteps,
+    StepKind,
+    SwitchedGroupSteps,
+    forward_step,
+    run_step,
+    scheduler_unit,
+)
 from .switching import SwitchedSteps, Switching
 from .uniform_runtime import build_megatron_placement
 
@@ -216,10 +223,10 @@ class Trainer:
             self.metrics.step(**record)
         return record
 
-    def run_schedule(self, placement: Placement, step: StepData, forward=None) -> list:
+    def run_schedule(self, placement: Placement, step: StepData) -> list:
         """One schedule (Megatron's) over ``step``'s microbatches on ``placement``; its loss reports."""
         return placement.forward_backward(
-            forward_step_func=forward or forward_step, data_iterator=iter(step.microbatches),
+            forward_step_func=forward_step, data_iterator=iter(step.microbatches),
             model=[placement.model], num_microbatches=len(step.microbatches), seq_length=self.spec.seq_length,
             micro_batch_size=self.config.training.micro_batch_size, forward_only=False, **placement.schedule_kwargs)
 
@@ -329,22 +336,6 @@ def _hang_watchdog(timeout_s: float, rank: int):
     return StepWatchdog(timeout_s, rank=rank)
 
 
-def forward_step(data_iterator, model):
-    """One microbatch through a stage; the loss is a token sum (normalised once per global batch)."""
-    batch = next(data_iterator)
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
-                   packed_seq_params=batch.get("packed_seq_params"))
-    return output, partial(_loss_func, batch["loss_mask"])
-
-
-def _loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
-    mask = loss_mask.view(-1).float()
-    loss = torch.sum(per_token_loss.view(-1).float() * mask)  # (b*s,) -> scalar sum
-    num_tokens = mask.sum().to(torch.int)
-    report = torch.stack([loss.detach().clone(), num_tokens.detach().float()])
-    return loss, num_tokens, {"lm loss": report}
-
-
 def make_scheduler(training: TrainingConfig, packing: PackingConfig, placement: Placement, plan: Plan):
     """Megatron's LR/weight-decay scheduler, stepped in samples as Megatron-LM does (None on idle ranks)."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -354,12 +345,6 @@ def make_scheduler(training: TrainingConfig, packing: PackingConfig, placement: 
     unit = scheduler_unit(training, packing, plan)
     return OptimizerParamScheduler(placement.optimizer, init_lr=0.0,
                                    **scheduler_settings(training, unit))
-
-
-def scheduler_unit(training: TrainingConfig, packing: PackingConfig, plan: Plan) -> int:
-    """What one step advances the LR schedule by: its samples, as Megatron-LM counts; with --hetu-packing a
-    global batch's sequence count varies (token budgets), so the schedule counts steps."""
-    return 1 if packing.method != "off" else global_batch_size(plan, training.micro_batch_size)
 
 
 def plan_id(plan: Plan) -> str:
