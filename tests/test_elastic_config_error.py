@@ -50,6 +50,34 @@ def test_config_error_on_one_node_stops_every_node_with_it(tmp_path):
     assert elapsed < 60, elapsed
 
 
+def test_config_error_in_the_ranks_stops_every_node_without_a_new_round(tmp_path):
+    """The error found only once the ranks run: the --save directory (loaded by every round) holds a checkpoint of
+    another model, which the ranks refuse to load with one line and exit code 2. Without the rule, the launchers
+    would take the failed ranks for lost devices and re-plan on fewer. Checked: both launchers exit 2, the rank's
+    line is printed, each node agreed on exactly one plan (no second round), and the error went through the store
+    (a ``config_error`` event)."""
+    job = bench.Job(workdir=tmp_path, nodes=2, nproc=1, max_nodes=2, train_iters=4)
+    other = [*job.train_flags(), "--hidden-size", "16", "--train-iters", "1", "--lr-decay-iters", "1"]
+    proc = subprocess.run([sys.executable, str(ROOT / "launch" / "pretrain_gpt.py"), *other], capture_output=True,
+                          text=True, timeout=300, env=bench._env(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cluster = bench.Cluster(job=job, port=bench.free_port(), rdzv_id="rank-config-error")
+    try:
+        cluster.start_store()
+        for name in ("nodeA", "nodeB"):
+            cluster.start_node(name, nproc=1)
+        codes = cluster.wait(180)
+    finally:
+        cluster.close()
+    logs = "".join((tmp_path / f"{n}.log").read_text() for n in ("nodeA", "nodeB"))
+    assert codes == {"nodeA": 2, "nodeB": 2}, (codes, logs[-5000:])
+    assert "the model configuration differs from the saved one" in logs, logs[-5000:]
+    events = cluster.events()
+    for name in ("nodeA", "nodeB"):
+        assert [e["event"] for e in events if e["launcher"] == name].count("plan") == 1, events
+    assert any(e["event"] == "config_error" for e in events), events
+
+
 @pytest.mark.parametrize("flags, rule", [
     (["--nnodes", "3:1"], "--nnodes must be N or MIN:MAX with 1 <= MIN <= MAX, got '3:1'"),
     (["--rdzv-endpoint", "nohost"], "--rdzv-endpoint must be HOST:PORT with a port in 1..65535, got 'nohost'"),
