@@ -27,7 +27,6 @@ def validate_lora_args(args: argparse.Namespace) -> None:
     unsupported = [flag for flag, value in (
         ("--use-distributed-optimizer", args.use_distributed_optimizer), ("--bf16", args.bf16),
         ("--hetu-ckpt-format torch_dist", args.hetu_ckpt_format == "torch_dist"),
-        ("--hetu-migrate", args.hetu_migrate),
         ("--hetu-straggler-replan online", args.hetu_straggler_replan == "online"),
         ("--hetu-hotspa", getattr(args, "hetu_hotspa", None))) if value]
     if unsupported:

@@ -57,6 +57,23 @@ class LoRATrainer(Trainer):
 
     def __post_init__(self) -> None:
         self.steps = TenantSteps()
+        self.plugin_pieces = self.migration_pieces
+
+    def migration_pieces(self, placement, destination: bool) -> list:
+        """The adapters and their Adam state as a migration's pieces (collective over the world: every rank
+        migrates). Each tenant keeps its own Adam step, learned from the ranks that held it before."""
+        from .checkpoint import adapter_pieces, local_tenant_steps
+
+        if not destination:
+            everyone: list = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, local_tenant_steps(placement))
+            self._migrating_steps = {t: step for steps in everyone for t, step in steps.items()}
+            return adapter_pieces(placement)
+        return adapter_pieces(placement, steps=self._migrating_steps)
+
+    def placement_changed(self) -> None:
+        """The adapters' reduction for the new plan (collective)."""
+        self.lora = attach_sync(self.placement, self.plan, tuple(t.name for t in self.tenants), self.host.rank)
 
     def _save(self, directory: str) -> None:
         """Save the tenants' adapters and Adam state (not the frozen base): hetu_ext.lora.checkpoint."""
@@ -172,8 +189,8 @@ def build_lora_trainer(config: RunConfig) -> LoRATrainer:
     h = host.init_distributed(force_cpu=force, timeout_minutes=config.parallel.distributed_timeout_minutes,
                               backend=config.parallel.distributed_backend)
     numerics = TrainingNumerics.of(config.model, training, variable_seq_lengths=True)
-    placement = build_plan_placement(training, spec, plan, h, numerics,
-                                     converter=LoRAConverter(tenants, seed=training.seed))
+    converter = LoRAConverter(tenants, seed=training.seed)
+    placement = build_plan_placement(training, spec, plan, h, numerics, converter=converter)
     lora = attach_sync(placement, plan, tuple(t.name for t in tenants), h.rank)
     flops = inventory.training_flops_per_token(spec, seq_length=spec.seq_length, causal=True)  # MFU's convention
     layer_cost = emulated_layer_cost(config.straggler)  # --hetu-emulate-cost: layers padded to a cost table
@@ -181,7 +198,8 @@ def build_lora_trainer(config: RunConfig) -> LoRATrainer:
     trainer = LoRATrainer(config=config, spec=spec, plan=plan, host=h, placement=placement,
                           scheduler=make_scheduler(training, config.packing, placement, plan), dataset=None,
                           numerics=numerics, documents=corpus, flops_per_token=flops, plan_key=plan_id(plan),
-                          tenants=tenants, lora=lora, layer_cost=layer_cost, monitor=monitor,
+                          tenants=tenants, lora=lora, layer_cost=layer_cost, monitor=monitor, converter=converter,
+                          migrations=launch.migrations,
                           timer=monitor.timer if monitor else (LayerTimer() if layer_cost else None))
     if layer_cost is not None and placement.active:
         _gradient_into_first_layer(placement.model)

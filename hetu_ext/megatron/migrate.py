@@ -89,12 +89,15 @@ def _pieces(placement: Placement, *, create_state_at_step: int | None = None) ->
     return pieces
 
 
-def migrate(old: Placement, build_new, iteration: int) -> tuple[Placement, MigrationReport]:
-    """Build the new placement (``build_new()``, collective) and move the old one's state into it."""
+def migrate(old: Placement, build_new, iteration: int, *, plugin_pieces=None) -> tuple[Placement, MigrationReport]:
+    """Build the new placement (``build_new()``, collective) and move the old one's state into it.
+    ``plugin_pieces(placement, destination)``: a plug-in's own state outside the model's sharded state dict
+    (LoRA's adapters and their Adam state) as pieces, moved in the same exchange."""
     start = time.perf_counter()
-    sources = _pieces(old)
+    sources = _pieces(old) + (plugin_pieces(old, False) if plugin_pieces else [])
     new = build_new()
     destinations = _pieces(new, create_state_at_step=iteration if iteration > 0 else None)
+    destinations += plugin_pieces(new, True) if plugin_pieces else []
     report = reshard(sources, destinations)
     if new.active:  # --bf16: the model's weights are the masters cast down, as after an optimizer step
         for opt in _megatron_optimizers(new.optimizer):

@@ -100,6 +100,10 @@ class Trainer:
     """--hetu-hotspa: the home (``placement``) and the strategies' compute placements."""
     overruns: int = 0
     """Layer passes of the last step, over all used ranks, whose real time exceeded the emulated one."""
+    converter: object | None = None
+    """The model converter every stage model of this run is built with (a plug-in's, e.g. LoRA's adapters)."""
+    plugin_pieces: Callable | None = None
+    """A plug-in's state outside the model's sharded state dict, as pieces a migration moves (see migrate.py)."""
     steps: StepKind | None = None
     """What a step is (hetu_ext.megatron.step): set by the builder of a plug-in (LoRA's tenants); else derived
     from the run: switching (--hetu-hotspa, --hetu-strategies), packed documents, or plain microbatches."""
@@ -237,9 +241,11 @@ class Trainer:
         placement, report = migrate(
             self.placement,
             lambda: build_plan_placement(self.config.training, self.spec, plan, self.host, self.numerics,
-                                         use_distributed_optimizer=self.config.parallel.use_distributed_optimizer),
-            self.iteration)
+                                         use_distributed_optimizer=self.config.parallel.use_distributed_optimizer,
+                                         converter=self.converter),
+            self.iteration, plugin_pieces=self.plugin_pieces)
         self.plan, self.placement, self.plan_key = plan, placement, plan_id(plan)
+        self.placement_changed()
         self.scheduler = make_scheduler(self.config.training, self.config.packing, placement, plan)
         if self.scheduler is not None and old_scheduler is not None:
             self.scheduler.load_state_dict(old_scheduler.state_dict())
@@ -260,6 +266,9 @@ class Trainer:
             log(f"migrated to a new plan after step {self.iteration} in {report.seconds:.2f} s: "
                 f"{sent[0] / 2**20:.2f} MiB sent between ranks, {sent[1] / 2**20:.2f} MiB kept in place\n"
                 f"{format_plan(plan)}")
+
+    def placement_changed(self) -> None:
+        """After a migration built the new placement and moved the state (collective): a plug-in re-attaches."""
 
     def _save(self, directory: str) -> None:
         """Save (collective) and record a ``checkpoint_save`` event: the seconds training was blocked; the total

@@ -34,8 +34,8 @@ class LocalShard:
     (SwiGLU, GeGLU) holds ``[gate_r; up_r]`` on each TP rank, which is no box of Megatron's global ``[gate; up]``
     (rows ``2F``), so its global tensor gets a leading gate axis, ``(2, F, ...)`` (:mod:`hetu_ext.checkpoint.gated`;
     the same bytes as ``[gate; up]`` in row-major order), of which the rank holds the box
-    ``(0:2, rF/tp:(r+1)F/tp, ...)``, a view of the whole local parameter. Anything that belongs to the parameter (its fp32 master, ``main_grad``,
-    Adam moments) takes the box's shape through :meth:`view`.
+    ``(0:2, rF/tp:(r+1)F/tp, ...)``, a view of the whole local parameter. Anything that belongs to the
+    parameter (its fp32 master, ``main_grad``, Adam moments) takes the box's shape through :meth:`view`.
     """
 
     key: str
