@@ -102,6 +102,11 @@ def _ok(manifest: Manifest, checked: int) -> str:
             f"{sum(len(t.shards) for t in manifest.tensors)} shard(s) ({checked / 2**20:.2f} MiB) verified")
 
 
+def _full_of(reader: ShardReader, kind: str) -> dict:
+    """Every full tensor of one kind (``param``, ``master``, ``exp_avg``, ...) of the reader's checkpoint."""
+    return reader.read_full({t.name for t in reader.manifest.tensors if t.name.startswith(kind + "/")})
+
+
 def _export_name(name: str, index: tuple[int, ...]) -> str:
     key = name.split("/", 1)[1]
     if index and key.startswith("decoder.layers."):
@@ -146,7 +151,7 @@ def run(args: argparse.Namespace, formats: Sequence[ForeignCheckpoints] = ()) ->
         if not heads:
             raise CheckpointError(f"{args.path}: the manifest records no num_attention_heads; it was not saved "
                                   "by pretrain_gpt.py, so the GPT-2 layout is unknown")
-        params = reader.read_full({t.name for t in manifest.tensors if t.name.startswith("param/")})
+        params = _full_of(reader, "param")
         count = write_gpt2(args.output, params, num_attention_heads=int(heads))
         return [f"wrote a GPT-2 model ({count} tensors, iteration {iteration}) to {args.output}"], None
     if args.to == "hf-llama":
@@ -156,7 +161,7 @@ def run(args: argparse.Namespace, formats: Sequence[ForeignCheckpoints] = ()) ->
         if not config:
             raise CheckpointError(f"{args.path}: the manifest records no Hugging Face config; hf-llama exports a "
                                   "model imported with import-hf (its config is kept)")
-        params = reader.read_full({t.name for t in manifest.tensors if t.name.startswith("param/")})
+        params = _full_of(reader, "param")
         count = write_hf(args.output, to_hf(params, spec_from_hf(config)), config)
         return [f"wrote a {config['architectures'][0]} model ({count} tensors, iteration {iteration}) to "
                 f"{args.output}"], None
@@ -165,7 +170,7 @@ def run(args: argparse.Namespace, formats: Sequence[ForeignCheckpoints] = ()) ->
         raise CheckpointError(f"--kind {args.kind}: the checkpoint holds {kinds}; pick one of them")
     from safetensors.torch import save_file
 
-    full = reader.read_full({t.name for t in manifest.tensors if t.name.startswith(args.kind + "/")})
+    full = _full_of(reader, args.kind)
     tensors = {_export_name(name, index): to_megatron(t) if is_gated(name, tuple(t.shape)) else t
                for (name, index), t in full.items()}  # a gated fc1 as Megatron's [gate; up]
     save_file(tensors, args.output, metadata={"iteration": str(iteration), "kind": args.kind})
