@@ -42,27 +42,18 @@ from collections import Counter
 from pathlib import Path
 from typing import NamedTuple
 
-from hetu_ext.elastic.argv import REPLACED, restart_argv  # noqa: F401 (tests and callers use them from here)
+from hetu_ext.elastic.argv import REPLACED, plan_inputs, restart_argv  # noqa: F401 (tests and callers use them from here)
 
 ROOT = Path(__file__).resolve().parents[1]
 def plan_for(argv: list[str], world_size: int, gpus_per_node: int) -> str:
     """A Malleus plan (YAML) of the model in ``argv`` over ``world_size`` healthy ranks."""
-    from hetu_ext.config import build_parser, from_namespace, parse_namespace
-    from hetu_ext.data.tokenizer import tokenizer_vocab_size
-    from hetu_ext.megatron.launch_plan import model_spec
     from hetu_ext.plan import dump_plan
     from hetu_ext.plan.cluster import Cluster
     from hetu_ext.plan.malleus import plan_malleus
 
-    config = from_namespace(parse_namespace(argv, build_parser()))
-    training = config.training
-    if not training.global_batch_size or training.global_batch_size % training.micro_batch_size:
-        raise ValueError(f"elastic restarts keep the global batch: give --global-batch-size (a multiple of "
-                         f"--micro-batch-size {training.micro_batch_size}), got {training.global_batch_size}")
-    spec = model_spec(config.model, tokenizer_vocab_size(config.data.tokenizer_type, config.data.vocab_size))
+    spec, micro_batch, num_microbatches = plan_inputs(argv)  # the across-nodes agreement plans from the same
     cluster = Cluster(world_size=world_size, gpus_per_node=gpus_per_node, gpu_memory_bytes=80 * 2**30)
-    planned = plan_malleus(cluster, spec, micro_batch=training.micro_batch_size,
-                           num_microbatches=training.global_batch_size // training.micro_batch_size)
+    planned = plan_malleus(cluster, spec, micro_batch=micro_batch, num_microbatches=num_microbatches)
     return dump_plan(planned.plan)
 
 

@@ -22,24 +22,10 @@ from test_uniform_equivalence import LOSS_RTOL, _argv
 from hetu_ext.checkpoint.reader import candidates
 from hetu_ext.checkpoint.storage import LocalStorage
 from hetu_ext.testing.multiproc import RankError, run_ranks
+from hetu_ext.testing.runs import SampleRecorder
 
 STEPS = 8
 KILLED_RANK, KILLED_AT_STEP = 4, 6
-
-
-class _Recorder:
-    """Wraps the training dataset: appends (step, sample id) of every sample read to a file."""
-
-    def __init__(self, dataset, trainer, path: Path) -> None:
-        self.dataset, self.trainer, self.path = dataset, trainer, path
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, index: int):
-        with open(self.path, "a") as f:
-            f.write(f"{self.trainer.iteration + 1} {int(index)}\n")
-        return self.dataset[index]
 
 
 def recovery_body(rank: int, world: int, argv: list[str], out: str, kill: bool) -> list[float] | None:
@@ -49,7 +35,7 @@ def recovery_body(rank: int, world: int, argv: list[str], out: str, kill: bool) 
     trainer = build_trainer(parse_run_config(argv))
     where = trainer.plan.stage_of(rank)
     if where is not None and where[1] == 0 and trainer.placement.tp_rank == 0:  # one reader per pipeline
-        trainer.dataset = _Recorder(trainer.dataset, trainer, Path(out) / f"ids_{world}_{rank}.txt")
+        trainer.dataset = SampleRecorder(trainer.dataset, trainer, Path(out) / f"ids_{world}_{rank}.txt")
     if kill and rank == KILLED_RANK:  # dies as its step KILLED_AT_STEP starts (the step kind's first part)
         kind = trainer.step_kind
         prepare = kind.prepare

@@ -26,25 +26,11 @@ from test_deepspeed_resume import ds_argv
 from test_uniform_equivalence import LOSS_RTOL
 
 from hetu_ext.testing.multiproc import RankError, run_ranks
+from hetu_ext.testing.runs import SampleRecorder
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 8
 KILLED_RANK, KILLED_AT_STEP = 3, 6
-
-
-class _Recorder:
-    """Wraps the training dataset: appends (step, sample id) of every sample read to a file."""
-
-    def __init__(self, dataset, run, path: Path) -> None:
-        self.dataset, self.run, self.path = dataset, run, path
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, index: int):
-        with open(self.path, "a") as f:
-            f.write(f"{self.run.iteration + 1} {int(index)}\n")
-        return self.dataset[index]
 
 
 def launcher_body(rank: int, world: int, argv: list[str], out: str, kill: bool) -> dict:
@@ -59,7 +45,7 @@ def launcher_body(rank: int, world: int, argv: list[str], out: str, kill: bool) 
     train, step, result = DeepSpeedGPT.train, DeepSpeedGPT._step, {}
 
     def recorded_train(self, *args, **kwargs):
-        self.dataset = _Recorder(self.dataset, self, Path(out) / f"ids_{world}_{rank}.txt")
+        self.dataset = SampleRecorder(self.dataset, self, Path(out) / f"ids_{world}_{rank}.txt")
         result["start"] = self.iteration
         result["losses"] = train(self, *args, **kwargs)
         return result["losses"]

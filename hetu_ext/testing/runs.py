@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 
@@ -33,3 +34,20 @@ def train(rank: int, world_size: int, argv: list[str], gather: bool = True,
     if rank != trainer.log_rank:  # the plan's lowest used rank reports
         return None
     return {"losses": losses, "weights": weights, "masters": masters, "elapsed_s": elapsed, "log_lines": lines}
+
+
+class SampleRecorder:
+    """Wraps a training dataset: appends ``step sample-id`` of every sample read to ``path``, ``step`` being the
+    step being run (``run.iteration + 1``). Tests compare the files of a recovered run with the uninterrupted
+    one's: no sample skipped or repeated."""
+
+    def __init__(self, dataset, run, path: Path) -> None:
+        self.dataset, self.run, self.path = dataset, run, path
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int):
+        with open(self.path, "a") as f:
+            f.write(f"{self.run.iteration + 1} {int(index)}\n")
+        return self.dataset[index]
