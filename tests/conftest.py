@@ -58,11 +58,11 @@ MODULE_KINDS: dict[str, tuple[str, ...]] = {
 TEST_KINDS: list[tuple[str, str, tuple[str, ...]]] = [
     ("test_readme", r"test_docs_block_runs", ("e2e",)),
     ("test_megatron_lm", r"test_megatron_lm_(hetu_checkpoint|packing_equals)", ("gold",)),
-    ("test_megatron_lm_llama", r"test_llama_resume", ("gold",)),
+    ("test_megatron_lm_llama", r"test_llama_(resume|packing_on_megatron_lm)", ("gold",)),
     ("test_packed_training", r"test_packed_training_matches_unpacked_reference", ("gold",)),
     ("test_hf_llama", r"test_(imported_model_gives_transformers_logits|exported_model_is_the_original)", ("gold",)),
     ("test_llama_training", r"test_llama_(plan_matches|packed_equals|migration_continues|hotspa_switching|"
-                            r"lora_tenants|recomputation_is_bit_exact)", ("gold",)),
+                            r"lora_tenants|recomputation_is_bit_exact|hydraulis_candidates)", ("gold",)),
     ("test_hotspa", r"test_(hotspa_matches|per_group_normalisation|bf16_hotspa|checkpoint_saved_from_the_home)",
      ("gold",)),
     ("test_hydraulis_training", r"test_(steps_longest|each_step_under_its_candidate)", ("gold",)),

@@ -216,3 +216,21 @@ def test_llama_recomputation_keeps_fewer_activations():
     selective = run_ranks(_saved_bytes_body, 1, {"recompute_granularity": "selective"}, timeout=120)[0]
     print(f"saved bytes: none {none}, selective {selective}, full {full}")
     assert full < 0.5 * none and selective < none, (none, selective, full)
+
+
+def test_llama_hydraulis_candidates_equal_unpacked(tmp_path):
+    """Hydraulis: each step under its candidate plan (a TP-2 home, DP 3, a heterogeneous one), the switch into it
+    and back resharding the gated fc1 and the grouped qkv, equals one sequence per microbatch on one process."""
+    from test_hydraulis_training import _argv as hydraulis_argv
+    from test_hydraulis_training import _candidates
+
+    reference = run_ranks(train, 1, hydraulis_argv("unpacked", *LLAMA), timeout=180)[0]
+    from hetu_ext.metrics import read_records
+
+    metrics = tmp_path / "metrics.jsonl"
+    result = run_ranks(train, 3, hydraulis_argv("balanced", *LLAMA, "--hetu-strategies", _candidates(tmp_path),
+                                                "--hetu-metrics-file", str(metrics)), timeout=300)[0]
+    loss_diff, weight_diff = compare(result, reference)
+    assert loss_diff <= LOSS_RTOL and weight_diff <= WEIGHT_ATOL, (loss_diff, weight_diff)
+    chosen = [r["packing"]["hydraulis"]["candidate"] for r in read_records(metrics, kind="step")]
+    assert any(c != "tp_heavy" for c in chosen), chosen  # some step ran away from the home layout
