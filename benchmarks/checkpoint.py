@@ -464,7 +464,7 @@ def _ds_run(argv: list[str], extra: dict | None = None):
     return build(from_namespace(args), ZeroConfig(stage=2, extra=extra or {}))
 
 
-def _ds_fingerprint(engine) -> dict:
+def ds_fingerprint(engine) -> dict:
     """What a load must restore, summed in float64: |module weights| (replicated under ZeRO-2, rank 0's), this
     rank's |fp32 partitions| and |Adam moments| (summed over ranks by the caller), and Adam's steps."""
     opt = engine.optimizer.optimizer
@@ -503,7 +503,7 @@ def ds_save_body(rank: int, world: int, argv: list[str], directory: str) -> dict
             shutil.rmtree(Path(directory) / f"bench_save_{it}", ignore_errors=True)  # untimed: the disk fills
     written = sum(f.stat().st_size for f in (Path(directory) / tag).iterdir() if f.is_file())
     return {"first_s": times[0], "steady_s": times[1:], "tag": tag, "bytes_written": written,
-            "fp": _ds_fingerprint(run.engine)}
+            "fp": ds_fingerprint(run.engine)}
 
 
 def ds_universal_load_body(rank: int, world: int, argv: list[str], directory: str, strict: bool) -> dict:
@@ -520,7 +520,7 @@ def ds_universal_load_body(rank: int, world: int, argv: list[str], directory: st
         raise RuntimeError(f"engine.load_checkpoint({directory!r}) with load_universal found no checkpoint")
     took = time.perf_counter() - start
     return {"total_s": took, "bytes_read": storage_read_bytes() - io_start, "path": path,
-            "fp": _ds_fingerprint(run.engine)}
+            "fp": ds_fingerprint(run.engine)}
 
 
 def hetu_from_ds_load_body(rank: int, world: int, argv: list[str], directory: str) -> dict:

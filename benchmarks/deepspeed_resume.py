@@ -49,7 +49,8 @@ sys.path.insert(0, str(ROOT))
 
 
 def _checkpoint_bench():
-    """benchmarks/checkpoint.py's page-cache and I/O helpers (one definition of a cold start)."""
+    """benchmarks/checkpoint.py's page-cache and I/O helpers and its DeepSpeed state fingerprint (one definition
+    of a cold start and of what a load must restore)."""
     spec = importlib.util.spec_from_file_location("_bench_checkpoint", ROOT / "benchmarks" / "checkpoint.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -85,17 +86,6 @@ def _run(argv: list[str], stage: int, extra: dict | None = None):
     return build(from_namespace(args), ZeroConfig(stage=stage, extra=extra or {}))
 
 
-def fingerprint(engine) -> dict:
-    """Sums of |x| in float64: module weights (rank 0's), this rank's fp32 partitions and moments; Adam's steps."""
-    opt = engine.optimizer.optimizer
-    out = {"module": sum(float(p.detach().double().abs().sum()) for p in engine.module.parameters()),
-           "steps": sorted({float(s["step"]) for s in opt.state.values() if "step" in s})}
-    out["master"] = sum(float(p.detach().double().abs().sum()) for g in opt.param_groups for p in g["params"])
-    for kind in ("exp_avg", "exp_avg_sq"):
-        out[kind] = sum(float(s[kind].double().abs().sum()) for s in opt.state.values() if kind in s)
-    return out
-
-
 def check(saved: list[dict], loaded: list[dict]) -> float:
     """Largest relative difference of the fingerprints (0.0: the same bytes summed in another order can differ
     by rounding only); raises if Adam's step differs."""
@@ -110,7 +100,7 @@ def save_body(rank: int, world: int, argv: list[str], stage: int, directory: str
     run = _run(argv, stage)
     run.train()  # one step: Adam's moments exist
     run.save(directory)
-    return {"fp": fingerprint(run.engine)}
+    return {"fp": _checkpoint_bench().ds_fingerprint(run.engine)}
 
 
 def _timed_load(load, engine) -> dict:
@@ -126,7 +116,7 @@ def _timed_load(load, engine) -> dict:
     dist.barrier()
     took = time.perf_counter() - start
     return {"s": took, "peak_kb": _status_kb("VmHWM"), "before_kb": rss_before,
-            "read": bench.storage_read_bytes() - io_start, "fp": fingerprint(engine)}
+            "read": bench.storage_read_bytes() - io_start, "fp": bench.ds_fingerprint(engine)}
 
 
 def hetu_load_body(rank: int, world: int, argv: list[str], stage: int, directory: str) -> dict:

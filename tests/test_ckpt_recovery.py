@@ -22,7 +22,7 @@ from test_uniform_equivalence import LOSS_RTOL, _argv
 from hetu_ext.checkpoint.reader import candidates
 from hetu_ext.checkpoint.storage import LocalStorage
 from hetu_ext.testing.multiproc import RankError, run_ranks
-from hetu_ext.testing.runs import SampleRecorder
+from hetu_ext.testing.runs import SampleRecorder, recorded_samples
 
 STEPS = 8
 KILLED_RANK, KILLED_AT_STEP = 4, 6
@@ -50,16 +50,6 @@ def recovery_body(rank: int, world: int, argv: list[str], out: str, kill: bool) 
     return losses if rank == trainer.log_rank else None
 
 
-def _ids(out: Path, world: int) -> dict[int, list[int]]:
-    by_step: dict[int, list[int]] = {}
-    for path in out.glob(f"ids_{world}_*.txt"):
-        for line in path.read_text().split("\n"):
-            if line:
-                step, sample = map(int, line.split())
-                by_step.setdefault(step, []).append(sample)
-    return {s: sorted(v) for s, v in by_step.items()}
-
-
 def _malleus_plan(argv: list[str], world: int) -> str:
     from hetu_ext.megatron.args import parse_run_config
     from hetu_ext.megatron.data import make_tokenizer
@@ -82,7 +72,7 @@ def test_rank_lost_mid_run_resumes_on_the_survivors_with_the_same_samples(sample
     reference_dir = tmp_path / "reference"
     reference_dir.mkdir()
     reference = run_ranks(recovery_body, 1, _argv(1, 1, sample_prefix, common), str(reference_dir), False)[0]
-    want = _ids(reference_dir, 1)
+    want = recorded_samples(reference_dir, 1)
     assert sorted(want) == list(range(1, STEPS + 1)) and all(len(v) == 8 for v in want.values())
 
     ckpt = tmp_path / "ckpt"
@@ -101,7 +91,7 @@ def test_rank_lost_mid_run_resumes_on_the_survivors_with_the_same_samples(sample
                                                   str(ckpt), "--save-interval", "2"))
     losses = next(r for r in run_ranks(recovery_body, 5, second, str(tmp_path), False, timeout=180) if r is not None)
 
-    before, after = _ids(tmp_path, 6), _ids(tmp_path, 5)
+    before, after = recorded_samples(tmp_path, 6), recorded_samples(tmp_path, 5)
     trained = {s: v for s, v in before.items() if s <= resumed_at} | after
     print(f"resumed at iteration {resumed_at} on 5 ranks under\n{plan5.read_text()}")
     assert sorted(after) == list(range(resumed_at + 1, STEPS + 1))

@@ -26,7 +26,7 @@ from test_deepspeed_resume import ds_argv
 from test_uniform_equivalence import LOSS_RTOL
 
 from hetu_ext.testing.multiproc import RankError, run_ranks
-from hetu_ext.testing.runs import SampleRecorder
+from hetu_ext.testing.runs import SampleRecorder, recorded_samples
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 8
@@ -60,23 +60,13 @@ def launcher_body(rank: int, world: int, argv: list[str], out: str, kill: bool) 
     return result
 
 
-def _ids(out: Path, world: int) -> dict[int, list[int]]:
-    by_step: dict[int, list[int]] = {}
-    for path in out.glob(f"ids_{world}_*.txt"):
-        for line in path.read_text().split("\n"):
-            if line:
-                step, sample = map(int, line.split())
-                by_step.setdefault(step, []).append(sample)
-    return {s: sorted(v) for s, v in by_step.items()}
-
-
 def test_rank_lost_resumes_on_3_with_the_same_samples(sample_prefix, tmp_path):
     flags = ds_argv(sample_prefix, STEPS, ("--distributed-timeout-minutes", "0.5", "--zero-stage", "2",
                                            "--lr-decay-iters", str(STEPS)))
     reference_dir = tmp_path / "reference"
     reference_dir.mkdir()
     reference = run_ranks(launcher_body, 4, flags, str(reference_dir), False, timeout=180)[0]
-    want = _ids(reference_dir, 4)
+    want = recorded_samples(reference_dir, 4)
     assert reference["exit"] == 0 and sorted(want) == list(range(1, STEPS + 1))
     assert all(len(v) == 12 for v in want.values())
 
@@ -89,7 +79,7 @@ def test_rank_lost_resumes_on_3_with_the_same_samples(sample_prefix, tmp_path):
     resumed = run_ranks(launcher_body, 3, job + ["--load", str(ckpt)], str(tmp_path), False, timeout=180)
     assert all(r["exit"] == 0 for r in resumed) and resumed[0]["start"] == 4
     assert (ckpt / "latest").read_text().strip() == "global_step8"
-    before, after = _ids(tmp_path, 4), _ids(tmp_path, 3)
+    before, after = recorded_samples(tmp_path, 4), recorded_samples(tmp_path, 3)
     trained = {s: v for s, v in before.items() if s <= 4} | after
     assert sorted(after) == list(range(5, STEPS + 1))
     assert trained == want, json.dumps({"trained": trained, "want": want})

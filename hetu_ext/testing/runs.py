@@ -51,3 +51,14 @@ class SampleRecorder:
         with open(self.path, "a") as f:
             f.write(f"{self.run.iteration + 1} {int(index)}\n")
         return self.dataset[index]
+
+
+def recorded_samples(directory: Path, world: int) -> dict[int, list[int]]:
+    """Step -> the sorted sample ids the ``ids_{world}_*.txt`` files of :class:`SampleRecorder` hold."""
+    by_step: dict[int, list[int]] = {}
+    for path in Path(directory).glob(f"ids_{world}_*.txt"):
+        for line in path.read_text().split("\n"):
+            if line:
+                step, sample = map(int, line.split())
+                by_step.setdefault(step, []).append(sample)
+    return {s: sorted(v) for s, v in by_step.items()}
