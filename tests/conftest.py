@@ -92,6 +92,7 @@ FAST_MODULES = {
     "test_elastic_argv", "test_elastic_watchdog", "test_fisedit_progress", "test_hydraulis_plan", "test_import_cost",
     "test_inventory", "test_layering", "test_layout", "test_lengths", "test_lobra_bound", "test_lora_cli",
     "test_malleus_planner", "test_packing", "test_plan", "test_reshard", "test_sharded_optimizer_layout",
+    "test_step_model",
 }
 """Modules read and found to hold no gold, e2e or fault-injection test (all in ``make test-fast``). Every test
 module must be named here, in MODULE_KINDS or in TEST_KINDS (tests/test_readme.py checks it), so a new module

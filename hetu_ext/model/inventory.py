@@ -193,19 +193,51 @@ def training_flops_per_token(spec: ModelSpec, *, seq_length: float, causal: bool
 
 
 def activation_bytes_per_token(spec: ModelSpec, *, tp: int = 1, seq_length: float = 0.0,
-                               attention_scores: bool = True) -> float:
+                               attention_scores: bool = True, sequence_parallel: bool = False,
+                               recompute: str = "none") -> float:
     """Bytes one layer keeps per token for its backward at 2-byte activations (Korthikanti et al., 2022, section 4,
     generalised to GQA and gated MLPs): inputs of the norms, linears and activation, dropout masks (1 byte), and
     with ``attention_scores`` the softmax's ``5 a s`` (scores, mask, dropout output: an attention that materialises
     them; a fused one does not). Tensors TP splits count ``1 / tp``. For GPT (f = 4h, a = g) this is
-    ``h (10 + 24 / tp) + 5 a s / tp``."""
+    ``h (10 + 24 / tp) + 5 a s / tp``.
+
+    ``sequence_parallel``: the ``10 h`` TP does not split (norms, dropouts, the inputs of QKV and fc1) is split
+    along the sequence too: everything counts ``1 / tp``. ``recompute`` (:data:`RECOMPUTE`): ``"selective"``
+    recomputes the attention core, so the ``5 a s`` term is not kept; ``"full"`` keeps only the layer's input,
+    ``2 h`` (``2 h / tp`` under sequence parallelism), and recomputes the rest in the backward."""
+    check_recompute(recompute)
+    sp = tp if sequence_parallel else 1
+    if recompute == "full":
+        return 2.0 * spec.hidden_size / sp
     h, f = spec.hidden_size, spec.ffn_hidden_size
     heads, groups, d = spec.num_attention_heads, spec.num_query_groups, spec.kv_channels
     fc1_rows = 2 * f if spec.swiglu else f
     replicated = 2 * h + 2 * h + 2 * h + 2 * h + h + h  # two norms' inputs, qkv and fc1 inputs, two dropout masks
     split = 2 * heads * d + 2 * 2 * groups * d + 2 * heads * d + 2 * fc1_rows + 2 * f  # Q, K, V, proj, fc1, act
-    scores = 5.0 * heads * seq_length if attention_scores else 0.0
-    return replicated + (split + scores) / tp
+    scores = 5.0 * heads * seq_length if attention_scores and recompute == "none" else 0.0
+    return replicated / sp + (split + scores) / tp
+
+
+RECOMPUTE = ("none", "selective", "full")
+"""Activation recomputation (Megatron-LM's ``--recompute-granularity``; ``none``: not given)."""
+
+
+def check_recompute(recompute: str) -> None:
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {recompute!r}")
+
+
+def layer_recompute_flops(spec: ModelSpec, *, tokens: float, sum_sq: float, recompute: str,
+                          causal: bool = False) -> float:
+    """FLOPs one layer's backward spends recomputing its forward for a microbatch (``tokens``, ``sum_sq`` as in
+    :func:`layer_forward_flops`): ``full`` the whole forward again, ``selective`` the attention core (scores and
+    weighted values), ``none`` nothing."""
+    check_recompute(recompute)
+    if recompute == "full":
+        return layer_forward_flops(spec, tokens=tokens, sum_sq=sum_sq, causal=causal)
+    if recompute == "selective":
+        return sum_sq * attention_flops_per_square_token(spec, causal=causal)
+    return 0.0
 
 
 # ---------------------------------------------------------------------------------------------------- rules

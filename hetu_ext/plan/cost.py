@@ -2,12 +2,12 @@
 
 Time: the forward FLOPs of one transformer layer for ``b`` samples of ``s`` tokens are the model inventory's
 (:mod:`hetu_ext.model.inventory`; for GPT ``2 b s (4 h^2 + 2 h f) + 4 b s^2 h``: QKV/projection and MLP matmuls,
-then scores and values over the whole square); backward costs twice the forward. A TP group of degree t divides the work by t at ``tp_efficiency[t]`` and adds its all-reduces
-(4 per layer per microbatch, forward and backward, of ``b s h`` values, ring cost 2 (t-1)/t) over the node's
-link. The efficiencies are assumed constants unless measured ones are given (:func:`load_tp_efficiency`: the
-file ``python -m hetu_ext.data.calibrate`` derives from a device's calibration, all-reduces included, so for those
-degrees the all-reduce term is not added again). The slowest member sets a TP group's pace. Embedding and output
-layer add ``2 b s h V`` FLOPs to the first and last stages.
+then scores and values over the whole square); backward costs twice the forward. A TP group of degree t divides the
+work by t at ``tp_efficiency[t]`` and adds its all-reduces (4 per layer per microbatch, forward and backward, of ``b
+s h`` values, ring cost 2 (t-1)/t) over the node's link. The efficiencies are assumed constants unless measured ones
+are given (:func:`load_tp_efficiency`: the file ``python -m hetu_ext.data.calibrate`` derives from a device's
+calibration, all-reduces included, so for those degrees the all-reduce term is not added again). The slowest member
+sets a TP group's pace. Embedding and output layer add ``2 b s h V`` FLOPs to the first and last stages.
 
 Memory per rank (bytes): weights (dtype), fp32 gradient buffer, optimizer state (Adam: two fp32 moments, plus fp32
 master weights under bf16), all divided by TP, the optimizer state further divided by the number of holders of each
@@ -16,6 +16,10 @@ TP, norms and row-parallel biases are not (the inventory's split); activations o
 ``b s`` x the inventory's bytes per token (Korthikanti et al.'s count; GPT: ``h (10 + 24 / t) + 5 a s / t``, the
 attention scores materialised) x dtype / 2, times the microbatches a stage holds in flight under 1F1B:
 ``min(pp - stage, m)``, more on early stages.
+
+Recomputation and sequence parallelism (stage_cost's ``recompute``, ``sequence_parallel``): the recomputed FLOPs
+and activations are the inventory's (:func:`hetu_ext.model.inventory.layer_recompute_flops`,
+``activation_bytes_per_token``); the full step-time model with device profiles is :mod:`hetu_ext.plan.step_model`.
 """
 
 from __future__ import annotations
@@ -100,12 +104,22 @@ def layer_forward_flops(spec: ModelSpec, micro_batch: int) -> float:
 
 
 def stage_cost(spec: ModelSpec, cost: CostModel, *, num_layers: int, tp: int, slowdown: float, micro_batch: int,
-               first: bool, last: bool, in_flight: int, optimizer_holders: int = 1) -> StageCost:
+               first: bool, last: bool, in_flight: int, optimizer_holders: int = 1, recompute: str = "none",
+               sequence_parallel: bool = False) -> StageCost:
     """Time and memory of one stage of ``num_layers`` layers at TP ``tp`` whose slowest rank is ``slowdown``.
     ``optimizer_holders``: the ranks holding each of its elements (one per pipeline of a Malleus template), over
-    which the optimizer state is divided when ``cost.optimizer_sharded``."""
+    which the optimizer state is divided when ``cost.optimizer_sharded``.
+
+    ``recompute`` (``none``, ``selective``, ``full``; Megatron-LM's ``--recompute-granularity``): ``full`` runs each
+    layer's forward again in its backward (its FLOPs and its TP all-reduces) and keeps only the layer input
+    (plus, once per stage, one layer's whole activations while that layer's backward runs); ``selective``
+    recomputes the attention core (its FLOPs) and does not keep the ``5 a s`` scores.
+    ``sequence_parallel`` (``--sequence-parallel``): each all-reduce becomes a reduce-scatter and an all-gather of
+    the same total bytes (time unchanged); the activations TP did not split are divided by ``tp``."""
+    inventory.check_recompute(recompute)
     h, s, v = spec.hidden_size, spec.seq_length, spec.padded_vocab_size
-    flops = num_layers * layer_forward_flops(spec, micro_batch)
+    layer_flops = num_layers * layer_forward_flops(spec, micro_batch)
+    flops = layer_flops
     extra_params = 0
     if first:
         extra_params += inventory.embedding_params(spec)
@@ -117,10 +131,18 @@ def stage_cost(spec: ModelSpec, cost: CostModel, *, num_layers: int, tp: int, sl
     comm = 0.0
     if tp > 1 and tp not in cost.tp_measured:
         comm = num_layers * 2 * micro_batch * s * h * cost.dtype_bytes * 2 * (tp - 1) / tp / cost.intra_node_bytes_per_s
+    redo_flops = num_layers * inventory.layer_recompute_flops(spec, tokens=micro_batch * s,
+                                                              sum_sq=micro_batch * s * s, recompute=recompute)
+    redo = redo_flops / (cost.flops_per_s * tp * efficiency) * slowdown
+    if recompute == "full":
+        redo += comm  # the recomputed forward's all-reduces
     params = num_layers * inventory.layer_params(spec, tp=tp) + extra_params / tp
     shards = optimizer_holders if cost.optimizer_sharded else 1
     static = params * (cost.dtype_bytes + cost.grad_bytes + cost.optimizer_state_bytes / shards)
-    per_layer_act = (micro_batch * s * inventory.activation_bytes_per_token(spec, tp=tp, seq_length=s)
-                     * cost.dtype_bytes / 2)
-    activations = per_layer_act * num_layers * in_flight
-    return StageCost(forward_s=compute + comm, backward_s=2 * compute + comm, memory_bytes=static + activations)
+    per_token = inventory.activation_bytes_per_token(spec, tp=tp, seq_length=s, sequence_parallel=sequence_parallel,
+                                                     recompute=recompute)
+    activations = micro_batch * s * per_token * cost.dtype_bytes / 2 * num_layers * in_flight
+    if recompute == "full" and num_layers:  # one layer's whole activations while its backward runs
+        activations += micro_batch * s * cost.dtype_bytes / 2 * inventory.activation_bytes_per_token(
+            spec, tp=tp, seq_length=s, sequence_parallel=sequence_parallel)
+    return StageCost(forward_s=compute + comm, backward_s=2 * compute + comm + redo, memory_bytes=static + activations)
