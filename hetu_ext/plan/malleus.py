@@ -22,6 +22,7 @@ template (~20 s at 64 GPUs).
 
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass
 
@@ -73,21 +74,30 @@ def split_layers(num_layers: int, per_layer: list[float], fixed: list[float], ca
 
 
 def split_microbatches(total: int, bottleneck: list[float], fill: list[float]) -> list[int]:
-    """Microbatches per pipeline minimising the slowest pipeline's ``(m - 1) t + S`` (0 drops a pipeline)."""
+    """Microbatches per pipeline minimising the slowest pipeline's ``(m - 1) t + S`` (0 drops a pipeline).
 
-    def counts(level: float) -> list[int]:
-        return [max(0, math.floor((level - s) / t + 1e-12) + 1) if level >= s else 0
-                for t, s in zip(bottleneck, fill)]
+    Pipelines with equal ``(t, S)`` (most of them in a large cluster) are counted once per level with their
+    multiplicity, and the excess over ``total`` is trimmed from a heap: the same allocation as trimming the
+    currently slowest pipeline (lowest index on ties) one microbatch at a time, in O(P log P)."""
 
-    hi = max(s + t * (total - 1) for t, s in zip(bottleneck, fill))
-    level = _snap_min_level(lambda x: sum(counts(x)), 0.0, hi, total)
-    alloc = counts(level)
+    def one(level: float, t: float, s: float) -> int:
+        return max(0, math.floor((level - s) / t + 1e-12) + 1) if level >= s else 0
+
+    kinds: dict[tuple[float, float], int] = {}
+    for key in zip(bottleneck, fill):
+        kinds[key] = kinds.get(key, 0) + 1
+    hi = max(s + t * (total - 1) for t, s in kinds)
+    level = _snap_min_level(lambda x: sum(n * one(x, t, s) for (t, s), n in kinds.items()), 0.0, hi, total)
+    alloc = [one(level, t, s) for t, s in zip(bottleneck, fill)]
     excess = sum(alloc) - total
+    heap = [(-((m - 1) * t + s), k) for k, (m, t, s) in enumerate(zip(alloc, bottleneck, fill)) if m > 0]
+    heapq.heapify(heap)
     while excess > 0:
-        i = max((k for k in range(len(alloc)) if alloc[k] > 0),
-                key=lambda k: (alloc[k] - 1) * bottleneck[k] + fill[k])
+        _, i = heapq.heappop(heap)
         alloc[i] -= 1
         excess -= 1
+        if alloc[i] > 0:
+            heapq.heappush(heap, (-((alloc[i] - 1) * bottleneck[i] + fill[i]), i))
     return alloc
 
 
