@@ -21,14 +21,17 @@ measured ones (``python -m hetu_ext.data.calibrate``; degrees not in it keep the
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import statistics
 import time
+from collections.abc import Sequence
 
 from hetu_ext.plan.cluster import Cluster
 from hetu_ext.plan.cost import CostModel, load_tp_efficiency, stage_cost, with_measured_tp
-from hetu_ext.plan.malleus import plan_malleus, predict, predict_uniform
+from hetu_ext.plan.malleus import plan_malleus, predict, predict_uniform, work_bound_s
+from hetu_ext.plan.options import PLAIN, Options, search_space
 from hetu_ext.model.spec import ModelSpec
 from hetu_ext.plan.plan import uniform_plan
 
@@ -37,7 +40,8 @@ SLOWDOWNS = (1.5, 2.0, 3.0, 5.0, 12.5)
 
 
 def best_uniform(cluster: Cluster, spec: ModelSpec, *, micro_batch: int, num_microbatches: int,
-                 cost: CostModel = CostModel(), tp_degrees: tuple[int, ...] = (1, 2, 4, 8)) -> dict:
+                 cost: CostModel = CostModel(), tp_degrees: tuple[int, ...] = (1, 2, 4, 8),
+                 options: Sequence[Options] = (PLAIN,)) -> dict:
     """The fastest Megatron uniform layout (TP x PP x DP, rank order tp-dp-pp) on the cluster or on what is left
     of it after dropping every rank slower than a cutoff (each distinct slowdown tried, keep-all included).
 
@@ -62,7 +66,9 @@ def best_uniform(cluster: Cluster, spec: ModelSpec, *, micro_batch: int, num_mic
             for pp in (p for p in range(1, spec.num_layers + 1) if spec.num_layers % p == 0):
                 for dp in (d for d in range(1, len(groups) // pp + 1) if num_microbatches % d == 0):
                     m = num_microbatches // dp
-                    if not _fits(spec, cost, cluster.gpu_memory_bytes, tp, pp, m, micro_batch):
+                    opts = next((o for o in options if _fits(spec, cost, cluster.gpu_memory_bytes, tp, pp, m,
+                                                             micro_batch, o, dp)), None)
+                    if opts is None:
                         continue
                     used = groups[:pp * dp]
                     slow = sorted((cluster.slowdown(r) for g in used for r in g if cluster.slowdown(r) > 1),
@@ -73,22 +79,35 @@ def best_uniform(cluster: Cluster, spec: ModelSpec, *, micro_batch: int, num_mic
                     virtual = Cluster(world_size=n, gpus_per_node=cluster.gpus_per_node,
                                       gpu_memory_bytes=cluster.gpu_memory_bytes, slowdowns=layout_slow)
                     plan = uniform_plan(world_size=n, tp=tp, pp=pp, num_layers=spec.num_layers, num_microbatches=m)
-                    step = predict(plan, virtual, spec, micro_batch=micro_batch, cost=cost)
+                    step = predict(plan, virtual, spec, micro_batch=micro_batch, cost=cost, options=opts)
                     if best is None or step < best["step_s"]:
                         ranks = [r for g in used for r in g]
                         best = {"step_s": step, "tp": tp, "pp": pp, "dp": dp, "ranks": ranks,
                                 "dropped": sorted(set(range(cluster.world_size)) - set(ranks)),
-                                "slowdowns": layout_slow}
+                                "slowdowns": layout_slow, "options": opts}
     if best is None:
         raise ValueError("best_uniform: no uniform layout fits")
     return best
 
 
-def _fits(spec: ModelSpec, cost: CostModel, memory: int, tp: int, pp: int, m: int, micro_batch: int) -> bool:
+def _fits(spec: ModelSpec, cost: CostModel, memory: int, tp: int, pp: int, m: int, micro_batch: int,
+          options: Options = PLAIN, dp: int = 1) -> bool:
     per_stage = spec.num_layers // pp
+    if options.distributed_optimizer:
+        cost = dataclasses.replace(cost, optimizer_sharded=True)
     return all(stage_cost(spec, cost, num_layers=per_stage, tp=tp, slowdown=1.0, micro_batch=micro_batch,
-                          first=j == 0, last=j == pp - 1, in_flight=min(pp - j, m)).memory_bytes <= memory
+                          first=j == 0, last=j == pp - 1, in_flight=min(pp - j, m), optimizer_holders=dp,
+                          recompute=options.recompute,
+                          sequence_parallel=options.sequence_parallel and tp > 1).memory_bytes <= memory
                for j in range(pp))
+
+
+def share_of_ceiling(base_s: float, got_s: float, bound_s: float) -> float:
+    """The share of the ceiling's gain a planner reaches: ``(base / got - 1) / (base / bound - 1)`` (1 when the
+    ceiling allows no gain and the planner loses none)."""
+    if base_s / bound_s - 1 <= 1e-12:
+        return 1.0 if got_s <= base_s * (1 + 1e-12) else 0.0
+    return (base_s / got_s - 1) / (base_s / bound_s - 1)
 
 
 def main() -> None:
@@ -96,42 +115,59 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tp-efficiency", default=None, help="measured TP efficiencies (YAML from python -m "
                         "hetu_ext.data.calibrate); default: the cost model's constants")
+    parser.add_argument("--options", choices=("search", "plain"), default="search",
+                        help="search: recomputation (none/selective/full), sequence parallelism and the "
+                        "distributed optimizer with every template and uniform layout; plain: none of them")
+    parser.add_argument("--gpus", type=lambda s: [int(x) for x in s.split(",")], default=[64, 256, 1024, 4096])
     args = parser.parse_args()
     rng = random.Random(args.seed)
     cost = CostModel()
     if args.tp_efficiency:
         cost = with_measured_tp(cost, load_tp_efficiency(args.tp_efficiency))
+    options = search_space(distributed_optimizer=(False, True)) if args.options == "search" else None
     source = f"measured {args.tp_efficiency}" if args.tp_efficiency else "assumed constants"
     print(f"config: {SPEC}, micro batch 1, 4 microbatches per GPU, 8 GPUs x 80 GiB per node, seed {args.seed}; "
-          f"TP efficiency {cost.tp_efficiency} ({source})")
-    print(f"{'gpus':>6} {'stragglers':>10} {'plan_s':>8} {'template':<34} {'tp8pp4_s':>9} {'best_uniform':<28} "
-          f"{'best_s':>7} {'hetu_s':>7} {'vs_tp8pp4':>9} {'vs_best':>7}")
+          f"TP efficiency {cost.tp_efficiency} ({source}); options: {args.options}")
+    print(f"{'gpus':>6} {'stragglers':>10} {'plan_s':>8} {'template':<42} {'tp8pp4_s':>9} {'best_uniform':<36} "
+          f"{'best_s':>7} {'hetu_s':>7} {'vs_tp8pp4':>9} {'gain':>6} {'bound_s':>7} {'ceiling':>7} {'share':>6}")
     results = []
     for gpus in (64, 256, 1024, 4096):
         for share in (0.01, 0.05):
             count = max(1, round(gpus * share))
             slow = {r: rng.choice(SLOWDOWNS) for r in rng.sample(range(gpus), count)}
+            if gpus not in args.gpus:
+                continue
             cluster = Cluster(world_size=gpus, gpus_per_node=8, gpu_memory_bytes=80 * 2**30, slowdowns=slow)
             microbatches = 4 * gpus
             times = []
             for _ in range(3):
                 start = time.perf_counter()
-                planned = plan_malleus(cluster, SPEC, micro_batch=1, num_microbatches=microbatches, cost=cost)
+                planned = plan_malleus(cluster, SPEC, micro_batch=1, num_microbatches=microbatches, cost=cost,
+                                       options=options)
                 times.append(time.perf_counter() - start)
             uniform = predict_uniform(cluster, SPEC, tp=8, pp=4, micro_batch=1, num_microbatches=microbatches,
                                       cost=cost)
-            best = best_uniform(cluster, SPEC, micro_batch=1, num_microbatches=microbatches, cost=cost)
-            layout = f"tp{best['tp']} pp{best['pp']} dp{best['dp']} on {len(best['ranks'])}/{gpus}"
+            best = best_uniform(cluster, SPEC, micro_batch=1, num_microbatches=microbatches, cost=cost,
+                                options=options or (PLAIN,))
+            bound = work_bound_s(cluster, SPEC, micro_batch=1, num_microbatches=microbatches, cost=cost)
+            layout = (f"tp{best['tp']} pp{best['pp']} dp{best['dp']} {best['options'].name} "
+                      f"on {len(best['ranks'])}/{gpus}")
             speedup, best_speedup = uniform / planned.predicted_step_s, best["step_s"] / planned.predicted_step_s
+            reached = share_of_ceiling(best["step_s"], planned.predicted_step_s, bound)
             seconds = statistics.median(times)
-            print(f"{gpus:>6} {count:>10} {seconds:>8.3f} {planned.template:<34} {uniform:>9.2f} {layout:<28} "
-                  f"{best['step_s']:>7.2f} {planned.predicted_step_s:>7.2f} {speedup:>9.2f} {best_speedup:>7.2f}")
+            print(f"{gpus:>6} {count:>10} {seconds:>8.3f} {planned.template:<42} {uniform:>9.2f} {layout:<36} "
+                  f"{best['step_s']:>7.2f} {planned.predicted_step_s:>7.2f} {speedup:>9.2f} {best_speedup:>5.2f}x "
+                  f"{bound:>7.2f} {best['step_s'] / bound:>6.2f}x {reached:>6.1%}", flush=True)
             results.append({"gpus": gpus, "stragglers": count, "plan_seconds": round(seconds, 4),
                             "predicted_speedup": round(speedup, 3), "best_uniform_speedup": round(best_speedup, 3),
+                            "hetu_s": round(planned.predicted_step_s, 4), "options": planned.options.name,
+                            "bound_s": round(bound, 4), "ceiling": round(best["step_s"] / bound, 4),
+                            "share_of_ceiling": round(reached, 4),
                             "best_uniform": {k: best[k] for k in ("tp", "pp", "dp")} | {
+                                "options": best["options"].name,
                                 "gpus_used": len(best["ranks"]), "step_s": round(best["step_s"], 3)}})
     print(json.dumps({"tp_efficiency": {str(k): v for k, v in cost.tp_efficiency.items()},
-                      "tp_efficiency_source": source, "results": results}))
+                      "tp_efficiency_source": source, "options": args.options, "results": results}))
 
 
 if __name__ == "__main__":

@@ -22,12 +22,15 @@ template (~20 s at 64 GPUs).
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .cluster import Cluster
 from .cost import CostModel, stage_cost
+from .options import PLAIN, Options
 from hetu_ext.model import inventory
 from hetu_ext.model.spec import ModelSpec
 from .plan import Pipeline, Plan, Stage, uniform_plan
@@ -51,6 +54,14 @@ def _snap_min_level(count_at, lo: float, hi: float, demand: int) -> float:
 
 def split_layers(num_layers: int, per_layer: list[float], fixed: list[float], caps: list[int]) -> list[int] | None:
     """Layers per stage minimising the slowest stage; None if the caps cannot hold ``num_layers``."""
+    out = _split_layers(num_layers, per_layer, fixed, caps)
+    return None if out is None else out[0]
+
+
+def _split_layers(num_layers: int, per_layer: list[float], fixed: list[float], caps: list[int]
+                  ) -> tuple[list[int], bool] | None:
+    """:func:`split_layers` and whether a cap bound it (some stage held its cap at the optimal level; if none
+    did, the split is also optimal without caps: larger caps cannot lower its time)."""
     p = len(per_layer)
     if p > num_layers or sum(min(c, num_layers) for c in caps) < num_layers or min(caps) < 1:
         return None
@@ -65,12 +76,13 @@ def split_layers(num_layers: int, per_layer: list[float], fixed: list[float], ca
     hi = max(c + t * num_layers for t, c in zip(per_layer, fixed))
     level = _snap_min_level(count_at, 0.0, hi, num_layers)
     alloc = counts(level)
+    capped = any(n >= cap for n, cap in zip(alloc, caps))
     excess = sum(alloc) - num_layers
     while excess > 0:  # any trim keeps the level; trim the currently slowest stages first
         j = max((k for k in range(p) if alloc[k] > 1), key=lambda k: alloc[k] * per_layer[k] + fixed[k])
         alloc[j] -= 1
         excess -= 1
-    return alloc
+    return alloc, capped
 
 
 def split_microbatches(total: int, bottleneck: list[float], fill: list[float]) -> list[int]:
@@ -108,7 +120,9 @@ class PlannedStep:
     plan: Plan
     predicted_step_s: float
     template: str
-    """Which template won (TP degree, straggler cut-off, stages per pipeline)."""
+    """Which template won (TP degree, straggler cut-off, stages per pipeline; the options when searched)."""
+    options: Options = PLAIN
+    """The training options the plan was priced with (Megatron-LM flags: ``options.flags()``)."""
 
 
 def _groups(cluster: Cluster, tp: int, cutoff: float) -> tuple[list[tuple[tuple[int, ...], float]], list[int]]:
@@ -126,33 +140,47 @@ def _groups(cluster: Cluster, tp: int, cutoff: float) -> tuple[list[tuple[tuple[
 
 
 def _evaluate(spec: ModelSpec, cost: CostModel, cluster: Cluster, pipelines_groups, tp: int, micro_batch: int,
-              num_microbatches: int):
-    """Split layers and microbatches for pipelines given as lists of (ranks, slowdown); None if infeasible."""
+              num_microbatches: int, options: Options = PLAIN):
+    """Split layers and microbatches for pipelines given as lists of (ranks, slowdown) under ``options``
+    (``cost.optimizer_sharded`` or ``options.distributed_optimizer`` shards the optimizer state); None if
+    infeasible, else (step, splits, microbatches, capped): ``capped`` when a stage's memory bound its layer split."""
     stages_all, bottleneck, fill = [], [], []
     memo: dict = {}
     holders = len(pipelines_groups)  # every element is held once per pipeline: the sharded optimizer's divisor
+    sharded = cost.optimizer_sharded or options.distributed_optimizer
+    if sharded != cost.optimizer_sharded:
+        cost = dataclasses.replace(cost, optimizer_sharded=sharded)
+    knobs = {"recompute": options.recompute, "sequence_parallel": options.sequence_parallel and tp > 1,
+             "optimizer_holders": holders}
 
     def terms(x: float, j: int, p: int) -> tuple[float, float, int]:
         """(seconds per layer, fixed seconds, layer capacity) of stage j of p at slowdown x (memoised)."""
         key = (x, j == 0, j == p - 1, p - j)
         if key not in memo:
-            unit = stage_cost(spec, cost, num_layers=1, tp=tp, slowdown=x, micro_batch=micro_batch, first=False,
-                              last=False, in_flight=p - j, optimizer_holders=holders)
-            ends = stage_cost(spec, cost, num_layers=0, tp=tp, slowdown=x, micro_batch=micro_batch, first=j == 0,
-                              last=j == p - 1, in_flight=p - j, optimizer_holders=holders)
+            args = dict(tp=tp, slowdown=x, micro_batch=micro_batch, in_flight=p - j, **knobs)
+            unit = stage_cost(spec, cost, num_layers=1, first=False, last=False, **args)
+            two = stage_cost(spec, cost, num_layers=2, first=False, last=False, **args).memory_bytes \
+                if options.recompute == "full" else 0.0
+            ends = stage_cost(spec, cost, num_layers=0, first=j == 0, last=j == p - 1, **args)
+            per_layer, once = unit.memory_bytes, 0.0
+            if options.recompute == "full":  # one layer's whole activations are held once, in its backward
+                per_layer = two - unit.memory_bytes
+                once = unit.memory_bytes - per_layer
             memo[key] = (unit.forward_s + unit.backward_s, ends.forward_s + ends.backward_s,
-                         int((cluster.gpu_memory_bytes - ends.memory_bytes) // unit.memory_bytes))
+                         int((cluster.gpu_memory_bytes - ends.memory_bytes - once) // per_layer))
         return memo[key]
 
     splits: dict = {}  # pipelines with the same stage speeds (most of them, in a large cluster) split alike
+    capped = False
     for groups in pipelines_groups:
         speeds = tuple(x for _, x in groups)
         if speeds not in splits:
             p = len(groups)
             per_layer, fixed, caps = zip(*(terms(x, j, p) for j, x in enumerate(speeds)))
-            split = split_layers(spec.num_layers, list(per_layer), list(fixed), list(caps))
-            times = None if split is None else [n * t + c for n, t, c in zip(split, per_layer, fixed)]
-            splits[speeds] = (split, times)
+            out = _split_layers(spec.num_layers, list(per_layer), list(fixed), list(caps))
+            times = None if out is None else [n * t + c for n, t, c in zip(out[0], per_layer, fixed)]
+            splits[speeds] = (None if out is None else out[0], times)
+            capped = capped or (out is not None and out[1])
         split, times = splits[speeds]
         if split is None:
             return None
@@ -160,10 +188,10 @@ def _evaluate(spec: ModelSpec, cost: CostModel, cluster: Cluster, pipelines_grou
         bottleneck.append(max(times))
         fill.append(sum(times))
     mbs = split_microbatches(num_microbatches, bottleneck, fill)
-    if cost.optimizer_sharded and 0 in mbs:
+    if sharded and 0 in mbs:
         return None  # a pipeline left idle would leave its share of the sharded optimizer state to the others
     step = max((m - 1) * b + s for m, b, s in zip(mbs, bottleneck, fill) if m > 0)
-    return step, stages_all, mbs
+    return step, stages_all, mbs, capped
 
 
 def kept_in_place(plan: Plan, current: Plan) -> int:
@@ -182,12 +210,19 @@ def kept_in_place(plan: Plan, current: Plan) -> int:
 def plan_malleus(cluster: Cluster, spec: ModelSpec, *, micro_batch: int, num_microbatches: int,
                  cost: CostModel = CostModel(), tp_degrees: tuple[int, ...] = (1, 2, 4, 8),
                  stages_per_pipeline: tuple[int, ...] = (1, 2, 4, 8, 16), current: Plan | None = None,
-                 keep_tolerance: float = 0.02) -> PlannedStep:
+                 keep_tolerance: float = 0.02, options: Sequence[Options] | None = None) -> PlannedStep:
     """The best plan over the templates; ValueError naming what would fit if no template fits in memory.
+
+    ``options``: the option sets searched with each template (hetu_ext.plan.options.search_space: recomputation,
+    sequence parallelism, distributed optimizer), lightest first; a heavier set is priced only when the lighter
+    ones did not fit or a stage's memory bound their layer split (otherwise it cannot be faster: recomputation
+    only adds time, the others only add memory). Default: the running job's (no recomputation, no sequence
+    parallelism, the optimizer sharded as ``cost.optimizer_sharded``).
 
     With ``current`` (the running plan), among the plans predicted within ``keep_tolerance`` of the fastest, the
     one that keeps the most layers in place (:func:`kept_in_place`) wins: it migrates fewer bytes."""
     candidates = []
+    searched = tuple(options) if options is not None else (PLAIN,)
     cutoffs = sorted({cluster.slowdown(r) for r in range(cluster.world_size)}, reverse=True)[:4]
     for tp in tp_degrees:
         if tp > cluster.gpus_per_node or inventory.tp_problems(spec, tp):
@@ -207,23 +242,27 @@ def plan_malleus(cluster: Cluster, spec: ModelSpec, *, micro_batch: int, num_mic
                 for k, g in enumerate(order):
                     lap, i = divmod(k, d)
                     pipes[i if lap % 2 == 0 else d - 1 - i].append(g)
-                result = _evaluate(spec, cost, cluster, pipes, tp, micro_batch, num_microbatches)
-                if result is None:
-                    continue
-                step, splits, mbs = result
-                candidates.append((step, tp, cutoff, pp, pipes, splits, mbs,
-                                   unused + [r for g, _ in spare for r in g]))
+                for opts in searched:
+                    result = _evaluate(spec, cost, cluster, pipes, tp, micro_batch, num_microbatches, opts)
+                    if result is None:
+                        continue
+                    step, splits, mbs, capped = result
+                    candidates.append((step, tp, cutoff, pp, pipes, splits, mbs,
+                                       unused + [r for g, _ in spare for r in g], opts))
+                    if not capped:
+                        break
     if not candidates:
         raise ValueError(_no_fit_message(cluster, spec, cost, micro_batch))
     fastest = min(c[0] for c in candidates)
     if current is None:
-        return _build(cluster, spec, min(candidates, key=lambda c: c[0]))
-    near = [_build(cluster, spec, c) for c in candidates if c[0] <= fastest * (1 + keep_tolerance)]
+        return _build(cluster, spec, min(candidates, key=lambda c: c[0]), show_options=options is not None)
+    near = [_build(cluster, spec, c, show_options=options is not None) for c in candidates
+            if c[0] <= fastest * (1 + keep_tolerance)]
     return max(near, key=lambda p: (kept_in_place(p.plan, current), -p.predicted_step_s))
 
 
-def _build(cluster: Cluster, spec: ModelSpec, candidate) -> PlannedStep:
-    step, tp, cutoff, pp, pipes, splits, mbs, unused = candidate
+def _build(cluster: Cluster, spec: ModelSpec, candidate, *, show_options: bool = False) -> PlannedStep:
+    step, tp, cutoff, pp, pipes, splits, mbs, unused, opts = candidate
     unused = list(unused)
     pipelines = []
     for groups, split, m in zip(pipes, splits, mbs):
@@ -238,8 +277,9 @@ def _build(cluster: Cluster, spec: ModelSpec, candidate) -> PlannedStep:
         pipelines.append(Pipeline(stages=tuple(stages), num_microbatches=m))
     plan = Plan(pipelines=tuple(pipelines), unused_ranks=tuple(sorted(unused)))
     plan.validate(spec, cluster.world_size)
-    return PlannedStep(plan=plan, predicted_step_s=step,
-                       template=f"tp={tp} cutoff={cutoff:g} stages/pipeline={pp}")
+    return PlannedStep(plan=plan, predicted_step_s=step, options=opts,
+                       template=f"tp={tp} cutoff={cutoff:g} stages/pipeline={pp}"
+                       + (f" {opts.name}" if show_options else ""))
 
 
 def _no_fit_message(cluster: Cluster, spec: ModelSpec, cost: CostModel, micro_batch: int) -> str:
@@ -254,25 +294,43 @@ def _no_fit_message(cluster: Cluster, spec: ModelSpec, cost: CostModel, micro_ba
 
 
 def predict_uniform(cluster: Cluster, spec: ModelSpec, *, tp: int, pp: int, micro_batch: int,
-                    num_microbatches: int, cost: CostModel = CostModel()) -> float:
+                    num_microbatches: int, cost: CostModel = CostModel(), options: Options = PLAIN) -> float:
     """Predicted step time of Megatron's uniform plan on the same (straggling) cluster."""
     plan = uniform_plan(world_size=cluster.world_size, tp=tp, pp=pp, num_layers=spec.num_layers,
                         num_microbatches=max(1, num_microbatches // (cluster.world_size // (tp * pp))))
-    return predict(plan, cluster, spec, micro_batch=micro_batch, cost=cost)
+    return predict(plan, cluster, spec, micro_batch=micro_batch, cost=cost, options=options)
 
 
 def predict(plan: Plan, cluster: Cluster, spec: ModelSpec, *, micro_batch: int, cost: CostModel = CostModel(),
-            exact: bool = False) -> float:
-    """Step time of any plan under the cost model (closed form, or the exact 1F1B timeline)."""
+            exact: bool = False, options: Options = PLAIN) -> float:
+    """Step time of any plan under the cost model (closed form, or the exact 1F1B timeline), trained with
+    ``options`` (recomputation and sequence parallelism change the time; the optimizer's sharding does not)."""
     worst = 0.0
     for pipeline in plan.pipelines:
         fwd, bwd = [], []
         for j, stage in enumerate(pipeline.stages):
             c = stage_cost(spec, cost, num_layers=stage.num_layers, tp=stage.tp,
                            slowdown=max(cluster.slowdown(r) for r in stage.ranks), micro_batch=micro_batch,
-                           first=stage.has_embedding, last=stage.has_output, in_flight=pipeline.pp - j)
+                           first=stage.has_embedding, last=stage.has_output, in_flight=pipeline.pp - j,
+                           recompute=options.recompute, sequence_parallel=options.sequence_parallel and stage.tp > 1)
             fwd.append(c.forward_s)
             bwd.append(c.backward_s)
         run = one_f_one_b if exact else pipeline_time_closed_form
         worst = max(worst, run(fwd, bwd, pipeline.num_microbatches))
     return worst
+
+
+def work_bound_s(cluster: Cluster, spec: ModelSpec, *, micro_batch: int, num_microbatches: int,
+                 cost: CostModel = CostModel()) -> float:
+    """A lower bound on the predicted step time of every plan of every template and option set on ``cluster``:
+    the whole batch's forward and backward FLOPs (every layer, the output layer; no recomputation, no TP
+    all-reduce, no pipeline fill or drain, no memory limit) spread over every GPU at its own pace (``1 /
+    slowdown``) and the best TP efficiency. Proof: under stage_cost a stage of TP t at slowdown x does its FLOPs
+    at no more than ``t e_t F / x`` and recomputation and all-reduces only add time, so the GPUs' summed rates
+    bound the work per second; the step time is at least the work over that rate."""
+    whole = stage_cost(spec, cost, num_layers=spec.num_layers, tp=1, slowdown=1.0, micro_batch=micro_batch,
+                       first=True, last=True, in_flight=1)
+    flops = (whole.forward_s + whole.backward_s) * cost.flops_per_s * cost.tp_efficiency.get(1, 0.8)
+    best = max([cost.tp_efficiency.get(1, 0.8), *cost.tp_efficiency.values()])
+    rate = sum(cost.flops_per_s * best / cluster.slowdown(r) for r in range(cluster.world_size))
+    return num_microbatches * flops / rate
