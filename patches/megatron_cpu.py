@@ -230,6 +230,10 @@ _TORCH_SCOPED_MODULES = {
     f"{_MC}.transformer.module": "buffers on torch.cuda.current_device()",
     f"{_MC}.models.common.embeddings.rotary_pos_embedding": "RoPE moves inv_freq to torch.cuda.current_device() "
                                                              "in get_emb (--position-embedding-type rope)",
+    f"{_MC}.tensor_parallel.mappings": "sequence parallelism's gather and reduce-scatter allocate on "
+                                       "torch.cuda.current_device() (--sequence-parallel)",
+    f"{_MC}.tensor_parallel.layers": "the sequence-parallel all-gather of a linear layer's input allocates on "
+                                     "torch.cuda.current_device() (--sequence-parallel)",
     f"{_MC}.utils": "the global memory buffer and local l2 norm use the CUDA device",
     f"{_MC}.dist_checkpointing.strategies.filesystem_async": "torch.cuda.synchronize() before writing shards",
     f"{_MC}.dist_checkpointing.strategies.state_dict_saver": "save verification flags made on the CUDA device",

@@ -31,6 +31,12 @@ PLANS = [
     ("unused_rank", 5,
      "pipelines: [{num_microbatches: 2, stages: [{ranks: [0], layers: [0, 2]}, {ranks: [1], layers: [2, 4]}]},"
      " {num_microbatches: 2, stages: [{ranks: [3, 4], layers: [0, 4]}]}]\nunused_ranks: [2]", ()),
+    # sequence parallelism in the TP-2 stages (the embedding's scatter, the output's gather): the boundaries
+    # TP 2 -> 1 -> 2 gather and slice the sequence, the norms' gradients (each rank sees half the sequence) are
+    # summed over TP before the plan's reduction
+    ("sequence_parallel", 5,
+     "pipelines: [{num_microbatches: 4, stages: [{ranks: [0, 1], layers: [0, 2]}, {ranks: [2], layers: [2, 3]},"
+     " {ranks: [3, 4], layers: [3, 4]}]}]", ("--sequence-parallel",)),
     ("sharded_optimizer", 4,
      "pipelines: [{num_microbatches: 3, stages: [{ranks: [0, 1], layers: [0, 3]}, {ranks: [2], layers: [3, 4]}]},"
      " {num_microbatches: 1, stages: [{ranks: [3], layers: [0, 4]}]}]", ("--use-distributed-optimizer",)),
@@ -53,6 +59,47 @@ def test_llama_plan_matches_single_process(name, world, text, extra, llama_refer
     assert loss_diff <= LOSS_RTOL and weight_diff <= WEIGHT_ATOL, (loss_diff, weight_diff)
     fc1 = result["weights"]["decoder.layers.mlp.linear_fc1.weight"]
     assert fc1.shape == (4, 2, 64, 32)  # layers x (gate, up) x ffn x hidden
+
+
+@pytest.fixture(scope="module")
+def qk_norm_reference(sample_prefix):
+    return run_ranks(train, 1, _argv(1, 1, sample_prefix, (*LLAMA, "--qk-layernorm")), timeout=180)[0]
+
+
+@pytest.mark.parametrize("runtime", ["plan", "megatron"])
+def test_llama_sequence_parallel_with_qk_norm_equals_one_process(runtime, qk_norm_reference, sample_prefix):
+    """TP 2 with --sequence-parallel and --qk-layernorm on both runtimes (the plan runtime's stage models and
+    Megatron's parallel_state grid). Each TP rank computes only a part of some gradients: the norms' (half the
+    sequence each) and the query/key norms' (half the heads each, with or without sequence parallelism); unsummed
+    over TP, the two ranks' copies drift apart (the checkpoint walk then refuses them)."""
+    argv = _argv(2, 1, sample_prefix, (*LLAMA, "--qk-layernorm", "--sequence-parallel", "--hetu-runtime", runtime))
+    result = run_ranks(train, 2, argv, timeout=300)[0]
+    loss_diff, weight_diff = compare(result, qk_norm_reference)
+    assert loss_diff <= LOSS_RTOL and weight_diff <= WEIGHT_ATOL, (loss_diff, weight_diff)
+    assert "decoder.layers.self_attention.q_layernorm.weight" in result["weights"]
+
+
+@pytest.mark.parametrize("extra, outcome", [
+    (("--tensor-model-parallel-size", "1"), "notice: --sequence-parallel has no effect at TP 1"),
+    (("--tensor-model-parallel-size", "2", "--seq-length", "33"), "error: --seq-length 33 is not divisible by TP 2"),
+    (("--tensor-model-parallel-size", "2", "--hetu-packing", "balanced", "--micro-batch-size", "1"),
+     "error: does not take packed"),
+])
+def test_sequence_parallel_settings(sample_prefix, extra, outcome):
+    """--sequence-parallel at TP 1 is turned off with a notice (Megatron-LM warns and goes on); a sequence that
+    TP does not divide, or packs, are refused before any rank starts."""
+    from hetu_ext.megatron.args import parse_run_config
+    from hetu_ext.megatron.launch_plan import check_launch
+    from hetu_ext.plan import PlanError
+
+    config = parse_run_config(_argv(1, 1, sample_prefix, (*LLAMA, "--sequence-parallel", *extra)))
+    kind, text = outcome.split(": ", 1)
+    if kind == "notice":
+        assert any(text in notice for notice in check_launch(config, 2).notices)
+    else:
+        with pytest.raises((PlanError, ValueError)) as info:
+            check_launch(config, 2)
+        assert text in str(info.value) and "\n" not in str(info.value)
 
 
 def test_llama_reference_trains(llama_reference):

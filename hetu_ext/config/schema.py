@@ -87,6 +87,8 @@ class ParallelConfig:
     tensor_model_parallel_size: int = setting(1, help="TP degree of the uniform plan")
     pipeline_model_parallel_size: int = setting(1, help="pipeline stages of the uniform plan")
     use_distributed_optimizer: bool = setting(False, help="ZeRO-1: optimizer state sharded over data parallelism")
+    sequence_parallel: bool = setting(False, help="Megatron's sequence parallelism in every stage of TP > 1: norms, "
+                                                  "dropout and the stage boundary keep 1/TP of the sequence")
     distributed_backend: str | None = setting(choices=("gloo", "nccl"), help="default: nccl with CUDA, gloo "
                                                                              "without")
     distributed_timeout_minutes: float = setting(10.0, help="collective timeout")

@@ -68,10 +68,12 @@ def main(argv: list[str] | None = None) -> int:
         quiet_host_frameworks()
         from .launch_plan import check_launch
 
-        check_launch(config, world_size)  # the plan against the model and the world size, no process group
+        launch_check = check_launch(config, world_size)  # the plan against the model and world size, no group
     except (PlanError, ValueError, OSError) as exc:
         report_error(PROG, str(exc))
         return 2
+    for notice in launch_check.notices:
+        print(f"{PROG}: {notice}", file=sys.stderr)
     if not launched:
         if world_size > 1:
             return _launch(argv, config)

@@ -138,6 +138,8 @@ class LaunchCheck:
     strategies: object = None
     """--hetu-hotspa / --hetu-strategies: the :class:`hetu_ext.data.hotspa.Strategies` (``plan`` is then the home
     strategy's)."""
+    notices: tuple[str, ...] = ()
+    """Lines the launcher prints and goes on (a setting that has no effect, as Megatron-LM warns and goes on)."""
 
 
 def check_launch(config: RunConfig, world_size: int) -> LaunchCheck:
@@ -162,7 +164,31 @@ def check_launch(config: RunConfig, world_size: int) -> LaunchCheck:
     runtime = "plan" if strategies is not None else select_runtime(config, plan)
     if runtime == "plan":
         check_runnable(plan)
-    return LaunchCheck(spec=spec, plan=plan, migrations=migrations, runtime=runtime, strategies=strategies)
+    notices = check_sequence_parallel(config, spec, [plan] + [target for _, target in migrations])
+    return LaunchCheck(spec=spec, plan=plan, migrations=migrations, runtime=runtime, strategies=strategies,
+                       notices=notices)
+
+
+def check_sequence_parallel(config: RunConfig, spec: ModelSpec, plans: list[Plan]) -> tuple[str, ...]:
+    """--sequence-parallel against the plans: it acts in stages of TP > 1 (Megatron-LM turns it off at TP 1 with a
+    warning; so do we, as a notice), whose sequence must split evenly; packs and LoRA adapters do not take it."""
+    if not config.parallel.sequence_parallel:
+        return ()
+    tps = sorted({stage.tp for plan in plans for pipeline in plan.pipelines for stage in pipeline.stages})
+    if tps == [1]:
+        return ("--sequence-parallel has no effect at TP 1 (every stage of the plan has TP 1); turned off, as "
+                "Megatron-LM does",)
+    uneven = [tp for tp in tps if spec.seq_length % tp]
+    if uneven:
+        raise PlanError(f"--sequence-parallel splits each sequence over a stage's TP ranks, but --seq-length "
+                        f"{spec.seq_length} is not divisible by TP {uneven[0]}; choose a multiple of {uneven[0]}")
+    if config.packing.method != "off":
+        raise ValueError(f"--sequence-parallel does not take packed microbatches (--hetu-packing "
+                         f"{config.packing.method}): a pack's documents would be cut between TP ranks; drop one")
+    if config.lora.tenants:
+        raise ValueError("--sequence-parallel with --hetu-lora-tenants: the adapters read whole sequences; drop "
+                         "--sequence-parallel")
+    return ()
 
 
 HOTSPA_METHODS = ("unpacked", "ffd", "greedy", "balanced")

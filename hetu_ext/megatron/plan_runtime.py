@@ -61,6 +61,25 @@ def _buffer_offset(param: torch.Tensor, buffers: list[torch.Tensor]) -> int:
     return -1
 
 
+def tp_partial_grads(model, config) -> list[torch.Tensor]:
+    """The ``main_grad`` of every parameter that each TP rank of a stage holds whole but computes the gradient of
+    only in part: the norms under sequence parallelism (1/TP of the sequence each) and the query/key norms (1/TP of
+    the heads each). Megatron's finalize_model_grads sums the same ones over TP, by the same rule."""
+    return [param.main_grad for name, param in model.named_parameters() if param.requires_grad and (
+        (config.sequence_parallel and getattr(param, "sequence_parallel", False))
+        or (config.qk_layernorm and ("q_layernorm" in name or "k_layernorm" in name)))]
+
+
+def sum_over_group(grads: list[torch.Tensor], group) -> None:
+    """All-reduce (sum) ``grads`` in place over ``group``, as one flat buffer."""
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    flat = _flatten_dense_tensors(grads)
+    dist.all_reduce(flat, group=group)
+    for grad, summed in zip(grads, _unflatten_dense_tensors(flat, grads)):
+        grad.copy_(summed)
+
+
 def _probe_layer(training: TrainingConfig, spec: ModelSpec, numerics: TrainingNumerics, groups: PlanGroups, host,
                  converter=None):
     """One transformer layer of the model on an idle rank (TP 1, its own group): the straggler monitor times it
@@ -192,9 +211,13 @@ def build_plan_placement(training: TrainingConfig, spec: ModelSpec, plan: Plan, 
     """``normaliser["tokens"]``, when set: divide gradients by it instead of this schedule's token count (HotSPa
     runs one step as several schedules and normalises by the whole step's tokens)."""
 
+    partial = tp_partial_grads(model, config) if stage.tp > 1 else []
+
     def finalize(model_chunks, num_tokens=None, pg_collection=None, force_all_reduce=False):
         for chunk in model_chunks:
             chunk.finish_grad_sync()
+        if partial:  # TP copies of a stage are identical from here on, as the layout assumes
+            sum_over_group(partial, groups.tp)
         sync.reduce()
         if normaliser.get("tokens") is not None:
             tokens = torch.tensor([float(normaliser["tokens"])], dtype=torch.float64)
@@ -212,7 +235,8 @@ def build_plan_placement(training: TrainingConfig, spec: ModelSpec, plan: Plan, 
     pipeline = plan.pipelines[where[0]]
     from .p2p import StageP2P
 
-    p2p = StageP2P(neighbours(plan, host.rank), config, dtype=numerics.dtype, device=host.device)
+    p2p = StageP2P(neighbours(plan, host.rank), config, dtype=numerics.dtype, device=host.device,
+                   sequence_group=groups.tp if config.sequence_parallel else None)
     return Placement(active=True, pipeline_index=where[0], model=model, optimizer=optimizer, config=config,
                      is_last_stage=is_last, tp_rank=tp_rank, report_group=groups.used,
                      schedule_kwargs={"p2p_communicator": p2p, "pg_collection": pgc},

@@ -435,7 +435,8 @@ def build_trainer(config: RunConfig) -> Trainer:
     force = {"auto": None, "on": True, "off": False}[config.parallel.cpu_patches]
     h = host.init_distributed(force_cpu=force, timeout_minutes=config.parallel.distributed_timeout_minutes,
                               backend=config.parallel.distributed_backend)
-    numerics = TrainingNumerics.of(config.model, training, variable_seq_lengths=packed)
+    numerics = TrainingNumerics.of(config.model, training, variable_seq_lengths=packed,
+                                   sequence_parallel=config.parallel.sequence_parallel)
     if runtime == "megatron":
         placement = build_megatron_placement(training, spec, plan, h, numerics,
                                              use_distributed_optimizer=config.parallel.use_distributed_optimizer)
