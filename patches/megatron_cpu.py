@@ -218,7 +218,8 @@ def _cpu_rng_set(original: Callable[..., Any]) -> Callable[..., Any]:
 _MC = "megatron.core"
 _TORCH_SCOPED_MODULES = {
     f"{_MC}.tensor_parallel.random": "the RNG tracker seeds and forks the CUDA generator",
-    f"{_MC}.tensor_parallel.layers": "weight and gather buffers are made on torch.cuda.current_device()",
+    f"{_MC}.tensor_parallel.layers": "weight and gather buffers (the sequence-parallel all-gather of a linear "
+                                     "layer's input too) are made on torch.cuda.current_device()",
     f"{_MC}.distributed.param_and_grad_buffer": "grad buffers on torch.cuda.current_device(), CUDA streams",
     f"{_MC}.distributed.distributed_data_parallel": "a CUDA communication stream; torch.cuda.synchronize()",
     f"{_MC}.pipeline_parallel.p2p_communication": "shape buffers on the CUDA device; torch.cuda.synchronize()",
@@ -232,8 +233,6 @@ _TORCH_SCOPED_MODULES = {
                                                              "in get_emb (--position-embedding-type rope)",
     f"{_MC}.tensor_parallel.mappings": "sequence parallelism's gather and reduce-scatter allocate on "
                                        "torch.cuda.current_device() (--sequence-parallel)",
-    f"{_MC}.tensor_parallel.layers": "the sequence-parallel all-gather of a linear layer's input allocates on "
-                                     "torch.cuda.current_device() (--sequence-parallel)",
     f"{_MC}.utils": "the global memory buffer and local l2 norm use the CUDA device",
     f"{_MC}.dist_checkpointing.strategies.filesystem_async": "torch.cuda.synchronize() before writing shards",
     f"{_MC}.dist_checkpointing.strategies.state_dict_saver": "save verification flags made on the CUDA device",
