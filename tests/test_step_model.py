@@ -67,3 +67,116 @@ def test_stage_cost_prices_recompute_and_sp(spec):
     static = stage_cost(spec, cost, tp=2, **{**STAGE, "in_flight": 0}).memory_bytes
     assert sp.memory_bytes - static == pytest.approx(
         2 * spec.seq_length * 4 * 3 * inv.activation_bytes_per_token(spec, tp=1, seq_length=spec.seq_length) / 2)
+
+
+# ------------------------------------------------------------------------------ the step model and its CLI
+
+import json  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from hetu_ext.plan import predict as cli  # noqa: E402
+from hetu_ext.plan import step_model as sm  # noqa: E402
+from hetu_ext.plan.devices import load_device, shipped_devices  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+TABLE = ROOT / "benchmarks" / "published" / "narayanan2021.csv"
+A100 = load_device("a100-80gb-sxm")
+
+
+def _table_rows():
+    return [cli.row_run(row, f"line {i}") for i, row in enumerate(cli.read_table(TABLE), start=2)]
+
+
+def test_narayanan_table_1_within_15_percent_with_one_parameter_set():
+    """Issue 35, acceptance 1: every row of Narayanan et al. SC'21 Table 1 (GPT 1.7B..1T on A100-80GB) predicted
+    within 15% of the published TFLOP/s per GPU, with the one shipped A100 profile and the module's constants
+    (nothing per row). The 15% is the issue's bar; today's largest error is about 5%, so a change to a shared
+    formula that moves any row by 10% fails here."""
+    rows = _table_rows()
+    assert len(rows) == 10
+    for spec, par, device, published in rows:
+        assert device == "a100-80gb-sxm"
+        predicted = sm.predict(spec, par, A100).tflops_per_gpu
+        assert abs(predicted / published - 1) <= 0.15, (spec.num_layers, spec.hidden_size, predicted, published)
+
+
+def test_narayanan_rows_fit_the_device_and_an_oversized_run_does_not():
+    """Acceptance 2: the runs Megatron-LM reports (they ran) are predicted to fit 80 GiB; and the memory model is
+    not vacuous: GPT-3 175B on one node (TP 8, no pipeline) needs ~18 bytes x 175e9 / 8 of state alone."""
+    for spec, par, _, _ in _table_rows():
+        assert sm.predict(spec, par, A100).memory_bytes <= A100.memory_bytes
+    gpt3 = ModelSpec(num_layers=96, hidden_size=12288, num_attention_heads=96, seq_length=2048, vocab_size=51200)
+    one_node = sm.Parallel(tp=8, pp=1, dp=1, micro_batch_size=1, global_batch_size=8, recompute="full")
+    assert sm.predict(gpt3, one_node, A100).memory_bytes > 4 * A100.memory_bytes
+
+
+def test_flops_are_megatrons_formula_and_the_inventorys():
+    """TFLOP/s are counted as Narayanan et al. do: 96 B s l h^2 (1 + s/6h + V/16lh) per step with full
+    recomputation (72 ... V/12lh without); the step model takes them from the inventory, so both must agree."""
+    for spec, par, _, _ in _table_rows():
+        b, s, ll, h, v = par.global_batch_size, spec.seq_length, spec.num_layers, spec.hidden_size, \
+            spec.padded_vocab_size
+        assert sm.step_flops(spec, par) == pytest.approx(96 * b * s * ll * h * h * (1 + s / (6 * h)
+                                                                                    + v / (16 * ll * h)), rel=1e-12)
+        assert sm.step_flops(spec, par, recompute=False) == pytest.approx(
+            72 * b * s * ll * h * h * (1 + s / (6 * h) + v / (12 * ll * h)), rel=1e-12)
+    for spec in (GPT, LLAMA):
+        gemms = sum(2 * n * k for _, n, k, _ in inv.layer_gemms(spec))
+        assert gemms == inv.layer_matmul_flops_per_token(spec)
+
+
+def test_options_move_the_prediction_the_right_way():
+    """Recomputation costs time and saves memory; SP saves memory and keeps the collectives' time (same bytes, one
+    more latency) while splitting the norms' and dropouts' work;
+    the distributed optimizer saves memory; pipeline bubbles shrink with more microbatches or interleaving."""
+    spec = ModelSpec(num_layers=32, hidden_size=4096, num_attention_heads=32, seq_length=4096, vocab_size=32000)
+    base = sm.Parallel(tp=4, pp=2, dp=4, micro_batch_size=1, global_batch_size=64)
+    run = {name: sm.predict(spec, sm.Parallel(**{**base.__dict__, **kw}), A100) for name, kw in {
+        "base": {}, "full": {"recompute": "full"}, "selective": {"recompute": "selective"},
+        "sp": {"sequence_parallel": True}, "distopt": {"distributed_optimizer": True},
+        "more_mb": {"global_batch_size": 256}, "interleaved": {"virtual_stages": 2}}.items()}
+    assert run["full"].step_s > run["selective"].step_s > run["base"].step_s
+    assert run["full"].memory_bytes < run["selective"].memory_bytes < run["base"].memory_bytes
+    assert run["sp"].memory_bytes < run["base"].memory_bytes
+    assert run["sp"].parts["tp_comm"] == pytest.approx(run["base"].parts["tp_comm"], rel=0.05)  # + latencies
+    assert run["sp"].step_s < run["base"].step_s  # norms and dropouts split along the sequence too
+    assert run["distopt"].memory_bytes < run["base"].memory_bytes
+    assert run["more_mb"].parts["bubble"] / run["more_mb"].step_s < run["base"].parts["bubble"] / run["base"].step_s
+    assert run["interleaved"].parts["bubble"] < run["base"].parts["bubble"]
+    assert run["full"].tflops_per_gpu * run["full"].step_s > run["base"].tflops_per_gpu * run["base"].step_s
+
+
+def test_device_profiles_load_and_refuse_unknown_keys(tmp_path):
+    """The three shipped profiles load; a user's profile with a typo is refused naming the key and the fix."""
+    assert {"a100-80gb-sxm", "h100-sxm", "h200"} <= set(shipped_devices())
+    for name in ("a100-80gb-sxm", "H100-SXM", "h200"):
+        d = load_device(name)
+        assert d.peak_flops > 1e14 and 0 < d.efficiency(4096) <= 1 and d.memory_bytes > 7e10
+    text = (ROOT / "hetu_ext/plan/devices/a100-80gb-sxm.yaml").read_text()
+    bad = tmp_path / "mine.yaml"
+    bad.write_text(text.replace("hbm_bytes_per_s", "hbm_bytes_per_sec"))
+    with pytest.raises(ValueError, match="unknown key 'hbm_bytes_per_sec'.*did you mean 'hbm_bytes_per_s'"):
+        load_device(bad)
+    with pytest.raises(ValueError, match="neither a shipped profile"):
+        load_device(tmp_path / "absent.yaml")
+
+
+def test_predict_cli_prints_the_table_and_refuses_bad_input_in_one_line(capsys):
+    """The table mode ends with the issue's JSON line; bad input exits 2 with one line naming rule, values, fix
+    (once through a real subprocess: the exit code a shell sees)."""
+    from hetu_ext.plan.__main__ import main
+
+    assert main(["predict", "--table", str(TABLE)]) == 0
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [sorted(r) for r in last["rows"]] == [["error", "model", "predicted", "published"]] * 10
+    assert main(["predict", "--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8",
+                 "--tensor-model-parallel-size", "2", "--gpus", "5"]) == 2
+    assert "must be a positive multiple of --tensor-model-parallel-size" in capsys.readouterr().err
+    proc = subprocess.run([sys.executable, "-m", "hetu_ext.plan", "predict", "--num-layers", "30", "--hidden-size",
+                           "1024", "--num-attention-heads", "16", "--pipeline-model-parallel-size", "4"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip().count("\n") == 0
+    assert "--num-layers 30 must be divisible by pipeline stages" in proc.stderr

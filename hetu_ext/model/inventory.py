@@ -163,6 +163,17 @@ def layer_matmul_flops_per_token(spec: ModelSpec) -> float:
     return 2.0 * h * ((heads + 2 * groups) * d + heads * d + fc1_rows + f)
 
 
+def layer_gemms(spec: ModelSpec) -> list[tuple[str, int, int, int]]:
+    """One layer's linear layers as ``(name, n, k, split)``: each is a GEMM of ``m = tokens`` rows, ``n`` output
+    and ``k`` input features; ``split`` is the axis TP divides (1: n, column-parallel; 2: k, row-parallel). Their
+    ``2 n k`` per token sum to :func:`layer_matmul_flops_per_token`."""
+    h, f = spec.hidden_size, spec.ffn_hidden_size
+    heads, groups, d = spec.num_attention_heads, spec.num_query_groups, spec.kv_channels
+    fc1_rows = 2 * f if spec.swiglu else f
+    return [("linear_qkv", (heads + 2 * groups) * d, h, 1), ("linear_proj", h, heads * d, 2),
+            ("linear_fc1", fc1_rows, h, 1), ("linear_fc2", h, f, 2)]
+
+
 def attention_flops_per_square_token(spec: ModelSpec, *, causal: bool = False) -> float:
     """Forward FLOPs of one layer's attention per (query, key) pair of the ``s x s`` square: scores and the
     weighted values. ``causal``: a kernel that skips the masked half (FlashAttention) does half of them."""

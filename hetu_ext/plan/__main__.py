@@ -1,7 +1,8 @@
 """``python -m hetu_ext.plan show FILE``: print a plan as a table, after validating it.
 ``python -m hetu_ext.plan malleus ...``: plan around stragglers (Malleus) and write the plan as YAML.
 ``python -m hetu_ext.plan lobra ...``: replicas for many tenants' LoRA fine-tuning (LobRA), written as YAML.
-``python -m hetu_ext.plan hydraulis ...``: candidate heterogeneous strategies chosen per step (Hydraulis)."""
+``python -m hetu_ext.plan hydraulis ...``: candidate heterogeneous strategies chosen per step (Hydraulis).
+``python -m hetu_ext.plan predict ...``: step time, TFLOP/s, MFU and memory per GPU of a run (or ``--table CSV``)."""
 
 from __future__ import annotations
 
@@ -56,7 +57,15 @@ def main(argv: list[str] | None = None) -> int:
                                                              "file, which one each sampled batch would train "
                                                              "under, and a strategies YAML"))
     # --- end Hydraulis ---
+    # --- step-time model (issue 35) ---
+    from . import predict
+
+    predict.add_arguments(sub.add_parser("predict", help="step time, TFLOP/s per GPU, MFU and memory per GPU of a "
+                                                         "Megatron-LM run, or --table CSV against published runs"))
+    # --- end step-time model ---
     args = parser.parse_args(argv)
+    if args.command == "predict":  # step-time model (issue 35)
+        return predict.run(args)
     if args.command == "malleus":
         return _malleus(args, parser)
     if args.command == "lobra":  # LobRA (issue 16)

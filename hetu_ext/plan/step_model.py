@@ -1,0 +1,281 @@
+"""One training step's time and memory per GPU (pure), from the model inventory and a device profile.
+
+The run: Megatron-LM's uniform TP x PP x DP, ``m = global_batch / (micro_batch dp)`` microbatches per pipeline
+under 1F1B (interleaved with ``v`` model chunks per stage when asked), bf16 weights with fp32 gradients and Adam.
+Per microbatch and TP rank, one layer's forward is (``T = b s`` tokens, ``t`` the TP degree; units: seconds):
+
+* **GEMMs**: each linear layer of :func:`hetu_ext.model.inventory.layer_gemms` (``m = T``, ``n``, ``k``, one of
+  them divided by ``t``) at ``2 m n k / (peak x gemm_efficiency((m n k)^(1/3)))``; backward 2x the forward.
+* **attention core**: ``b a / t`` heads of ``(s x d) @ (d x s)`` and back: the inventory's square FLOPs (the
+  whole square; FlashAttention's causal kernel: half), at the GEMM efficiency of ``(s, s, d)``.
+* **memory-bound kernels** (norms, dropouts, softmax, GeLU, residuals): :data:`ELEMENTWISE_TRAFFIC` x the bytes
+  the layer keeps for backward (the inventory's Korthikanti count, scores included unless flash) over HBM
+  bandwidth; backward 2x.
+* **TP collectives**: 2 all-reduces of ``T h`` bf16 values in the forward, 2 in the backward (ring
+  ``2 (t-1)/t`` bytes at NVLink bus bandwidth); with sequence parallelism each is a reduce-scatter + an
+  all-gather of the same bytes (same time, one more latency), and activations are split by ``t``. Not overlapped.
+* **recompute**: ``full`` repeats the whole forward (GEMMs, attention, kernels, collectives) in the backward;
+  ``selective`` the attention core and its softmax/dropout kernels (:func:`inventory.layer_recompute_flops`).
+
+The first stage adds the embedding (its elementwise bytes), the last the output layer (a GEMM of ``V / t``
+columns) and the cross entropy over the logits (:data:`LOGITS_BYTES` per logit, forward and backward). Pipeline
+(1F1B): ``m x max_j c_j + (sum_j c_j - max_j c_j) / v`` with ``c_j`` stage j's forward + backward + its two
+point-to-point sends per microbatch (``T h / t`` bf16 values each: Megatron's scatter-gather, across nodes when
+a replica spans nodes). Then the data-parallel gradient reduction (fp32; all-reduce, or with the distributed
+optimizer reduce-scatter + the bf16 parameter all-gather), overlapped with the last microbatch's backward (and the
+gather with the first forward) when ``overlap_grad_reduce``; then Adam (:data:`OPTIMIZER_BYTES_PER_PARAM` of
+memory traffic per element the rank updates).
+
+Memory per GPU (the largest stage): :func:`hetu_ext.plan.cost.stage_cost`'s weights + fp32 gradients + Adam
+(divided by dp under the distributed optimizer) + activations for the microbatches the stage holds in flight
+(1F1B: ``min(pp - j, m)``; interleaved: Megatron's warm-up count), plus the last stage's fp32 logits and their
+gradient, plus :data:`RESERVED_BYTES`.
+
+The constants below and each device profile's efficiency curve are the whole parameter set; they were set once
+against Narayanan et al. (SC'21) Table 1 (benchmarks/published/narayanan2021.csv), not per row.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from hetu_ext.model import inventory
+from hetu_ext.model.spec import ModelSpec
+
+from .cost import CostModel, stage_cost
+from .devices import Device
+
+ELEMENTWISE_TRAFFIC = 2.0
+"""Bytes the memory-bound kernels of a layer's forward read and write, per byte the layer keeps for backward."""
+LOGITS_BYTES = 12.0
+"""HBM bytes per logit element of the cross entropy, forward (fp32 upcast, softmax, loss), and again backward."""
+OPTIMIZER_BYTES_PER_PARAM = 32.0
+"""Adam step: read fp32 grad, master, two moments; write master, moments and the bf16 weight (bytes/element)."""
+RESERVED_BYTES = 3 * 2**30
+"""CUDA context, NCCL and cuBLAS workspaces, allocator fragmentation (bytes per GPU)."""
+GRAD_REDUCE_BYTES = 4
+"""Gradients are reduced in fp32 (Megatron's main_grad buffers)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Parallel:
+    """How the run is laid out and trained (Megatron-LM's flag in each docstring)."""
+
+    tp: int = 1
+    """--tensor-model-parallel-size"""
+    pp: int = 1
+    """--pipeline-model-parallel-size"""
+    dp: int = 1
+    """data-parallel replicas: GPUs / (tp pp)"""
+    micro_batch_size: int = 1
+    """--micro-batch-size (sequences)"""
+    global_batch_size: int = 1
+    """--global-batch-size (sequences)"""
+    recompute: str = "none"
+    """--recompute-granularity: none, selective or full"""
+    sequence_parallel: bool = False
+    """--sequence-parallel"""
+    distributed_optimizer: bool = False
+    """--use-distributed-optimizer"""
+    virtual_stages: int = 1
+    """model chunks per pipeline stage: num_layers / (pp --num-layers-per-virtual-pipeline-stage)"""
+    overlap_grad_reduce: bool = False
+    """--overlap-grad-reduce (and --overlap-param-gather under the distributed optimizer)"""
+    flash_attention: bool = False
+    """--use-flash-attn: causal attention without materialised scores"""
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def microbatches(self) -> int:
+        return self.global_batch_size // (self.micro_batch_size * self.dp)
+
+
+def check(spec: ModelSpec, par: Parallel) -> None:
+    """ValueError (one line: the rule, the values, the fix) for a layout Megatron-LM would refuse."""
+    for name in ("tp", "pp", "dp", "micro_batch_size", "global_batch_size", "virtual_stages"):
+        value = getattr(par, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    inventory.check_recompute(par.recompute)
+    inventory.check_tp(spec, par.tp)
+    if par.global_batch_size % (par.micro_batch_size * par.dp):
+        raise ValueError(f"--global-batch-size {par.global_batch_size} must be a multiple of --micro-batch-size x "
+                         f"data-parallel size = {par.micro_batch_size} x {par.dp}; change one of them")
+    if spec.num_layers % (par.pp * par.virtual_stages):
+        raise ValueError(f"--num-layers {spec.num_layers} must be divisible by pipeline stages x virtual stages = "
+                         f"{par.pp} x {par.virtual_stages}; change --num-layers or --pipeline-model-parallel-size")
+    if par.virtual_stages > 1 and par.microbatches % par.pp:
+        raise ValueError(f"the interleaved schedule needs microbatches ({par.microbatches}) divisible by "
+                         f"--pipeline-model-parallel-size {par.pp}; change --global-batch-size")
+    if par.sequence_parallel and par.tp == 1:
+        raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1; drop it or raise TP")
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One step of the whole run. Seconds, FLOP/s, bytes."""
+
+    step_s: float
+    tflops_per_gpu: float
+    """Megatron's count: FLOPs of the step, recomputation included, per second per GPU, / 1e12."""
+    mfu: float
+    """Model FLOPs (no recomputation) per second per GPU over the device's peak."""
+    memory_bytes: float
+    """Peak of the largest stage, per GPU."""
+    parts: dict[str, float] = field(default_factory=dict)
+    """Where the time goes: compute, tp_comm, p2p, bubble, dp_comm (exposed), optimizer (seconds)."""
+
+
+@dataclass(frozen=True)
+class _Pass:
+    """Forward and backward seconds of a piece of work for one microbatch, by kind."""
+
+    compute_f: float = 0.0
+    compute_b: float = 0.0
+    comm_f: float = 0.0
+    comm_b: float = 0.0
+
+    def __add__(self, o: _Pass) -> _Pass:
+        return _Pass(self.compute_f + o.compute_f, self.compute_b + o.compute_b, self.comm_f + o.comm_f,
+                     self.comm_b + o.comm_b)
+
+    def times(self, k: float) -> _Pass:
+        return _Pass(self.compute_f * k, self.compute_b * k, self.comm_f * k, self.comm_b * k)
+
+    @property
+    def total(self) -> float:
+        return self.compute_f + self.compute_b + self.comm_f + self.comm_b
+
+
+def _gemm_s(device: Device, flops: float, m: float, n: float, k: float) -> float:
+    return flops / device.gemm_flops_per_s(m, n, k) if flops else 0.0
+
+
+def tp_collective_s(device: Device, par: Parallel, nbytes: float) -> float:
+    """One all-reduce of ``nbytes`` over the TP group (with SP: a reduce-scatter + an all-gather, same bytes)."""
+    if par.tp == 1:
+        return 0.0
+    bw, latency = device.link(par.tp, spans_nodes=False)
+    return 2 * (par.tp - 1) / par.tp * nbytes / bw + latency * (2 if par.sequence_parallel else 1)
+
+
+def layer_pass(spec: ModelSpec, device: Device, par: Parallel) -> _Pass:
+    """One transformer layer, one microbatch, one TP rank: forward and backward seconds (recompute included)."""
+    t, b, s = par.tp, par.micro_batch_size, spec.seq_length
+    tokens = b * s
+    gemm = sum(_gemm_s(device, 2.0 * tokens * n * k / t, tokens, n / t if split == 1 else n, k / t if split == 2
+                       else k) for _, n, k, split in inventory.layer_gemms(spec))
+    attn_flops = inventory.layer_forward_flops(spec, tokens=0, sum_sq=b * s * s, causal=par.flash_attention) / t
+    attn = _gemm_s(device, attn_flops, s, s, spec.kv_channels)
+    kept = tokens * inventory.activation_bytes_per_token(spec, tp=t, seq_length=s, attention_scores=not
+                                                         par.flash_attention, sequence_parallel=par.sequence_parallel)
+    elementwise = ELEMENTWISE_TRAFFIC * kept / device.hbm_bytes_per_s
+    comm = 2 * tp_collective_s(device, par, tokens * spec.hidden_size * 2)
+    forward = gemm + attn + elementwise
+    redo = 0.0
+    redo_comm = 0.0
+    if par.recompute == "full":
+        redo, redo_comm = forward, comm
+    elif par.recompute == "selective":
+        scores = 0.0 if par.flash_attention else 5.0 * spec.num_attention_heads * s / t * tokens
+        redo = attn + ELEMENTWISE_TRAFFIC * scores / device.hbm_bytes_per_s
+    return _Pass(forward, 2 * forward + redo, comm, comm + redo_comm)
+
+
+def ends_pass(spec: ModelSpec, device: Device, par: Parallel, *, first: bool, last: bool) -> _Pass:
+    """The embedding (first stage) and the output layer with its cross entropy (last stage), one microbatch."""
+    t, tokens, h = par.tp, par.micro_batch_size * spec.seq_length, spec.hidden_size
+    out = _Pass()
+    if first:  # lookup (and its gradient's scatter-add): h bf16 values per token written and read
+        lookup = 2 * tokens * h * 2 / device.hbm_bytes_per_s
+        out = out + _Pass(lookup, lookup, tp_collective_s(device, par, tokens * h * 2), 0.0)
+    if last:
+        v = spec.padded_vocab_size
+        gemm = _gemm_s(device, tokens * inventory.output_flops_per_token(spec) / t, tokens, v / t, h)
+        loss = LOGITS_BYTES * tokens * v / t / device.hbm_bytes_per_s
+        out = out + _Pass(gemm + loss, 2 * gemm + loss)
+    return out
+
+
+def _in_flight(par: Parallel, stage: int) -> int:
+    """Microbatches (in whole-stage units, rounded up) whose activations stage ``stage`` holds at its peak."""
+    m, p, v = par.microbatches, par.pp, par.virtual_stages
+    if v == 1:
+        return min(p - stage, m)
+    chunks = min((p - stage - 1) * 2 + (v - 1) * p + 1, m * v)  # Megatron's interleaved warm-up, + the one running
+    return math.ceil(chunks / v)
+
+
+def step_flops(spec: ModelSpec, par: Parallel, *, recompute: bool = True) -> float:
+    """FLOPs of one step as Megatron's papers count them (the whole attention square; forward x 3, plus the
+    recomputed forward when ``recompute``): for GPT with full recomputation ``96 B s l h^2 (1 + s/6h + V/16lh)``."""
+    s = spec.seq_length
+    tokens = par.global_batch_size * s
+    layer = inventory.layer_forward_flops(spec, tokens=tokens, sum_sq=tokens * s)
+    total = spec.num_layers * 3 * layer + 3 * tokens * inventory.output_flops_per_token(spec)
+    if recompute:
+        total += spec.num_layers * inventory.layer_recompute_flops(spec, tokens=tokens, sum_sq=tokens * s,
+                                                                   recompute=par.recompute)
+    return total
+
+
+def predict(spec: ModelSpec, par: Parallel, device: Device) -> Prediction:
+    """Step time, throughput and peak memory per GPU of ``spec`` trained under ``par`` on ``device``."""
+    check(spec, par)
+    p, m, v = par.pp, par.microbatches, par.virtual_stages
+    per_stage = spec.num_layers // p
+    layer = layer_pass(spec, device, par)
+    spans_nodes = par.tp * p > device.gpus_per_node
+    send_bw, send_latency = device.link(2, spans_nodes=spans_nodes)
+    send = spec.seq_length * par.micro_batch_size * spec.hidden_size * 2 / par.tp / send_bw + send_latency
+    p2p = 0.0 if p == 1 else 2 * v * send
+    stages = [layer.times(per_stage) + ends_pass(spec, device, par, first=j == 0, last=j == p - 1) for j in range(p)]
+    cycles = [st.total + p2p for st in stages]
+    slowest = max(range(p), key=lambda j: cycles[j])
+    pipeline = m * cycles[slowest] + (sum(cycles) - cycles[slowest]) / v
+
+    cost = CostModel(optimizer_sharded=par.distributed_optimizer)
+    memories, params = [], []
+    for j in range(p):
+        sc = stage_cost(spec, cost, num_layers=per_stage, tp=par.tp, slowdown=1.0, micro_batch=par.micro_batch_size,
+                        first=j == 0, last=j == p - 1, in_flight=_in_flight(par, j), optimizer_holders=par.dp,
+                        recompute=par.recompute, sequence_parallel=par.sequence_parallel)
+        logits = 0.0
+        if j == p - 1:  # fp32 logits and their gradient, over the rank's share of the vocabulary
+            logits = 2 * 4.0 * par.micro_batch_size * spec.seq_length * spec.padded_vocab_size / par.tp
+        memories.append(sc.memory_bytes + logits + RESERVED_BYTES)
+        extra = (inventory.embedding_params(spec) if j == 0 else 0) + (
+            spec.padded_vocab_size * spec.hidden_size if j == p - 1 and (
+                spec.untie_embeddings_and_output_weights or p > 1) else 0)
+        params.append(per_stage * inventory.layer_params(spec, tp=par.tp) + extra / par.tp)
+
+    grads = max(params)
+    dp_comm = 0.0
+    if par.dp > 1:
+        bw, latency = device.link(par.dp, spans_nodes=par.gpus > device.gpus_per_node)
+        share = (par.dp - 1) / par.dp
+        if par.distributed_optimizer:
+            reduce = share * grads * GRAD_REDUCE_BYTES / bw + latency
+            gather = share * grads * 2 / bw + latency
+        else:
+            reduce, gather = 2 * share * grads * GRAD_REDUCE_BYTES / bw + latency, 0.0
+        if par.overlap_grad_reduce:
+            st = stages[slowest]
+            reduce = max(0.0, reduce - st.compute_b - st.comm_b)
+            gather = max(0.0, gather - st.compute_f - st.comm_f)
+        dp_comm = reduce + gather
+    updated = grads / (par.dp if par.distributed_optimizer else 1)
+    optimizer = updated * OPTIMIZER_BYTES_PER_PARAM / device.hbm_bytes_per_s
+    step = pipeline + dp_comm + optimizer
+
+    busy = stages[slowest]
+    parts = {"compute": m * (busy.compute_f + busy.compute_b), "tp_comm": m * (busy.comm_f + busy.comm_b),
+             "p2p": m * p2p, "bubble": pipeline - m * cycles[slowest], "dp_comm": dp_comm, "optimizer": optimizer}
+    gpus = par.gpus
+    return Prediction(step_s=step, tflops_per_gpu=step_flops(spec, par) / (step * gpus) / 1e12,
+                      mfu=step_flops(spec, par, recompute=False) / (step * gpus * device.peak_flops),
+                      memory_bytes=max(memories), parts=parts)
