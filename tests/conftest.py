@@ -62,7 +62,8 @@ TEST_KINDS: list[tuple[str, str, tuple[str, ...]]] = [
     ("test_packed_training", r"test_packed_training_matches_unpacked_reference", ("gold",)),
     ("test_hf_llama", r"test_(imported_model_gives_transformers_logits|exported_model_is_the_original)", ("gold",)),
     ("test_llama_training", r"test_llama_(plan_matches|packed_equals|migration_continues|hotspa_switching|"
-                            r"lora_tenants|recomputation_is_bit_exact|hydraulis_candidates)", ("gold",)),
+                            r"lora_tenants|recomputation_is_bit_exact|hydraulis_candidates|sequence_parallel_with|"
+                            r"activation_memory)", ("gold",)),
     ("test_hotspa", r"test_(hotspa_matches|per_group_normalisation|bf16_hotspa|checkpoint_saved_from_the_home)",
      ("gold",)),
     ("test_hydraulis_training", r"test_(steps_longest|each_step_under_its_candidate)", ("gold",)),
