@@ -47,7 +47,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from hetu_ext.data.cost import CostTable, LengthCost, _default_per_tp, load_cost_table, save_cost_table  # noqa: E402
+from hetu_ext.data.cost import CostTable, load_cost_table, save_cost_table  # noqa: E402
 from hetu_ext.data.hotspa import (  # noqa: E402
     GroupPricer,
     Strategies,
@@ -61,24 +61,24 @@ from hetu_ext.data.hotspa import (  # noqa: E402
 from hetu_ext.data.lengths import read_lengths, split_long  # noqa: E402
 from hetu_ext.metrics import read_records  # noqa: E402
 from hetu_ext.plan import ModelSpec  # noqa: E402
-from hetu_ext.plan.hydraulis import sample_batches  # noqa: E402
+from hetu_ext.plan.cost import CostModel  # noqa: E402
+from hetu_ext.plan.hydraulis import flops_cost_table, sample_batches  # noqa: E402
+from hetu_ext.plan.options import PLAIN, search_space  # noqa: E402
+
+RECOMPUTE_SEARCHED = ("none", "full")
+"""Selective recomputation is left out of the packer benchmarks' search: with FlashAttention (their memory model)
+it keeps the same activations as none and only adds the attention core's time, so it never wins."""
+
+
+def share_of_ceiling(base_s: float, got_s: float, bound_s: float) -> float:
+    """The share of the ceiling's gain a planner reaches: ``(base / got - 1) / (base / bound - 1)`` (1 when the
+    ceiling allows no gain and the planner loses none)."""
+    if base_s / bound_s - 1 <= 1e-12:
+        return 1.0 if got_s <= base_s * (1 + 1e-12) else 0.0
+    return (base_s / got_s - 1) / (base_s / bound_s - 1)
 
 SEQLENS = ROOT.parent / "shared" / "data" / "seqlens" / "wikipedia.txt.gz"
 SAMPLE = ROOT / "hetu_ext" / "data" / "samples" / "wikipedia_lengths_20k.txt.gz"
-
-
-def a100_with_tp_comm(tp_gbs: float, memory_gb: float = 80.0) -> CostTable:
-    """The A100 FLOPs model plus the TP all-reduces' time per token; activation memory of Megatron without
-    sequence parallelism (this runtime's): 10 h + 24 h / t bytes per token and layer (Korthikanti et al. 2022 with
-    FlashAttention: layer norms, dropout masks and the attention input are replicated across TP ranks)."""
-    h = 4096
-    per_tp = {}
-    for tp, cost in _default_per_tp().items():
-        comm = 0.0 if tp == 1 else 4 * 2 * (tp - 1) / tp * h * 2 / (tp_gbs * 1e9)
-        per_tp[tp] = LengthCost(a=cost.a, b=cost.b + comm, c=cost.c, memory_per_token_bytes=10 * h + 24 * h / tp,
-                                memory_fixed_bytes=cost.memory_fixed_bytes)
-    return CostTable(per_tp=per_tp, device=f"a100-flops-model+tp-allreduce@{tp_gbs:g}GB/s",
-                     device_memory_bytes=memory_gb * 1e9)
 
 
 def predicted_row(spec: ModelSpec, gpus: int, cost: CostTable, batch_list: list[list[int]], *, bandwidth: float
@@ -120,7 +120,13 @@ def predicted_row(spec: ModelSpec, gpus: int, cost: CostTable, batch_list: list[
             chosen.add(items[g.strategy].name)
         totals.append(t + sw)
         switches.append(sw)
-        bounds.append(grouping_bound_s(b, home, spec, cost, fixed_s=allreduce))  # any grouping and home; no switch
+        # every grouping with this home (the static best, as auto_groups is given), all-reduce and switches
+        # included: one group is priced by the packer itself (what HotSPa's price of it is), two or more groups
+        # by the relaxation (grouping_bound_s)
+        fixed = [a + w for a, w in zip(allreduce, switch)]
+        alone = min((pricer.exact(k, b) + fixed[k] for k, s in enumerate(items)
+                     if s.max_len >= max(b) and len(s.plan.pipelines) <= len(b)), default=float("inf"))
+        bounds.append(min(alone, grouping_bound_s(b, home, spec, cost, fixed_s=fixed, min_strategies=2)))
     plan_ms = statistics.mean(plan_ms)
     hotspa_s, switch_s = statistics.mean(totals), statistics.mean(switches)
     return {"gpus": gpus, "max_len": longest, "static_s": static_s, "hotspa_s": hotspa_s, "switch_s": switch_s,
@@ -192,6 +198,11 @@ def main() -> None:
     parser.add_argument("--bandwidth", type=float, default=100.0, help="GB/s per GPU for switches and all-reduce")
     parser.add_argument("--tp-bandwidth", type=float, default=150.0, help="GB/s of the TP all-reduces (NVLink)")
     parser.add_argument("--cost-model", help="a measured cost table (YAML) instead of the A100 model")
+    parser.add_argument("--gpu-memory-gb", type=float, default=80.0)
+    parser.add_argument("--gpus", type=lambda s: [int(x) for x in s.split(",")], default=[8, 16, 32])
+    parser.add_argument("--options", choices=("search", "plain"), default="search",
+                        help="search: recomputation (none, full) with sequence parallelism and the distributed "
+                        "optimizer, for the static strategies and HotSPa alike; plain: none of them")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--emulation-scale", type=float, default=5.0,
@@ -200,24 +211,44 @@ def main() -> None:
     parser.add_argument("--skip-predicted", action="store_true")
     args = parser.parse_args()
 
-    cost = load_cost_table(args.cost_model) if args.cost_model else a100_with_tp_comm(args.tp_bandwidth)
+    measured = load_cost_table(args.cost_model) if args.cost_model else None
+    options = [PLAIN] if args.options == "plain" or measured is not None else search_space(RECOMPUTE_SEARCHED)
     all_lengths = read_lengths(args.lengths)
     predicted = []
-    print(f"predicted: 7B-shaped model, {args.lengths}, {args.batch_tokens} tokens per 8 GPUs, cost: {cost.device}")
-    print(f"{'gpus':>5} {'max_len':>8} {'static':>14} {'static_s':>9} {'hotspa_s':>9} {'switch_s':>9} "
-          f"{'speed-up':>8} {'bound_s':>8} {'ceiling':>7}  strategies used")
+    print(f"predicted: 7B-shaped model, {args.lengths}, {args.batch_tokens} tokens per 8 GPUs, cost: "
+          f"{measured.device if measured else 'flops_cost_table'} at TP link {args.tp_bandwidth:g} GB/s, options "
+          f"searched: {', '.join(o.name for o in options)}")
+    print(f"{'gpus':>5} {'max_len':>8} {'static':>22} {'static_s':>9} {'hotspa_s':>9} {'switch_s':>9} "
+          f"{'gain':>6} {'bound_s':>8} {'ceiling':>7} {'share':>6}  strategies used")
     for max_len in () if args.skip_predicted else (16384, 32768):
         spec = ModelSpec(num_layers=32, hidden_size=4096, num_attention_heads=32, ffn_hidden_size=11008,
                          vocab_size=32000, seq_length=max_len, untie_embeddings_and_output_weights=True)
         pieces = split_long(all_lengths, max_len).length
-        for gpus in (8, 16, 32):
+        for gpus in args.gpus:
             batch_list = sample_batches(pieces, tokens=args.batch_tokens * gpus // 8, count=args.batches, seed=gpus)
-            row = predicted_row(spec, gpus, cost, batch_list, bandwidth=args.bandwidth * 1e9)
-            row["max_len"] = max_len
+            per_option = []
+            for opts in options:
+                cost = measured or flops_cost_table(spec, memory_bytes=args.gpu_memory_gb * 1e9, options=opts,
+                                                    world_size=gpus,
+                                                    cost=CostModel(intra_node_bytes_per_s=args.tp_bandwidth * 1e9))
+                try:
+                    row = predicted_row(spec, gpus, cost, batch_list, bandwidth=args.bandwidth * 1e9)
+                except SystemExit:
+                    continue  # no strategy under these options holds the longest sequence
+                row["options"] = opts.name
+                per_option.append(row)
+            static = min(per_option, key=lambda r: r["static_s"])
+            row = dict(min(per_option, key=lambda r: r["hotspa_s"]))
+            row.update(max_len=max_len, static=f"{static['static']} {static['options']}", static_s=static["static_s"],
+                       bound_s=min(r["bound_s"] for r in per_option), per_option=per_option)
+            row["gain"] = row["static_s"] / row["hotspa_s"]
+            row["ceiling"] = row["static_s"] / row["bound_s"]
+            row["share_of_ceiling"] = share_of_ceiling(row["static_s"], row["hotspa_s"], row["bound_s"])
             predicted.append(row)
-            print(f"{gpus:>5} {max_len:>8} {row['static']:>14} {row['static_s']:>9.3f} {row['hotspa_s']:>9.3f} "
-                  f"{row['switch_s']:>9.3f} {row['static_s'] / row['hotspa_s']:>7.2f}x {row['bound_s']:>8.3f} "
-                  f"{row['static_s'] / row['bound_s']:>6.2f}x  {', '.join(row['hotspa_strategies'])}")
+            print(f"{gpus:>5} {max_len:>8} {row['static']:>22} {row['static_s']:>9.3f} {row['hotspa_s']:>9.3f} "
+                  f"{row['switch_s']:>9.3f} {row['gain']:>5.2f}x {row['bound_s']:>8.3f} {row['ceiling']:>6.2f}x "
+                  f"{row['share_of_ceiling']:>6.1%}  {row['options']}: {', '.join(row['hotspa_strategies'])}",
+                  flush=True)
 
     emulated = []
     if not args.skip_emulated:

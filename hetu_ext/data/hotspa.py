@@ -307,7 +307,8 @@ def _merge_exactly(groups: list[Group], s: np.ndarray, strategies: Strategies,
 
 
 def grouping_bound_s(lengths: Sequence[int], strategies: Strategies, spec: ModelSpec, cost: CostTable, *,
-                     fixed_s: Sequence[float] | None = None, time_limit_s: float = 120.0) -> float:
+                     fixed_s: Sequence[float] | None = None, time_limit_s: float = 120.0,
+                     min_strategies: int = 1) -> float:
     """A lower bound on ``sum over groups (the packer's time of the group under its strategy + fixed_s[k])``
     over every grouping of ``lengths`` into groups under ``strategies`` (any split, contiguous or not; two groups
     under one strategy are bounded below as their union is), ``fixed_s[k]`` a time every used strategy adds (its
@@ -325,7 +326,11 @@ def grouping_bound_s(lengths: Sequence[int], strategies: Strategies, spec: Model
     strategy's pipelines that hold it; the pipeline holding the group's longest sequence adds at least
     ``(pp - 1) w`` of it. Minimising that relaxation over all groupings is the mixed-integer program solved here
     (x: sequence i in strategy k's group, y: strategy k used, z: its fill and drain); HiGHS's dual bound is
-    returned, so a time limit keeps it a bound (HiGHS's default tolerances, 1e-6 relative, apply)."""
+    returned, so a time limit keeps it a bound (HiGHS's default tolerances, 1e-6 relative, apply).
+
+    ``min_strategies``: bound only the groupings that use at least that many strategies (``sum y >= it``; 2 with
+    one strategy priced exactly apart, e.g. by the packer, gives a tighter bound on every grouping: the least of
+    the two). Infinity when fewer strategies hold a sequence than that."""
     try:
         from scipy.optimize import Bounds, LinearConstraint, milp
         from scipy.sparse import coo_matrix
@@ -358,9 +363,16 @@ def grouping_bound_s(lengths: Sequence[int], strategies: Strategies, spec: Model
     lo = np.concatenate([np.ones(n), np.full(2 * m, -np.inf)])
     hi = np.concatenate([np.ones(n), np.zeros(2 * m)])
     A = coo_matrix((vals, (rows, cols)), shape=(n + 2 * m, nz + K)).tocsr()
+    constraints = [LinearConstraint(A, lo, hi)]
+    if min_strategies > 1:
+        if len({int(k) for k in pairs[:, 1]}) < min_strategies:
+            return float("inf")
+        pick = np.zeros(nz + K)
+        pick[ny:nz] = 1.0
+        constraints.append(LinearConstraint(pick[None, :], min_strategies, np.inf))
     integrality = np.concatenate([np.ones(nz), np.zeros(K)])
     upper = np.concatenate([np.ones(nz), np.full(K, np.inf)])
-    res = milp(c, constraints=LinearConstraint(A, lo, hi), integrality=integrality,
+    res = milp(c, constraints=constraints, integrality=integrality,
                bounds=Bounds(np.zeros(nz + K), upper),
                options={"time_limit": time_limit_s, "mip_rel_gap": 1e-6})
     bound = getattr(res, "mip_dual_bound", None)
