@@ -60,7 +60,14 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from hotspa import SAMPLE, SEQLENS, emulated_run, emulation_inputs  # noqa: E402  (benchmarks/hotspa.py)
+from hotspa import (  # noqa: E402  (benchmarks/hotspa.py)
+    RECOMPUTE_SEARCHED,
+    SAMPLE,
+    SEQLENS,
+    emulated_run,
+    emulation_inputs,
+    share_of_ceiling,
+)
 
 from hetu_ext.data.cost import CostTable, load_cost_table  # noqa: E402
 from hetu_ext.data.lengths import read_lengths, split_long  # noqa: E402
@@ -79,6 +86,7 @@ from hetu_ext.plan.hydraulis import (  # noqa: E402
     sync_seconds,
 )
 from hetu_ext.plan.lobra import megatron_time_s  # noqa: E402
+from hetu_ext.plan.options import PLAIN, Options, search_space  # noqa: E402
 from hetu_ext.plan.plan import uniform_plan  # noqa: E402
 
 MODELS = {
@@ -88,12 +96,13 @@ MODELS = {
 TOKENS_PER_GPU = 32768
 
 
-def cost_for(spec: ModelSpec, args: argparse.Namespace) -> CostTable:
+def cost_for(spec: ModelSpec, args: argparse.Namespace, options: Options = PLAIN, world_size: int | None = None
+             ) -> CostTable:
     if args.cost_model:
         table = load_cost_table(args.cost_model)
         return table if table.device_memory_bytes is not None else CostTable(
             per_tp=table.per_tp, device=table.device, device_memory_bytes=args.gpu_memory_gb * 1e9, note=table.note)
-    return flops_cost_table(spec, memory_bytes=args.gpu_memory_gb * 1e9,
+    return flops_cost_table(spec, memory_bytes=args.gpu_memory_gb * 1e9, options=options, world_size=world_size,
                             cost=CostModel(intra_node_bytes_per_s=args.tp_bandwidth * 1e9))
 
 
@@ -155,7 +164,8 @@ def predicted_row(name: str, spec: ModelSpec, gpus: int, cost: CostTable, pieces
                 exact[j].append(selector.exact(j, b) + sync_seconds(s.plan, spec, bandwidth=bandwidth))
     static = min((float(np.mean(v)), items[j].name) for j, v in exact.items() if len(v) == len(batches))
     pool = shape_pool(spec, cost, world_size=gpus, max_len=max_len, prune=False)
-    bound = float(np.mean([one_plan_bound_s(b, pool, gpus) for b in batches]))
+    # the candidates' home is fixed and its all-reduce is paid every step: on top of any one plan's compute
+    bound = float(np.mean([one_plan_bound_s(b, pool, gpus) for b in batches])) + home_sync
     row = {"model": name, "gpus": gpus, "max_len": max_len, "lengths": None,
            **megatron_best(spec, gpus, cost, batches, max_len=max_len, bandwidth=bandwidth),
            "static_hetero_s": static[0], "static_hetero": static[1], "dynamic_s": float(np.mean(dynamic)),
@@ -260,20 +270,22 @@ def main() -> None:
     parser.add_argument("--emulated-tokens", type=int, default=1024, help="emulated: tokens per global batch")
     parser.add_argument("--repeats", type=int, default=2, help="emulated: runs per method and corpus")
     parser.add_argument("--skip-predicted", action="store_true")
+    parser.add_argument("--options", choices=("search", "plain"), default="search",
+                        help="search: no/full recomputation with sequence parallelism and the distributed optimizer, "
+                        "for Megatron's strategies and Hydraulis's alike; plain: none of them")
     args = parser.parse_args()
 
     all_lengths = read_lengths(args.lengths)
+    options = [PLAIN] if args.options == "plain" or args.cost_model else search_space(RECOMPUTE_SEARCHED)
     print(f"# date {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.machine()}, {os.cpu_count()} "
           f"CPUs, load average {os.getloadavg()[0]:.1f}")
     print(f"predicted: lengths {args.lengths} ({all_lengths.size} documents), {TOKENS_PER_GPU} tokens per GPU per "
           f"batch, {args.batches} batches, {args.gpu_memory_gb:g} GB per GPU, TP link {args.tp_bandwidth:g} GB/s, "
-          f"switch/all-reduce {args.bandwidth:g} GB/s per GPU")
-    header = (f"{'model':<8} {'gpus':>4} {'max_len':>7} {'megatron':>12} {'megatron_s':>10} {'causal_s':>8} "
-              f"{'static_h_s':>10} {'dynamic_s':>9} {'meg/dyn':>7} {'stat/dyn':>8} {'meg/bnd':>7} "
-              f"{'cand_s':>6} {'cnd_cpu':>7} "
-              f"{'sel_ms':>7} {'sel_max':>7} "
-              f"{'sel_cpu':>7} {'cpu_max':>7} {'pack_ms':>7} {'over_ms':>7} {'bound_s':>7} {'bnd_ms':>6} {'bnd_cpu':>7}"
-              "  chosen (home)")
+          f"switch/all-reduce {args.bandwidth:g} GB/s per GPU; options searched: "
+          f"{', '.join(o.name for o in options)} (the same for Megatron's homogeneous strategies)")
+    header = (f"{'model':<8} {'gpus':>4} {'max_len':>7} {'megatron':>22} {'megatron_s':>10} {'causal_s':>8} "
+              f"{'static_h_s':>10} {'dynamic_s':>9} {'gain':>7} {'stat/dyn':>8} {'bound_s':>7} {'ceiling':>7} "
+              f"{'share':>6} {'cand_s':>6} {'sel_ms':>7} {'sel_max':>7} {'sel_cpu':>7}  options: chosen (home)")
     print(header + "\n" + "-" * len(header))
     predicted = []
     for max_len in () if args.skip_predicted else args.max_lens:
@@ -281,25 +293,39 @@ def main() -> None:
         for name in args.models:
             spec = ModelSpec(**MODELS[name], vocab_size=32000, seq_length=max_len,
                              untie_embeddings_and_output_weights=True)
-            cost = cost_for(spec, args)
             for gpus in args.gpus:
                 batches = sample_batches(pieces, tokens=TOKENS_PER_GPU * gpus, count=args.batches,
                                          seed=args.seed + gpus)
-                row = predicted_row(name, spec, gpus, cost, pieces, batches, max_len=max_len,
-                                    bandwidth=args.bandwidth * 1e9)
-                row["lengths"] = Path(args.lengths).name
+                per_option = []
+                for opts in options:
+                    cost = cost_for(spec, args, opts, gpus)
+                    try:
+                        one = predicted_row(name, spec, gpus, cost, pieces, batches, max_len=max_len,
+                                            bandwidth=args.bandwidth * 1e9)
+                    except (ValueError, SystemExit):
+                        continue  # nothing under these options holds max_len
+                    one["options"] = opts.name
+                    per_option.append(one)
+                meg = min(per_option, key=lambda r: r["megatron_s"])
+                row = dict(min(per_option, key=lambda r: r["dynamic_s"]))
+                row.update(megatron=f"{meg['megatron']} {meg['options']}", megatron_s=meg["megatron_s"],
+                           megatron_causal_s=min(r["megatron_causal_s"] for r in per_option),
+                           static_hetero_s=min(r["static_hetero_s"] for r in per_option),
+                           one_plan_bound_s=min(r["one_plan_bound_s"] for r in per_option),
+                           lengths=Path(args.lengths).name, per_option=per_option)
+                row["gain"] = row["megatron_s"] / row["dynamic_s"]
+                row["ceiling"] = row["megatron_s"] / row["one_plan_bound_s"]
+                row["share_of_ceiling"] = share_of_ceiling(row["megatron_s"], row["dynamic_s"],
+                                                           row["one_plan_bound_s"])
                 predicted.append(row)
-                print(f"{name:<8} {gpus:>4} {max_len:>7} {row['megatron']:>12} {row['megatron_s']:>10.3f} "
+                print(f"{name:<8} {gpus:>4} {max_len:>7} {row['megatron']:>22} {row['megatron_s']:>10.3f} "
                       f"{row['megatron_causal_s']:>8.3f} {row['static_hetero_s']:>10.3f} {row['dynamic_s']:>9.3f} "
-                      f"{row['megatron_s'] / row['dynamic_s']:>6.2f}x "
+                      f"{row['gain']:>6.2f}x "
                       f"{row['static_hetero_s'] / row['dynamic_s']:>7.2f}x "
-                      f"{row['megatron_s'] / row['one_plan_bound_s']:>6.2f}x "
-                      f"{row['candidates_s']:>6.2f} {row['candidates_cpu_s']:>7.2f} {row['select_ms']:>7.1f} "
-                      f"{row['select_max_ms']:>7.1f} {row['select_cpu_ms']:>7.1f} {row['select_cpu_max_ms']:>7.1f} "
-                      f"{row['pack_ms']:>7.1f} "
-                      f"{row['select_overhead_ms']:>7.1f} {row['dynamic_bound_s']:>7.3f} "
-                      f"{row['select_bound_ms']:>6.1f} "
-                      f"{row['select_bound_cpu_ms']:>7.1f}  {', '.join(row['chosen'])} ({row['home']})", flush=True)
+                      f"{row['one_plan_bound_s']:>7.3f} {row['ceiling']:>6.2f}x {row['share_of_ceiling']:>6.1%} "
+                      f"{row['candidates_s']:>6.2f} {row['select_ms']:>7.1f} {row['select_max_ms']:>7.1f} "
+                      f"{row['select_cpu_ms']:>7.1f}  {row['options']}: {', '.join(row['chosen'])} ({row['home']})",
+                      flush=True)
     emulated = emulated_rows(args)
     print(json.dumps({"predicted": predicted, "emulated": emulated}))
 
