@@ -3,7 +3,7 @@ acceptance 4; issue 31, acceptance 5), and the pages stay honest (links resolve,
 generated configuration page is up to date, the README stays short).
 
 The ```bash blocks are read from each page in order and run by bash in one scratch folder per page that links the
-repository's launch/, configs/ and hetu_ext/ (so the blocks' relative paths hold, and what one block of a page
+repository's launch/, configs/, hetu_ext/ and benchmarks/ (so the blocks' relative paths hold, and what one block of a page
 saves the next block of the same page can load), with this environment's python, torchrun and deepspeed first on
 PATH. Sizes are made small by one table (``SMALL``): step counts and save intervals shrink, in proportion, nothing
 else changes. ``DIR`` (the FISEdit model folder) is the tiny random-weight pipeline of test_fisedit_pipeline. A
@@ -78,7 +78,7 @@ def scratch(tmp_path_factory):
     def folder(page: Path) -> Path:
         if page not in folders:
             folders[page] = tmp_path_factory.mktemp(f"blocks_{page_id(page)}")
-            for name in ("launch", "configs", "hetu_ext"):
+            for name in ("launch", "configs", "hetu_ext", "benchmarks"):
                 (folders[page] / name).symlink_to(ROOT / name)
         return folders[page]
     return folder

@@ -96,6 +96,8 @@ def test_narayanan_table_1_within_15_percent_with_one_parameter_set():
     formula that moves any row by 10% fails here."""
     rows = _table_rows()
     assert len(rows) == 10
+    for row, (spec, _, _, _) in zip(cli.read_table(TABLE), rows):  # the shapes are Table 1's: 1.7B .. 1008.0B
+        assert f"{inv.param_count(spec) / 1e9:.1f}B" == row["model"].split()[-1]
     for spec, par, device, published in rows:
         assert device == "a100-80gb-sxm"
         predicted = sm.predict(spec, par, A100).tflops_per_gpu

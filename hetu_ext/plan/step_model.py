@@ -123,7 +123,8 @@ class Prediction:
     tflops_per_gpu: float
     """Megatron's count: FLOPs of the step, recomputation included, per second per GPU, / 1e12."""
     mfu: float
-    """Model FLOPs (no recomputation) per second per GPU over the device's peak."""
+    """Model FLOPs (no recomputation, causal half of the attention square: the inventory's MFU convention) per
+    second per GPU over the device's peak."""
     memory_bytes: float
     """Peak of the largest stage, per GPU."""
     parts: dict[str, float] = field(default_factory=dict)
@@ -210,16 +211,17 @@ def _in_flight(par: Parallel, stage: int) -> int:
     return math.ceil(chunks / v)
 
 
-def step_flops(spec: ModelSpec, par: Parallel, *, recompute: bool = True) -> float:
-    """FLOPs of one step as Megatron's papers count them (the whole attention square; forward x 3, plus the
-    recomputed forward when ``recompute``): for GPT with full recomputation ``96 B s l h^2 (1 + s/6h + V/16lh)``."""
+def step_flops(spec: ModelSpec, par: Parallel, *, recompute: bool = True, causal: bool = False) -> float:
+    """FLOPs of one step. Defaults: as Megatron's papers count (the whole attention square; forward x 3, plus the
+    recomputed forward when ``recompute``): for GPT with full recomputation ``96 B s l h^2 (1 + s/6h + V/16lh)``.
+    ``recompute=False, causal=True``: the model's necessary work, the MFU convention of the inventory."""
     s = spec.seq_length
     tokens = par.global_batch_size * s
-    layer = inventory.layer_forward_flops(spec, tokens=tokens, sum_sq=tokens * s)
+    layer = inventory.layer_forward_flops(spec, tokens=tokens, sum_sq=tokens * s, causal=causal)
     total = spec.num_layers * 3 * layer + 3 * tokens * inventory.output_flops_per_token(spec)
     if recompute:
         total += spec.num_layers * inventory.layer_recompute_flops(spec, tokens=tokens, sum_sq=tokens * s,
-                                                                   recompute=par.recompute)
+                                                                   recompute=par.recompute, causal=causal)
     return total
 
 
@@ -277,5 +279,5 @@ def predict(spec: ModelSpec, par: Parallel, device: Device) -> Prediction:
              "p2p": m * p2p, "bubble": pipeline - m * cycles[slowest], "dp_comm": dp_comm, "optimizer": optimizer}
     gpus = par.gpus
     return Prediction(step_s=step, tflops_per_gpu=step_flops(spec, par) / (step * gpus) / 1e12,
-                      mfu=step_flops(spec, par, recompute=False) / (step * gpus * device.peak_flops),
+                      mfu=step_flops(spec, par, recompute=False, causal=True) / (step * gpus * device.peak_flops),
                       memory_bytes=max(memories), parts=parts)
