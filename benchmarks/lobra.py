@@ -53,7 +53,8 @@ USABLE_BYTES = 0.9 * 80e9
 """Memory a stage may use on an 80 GB GPU (10% kept for the CUDA context, allocator and logits)."""
 
 
-def predicted(steps: int, cost_model: str | None = None) -> list[dict]:
+def predicted(steps: int, cost_model: str | None = None, lengths: str | None = None,
+              search: bool = True) -> list[dict]:
     from hetu_ext.data.cost import load_cost_table
     from hetu_ext.data.lengths import read_lengths
     from hetu_ext.plan import ModelSpec
@@ -67,46 +68,75 @@ def predicted(steps: int, cost_model: str | None = None) -> list[dict]:
         strategy_pool,
         work_bound_gpu_s,
     )
+    from hetu_ext.plan.options import PLAIN, search_space
 
-    source = WIKIPEDIA if WIKIPEDIA.is_file() else SHIPPED
+    source = Path(lengths) if lengths else WIKIPEDIA if WIKIPEDIA.is_file() else SHIPPED
     wiki = read_lengths(source)
     pool_lengths = np.random.default_rng(0).choice(wiki, 200_000)
     spec = ModelSpec(num_layers=32, hidden_size=4096, num_attention_heads=32, ffn_hidden_size=11008,
                      vocab_size=32000, seq_length=MAX_LEN)
     table = load_cost_table(cost_model) if cost_model else None
+    # the distributed optimizer is moot here (the frozen base has no optimizer state); selective recomputation
+    # keeps what none keeps under FlashAttention and adds time: no/full recomputation with sequence parallelism
+    options = search_space(("none", "full"), distributed_optimizer=(False,)) if search and table is None else [PLAIN]
     print(f"predicted: LLaMA-7B shape, max length {MAX_LEN}, {SAMPLES} sequences per tenant per step, {steps} "
           f"sampled steps; tenants synthetic from {source.name} x scale {SCALES}; per-layer costs: "
-          f"{table.device + ' (' + cost_model + ')' if table is not None else 'FLOP / all-reduce model'}")
+          f"{table.device + ' (' + cost_model + ')' if table is not None else 'FLOP / all-reduce model'}; options "
+          f"searched (homogeneous and LobRA alike): {', '.join(o.name for o in options)}")
     rows = []
     header = (f"{'gpus':>4} {'tenants':>7} {'homog.':>8} {'h.causal':>8} {'h.balanced':>10} {'sequential':>10} "
-              f"{'lobra':>8} {'saving':>6} {'bound':>8} {'max sav.':>8}  deployment (homogeneous)")
+              f"{'lobra':>8} {'saving':>6} {'gain':>6} {'bound':>8} {'max sav.':>8} {'ceiling':>7} {'share':>6}"
+              "  deployment (homogeneous)")
     print(header + "\n" + "-" * len(header))
     for gpus, count in SIZES:
         tenants = [TenantLengths(f"t{k}", np.maximum((pool_lengths * SCALES[k]).astype(np.int64), 1), SAMPLES)
                    for k in range(count)]
-        pool = strategy_pool(spec, lobra_cost_model(), gpu_memory_bytes=USABLE_BYTES, gpus_per_node=8, max_gpus=gpus,
-                             table=table)
         batches = sample_steps(tenants, steps=steps, seed=1, max_len=MAX_LEN)
-        strategy, homo = homogeneous_s(pool, batches, world_size=gpus, max_len=MAX_LEN)
-        _, causal = homogeneous_s(pool, batches, world_size=gpus, max_len=MAX_LEN, packing="concat-causal")
-        _, balanced = homogeneous_s(pool, batches, world_size=gpus, max_len=MAX_LEN, packing="hetu")
-        seq = sequential_s(pool, batches, world_size=gpus, max_len=MAX_LEN)
-        best = plan_deployment(pool, batches, world_size=gpus, max_len=MAX_LEN)
-        full_pool = strategy_pool(spec, lobra_cost_model(), gpu_memory_bytes=USABLE_BYTES, gpus_per_node=8,
-                                  max_gpus=gpus, prune=False, table=table)
-        bound = work_bound_gpu_s(full_pool, batches)
-        row = {"gpus": gpus, "tenants": count, "homogeneous_gpu_s": homo * gpus, "sequential_gpu_s": seq * gpus,
-               "lobra_gpu_s": best.step_s * gpus, "homogeneous_causal_gpu_s": causal * gpus,
-               "homogeneous_balanced_gpu_s": balanced * gpus, "deployment": best.describe(),
-               "homogeneous_strategy": f"{gpus // strategy.gpus} x {strategy.name}",
-               "saving_vs_homogeneous": 1 - best.step_s / homo, "bound_gpu_s": bound,
-               "max_saving_vs_homogeneous": 1 - bound / (homo * gpus)}
+        per = []
+        for opts in options:
+            pool = strategy_pool(spec, lobra_cost_model(), gpu_memory_bytes=USABLE_BYTES, gpus_per_node=8,
+                                 max_gpus=gpus, table=table, options=opts)
+            strategy, homo = homogeneous_s(pool, batches, world_size=gpus, max_len=MAX_LEN)
+            _, causal = homogeneous_s(pool, batches, world_size=gpus, max_len=MAX_LEN, packing="concat-causal")
+            _, balanced = homogeneous_s(pool, batches, world_size=gpus, max_len=MAX_LEN, packing="hetu")
+            seq = sequential_s(pool, batches, world_size=gpus, max_len=MAX_LEN)
+            best = plan_deployment(pool, batches, world_size=gpus, max_len=MAX_LEN)
+            full_pool = strategy_pool(spec, lobra_cost_model(), gpu_memory_bytes=USABLE_BYTES, gpus_per_node=8,
+                                      max_gpus=gpus, prune=False, table=table, options=opts)
+            per.append({"options": opts.name, "homogeneous_gpu_s": homo * gpus, "sequential_gpu_s": seq * gpus,
+                        "lobra_gpu_s": best.step_s * gpus, "homogeneous_causal_gpu_s": causal * gpus,
+                        "homogeneous_balanced_gpu_s": balanced * gpus, "deployment": best.describe(),
+                        "homogeneous_strategy": f"{gpus // strategy.gpus} x {strategy.name}",
+                        "bound_gpu_s": work_bound_gpu_s(full_pool, batches)})
+        homo = min(per, key=lambda r: r["homogeneous_gpu_s"])
+        row = dict(min(per, key=lambda r: r["lobra_gpu_s"]))
+        row.update(gpus=gpus, tenants=count, lengths=source.name, per_option=per,
+                   homogeneous_gpu_s=homo["homogeneous_gpu_s"],
+                   homogeneous_strategy=f"{homo['homogeneous_strategy']} {homo['options']}",
+                   homogeneous_causal_gpu_s=min(r["homogeneous_causal_gpu_s"] for r in per),
+                   homogeneous_balanced_gpu_s=min(r["homogeneous_balanced_gpu_s"] for r in per),
+                   sequential_gpu_s=min(r["sequential_gpu_s"] for r in per),
+                   bound_gpu_s=min(r["bound_gpu_s"] for r in per))
+        row["saving_vs_homogeneous"] = 1 - row["lobra_gpu_s"] / row["homogeneous_gpu_s"]
+        row["max_saving_vs_homogeneous"] = 1 - row["bound_gpu_s"] / row["homogeneous_gpu_s"]
+        row["gain"] = row["homogeneous_gpu_s"] / row["lobra_gpu_s"]
+        row["ceiling"] = row["homogeneous_gpu_s"] / row["bound_gpu_s"]
+        row["share_of_ceiling"] = share_of_ceiling(row["homogeneous_gpu_s"], row["lobra_gpu_s"], row["bound_gpu_s"])
         rows.append(row)
         print(f"{gpus:>4} {count:>7} {row['homogeneous_gpu_s']:>8.1f} {row['homogeneous_causal_gpu_s']:>8.1f} "
               f"{row['homogeneous_balanced_gpu_s']:>10.1f} {row['sequential_gpu_s']:>10.1f} {row['lobra_gpu_s']:>8.1f} "
-              f"{row['saving_vs_homogeneous']:>6.1%} {bound:>8.1f} {row['max_saving_vs_homogeneous']:>8.1%}  "
-              f"{best.describe()} ({row['homogeneous_strategy']})")
+              f"{row['saving_vs_homogeneous']:>6.1%} {row['gain']:>5.2f}x {row['bound_gpu_s']:>8.1f} "
+              f"{row['max_saving_vs_homogeneous']:>8.1%} {row['ceiling']:>6.2f}x {row['share_of_ceiling']:>6.1%}  "
+              f"{row['options']}: {row['deployment']} ({row['homogeneous_strategy']})", flush=True)
     return rows
+
+
+def share_of_ceiling(base: float, got: float, bound: float) -> float:
+    """The share of the ceiling's gain a planner reaches: ``(base / got - 1) / (base / bound - 1)`` (1 when the
+    ceiling allows no gain and the planner loses none)."""
+    if base / bound - 1 <= 1e-12:
+        return 1.0 if got <= base * (1 + 1e-12) else 0.0
+    return (base / got - 1) / (base / bound - 1)
 
 
 EMULATED_TABLE = {  # per layer, forward + backward; big enough that padding dominates real compute on 2 cores
@@ -186,8 +216,14 @@ def main() -> None:
     parser.add_argument("--part", choices=("all", "predicted", "emulated"), default="all")
     parser.add_argument("--cost-model", default=None, help="predicted part: a measured per-layer cost table (YAML, "
                         "python -m hetu_ext.megatron.calibrate on the GPU) instead of the FLOP model")
+    parser.add_argument("--lengths", default=None, help="predicted part: the length file the tenants' lengths are "
+                        "scaled from (default: Wikipedia's)")
+    parser.add_argument("--options", choices=("search", "plain"), default="search",
+                        help="predicted part: search no/full recomputation with sequence parallelism for the "
+                        "homogeneous replicas and LobRA alike; plain: neither")
     args = parser.parse_args()
-    rows = predicted(args.steps, args.cost_model) if args.part != "emulated" else []
+    rows = predicted(args.steps, args.cost_model, args.lengths, args.options == "search") \
+        if args.part != "emulated" else []
     emulated_rows = emulated(args.emulated_steps) if args.part != "predicted" else []
     print(json.dumps({"predicted": rows, "emulated": emulated_rows}))
 

@@ -38,6 +38,7 @@ from hetu_ext.data.lengths import concat_split
 from hetu_ext.data.packing import ReplicaSpec, assign
 
 from .cost import CostModel
+from .options import PLAIN, Options
 from hetu_ext.model import inventory
 from hetu_ext.model.spec import ModelSpec
 from .plan import Pipeline, Plan, Stage
@@ -93,23 +94,34 @@ class Deployment:
         return [s.replica for s, n in self.counts for _ in range(n)]
 
 
-def layer_cost(spec: ModelSpec, cost: CostModel, tp: int) -> LengthCost:
-    """Forward + backward seconds and memory of one transformer layer at TP ``tp`` with a frozen base (LoRA)."""
+def layer_cost(spec: ModelSpec, cost: CostModel, tp: int, options: Options = PLAIN) -> LengthCost:
+    """Forward + backward seconds and memory of one transformer layer at TP ``tp`` with a frozen base (LoRA).
+    ``options``: recomputation adds the inventory's recomputed FLOPs (``full``: the forward's all-reduces too) and
+    keeps its activations; sequence parallelism (TP > 1) splits the activations TP left whole (same all-reduce
+    bytes); the distributed optimizer changes nothing (the frozen base has no optimizer state)."""
     h = spec.hidden_size
     eff = cost.tp_efficiency.get(tp, 0.8)
-    b = 3 * inventory.layer_matmul_flops_per_token(spec) / (cost.flops_per_s * tp * eff)
+    rc = options.recompute
+    b = (3 * inventory.layer_matmul_flops_per_token(spec)
+         + inventory.layer_recompute_flops(spec, tokens=1.0, sum_sq=0.0, recompute=rc)) / (cost.flops_per_s * tp * eff)
     if tp > 1 and tp not in cost.tp_measured:  # 2 all-reduces of s x h forward, 2 backward, ring 2 (t-1)/t
-        b += 2 * 2 * h * cost.dtype_bytes * 2 * (tp - 1) / tp / cost.intra_node_bytes_per_s
-    a = 3 * inventory.attention_flops_per_square_token(spec) / (cost.flops_per_s * tp * eff)
-    per_token = inventory.activation_bytes_per_token(spec, tp=tp, attention_scores=False)
+        b += 2 * 2 * h * cost.dtype_bytes * 2 * (tp - 1) / tp / cost.intra_node_bytes_per_s * (1.5 if rc == "full"
+                                                                                                 else 1.0)
+    a = (3 * inventory.attention_flops_per_square_token(spec)
+         + inventory.layer_recompute_flops(spec, tokens=0.0, sum_sq=1.0, recompute=rc)) / (cost.flops_per_s * tp * eff)
+    per_token = inventory.activation_bytes_per_token(spec, tp=tp, attention_scores=False, recompute=rc,
+                                                     sequence_parallel=options.sequence_parallel and tp > 1)
     return LengthCost(a=a, b=b, c=1e-4, memory_per_token_bytes=per_token * cost.dtype_bytes / 2,
                       memory_fixed_bytes=inventory.layer_params(spec, tp=tp) * cost.dtype_bytes)
 
 
 def strategy_pool(spec: ModelSpec, cost: CostModel, *, gpu_memory_bytes: float, gpus_per_node: int,
                   max_gpus: int, prune: bool = True, table: CostTable | None = None,
-                  min_capacity: int = MIN_CAPACITY) -> list[Strategy]:
+                  min_capacity: int = MIN_CAPACITY, options: Options = PLAIN) -> list[Strategy]:
     """Every feasible (tp, pp) (holds >= 1 token per microbatch), dominated ones pruned (module docstring).
+    ``options`` (FLOP model only): priced by :func:`layer_cost`; under full recomputation the one layer
+    recomputing at a time holds its whole activations for a microbatch of up to ``spec.seq_length`` tokens, taken
+    off the memory.
     ``table``: measured per-layer costs (python -m hetu_ext.megatron.calibrate) used instead of the FLOP model for
     the TP degrees it has (others are skipped), with its own device memory when it gives one."""
     out = []
@@ -120,9 +132,14 @@ def strategy_pool(spec: ModelSpec, cost: CostModel, *, gpu_memory_bytes: float, 
             continue
         if table is not None and tp not in table.per_tp:
             continue
-        layer = table.for_tp(tp) if table is not None else layer_cost(spec, cost, tp)
+        layer = table.for_tp(tp) if table is not None else layer_cost(spec, cost, tp, options)
         stage = layer.times_layers(spec.num_layers // pp)
-        capacity = int((gpu_memory_bytes - stage.memory_fixed_bytes) // (stage.memory_per_token_bytes * pp))
+        memory = gpu_memory_bytes
+        if table is None and options.recompute == "full":
+            memory -= spec.seq_length * inventory.activation_bytes_per_token(
+                spec, tp=tp, attention_scores=False, sequence_parallel=options.sequence_parallel and tp > 1
+            ) * cost.dtype_bytes / 2
+        capacity = int((memory - stage.memory_fixed_bytes) // (stage.memory_per_token_bytes * pp))
         if capacity < 1:
             continue
         out.append(Strategy(tp, pp, capacity, ReplicaSpec(stage_costs=(stage,) * pp, token_capacity=capacity)))
