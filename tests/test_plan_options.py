@@ -1,0 +1,172 @@
+"""The planners' training options (hetu_ext.plan.options): sequence parallelism never costs, recomputation trades
+time for memory in every planner's cost model, Malleus's pruned search over the options equals pricing each
+option set alone, and the new certified bounds stay below what the planners reach (pure)."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from hetu_ext.data.hotspa import GroupPricer, Strategies, auto_strategies, grouping_bound_s
+from hetu_ext.model import inventory
+from hetu_ext.model.spec import ModelSpec
+from hetu_ext.plan.cluster import Cluster
+from hetu_ext.plan.cost import CostModel, stage_cost
+from hetu_ext.plan.hydraulis import flops_cost_table
+from hetu_ext.plan.lobra import layer_cost, strategy_pool
+from hetu_ext.plan.malleus import plan_malleus, predict, work_bound_s
+from hetu_ext.plan.options import PLAIN, Options, search_space
+
+SPEC = ModelSpec(num_layers=8, hidden_size=1024, num_attention_heads=16, ffn_hidden_size=4096, vocab_size=32000,
+                 seq_length=4096)
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+@pytest.mark.parametrize("recompute", inventory.RECOMPUTE)
+def test_sequence_parallelism_is_never_slower_and_never_needs_more_memory(tp, recompute):
+    cost = CostModel()
+    for first, last in ((False, False), (True, True)):
+        args = dict(num_layers=2, tp=tp, slowdown=1.0, micro_batch=1, first=first, last=last, in_flight=2,
+                    recompute=recompute)
+        off = stage_cost(SPEC, cost, sequence_parallel=False, **args)
+        on = stage_cost(SPEC, cost, sequence_parallel=True, **args)
+        assert (on.forward_s, on.backward_s) == (off.forward_s, off.backward_s)
+        assert on.memory_bytes < off.memory_bytes
+    plain = Options(recompute=recompute)
+    sp = Options(recompute=recompute, sequence_parallel=True)
+    for table in (lambda o: flops_cost_table(SPEC, memory_bytes=80e9, options=o).per_tp[tp],
+                  lambda o: layer_cost(SPEC, cost, tp, o)):
+        a, b = table(plain), table(sp)
+        assert (b.a, b.b, b.c, b.memory_fixed_bytes) == (a.a, a.b, a.c, a.memory_fixed_bytes)
+        assert b.memory_per_token_bytes < a.memory_per_token_bytes
+
+
+def test_recomputation_and_the_distributed_optimizer_trade_time_for_memory_in_the_packer_tables():
+    base = flops_cost_table(SPEC, memory_bytes=80e9, options=Options(sequence_parallel=True))
+    full = flops_cost_table(SPEC, memory_bytes=80e9, options=Options(recompute="full", sequence_parallel=True))
+    sharded = flops_cost_table(SPEC, memory_bytes=80e9, world_size=16,
+                               options=Options(sequence_parallel=True, distributed_optimizer=True))
+    for tp in (1, 2, 4, 8):
+        b, f, d = base.per_tp[tp], full.per_tp[tp], sharded.per_tp[tp]
+        assert f.a > b.a and f.b > b.b  # one more forward
+        assert f.memory_per_token_bytes < b.memory_per_token_bytes / 4  # the layer input only
+        assert (d.a, d.b, d.memory_per_token_bytes) == (b.a, b.b, b.memory_per_token_bytes)
+        assert d.memory_fixed_bytes < b.memory_fixed_bytes
+    assert full.device_memory_bytes < base.device_memory_bytes  # one layer's activations while it recomputes
+    # the Adam state once over the 16 ranks instead of on every rank's layers
+    cost = CostModel()
+    assert sharded.device_memory_bytes == pytest.approx(
+        80e9 - cost.optimizer_state_bytes * inventory.param_count(SPEC) / 16)
+    with pytest.raises(ValueError, match="world_size"):
+        flops_cost_table(SPEC, memory_bytes=80e9, options=Options(distributed_optimizer=True))
+    # selective recomputation keeps what none keeps under FlashAttention (the packer models) and only adds time
+    sel = flops_cost_table(SPEC, memory_bytes=80e9, options=Options(recompute="selective", sequence_parallel=True))
+    assert sel.per_tp[2].memory_per_token_bytes == base.per_tp[2].memory_per_token_bytes
+    assert sel.per_tp[2].a > base.per_tp[2].a
+
+
+def test_full_recomputation_lets_lobra_hold_longer_sequences():
+    args = dict(gpu_memory_bytes=6e9, gpus_per_node=8, max_gpus=8, prune=False)
+    plain = {(s.tp, s.pp): s.capacity for s in strategy_pool(SPEC, CostModel(), options=PLAIN, **args)}
+    full = {(s.tp, s.pp): s.capacity for s in strategy_pool(SPEC, CostModel(), options=Options(recompute="full"),
+                                                            **args)}
+    assert all(full[k] > plain[k] for k in plain)
+
+
+def _cluster(rng: random.Random, gpus: int, memory: float) -> Cluster:
+    slow = {r: rng.choice((1.5, 2.0, 5.0)) for r in rng.sample(range(gpus), rng.randint(0, 3))}
+    return Cluster(world_size=gpus, gpus_per_node=8, gpu_memory_bytes=memory, slowdowns=slow)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_malleus_option_search_equals_pricing_each_option_set_alone(seed):
+    """The pruned search (a heavier option set only where memory bound the lighter's split) finds the same step
+    time as planning under each option set alone and taking the fastest; the plan fits and is priced right."""
+    rng = random.Random(seed)
+    spec = ModelSpec(num_layers=16, hidden_size=2048, num_attention_heads=16, vocab_size=32000,
+                     seq_length=rng.choice((2048, 4096)))
+    cluster = _cluster(rng, rng.choice((16, 32)), rng.choice((12, 16, 24)) * 2**30)
+    options = search_space(distributed_optimizer=(False, True))
+    microbatches = 4 * cluster.world_size
+    alone = []
+    for o in options:
+        try:
+            alone.append(plan_malleus(cluster, spec, micro_batch=1, num_microbatches=microbatches, options=[o])
+                         .predicted_step_s)
+        except ValueError:
+            continue
+    if not alone:
+        with pytest.raises(ValueError):
+            plan_malleus(cluster, spec, micro_batch=1, num_microbatches=microbatches, options=options)
+        return
+    planned = plan_malleus(cluster, spec, micro_batch=1, num_microbatches=microbatches, options=options)
+    assert planned.predicted_step_s == pytest.approx(min(alone), rel=1e-12)
+    again = predict(planned.plan, cluster, spec, micro_batch=1, options=planned.options)
+    assert again == pytest.approx(planned.predicted_step_s, rel=1e-9)
+    bound = work_bound_s(cluster, spec, micro_batch=1, num_microbatches=microbatches)
+    assert 0 < bound <= planned.predicted_step_s
+    assert bound > 0.4 * planned.predicted_step_s  # a real bound, not a trivial one
+
+
+@pytest.mark.parametrize("gpus", [8, 16])
+@pytest.mark.parametrize("memory_gib", [4, 8, 16])
+def test_malleus_option_search_equals_pricing_each_option_set_alone_under_tight_memory(gpus, memory_gib):
+    """Where memory binds the layer split (16 GPUs of 4 GiB at 4096 tokens: the plain set fits, capped; a lighter
+    template stopping at its first fitting set is 1% slower there), the heavier sets are priced too."""
+    options = search_space(distributed_optimizer=(False, True))
+    cluster = Cluster(world_size=gpus, gpus_per_node=8, gpu_memory_bytes=memory_gib * 2**30, slowdowns={1: 2.0})
+    for seq in (2048, 4096):
+        spec = ModelSpec(num_layers=16, hidden_size=2048, num_attention_heads=16, vocab_size=32000, seq_length=seq)
+        alone = []
+        for o in options:
+            try:
+                alone.append(plan_malleus(cluster, spec, micro_batch=1, num_microbatches=4 * gpus, options=[o])
+                             .predicted_step_s)
+            except ValueError:
+                continue
+        got = plan_malleus(cluster, spec, micro_batch=1, num_microbatches=4 * gpus, options=options)
+        assert got.predicted_step_s == pytest.approx(min(alone), rel=1e-12)
+
+
+def test_malleus_uses_recomputation_only_when_memory_asks_for_it():
+    spec = ModelSpec(num_layers=16, hidden_size=2048, num_attention_heads=16, vocab_size=32000, seq_length=4096)
+    options = search_space(distributed_optimizer=(False, True))
+    roomy = Cluster(world_size=16, gpus_per_node=8, gpu_memory_bytes=80 * 2**30)
+    assert plan_malleus(roomy, spec, micro_batch=1, num_microbatches=64, options=options).options.recompute == "none"
+    tight = Cluster(world_size=8, gpus_per_node=8, gpu_memory_bytes=5 * 2**30)
+    with pytest.raises(ValueError):
+        plan_malleus(tight, spec, micro_batch=1, num_microbatches=32)
+    planned = plan_malleus(tight, spec, micro_batch=1, num_microbatches=32, options=options)
+    assert planned.options.recompute != "none" or planned.options.distributed_optimizer
+
+
+def test_grouping_bound_over_two_or_more_strategies_is_below_every_such_grouping():
+    """min_strategies=2 bounds every grouping that uses two strategies (checked against exactly priced contiguous
+    splits over every strategy pair); with the packer's own price of each strategy alone it bounds them all."""
+    rng = np.random.default_rng(3)
+    spec = ModelSpec(num_layers=8, hidden_size=1024, num_attention_heads=16, ffn_hidden_size=4096,
+                     vocab_size=32000, seq_length=4096)
+    cost = flops_cost_table(spec, memory_bytes=3e9, world_size=4,
+                            options=Options(sequence_parallel=True, distributed_optimizer=True))
+    strategies = auto_strategies(spec, 4, cost, max_pp=4)
+    cap = max(s.max_len for s in strategies.items)
+    lengths = np.minimum(rng.lognormal(6.5, 1.2, 60).astype(int) + 1, cap).tolist()
+    home = Strategies(items=strategies.items, home=strategies.home)
+    fixed = [0.01 * k for k in range(len(home.items))]
+    bound2 = grouping_bound_s(lengths, home, spec, cost, fixed_s=fixed, min_strategies=2)
+    pricer = GroupPricer(home, spec, cost)
+    s = sorted(lengths)
+    priced = 0
+    for cut in range(5, len(s) - 5, 5):
+        for k1, a in enumerate(home.items):
+            for k2, b in enumerate(home.items):
+                if k1 == k2 or a.max_len < s[cut - 1] or b.max_len < s[-1] \
+                        or len(a.plan.pipelines) > cut or len(b.plan.pipelines) > len(s) - cut:
+                    continue
+                got = pricer.exact(k1, s[:cut]) + fixed[k1] + pricer.exact(k2, s[cut:]) + fixed[k2]
+                assert bound2 <= got * (1 + 1e-6)
+                priced += 1
+    assert priced > 10
+    assert grouping_bound_s(lengths, home, spec, cost, fixed_s=fixed) <= bound2 * (1 + 1e-6)
