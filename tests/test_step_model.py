@@ -182,3 +182,22 @@ def test_predict_cli_prints_the_table_and_refuses_bad_input_in_one_line(capsys):
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip().count("\n") == 0
     assert "--num-layers 30 must be divisible by pipeline stages" in proc.stderr
+
+
+def test_a_one_gpu_layer_table_is_extended_to_the_tp_degrees_planners_search():
+    """benchmarks/gpu_calibrate.sh measures TP 1 on one GPU; the planners' benchmarks price only the degrees their
+    table holds, so TP 2/4/8 are derived (hetu_ext.plan.calibration): measured entries kept, attention divided by
+    t, per-token time smaller than TP 1's but more than 1/t of it (the TP all-reduces, smaller GEMMs)."""
+    from hetu_ext.data.cost import load_cost_table
+    from hetu_ext.plan.calibration import extend_by_tp
+
+    measured = load_cost_table(ROOT / "configs" / "calibration" / "cpu.yaml")
+    spec = ModelSpec(num_layers=1, hidden_size=256, num_attention_heads=8, ffn_hidden_size=1024)
+    table = extend_by_tp(measured, spec, load_device("h100-sxm"))
+    assert sorted(table.per_tp) == [1, 2, 4, 8]
+    assert table.per_tp[2] == measured.per_tp[2]
+    one, eight = table.per_tp[1], table.per_tp[8]
+    assert eight.a == pytest.approx(one.a / 8, rel=1e-9)
+    assert one.b / 8 < eight.b < one.b
+    assert eight.memory_per_token_bytes < one.memory_per_token_bytes
+    assert "derived from TP 1" in table.note
