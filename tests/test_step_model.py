@@ -201,3 +201,50 @@ def test_a_one_gpu_layer_table_is_extended_to_the_tp_degrees_planners_search():
     assert one.b / 8 < eight.b < one.b
     assert eight.memory_per_token_bytes < one.memory_per_token_bytes
     assert "derived from TP 1" in table.note
+
+
+def test_planners_stage_cost_prices_a_layer_as_the_step_model_does():
+    """planner_cost_model hands the planners (stage_cost) the step model's per-layer compute for a device: one
+    layer's forward at every TP degree equals the step model's to rounding; the TP all-reduces differ only by the
+    collectives' latency (stage_cost has none)."""
+    spec = ModelSpec(num_layers=8, hidden_size=4096, num_attention_heads=32, seq_length=4096, vocab_size=32000)
+    cost = sm.planner_cost_model(spec, A100, micro_batch=2)
+    for tp in (1, 2, 4, 8):
+        st = stage_cost(spec, cost, num_layers=1, tp=tp, slowdown=1.0, micro_batch=2, first=False, last=False,
+                        in_flight=1)
+        ours = sm.layer_pass(spec, A100, sm.Parallel(tp=tp, micro_batch_size=2))
+        assert st.forward_s == pytest.approx(ours.compute_f + ours.comm_f, rel=5e-3)  # latency: 2 x 10 us
+        assert st.backward_s == pytest.approx(ours.compute_b + ours.comm_b, rel=5e-3)
+
+
+def test_a_measured_layer_table_in_the_profile_replaces_the_flop_model(tmp_path):
+    """A profile's ``calibrate`` table prices the layers of the shape it measured (a s^2 + b s + c per sequence,
+    at the TP degrees it holds); other shapes and degrees keep the FLOP model."""
+    (tmp_path / "layer.yaml").write_text(
+        "device: test\nper_tp:\n  1: {a: 1.0e-9, b: 1.0e-5, c: 0.001}\n")
+    text = (ROOT / "hetu_ext/plan/devices/a100-80gb-sxm.yaml").read_text()
+    (tmp_path / "dev.yaml").write_text(text + "calibrate: {table: layer.yaml, hidden_size: 1024, "
+                                       "num_attention_heads: 16, ffn_hidden_size: 4096}\n")
+    measured = load_device(tmp_path / "dev.yaml")
+    par = sm.Parallel(micro_batch_size=2, global_batch_size=2)
+    s = GPT.seq_length
+    layer = sm.measured_layer_pass(GPT, measured, par)
+    assert layer.total == pytest.approx(2 * (1e-9 * s * s + 1e-5 * s) + 0.001)
+    assert sm.measured_layer_pass(GPT, measured, sm.Parallel(tp=2, micro_batch_size=2, global_batch_size=2)) is None
+    assert sm.measured_layer_pass(LLAMA, measured, par) is None
+    assert sm.predict(GPT, par, measured).step_s != sm.predict(GPT, par, A100).step_s
+
+
+def test_gpu_calibration_script_parses_and_refuses_a_machine_without_cuda():
+    """benchmarks/gpu_calibrate.sh is ready for a lent GPU: bash accepts it, and without CUDA it stops at once with
+    one line and exit 2 (nothing measured, nothing written)."""
+    script = ROOT / "benchmarks" / "gpu_calibrate.sh"
+    assert subprocess.run(["bash", "-n", str(script)], timeout=30).returncode == 0
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA machine would run the calibration for real")
+    proc = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                          env={**__import__("os").environ, "PYTHON": sys.executable, "OUT": "/nonexistent/x"})
+    assert proc.returncode == 2, proc.stderr
+    assert "no CUDA device" in proc.stderr and proc.stderr.strip().count("\n") == 0

@@ -187,6 +187,26 @@ def layer_pass(spec: ModelSpec, device: Device, par: Parallel) -> _Pass:
     return _Pass(forward, 2 * forward + redo, comm, comm + redo_comm)
 
 
+def measured_layer_pass(spec: ModelSpec, device: Device, par: Parallel) -> _Pass | None:
+    """One layer from the device's measured table (``calibrate`` of its profile), when the table measured this
+    layer's shape at this TP degree: ``b (a s^2 + b s) + c`` seconds forward + backward (TP collectives
+    included), one third forward; recomputation adds the forward (full) or the attention term's third
+    (selective). None otherwise (the FLOP model prices it)."""
+    cal = device.calibrate
+    if cal is None or (cal.hidden_size, cal.num_attention_heads, cal.ffn_hidden_size) != (
+            spec.hidden_size, spec.num_attention_heads, spec.ffn_hidden_size):
+        return None
+    from hetu_ext.data.cost import load_cost_table
+
+    table = load_cost_table(cal.table)
+    if par.tp not in table.per_tp:
+        return None
+    cost, b, s = table.per_tp[par.tp], par.micro_batch_size / cal.micro_batch_size, spec.seq_length
+    total = b * (cost.a * s * s + cost.b * s) + cost.c
+    redo = {"none": 0.0, "full": total / 3, "selective": b * cost.a * s * s / 3}[par.recompute]
+    return _Pass(total / 3, 2 * total / 3 + redo)
+
+
 def ends_pass(spec: ModelSpec, device: Device, par: Parallel, *, first: bool, last: bool) -> _Pass:
     """The embedding (first stage) and the output layer with its cross entropy (last stage), one microbatch."""
     t, tokens, h = par.tp, par.micro_batch_size * spec.seq_length, spec.hidden_size
@@ -230,7 +250,7 @@ def predict(spec: ModelSpec, par: Parallel, device: Device) -> Prediction:
     check(spec, par)
     p, m, v = par.pp, par.microbatches, par.virtual_stages
     per_stage = spec.num_layers // p
-    layer = layer_pass(spec, device, par)
+    layer = measured_layer_pass(spec, device, par) or layer_pass(spec, device, par)
     spans_nodes = par.tp * p > device.gpus_per_node
     send_bw, send_latency = device.link(2, spans_nodes=spans_nodes)
     send = spec.seq_length * par.micro_batch_size * spec.hidden_size * 2 / par.tp / send_bw + send_latency
@@ -281,3 +301,23 @@ def predict(spec: ModelSpec, par: Parallel, device: Device) -> Prediction:
     return Prediction(step_s=step, tflops_per_gpu=step_flops(spec, par) / (step * gpus) / 1e12,
                       mfu=step_flops(spec, par, recompute=False, causal=True) / (step * gpus * device.peak_flops),
                       memory_bytes=max(memories), parts=parts)
+
+
+def planner_cost_model(spec: ModelSpec, device: Device, *, micro_batch: int = 1,
+                       tp_degrees: tuple[int, ...] = (1, 2, 4, 8), **overrides) -> CostModel:
+    """A :class:`~hetu_ext.plan.cost.CostModel` for the planners' ``stage_cost`` that reproduces this model's
+    layer compute on ``device`` for ``spec`` (``micro_batch`` sequences of ``spec.seq_length``): ``flops_per_s``
+    is the layer's FLOPs over its TP-1 forward seconds (GEMMs, attention, memory-bound kernels), ``tp_efficiency``
+    the step model's TP-t forward against t-fold speed-up, the TP all-reduces at the profile's NVLink bus
+    bandwidth, ``overrides`` the rest (e.g. ``optimizer_sharded=True``). TP degrees that do not split the model
+    are left out."""
+    flops = inventory.layer_forward_flops(spec, tokens=micro_batch * spec.seq_length,
+                                          sum_sq=micro_batch * spec.seq_length ** 2)
+    forward = {}
+    for tp in tp_degrees:
+        if not inventory.tp_problems(spec, tp):
+            forward[tp] = layer_pass(spec, device, Parallel(tp=tp, micro_batch_size=micro_batch)).compute_f
+    one = forward[1]
+    return CostModel(**{"flops_per_s": flops / one, "intra_node_bytes_per_s": device.nvlink_bytes_per_s,
+                        "inter_node_bytes_per_s": device.inter_node_bytes_per_s,
+                        "tp_efficiency": {tp: one / (tp * f) for tp, f in forward.items()}, **overrides})
