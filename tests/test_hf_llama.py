@@ -172,3 +172,62 @@ def test_unmapped_architecture_is_one_line(tmp_path, capsys):
     assert cli(["import-hf", str(tmp_path), str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "GPTNeoXForCausalLM" in err[0] and "LlamaForCausalLM" in err[0], err
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_config_of_a_model_trained_here_is_the_same_model(arch, tmp_path):
+    """``convert --to hf-llama`` of a model trained from scratch (no Hugging Face config recorded) writes the
+    config of the model its flags describe: read back, it is the same model, and transformers builds from it a
+    model whose tensors have the original's names and shapes. A setting neither architecture holds is refused."""
+    import dataclasses
+
+    import transformers
+
+    from hetu_ext.checkpoint.hf_llama import hf_config_of, read_config, spec_from_hf
+    from hetu_ext.checkpoint.manifest import CheckpointError
+
+    original = _hf_model(arch)
+    original.save_pretrained(str(tmp_path))
+    spec = spec_from_hf(read_config(tmp_path))
+    config = hf_config_of(spec)
+    assert spec_from_hf(config) == spec
+    built = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[arch](**config)
+    model = getattr(transformers, config["architectures"][0])(built)
+    assert {k: v.shape for k, v in model.state_dict().items()} == {k: v.shape for k, v in
+                                                                   original.state_dict().items()}
+    with pytest.raises(CheckpointError, match="--normalization LayerNorm"):
+        hf_config_of(dataclasses.replace(spec, normalization="LayerNorm"))
+
+
+def test_llama31_rope_scaling_is_mapped(tmp_path):
+    """Llama 3.1's RoPE scaling (rope_type llama3) imports as --use-rope-scaling with its factor: logits within
+    1e-5 of transformers' at TP 2. Not vacuous: the same weights without the scaling are measurably off (the
+    long-wavelength frequencies are divided by the factor even at these short positions). Exported back, the
+    config keeps the scaling."""
+    import transformers
+
+    from hetu_ext.checkpoint.hf_llama import hf_config_of, read_config, spec_from_hf
+
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    tiny = _hf_model("llama")
+    base = {**tiny.config.to_dict(), "rope_theta": 500000.0, "rope_parameters": {"rope_type": "default",
+                                                                                  "rope_theta": 500000.0}}
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**base)).eval()  # Llama 3's base period
+    model.load_state_dict(tiny.state_dict())
+    config = transformers.LlamaConfig(**{**base, "rope_scaling": scaling,
+                                         "rope_parameters": {**scaling, "rope_theta": 500000.0}})
+    scaled = transformers.LlamaForCausalLM(config).eval()
+    scaled.load_state_dict(model.state_dict())
+    scaled.save_pretrained(str(tmp_path / "hf"))
+    spec = spec_from_hf(read_config(tmp_path / "hf"))
+    assert spec.rope_scaling and spec.rope_scaling_factor == 8.0 and spec.rotary_base == 500000
+    assert spec_from_hf(hf_config_of(spec)) == spec
+    assert cli(["import-hf", str(tmp_path / "hf"), str(tmp_path / "hetu")]) == 0
+    tokens = torch.randint(0, 1000, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want, unscaled = scaled(tokens).logits.float(), model(tokens).logits.float()
+    got = run_ranks(_logits_body, 2, str(tmp_path / "hf"), str(tmp_path / "hetu"), tokens, timeout=180)[0]
+    diff, effect = float((got - want).abs().max()), float((unscaled - want).abs().max())
+    print(f"max abs logit difference {diff:.2e}; the scaling's effect {effect:.2e}")
+    assert diff <= 1e-5 < effect, (diff, effect)

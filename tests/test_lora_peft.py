@@ -81,3 +81,60 @@ def test_peft_round_trip_logits(tmp_path):
         print(f"{name}: max |logits diff| {diff:.2e} (adapter's effect {float((expected - base).abs().max()):.2e})")
         assert diff <= 1e-5, (name, diff)
         assert float((expected - base).abs().max()) > 1e-3  # the adapter changes the logits
+
+
+LLAMA_SHAPE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "96",
+               "--swiglu", "--normalization", "RMSNorm", "--norm-epsilon", "1e-6", "--position-embedding-type", "rope",
+               "--group-query-attention", "--num-query-groups", "2", "--disable-bias-linear",
+               "--untie-embeddings-and-output-weights", "--tokenizer-type", "NullTokenizer", "--vocab-size", "999"]
+"""test_hf_llama's tiny Llama (1,000 ids: NullTokenizer's 999 + EOD) in Megatron-LM's flags."""
+
+
+def llama_body(rank: int, world_size: int, argv: list[str]) -> dict:
+    """Fine-tune tenants over the imported base (saving the adapters); Megatron's logits per tenant."""
+    from hetu_ext.lora.install import routing_of
+    from hetu_ext.megatron.args import parse_run_config
+    from hetu_ext.megatron.cli import build_run
+
+    trainer = build_run(parse_run_config(argv))
+    trainer.train(log=lambda line: None)
+    tokens = torch.randint(0, 1000, (1, 40), generator=torch.Generator().manual_seed(3))
+    logits = {}
+    trainer.model.eval()
+    with torch.no_grad():
+        for k, tenant in enumerate(trainer.tenants):
+            routing_of(trainer.model).set(torch.full_like(tokens, k))
+            logits[tenant.name] = trainer.model(tokens, torch.arange(40)[None], None).float()[..., :1000]
+    return {"logits": logits, "tokens": tokens}
+
+
+def test_llama_peft_round_trip_logits(tmp_path):
+    """Issue 32: tenants fine-tuned over an imported Hugging Face Llama (adapters on the grouped qkv, whose B rows
+    split into q/k/v_proj, and on the gated fc1, whose B's gate axis splits into gate/up_proj, each sharing the
+    fused A), saved, exported with ``export-peft`` (the model read from the checkpoint's recorded flags), loaded by
+    peft onto transformers' model of the original directory: logits within 1e-5 of Megatron-core's."""
+    from peft import PeftModel
+    from test_hf_llama import _hf_model
+    from transformers import LlamaForCausalLM
+
+    from hetu_ext.checkpoint.cli import main as checkpoint_cli
+    from hetu_ext.lora.checkpoint import export_peft
+
+    _hf_model("llama").save_pretrained(str(tmp_path / "hf"))
+    assert checkpoint_cli(["import-hf", str(tmp_path / "hf"), str(tmp_path / "base")]) == 0
+    tenants = tmp_path / "tenants.yaml"
+    tenants.write_text(yaml.safe_dump({"tenants": TENANTS}))
+    argv = [*LLAMA_SHAPE, "--seq-length", "64", "--micro-batch-size", "1", "--train-iters", "3", "--lr", "1e-2",
+            "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "5", "--hetu-lora-tenants", str(tenants),
+            "--pretrained-checkpoint", str(tmp_path / "base"), "--save", str(tmp_path / "adapters")]
+    result = run_ranks(llama_body, 1, argv, timeout=240)[0]
+    export_peft(str(tmp_path / "adapters"), str(tmp_path / "peft"), base=str(tmp_path / "hf"))
+    for name, expected in result["logits"].items():
+        model = LlamaForCausalLM.from_pretrained(tmp_path / "hf", torch_dtype=torch.float32).eval()
+        with torch.no_grad():
+            base = model(result["tokens"]).logits
+            got = PeftModel.from_pretrained(model, tmp_path / "peft" / name).eval()(input_ids=result["tokens"]).logits
+        diff = float((got - expected).abs().max())
+        print(f"{name}: max |logits diff| {diff:.2e} (adapter's effect {float((expected - base).abs().max()):.2e})")
+        assert diff <= 1e-5, (name, diff)
+        assert float((expected - base).abs().max()) > 1e-3  # the trained adapter changes the logits

@@ -137,6 +137,9 @@ def run(args: argparse.Namespace, formats: Sequence[ForeignCheckpoints] = ()) ->
                        f"'verify' checks every checksum") if problems else None
     if args.command == "verify":
         return [_ok(manifest, reader.verify())], None
+    if args.to == "hf":  # the architecture the model is: a gated MLP is the Llama family's, else GPT-2's
+        gated = manifest.state.get("hf_config") or manifest.config.get("swiglu")
+        args.to = "hf-llama" if gated else "hf-gpt2"
     if args.to == "torch_dist":
         from .torch_dist import export
 
@@ -155,12 +158,16 @@ def run(args: argparse.Namespace, formats: Sequence[ForeignCheckpoints] = ()) ->
         count = write_gpt2(args.output, params, num_attention_heads=int(heads))
         return [f"wrote a GPT-2 model ({count} tensors, iteration {iteration}) to {args.output}"], None
     if args.to == "hf-llama":
-        from .hf_llama import spec_from_hf, to_hf, write_hf
+        from .hf_llama import hf_config_of, spec_from_hf, to_hf, write_hf
 
-        config = manifest.state.get("hf_config")
-        if not config:
-            raise CheckpointError(f"{args.path}: the manifest records no Hugging Face config; hf-llama exports a "
-                                  "model imported with import-hf (its config is kept)")
+        config = manifest.state.get("hf_config")  # imported with import-hf: its own config, kept
+        if not config:  # trained from scratch: the config of the model its flags describe
+            from hetu_ext.config.spec import recorded_model_spec
+
+            try:
+                config = hf_config_of(recorded_model_spec(manifest.config, f"{args.path}'s manifest"))
+            except ValueError as exc:
+                raise CheckpointError(f"{args.path}: {exc}") from None
         params = _full_of(reader, "param")
         count = write_hf(args.output, to_hf(params, spec_from_hf(config)), config)
         return [f"wrote a {config['architectures'][0]} model ({count} tensors, iteration {iteration}) to "
@@ -202,7 +209,8 @@ def import_hf(hf_dir: str, output: str) -> list[str]:
              "normalization": "RMSNorm", "position_embedding_type": "rope", "group_query_attention": True,
              "num_query_groups": spec.num_query_groups, "kv_channels": spec.kv_channels,
              "disable_bias_linear": True, "add_qkv_bias": spec.add_qkv_bias, "norm_epsilon": spec.norm_epsilon,
-             "rotary_base": spec.rotary_base}
+             "rotary_base": spec.rotary_base, "use_rope_scaling": spec.rope_scaling,
+             "rope_scaling_factor": spec.rope_scaling_factor}
     own_group = not dist.is_initialized()
     if own_group:  # the writer is collective: a group of this one process
         store = dist.FileStore(os.path.join(tempfile.mkdtemp(prefix="hetu_import_"), "store"), 1)
@@ -235,10 +243,13 @@ def main(argv: list[str] | None = None, formats: Sequence[ForeignCheckpoints] = 
     convert.add_argument("path")
     convert.add_argument("output")
     convert.add_argument("--kind", default="param", help="param (default), master, exp_avg or exp_avg_sq")
-    convert.add_argument("--to", choices=["safetensors", "torch_dist", "hf-gpt2", "hf-llama"], default="safetensors",
+    convert.add_argument("--to", choices=["safetensors", "torch_dist", "hf", "hf-gpt2", "hf-llama"],
+                         default="safetensors",
                          help="safetensors: one file of full tensors; torch_dist: Megatron's dist_checkpointing; "
-                              "hf-gpt2: a Hugging Face GPT-2 directory; hf-llama: the Hugging Face directory of "
-                              "a model imported with import-hf (Llama, Mistral, Qwen2)")
+                              "hf-gpt2: a Hugging Face GPT-2 directory; hf-llama: a Hugging Face Llama-family "
+                              "directory (an import-hf model keeps its architecture: Llama, Mistral, Qwen2; one "
+                              "trained here becomes LlamaForCausalLM, Qwen2ForCausalLM with --add-qkv-bias); hf: "
+                              "whichever of the two the model is")
     imp = sub.add_parser("import-hf", help="a Hugging Face Llama / Mistral / Qwen2 directory as a hetu checkpoint "
                                            "(weights only; --load, --pretrained-checkpoint and the reshard engine "
                                            "take it into any plan)")

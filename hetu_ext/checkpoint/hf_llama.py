@@ -27,6 +27,14 @@ from hetu_ext.model.spec import ModelSpec
 from .manifest import CheckpointError
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+LLAMA3_SCALING = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+"""Llama 3.1's RoPE scaling as Megatron-core applies it (``--use-rope-scaling``: only the factor is a flag)."""
+
+
+def _rope_scaling(config: dict) -> dict:
+    """The RoPE scaling of a config ({} for none): transformers 4's ``rope_scaling``, 5's ``rope_parameters``."""
+    scaling = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    return scaling if isinstance(scaling, dict) else {}
 LAYER = "decoder.layers."
 
 
@@ -39,10 +47,16 @@ def read_config(directory: str | Path) -> dict:
     if not archs or archs[0] not in ARCHITECTURES:
         raise CheckpointError(f"{directory}: architecture {archs[0] if archs else None!r} has no mapping here; "
                               f"supported: {', '.join(ARCHITECTURES)}")
-    scaling = config.get("rope_scaling") or (config.get("rope_parameters") or {})
-    kind = scaling.get("rope_type") or scaling.get("type") if isinstance(scaling, dict) else None
-    if kind not in (None, "default"):
-        raise CheckpointError(f"{directory}: rope scaling {kind!r} has no mapping here (default RoPE only)")
+    scaling = _rope_scaling(config)
+    kind = scaling.get("rope_type") or scaling.get("type")
+    if kind not in (None, "default", "llama3"):
+        raise CheckpointError(f"{directory}: rope scaling {kind!r} has no mapping here (default RoPE, or Llama "
+                              "3.1's llama3 scaling)")
+    if kind == "llama3":
+        fixed = {k: scaling.get(k) for k in LLAMA3_SCALING}
+        if fixed != LLAMA3_SCALING:
+            raise CheckpointError(f"{directory}: llama3 rope scaling with {fixed}; Megatron-core's --use-rope-scaling "
+                                  f"has {LLAMA3_SCALING} (only its factor is a flag)")
     if config.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"{directory}: hidden_act {config.get('hidden_act')!r}; the gated MLP here is SwiGLU")
     return config
@@ -53,6 +67,8 @@ def spec_from_hf(config: dict, *, seq_length: int | None = None) -> ModelSpec:
     h, heads = config["hidden_size"], config["num_attention_heads"]
     qwen2 = config["architectures"][0] == "Qwen2ForCausalLM"
     theta = config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+    scaling = _rope_scaling(config)
+    llama3 = (scaling.get("rope_type") or scaling.get("type")) == "llama3"
     max_pos = config.get("max_position_embeddings", 2048)
     return ModelSpec(num_layers=config["num_hidden_layers"], hidden_size=h, num_attention_heads=heads,
                      ffn_hidden_size=config["intermediate_size"], vocab_size=config["vocab_size"],
@@ -62,7 +78,8 @@ def spec_from_hf(config: dict, *, seq_length: int | None = None) -> ModelSpec:
                      num_query_groups=config.get("num_key_value_heads", heads),
                      kv_channels=config.get("head_dim") or h // heads, add_bias_linear=False,
                      add_qkv_bias=bool(config.get("attention_bias", qwen2)),
-                     norm_epsilon=float(config.get("rms_norm_eps", 1e-6)), rotary_base=int(theta))
+                     norm_epsilon=float(config.get("rms_norm_eps", 1e-6)), rotary_base=int(theta),
+                     rope_scaling=llama3, rope_scaling_factor=float(scaling.get("factor", 8.0)) if llama3 else 8.0)
 
 
 def read_state(directory: str | Path) -> dict[str, torch.Tensor]:
@@ -124,16 +141,47 @@ def from_hf(state: dict[str, torch.Tensor], spec: ModelSpec) -> dict[tuple[str, 
     return out
 
 
+def split_grouped_rows(t: torch.Tensor, spec: ModelSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``linear_qkv`` rows ``[groups x (q heads per group + k + v) x head_dim]`` -> the rows of ``q_proj``,
+    ``k_proj``, ``v_proj`` (a weight, a bias, or a LoRA B factor: any trailing shape)."""
+    groups, d, qpg = spec.num_query_groups, spec.kv_channels, spec.num_attention_heads // spec.num_query_groups
+    rest = t.shape[1:]
+    g = t.reshape(groups, (qpg + 2) * d, *rest)
+    return (g[:, :qpg * d].reshape(-1, *rest), g[:, qpg * d:(qpg + 1) * d].reshape(-1, *rest),
+            g[:, (qpg + 1) * d:].reshape(-1, *rest))
+
+
+def hf_config_of(spec: ModelSpec) -> dict:
+    """The Hugging Face config of a model hetu_ext trained from scratch: ``LlamaForCausalLM``, or
+    ``Qwen2ForCausalLM`` with a qkv bias. Settings neither architecture has are refused by name."""
+    unmapped = [name for name, bad in (
+        ("--swiglu missing (the MLP is not gated)", not spec.swiglu),
+        (f"--normalization {spec.normalization}", spec.normalization != "RMSNorm"),
+        (f"--position-embedding-type {spec.position_embedding_type}", spec.position_embedding_type != "rope"),
+        (f"--rotary-percent {spec.rotary_percent}", spec.rotary_percent != 1.0),
+        ("linear biases (no --disable-bias-linear)", spec.add_bias_linear),
+        ("--qk-layernorm", spec.qk_layernorm)) if bad]
+    if unmapped:
+        raise CheckpointError(f"the model has {unmapped[0]}, which {' / '.join(ARCHITECTURES)} cannot hold; "
+                              "export it with --to safetensors instead")
+    arch = "Qwen2ForCausalLM" if spec.add_qkv_bias else "LlamaForCausalLM"
+    return {"architectures": [arch], "model_type": "qwen2" if spec.add_qkv_bias else "llama",
+            "hidden_size": spec.hidden_size, "intermediate_size": spec.ffn_hidden_size,
+            "num_attention_heads": spec.num_attention_heads, "num_key_value_heads": spec.num_query_groups,
+            "head_dim": spec.kv_channels, "num_hidden_layers": spec.num_layers, "vocab_size": spec.vocab_size,
+            "max_position_embeddings": spec.max_position_embeddings, "rms_norm_eps": spec.norm_epsilon,
+            "rope_theta": float(spec.rotary_base), "hidden_act": "silu",
+            "tie_word_embeddings": not spec.untie_embeddings_and_output_weights, "torch_dtype": "float32",
+            **({"rope_scaling": {"rope_type": "llama3", "factor": spec.rope_scaling_factor, **LLAMA3_SCALING}}
+               if spec.rope_scaling else {}),
+            **({} if spec.add_qkv_bias else {"attention_bias": False, "mlp_bias": False})}
+
+
 def to_hf(full: dict[tuple[str, tuple[int, ...]], torch.Tensor], spec: ModelSpec) -> dict[str, torch.Tensor]:
     """hetu ``param/KEY`` full tensors -> Hugging Face tensors (the inverse of :func:`from_hf`)."""
-    groups, d, heads = spec.num_query_groups, spec.kv_channels, spec.num_attention_heads
-    qpg = heads // groups
 
-    def split(t):  # grouped rows -> q, k, v
-        rest = t.shape[1:]
-        g = t.reshape(groups, (qpg + 2) * d, *rest)
-        return (g[:, :qpg * d].reshape(-1, *rest), g[:, qpg * d:(qpg + 1) * d].reshape(-1, *rest),
-                g[:, (qpg + 1) * d:].reshape(-1, *rest))
+    def split(t):
+        return split_grouped_rows(t, spec)
 
     def get(key, index=()):
         t = full.get((f"param/{key}", index))

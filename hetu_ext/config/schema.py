@@ -60,6 +60,9 @@ class ModelConfig:
                                            help="position embeddings: a learned table, rotary (Llama) or none")
     rotary_base: int = setting(10000, help="RoPE's base period (with --position-embedding-type rope)")
     rotary_percent: float = setting(1.0, help="the share of each head's dimensions RoPE rotates")
+    use_rope_scaling: bool = setting(False, help="Llama 3.1's RoPE frequency scaling (with --position-embedding-type "
+                                                 "rope)")
+    rope_scaling_factor: float = setting(8.0, help="the factor of --use-rope-scaling")
     normalization: str = setting("LayerNorm", choices=("LayerNorm", "RMSNorm"), help="the norm of every layer")
     norm_epsilon: float = setting(1e-5, help="epsilon of the norms")
     swiglu: bool = setting(False, help="a gated MLP with SiLU (Llama's SwiGLU); --ffn-hidden-size is each half")

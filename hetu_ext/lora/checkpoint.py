@@ -279,6 +279,7 @@ def export_peft(directory: str, out: str, *, base: str | None = None, tenants: l
     ``out/<tenant>/`` (hetu_ext.lora.peft.write_peft; pure: one process reads the shards). ``base``: the
     ``base_model_name_or_path`` written into adapter_config.json (the Hugging Face GPT-2 export of the base)."""
     from hetu_ext.checkpoint.reader import ShardReader
+    from hetu_ext.config.spec import recorded_model_spec
 
     from .peft import write_peft
     from .tenants import LoRASettings
@@ -299,6 +300,7 @@ def export_peft(directory: str, out: str, *, base: str | None = None, tenants: l
     if unknown:
         raise CheckpointError(f"{where} has no tenant {unknown[0]!r}; its tenants are {sorted(records)}")
     heads = manifest.config.get("num_attention_heads")
+    model = recorded_model_spec(manifest.config, where) if manifest.config.get("swiglu") else None
     full = ShardReader(LocalStorage(directory), manifest).read_full(
         [t.name for t in manifest.tensors if t.name.startswith("param/")])
     stacked: dict[str, list] = {}
@@ -310,5 +312,6 @@ def export_peft(directory: str, out: str, *, base: str | None = None, tenants: l
         lora = records[name]["lora"]
         spec = TenantSpec(name=name, samples=(1,), lora=LoRASettings(
             rank=lora["rank"], alpha=lora["alpha"], dropout=lora["dropout"], targets=tuple(lora["targets"])))
-        written.append(write_peft(Path(out) / name, adapters, spec, num_attention_heads=heads, base=base))
+        written.append(write_peft(Path(out) / name, adapters, spec, num_attention_heads=heads, base=base,
+                                  spec=model))
     return written

@@ -114,9 +114,11 @@ def validate_args(args: argparse.Namespace) -> None:
                          f"{args.min_lr}")
     if args.hetu_hang_timeout < 0:
         raise ValueError(f"--hetu-hang-timeout must be >= 0 seconds (0: no watchdog), got {args.hetu_hang_timeout}")
-    if args.position_embedding_type != "rope" and (args.rotary_base != 10000 or args.rotary_percent != 1.0):
-        raise ValueError(f"--rotary-base {args.rotary_base} / --rotary-percent {args.rotary_percent} set rotary "
-                         f"positions, but --position-embedding-type is {args.position_embedding_type}; add "
+    if args.position_embedding_type != "rope" and (args.rotary_base != 10000 or args.rotary_percent != 1.0
+                                                   or args.use_rope_scaling):
+        raise ValueError(f"--rotary-base {args.rotary_base} / --rotary-percent {args.rotary_percent} / "
+                         f"--use-rope-scaling {args.use_rope_scaling} set rotary positions, but "
+                         f"--position-embedding-type is {args.position_embedding_type}; add "
                          "--position-embedding-type rope or drop them")
     if not 0 < args.rotary_percent <= 1:
         raise ValueError(f"--rotary-percent must be in (0, 1], got {args.rotary_percent}")

@@ -7,32 +7,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hetu_ext.config import CheckpointConfig, ModelConfig, PackingConfig, ParallelConfig, RunConfig, TrainingConfig
+from hetu_ext.config import CheckpointConfig, PackingConfig, ParallelConfig, RunConfig, TrainingConfig
+from hetu_ext.config.spec import model_spec
 from hetu_ext.data.assign import global_batch_size
 from hetu_ext.data.tokenizer import tokenizer_vocab_size
 from hetu_ext.plan import ModelSpec, Plan, PlanError, load_plan, uniform_plan, uniform_shape
-
-
-def model_spec(model: ModelConfig, vocab_size: int) -> ModelSpec:
-    """The model's settings as the inventory, the planners and the stage builder read them (built once per
-    launch). Megatron-LM's defaults: with --swiglu and no --ffn-hidden-size each half is 8h/3 rounded down to a
-    multiple of 64; --num-query-groups counts only with --group-query-attention."""
-    ffn = model.ffn_hidden_size
-    if ffn is None and model.swiglu:
-        ffn = int(4 * model.hidden_size * 2 / 3 / 64) * 64
-    return ModelSpec(num_layers=model.num_layers, hidden_size=model.hidden_size,
-                     num_attention_heads=model.num_attention_heads, ffn_hidden_size=ffn,
-                     vocab_size=vocab_size, seq_length=model.seq_length,
-                     max_position_embeddings=model.max_position_embeddings,
-                     untie_embeddings_and_output_weights=model.untie_embeddings_and_output_weights,
-                     make_vocab_size_divisible_by=model.make_vocab_size_divisible_by,
-                     normalization=model.normalization, swiglu=model.swiglu,
-                     position_embedding_type=model.position_embedding_type,
-                     num_query_groups=model.num_query_groups if model.group_query_attention else None,
-                     kv_channels=model.kv_channels, add_bias_linear=not model.disable_bias_linear,
-                     add_qkv_bias=model.add_qkv_bias, qk_layernorm=model.qk_layernorm,
-                     norm_epsilon=model.norm_epsilon, rotary_base=model.rotary_base,
-                     rotary_percent=model.rotary_percent)
 
 
 def plan_of(parallel: ParallelConfig, training: TrainingConfig, packing: PackingConfig, spec: ModelSpec,

@@ -111,7 +111,8 @@ def build_gpt_stage(spec: ModelSpec, config, *, pre_process: bool, post_process:
         max_sequence_length=spec.max_position_embeddings, pre_process=pre_process, post_process=post_process,
         share_embeddings_and_output_weights=not spec.untie_embeddings_and_output_weights,
         position_embedding_type=spec.position_embedding_type, rotary_percent=spec.rotary_percent,
-        rotary_base=spec.rotary_base, **kwargs)
+        rotary_base=spec.rotary_base, rope_scaling=spec.rope_scaling,
+        rope_scaling_factor=spec.rope_scaling_factor, **kwargs)
     if converter is not None:
         converter.convert(model, layer_offset=layer_offset)
     return model

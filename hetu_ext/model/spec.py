@@ -48,6 +48,11 @@ class ModelSpec:
     """``--rotary-base`` (RoPE only)."""
     rotary_percent: float = 1.0
     """``--rotary-percent`` (RoPE only)."""
+    rope_scaling: bool = False
+    """``--use-rope-scaling``: Llama 3.1's frequency scaling (Megatron-core's: low/high frequency factors 1 and 4
+    over an original context of 8,192 tokens)."""
+    rope_scaling_factor: float = 8.0
+    """``--rope-scaling-factor``."""
 
     def __post_init__(self) -> None:
         if self.ffn_hidden_size is None:
