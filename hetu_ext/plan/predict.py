@@ -90,8 +90,9 @@ def run(args: argparse.Namespace) -> int:
 def _from_flags(args: argparse.Namespace) -> tuple[ModelSpec, step_model.Parallel]:
     missing = [f for f in ("num_layers", "hidden_size", "num_attention_heads") if getattr(args, f) is None]
     if missing:
-        raise ValueError(f"predict needs the model's --{missing[0].replace('_', '-')} (and --num-layers, "
-                         "--hidden-size, --num-attention-heads), or --table CSV")
+        flags = ", ".join(f"--{m.replace('_', '-')}" for m in missing)
+        raise ValueError(f"predict needs the model: --num-layers, --hidden-size and --num-attention-heads (missing "
+                         f"{flags}), or --table CSV")
     if args.num_query_groups is not None and not args.group_query_attention:
         raise ValueError("--num-query-groups takes effect with --group-query-attention (Megatron-LM's rule); "
                          "add --group-query-attention")
@@ -107,6 +108,9 @@ def _from_flags(args: argparse.Namespace) -> tuple[ModelSpec, step_model.Paralle
                      seq_length=args.seq_length, max_position_embeddings=max(args.seq_length, 1),
                      vocab_size=args.vocab_size, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    for flag, value in (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp)):
+        if value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
     gpus = args.gpus if args.gpus is not None else tp * pp
     if tp < 1 or pp < 1 or gpus < 1 or gpus % (tp * pp):
         raise ValueError(f"--gpus {gpus} must be a positive multiple of --tensor-model-parallel-size x "
