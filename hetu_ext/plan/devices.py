@@ -45,6 +45,7 @@ class Calibration:
     table: Path
     """The cost table file (YAML)."""
     hidden_size: int
+    """The measured layer's shape (the table prices only layers of this shape)."""
     num_attention_heads: int
     ffn_hidden_size: int
     micro_batch_size: int = 1
@@ -61,17 +62,23 @@ class Device:
     gemm_efficiency: tuple[tuple[float, float], ...]
     """(GEMM size, fraction of peak) points, sizes increasing; size = cube root of m n k."""
     memory_gib: float
+    """Device memory, GiB."""
     hbm_bytes_per_s: float
+    """Memory bandwidth, bytes/s (memory-bound kernels, the optimizer step)."""
     nvlink_bytes_per_s: float
     """NCCL bus bandwidth of a collective inside a node: a ring all-reduce of B bytes over t GPUs takes
     ``2 (t-1)/t B / nvlink_bytes_per_s``; a reduce-scatter or all-gather half of it."""
     inter_node_bytes_per_s: float
     """Bus bandwidth per GPU of a collective (or a point-to-point send) that crosses nodes."""
     nvlink_latency_s: float = 1e-5
+    """Seconds added to each collective inside a node."""
     inter_node_latency_s: float = 2e-5
+    """Seconds added to each collective or send across nodes."""
     gpus_per_node: int = 8
     calibrate: Calibration | None = None
+    """A layer table measured on this device (:class:`Calibration`); None: the FLOP model prices every layer."""
     note: str = ""
+    """Where the numbers come from."""
 
     @property
     def memory_bytes(self) -> float:
