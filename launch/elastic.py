@@ -1,5 +1,6 @@
-"""Elastic restart after partial GPU loss (Elastor): run pretrain_gpt.py under torchrun; when the job fails, plan
-over the GPUs that are left and resume from the newest complete checkpoint.
+"""Elastic restart after partial GPU loss (Elastor): run pretrain_gpt.py (or, ``--launcher deepspeed``,
+pretrain_gpt_deepspeed.py); when the job fails, lay it out over the GPUs that are left and resume from the newest
+complete checkpoint.
 
 Across nodes (one launcher per node, membership by torch's c10d rendezvous; hetu_ext/elastic/agent.py, docs/elastic.md):
 
@@ -8,7 +9,14 @@ Across nodes (one launcher per node, membership by torch's c10d rendezvous; hetu
 
     python launch/elastic.py --serve-store --rdzv-endpoint HOST:PORT   # the store on a node that trains nothing
 
-Single node (no --nnodes):
+A DeepSpeed job (launch/pretrain_gpt_deepspeed.py's flags after "--"; every healthy device a data-parallel rank,
+the engine's own checkpoint loaded at the new world size; docs/deepspeed.md). Without --nnodes it runs on this
+node alone, the rendezvous store inside this launcher on a free loopback port:
+
+    python launch/elastic.py --launcher deepspeed --nproc-per-node 8 -- \\
+        --zero-stage 2 --num-layers 32 ... --save ckpt --save-interval 100
+
+Single node, hetu_ext's trainer (no --nnodes, no --launcher):
 
     python launch/elastic.py --nproc-per-node 8 --gpus-per-node 8 --max-restarts 3 -- \\
         --num-layers 32 ... --save ckpt --save-interval 100      # pretrain_gpt.py's flags after "--"
@@ -123,12 +131,22 @@ def run_attempt(cmd: list[str]) -> Attempt:
     return Attempt(returncode, kept["stdout"], kept["stderr"])
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    own = argv[:argv.index("--")] if "--" in argv else argv
-    if any(token.split("=", 1)[0] in ("--nnodes", "--rdzv-endpoint", "--serve-store") for token in own):
+    own = [token.split("=", 1)[0] for token in (argv[:argv.index("--")] if "--" in argv else argv)]
+    if any(flag in ("--nnodes", "--rdzv-endpoint", "--serve-store", "--launcher") for flag in own):
         from hetu_ext.elastic.launcher import main as multinode_main  # across nodes: torch's rendezvous
 
+        if "--rdzv-endpoint" not in own and "--serve-store" not in own:  # one node: a private loopback store
+            argv = ["--nnodes", "1", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", *argv]
         return multinode_main(argv)
     from hetu_ext.hostlog import quiet_host_frameworks
 

@@ -47,7 +47,7 @@ MODULE_KINDS: dict[str, tuple[str, ...]] = {
     "test_ckpt_faults": ("faults",),
     "test_ckpt_fallback": ("faults", "gold"),
     "test_ckpt_recovery": ("faults", "gold"),
-    "test_deepspeed_elastic": ("faults", "gold"),
+    "test_deepspeed_elastic": ("e2e", "faults", "gold"),
     "test_elastic_rehearsal": ("e2e", "faults", "gold"),
     "test_elastic_config_error": ("e2e",),
     "test_deepspeed_packing": ("gold",),

@@ -83,3 +83,29 @@ def test_a_node_reports_the_devices_its_command_prints_or_those_not_lost():
         assert healthy_devices(None, 4, {1}) == (0, 2, 3)
     with pytest.raises(ValueError, match=r"must print a count or a JSON list of device indices"):
         healthy_devices("echo '\"all\"'", 4, set())
+
+
+@pytest.mark.parametrize("devices, world, used", [
+    ([(0, 1, 2, 3)], 4, [(0, 1, 2, 3)]),            # the DeepSpeed rehearsal's start
+    ([(0, 1, 2)], 3, [(0, 1, 2)]),                  # rank 3 lost: 3 divides 12 microbatches
+    ([(0, 1), (0, 2, 3), (1,)], 6, [(0, 1), (0, 2, 3), (1,)]),
+    ([(0, 1, 2, 3), (0, 1, 3)], 6, [(0, 1, 2), (0, 1, 3)]),    # 7 healthy: 6 used, the fullest node gives one up
+    ([(0, 1, 2, 3, 4)], 4, [(0, 1, 2, 3)]),         # 5 does not divide 12
+])
+def test_deepspeed_gets_data_parallel_over_the_largest_count_that_divides_the_global_batch(devices, world, used):
+    """DeepSpeed's layout (``--launcher deepspeed``): one data-parallel rank per used device, as many as divide
+    the 12 microbatches of the global batch, each node keeping at least one; the devices left out are the last of
+    the fullest nodes, and torch elastic's rank order holds over the devices used. A world that does not divide
+    the global batch would fail every rank's DeepSpeed config (train_batch_size = micro x accumulation x world)."""
+    from hetu_ext.elastic.agreement import data_parallel
+
+    nodes = [NodeReport(node=f"node{i}", devices=d) for i, d in enumerate(devices)]
+    agreement = data_parallel(nodes, num_layers=4, num_microbatches=12)
+    assert agreement.plan.world_size == world
+    assert [n.devices for n in agreement.nodes] == used
+    assert [len(p.stages) for p in agreement.plan.pipelines] == [1] * world  # TP 1, PP 1: data parallel only
+    assert agreement.plan.num_microbatches == 12  # the global batch is kept
+    _check(agreement, list(agreement.nodes))
+    with pytest.raises(ValueError, match=r"divides the global batch's 7 microbatches"):
+        data_parallel([NodeReport(node="a", devices=(0, 1)), NodeReport(node="b", devices=(0, 1))],
+                      num_layers=4, num_microbatches=7)

@@ -64,3 +64,44 @@ def test_restart_loads_a_save_given_in_the_config_file(tmp_path):
     again = elastic.restart_argv(argv, plan_path="p.yaml")
     assert again[:-4] == argv and again[-1] == _parsed(argv).checkpoint.save
     assert Path(again[-1]).name == "ckpt"
+
+
+DS = ["--zero-stage", "2", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+      "--seq-length", "32", "--micro-batch-size", "1", "--global-batch-size", "12", "--train-iters", "4",
+      "--lr", "1e-3", "--mock-data"]
+
+
+def test_deepspeed_round_loads_the_save_once_it_holds_a_checkpoint(tmp_path):
+    """``--launcher deepspeed``: a round's flags are the job's own until ``--save`` holds a checkpoint (the first
+    round keeps the user's --load, in either spelling), then --load that directory, whichever --load was typed;
+    no --hetu-plan is added (the DeepSpeed path refuses it: the world size is its layout)."""
+    from hetu_ext.elastic.entries import ENTRIES
+
+    entry = ENTRIES["deepspeed"]
+    save, old = tmp_path / "ckpt", tmp_path / "old"
+    old.mkdir()
+    argv = [*DS, f"--load={old}", "--save", str(save), "--save-interval", "2"]
+    assert entry.round_argv(argv, "plan.yaml") == argv  # no --save directory yet
+    save.mkdir()
+    assert entry.round_argv(argv, "plan.yaml") == argv  # an empty one: still the first round
+    (save / "global_step2").mkdir()
+    (save / "global_step2" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"")
+    (save / "latest").write_text("global_step2")
+    again = entry.round_argv(argv, "plan.yaml")
+    assert again == [*DS, "--save", str(save), "--save-interval", "2", "--load", str(save)]
+    entry.check_round(again, 3)  # 12 microbatches over 3 ranks
+    with pytest.raises(ValueError, match="multiple of --micro-batch-size 1 x world size 5"):
+        entry.check_round(again, 5)
+
+
+def test_deepspeed_flags_an_elastic_job_cannot_keep_are_refused_before_any_rank_starts():
+    """Fixed per-rank counts (--hetu-microbatches) would fail the first restart on another number of ranks, and a
+    job without --save has nothing to resume from: both refused with the fix, before launch."""
+    from hetu_ext.elastic.entries import ENTRIES
+
+    entry = ENTRIES["deepspeed"]
+    assert entry.check_flags([*DS, "--save", "ckpt", "--save-interval", "2"]) == ("ckpt", 0.0)
+    with pytest.raises(ValueError, match="need --save DIR"):
+        entry.check_flags(DS)
+    with pytest.raises(ValueError, match="--hetu-microbatches 3,1 fixes the counts of 2 ranks"):
+        entry.check_flags([*DS[2:], "--zero-stage", "1", "--hetu-microbatches", "3,1", "--save", "ckpt"])

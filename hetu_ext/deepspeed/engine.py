@@ -87,9 +87,26 @@ class DeepSpeedGPT:
         step on every rank (periodic saves)."""
         training, rank = self.config.training, dist.get_rank()
         gbs = self.engine.train_batch_size()
+        watchdog = None
+        if self.config.parallel.hang_timeout:  # --hetu-hang-timeout: a rank that completes no step exits (code 3)
+            from hetu_ext.elastic.watchdog import StepWatchdog
+
+            watchdog = StepWatchdog(self.config.parallel.hang_timeout, rank=rank)
+        try:
+            self._train_steps(training, rank, gbs, log, after_step, watchdog)
+        finally:
+            if watchdog is not None:
+                watchdog.stop()
+        return self.losses
+
+    def _train_steps(self, training, rank: int, gbs: int, log: Callable[[str], None],
+                     after_step: Callable[[int], None] | None, watchdog) -> None:
+        """The steps of :meth:`train` (``watchdog``: --hetu-hang-timeout's, beaten after each step, or None)."""
         window_start, window_iters = time.perf_counter(), 0
         while self.iteration < training.train_iters:
             total = self._step(rank, log)
+            if watchdog is not None:
+                watchdog.beat(self.iteration + 1)
             self.scheduler.step(increment=self.schedule_unit)
             self.iteration += 1
             self.losses.append(float(total[0] / total[1]))
@@ -101,7 +118,6 @@ class DeepSpeedGPT:
                 window_start, window_iters = time.perf_counter(), 0
             if after_step is not None:
                 after_step(self.iteration)
-        return self.losses
 
     def _batches(self, plan, rank: int) -> list[dict[str, torch.Tensor]]:
         """This rank's microbatches of the next step under ``plan`` (global batch g: samples [gB, (g + 1)B))."""
@@ -172,7 +188,12 @@ class DeepSpeedGPT:
 
     def save(self, directory: str) -> str:
         """``engine.save_checkpoint`` (collective) with hetu_ext's client state (iteration, losses, LR schedule,
-        data settings, every rank's RNG states); returns the tag."""
+        data settings, every rank's RNG states); returns the tag.
+
+        ``latest`` names the tag only once every rank has written its files: DeepSpeed's rank 0 writes it before
+        the closing barrier, so a rank lost in the middle of a save left ``latest`` naming an incomplete tag, and
+        an elastic restart then failed to load it. Here DeepSpeed writes no ``latest``; after its closing barrier
+        rank 0 replaces it atomically."""
         from hetu_ext.megatron.state import rng_state
 
         rng: list = [None] * dist.get_world_size()
@@ -181,7 +202,12 @@ class DeepSpeedGPT:
         state = {CLIENT_STATE_KEY: {"iteration": self.iteration, "losses": list(self.losses),
                                     "scheduler": self.scheduler.state_dict(), "data": self.data_settings(),
                                     "rng": rng}}
-        self.engine.save_checkpoint(directory, tag=tag, client_state=state)
+        self.engine.save_checkpoint(directory, tag=tag, client_state=state, save_latest=False)  # ends in a barrier
+        if dist.get_rank() == 0:
+            partial = os.path.join(directory, f".latest.{os.getpid()}")
+            with open(partial, "w") as f:
+                f.write(tag)
+            os.replace(partial, os.path.join(directory, "latest"))
         return tag
 
     def load(self, directory: str):

@@ -7,9 +7,10 @@ back). Three hooks add what torch's agent lacks:
 
 * **rendezvous** (``_rendezvous``, ``_assign_worker_ranks``): before joining, the node counts its healthy
   devices; after joining, it publishes them in the round's store; group rank 0 computes the plan once
-  (:func:`hetu_ext.elastic.agreement.agree`) and publishes it; every node reads it, checks its own flags against
-  it (a configuration error stops every node, below) and starts one rank per healthy device (``local_world_size``
-  changes from round to round; torch numbers the ranks node after node, as the plan does).
+  (``NodeSettings.agree``: a Malleus plan, or data parallel for ``--launcher deepspeed``; entries.py) and
+  publishes it; every node reads it, checks its own flags against it (a configuration error stops every node,
+  below) and starts one rank per device the plan uses (``local_world_size`` changes from round to round; torch
+  numbers the ranks node after node, as the plan does).
 * **monitor** (``_monitor_workers``): a rank found stopped (SIGSTOP, process state T) for ``hang_timeout_s`` is
   killed and its device dropped; a rank that exits with a signal other than the agent's SIGTERM/SIGKILL lost its
   device (CPU emulation; with CUDA a probe decides, or ``--healthy-devices-cmd``); a rank that exits 2 is a
@@ -41,9 +42,9 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, W
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.rendezvous import RendezvousClosedError
 
-from hetu_ext.plan import ModelSpec, dump_plan
+from hetu_ext.plan import dump_plan
 
-from .agreement import Agreement, NodeReport, agree
+from .agreement import Agreement, NodeReport
 from .watchdog import HANG_EXIT_CODE
 
 logger = logging.getLogger(__name__)
@@ -72,16 +73,19 @@ class NodeSettings:
     nproc_per_node: int
     """Devices (ranks) of this node when healthy."""
     round_argv: Callable[[str], list[str]]
-    """``(plan_path) -> pretrain_gpt.py's flags`` for a round (launch/elastic.py's rewrite)."""
-    plan_inputs: Callable[[], tuple[ModelSpec, int, int]]
-    """``() -> (ModelSpec, micro_batch, num_microbatches)`` of the flags (group rank 0 plans with it)."""
+    """``(plan_path) -> the program's flags`` for a round (launch/elastic.py's rewrite)."""
+    agree: Callable[[list[NodeReport]], Agreement]
+    """``(the round's node reports) -> the agreement`` (group rank 0 computes it; ValueError when none fits):
+    a Malleus plan for hetu_ext's trainer, data parallel for DeepSpeed (entries.py)."""
     check_round: Callable[[list[str], int], None]
-    """``(argv, world_size) -> None``: pretrain_gpt.py's launch check of a round's flags; ValueError/OSError."""
+    """``(argv, world_size) -> None``: the program's launch check of a round's flags; ValueError/OSError."""
     plan_dir: Path
     """Where this node writes each round's agreed plan (YAML)."""
     store_endpoint: tuple[str, int]
     """The rendezvous store (host, port): configuration errors are published there, outside any round."""
     run_id: str
+    prog: str = "pretrain_gpt.py"
+    """The program the ranks run, in error lines."""
     healthy_devices_cmd: str | None = None
     hang_timeout_s: float = 0.0
     events_path: Path | None = None
@@ -151,8 +155,7 @@ class HetuElasticAgent(LocalElasticAgent):
             nodes = [NodeReport(**json.loads(raw)) for raw in
                      store.multi_get([f"hetu/node/{i}" for i in range(group_world_size)])]
             try:
-                spec_, micro_batch, num_microbatches = self.settings.plan_inputs()
-                agreed = agree(nodes, spec_, micro_batch=micro_batch, num_microbatches=num_microbatches).to_json()
+                agreed = self.settings.agree(nodes).to_json()
             except ValueError as exc:
                 agreed = json.dumps({"error": str(exc)})
             store.set("hetu/agreement", agreed)
@@ -160,6 +163,7 @@ class HetuElasticAgent(LocalElasticAgent):
         if "error" in data:
             raise self.publish_error(f"plan agreement: {data['error']}")
         agreement = Agreement.from_json(json.dumps(data))
+        self.devices = agreement.nodes[group_rank].devices  # data parallel may leave some unused this round
         mine = agreement.node_ranks(group_rank)
         assert [agreement.ranks[r].device for r in mine] == list(self.devices), (mine, self.devices)
         self._round += 1
@@ -170,7 +174,7 @@ class HetuElasticAgent(LocalElasticAgent):
         try:
             self.settings.check_round(argv, agreement.plan.world_size)
         except (ValueError, OSError) as exc:
-            raise self.publish_error(f"pretrain_gpt.py: error: {exc}") from None
+            raise self.publish_error(f"{self.settings.prog}: error: {exc}") from None
         self.agreement = agreement
         spec.local_world_size = len(self.devices)
         spec.args = (json.dumps(argv), ",".join(map(str, self.devices)), str(self.settings.plan_dir))

@@ -9,6 +9,9 @@ assignment: node after node in group-rank order, ``len(devices)`` consecutive ra
 Malleus plans a cluster of equal nodes (``Cluster``: ``gpus_per_node`` each). Nodes short of devices are planned
 as full nodes whose missing devices are very slow (``ABSENT_SLOWDOWNS``): the planner's straggler
 cut-off leaves them unused, and they are then dropped and the ranks renumbered. TP groups stay inside a node.
+
+A DeepSpeed job (``--launcher deepspeed``) needs no planner: :func:`data_parallel` makes every healthy device a
+data-parallel rank, as many as divide the global batch (an agreement's ``nodes`` then list the devices used).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, replace
 
-from hetu_ext.plan import ModelSpec, Plan, plan_from_dict, plan_to_dict
+from hetu_ext.plan import ModelSpec, Plan, plan_from_dict, plan_to_dict, uniform_plan
 from hetu_ext.plan.cluster import Cluster
 from hetu_ext.plan.malleus import plan_malleus
 
@@ -113,3 +116,28 @@ def agree(nodes: list[NodeReport] | tuple[NodeReport, ...], spec: ModelSpec, *, 
                 unused_ranks=tuple(sorted(real[r] for r in padded.unused_ranks if r in real)))
     plan.validate(spec, len(real))
     return Agreement(plan=plan, nodes=nodes, ranks=placements(nodes))
+
+
+def data_parallel(nodes: list[NodeReport] | tuple[NodeReport, ...], *, num_layers: int,
+                  num_microbatches: int) -> Agreement:
+    """DeepSpeed's layout over the healthy devices of ``nodes``: every used device one data-parallel rank holding
+    the whole model (TP 1, PP 1), the global batch (``num_microbatches`` microbatches) kept. The world size is the
+    largest count of healthy devices that divides ``num_microbatches`` (each rank runs the same number of them), at
+    least one per node; the devices left over are dropped from the nodes with the most, the last first, and stay
+    unused this round. ValueError when no such count exists."""
+    nodes = tuple(nodes)
+    if not nodes:
+        raise ValueError("plan agreement: no node reported a healthy device")
+    total = sum(len(n.devices) for n in nodes)
+    world = next((w for w in range(total, len(nodes) - 1, -1) if num_microbatches % w == 0), None)
+    if world is None:
+        raise ValueError(f"plan agreement: no data-parallel world size from {len(nodes)} (one rank per node) to "
+                         f"{total} (the healthy devices) divides the global batch's {num_microbatches} "
+                         f"microbatches; choose --global-batch-size / --micro-batch-size with more divisors")
+    used = [list(n.devices) for n in nodes]
+    for _ in range(total - world):
+        fullest = max(range(len(used)), key=lambda k: (len(used[k]), k))
+        used[fullest].pop()
+    kept = tuple(NodeReport(node=n.node, devices=tuple(u)) for n, u in zip(nodes, used))
+    plan = uniform_plan(world_size=world, num_layers=num_layers, num_microbatches=num_microbatches // world)
+    return Agreement(plan=plan, nodes=kept, ranks=placements(kept))

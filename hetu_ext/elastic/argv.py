@@ -17,6 +17,15 @@ class _ArgvParser(argparse.ArgumentParser):
         raise ValueError(f"pretrain_gpt.py's flags: {message}")
 
 
+def without(argv: list[str], flags: tuple[str, ...]) -> list[str]:
+    """``argv`` less each of ``flags`` with its value, in either spelling (``--load DIR``, ``--load=DIR``), as
+    argparse reads them (no abbreviation); every other token kept in order."""
+    replaced = _ArgvParser(add_help=False, allow_abbrev=False)
+    for flag in flags:
+        replaced.add_argument(flag, action="append")
+    return replaced.parse_known_args(argv)[1]
+
+
 def restart_argv(argv: list[str], *, plan_path: str) -> list[str]:
     """pretrain_gpt.py's flags for a restart: the new plan instead of any plan or TP/PP flags, --load = --save.
 

@@ -1,9 +1,11 @@
 """``launch/elastic.py --nnodes MIN:MAX ...``: one node's launcher of a multi-node elastic job (docs/elastic.md).
 
 Builds torch's c10d rendezvous handler and a :class:`~hetu_ext.elastic.agent.HetuElasticAgent`, whose ranks are
-forked from a forkserver that imported torch and Megatron-core once (a restart starts its ranks in well under a
-second of imports). Exit codes: 0 done, 2 a configuration error on any node (one ``error:`` line), 1 otherwise
-(restarts exhausted, no healthy device on this node, no quorum).
+forked from a forkserver that imported torch and Megatron-core once, and DeepSpeed with ``--launcher deepspeed``
+(a restart starts its ranks in well under a second of imports). ``--launcher`` picks what the ranks run
+(entries.py). ``launch/elastic.py --launcher deepspeed`` with no ``--rdzv-endpoint`` comes here as one node with
+its own store on a free loopback port. Exit codes: 0 done, 2 a configuration error on any node (one ``error:``
+line), 1 otherwise (restarts exhausted, no healthy device on this node, no quorum).
 """
 
 from __future__ import annotations
@@ -35,6 +37,10 @@ class _OneLineParser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _OneLineParser(prog="launch/elastic.py", description=__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--launcher", choices=("hetu", "deepspeed"), default="hetu",
+                        help="what each rank runs: hetu (launch/pretrain_gpt.py under a Malleus plan agreed per "
+                             "round) or deepspeed (launch/pretrain_gpt_deepspeed.py, data parallel over the healthy "
+                             "devices, its checkpoint loaded at the new world size)")
     parser.add_argument("--nnodes", default="1", help="MIN:MAX nodes (or N), as torchrun's")
     parser.add_argument("--nproc-per-node", type=int, help="devices (ranks) of this node when healthy")
     parser.add_argument("--rdzv-endpoint", required=True, help="HOST:PORT of the rendezvous store")
@@ -49,7 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--serve-store", action="store_true",
                         help="only serve the rendezvous store at --rdzv-endpoint (on a node that trains nothing), "
                              "until killed")
-    parser.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then pretrain_gpt.py's flags")
+    parser.add_argument("train_args", nargs=argparse.REMAINDER,
+                        help="-- then the flags of pretrain_gpt.py (or pretrain_gpt_deepspeed.py)")
     return parser
 
 
@@ -86,26 +93,6 @@ def serve_store(host: str, port: int) -> int:
         del store
 
 
-def _check_flags(train: list[str]) -> tuple[str, float]:
-    """pretrain_gpt.py's flags checked as its launcher checks them, plus what elastic restarts need: (--save,
-    --hetu-hang-timeout); ValueError / OSError with the one-line message."""
-    from hetu_ext.config import build_parser as train_parser, from_namespace, parse_namespace
-    from hetu_ext.megatron.args import validate_args
-
-    from .argv import plan_inputs
-
-    parsed = parse_namespace(train, train_parser())
-    validate_args(parsed)
-    config = from_namespace(parsed)
-    if config.checkpoint.save is None:
-        raise ValueError("elastic restarts need --save DIR (the checkpoints to resume from); add it with "
-                         "--save-interval N")
-    plan_inputs(train)
-    import hetu_ext.checkpoint.reader  # noqa: F401 - warm: every round's argv looks for the newest checkpoint
-
-    return config.checkpoint.save, config.parallel.hang_timeout
-
-
 def main(argv: list[str]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -136,25 +123,31 @@ def main(argv: list[str]) -> int:
     from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
     from .agent import ConfigurationError, HetuElasticAgent, NodeSettings, NoHealthyDevice
-    from .argv import check_round, plan_inputs, round_argv
-    from .worker import PRELOAD, run_worker
+    from .entries import ENTRIES
+
+    entry = ENTRIES[args.launcher]
+    if entry.name == "deepspeed":
+        import torch
+
+        if not torch.cuda.is_available():  # before the forkserver imports DeepSpeed (it picks its accelerator then)
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
     handler = get_rendezvous_handler(RendezvousParameters(
         backend="c10d", endpoint=args.rdzv_endpoint, run_id=args.rdzv_id, min_nodes=low, max_nodes=high, **conf))
     node = f"{socket.gethostname()}:{os.getpid()}"
     try:
-        save, hang_timeout = _check_flags(train)
+        save, hang_timeout = entry.check_flags(train)
         message = None
     except (ValueError, OSError) as exc:  # published below, once the agent can reach the store
-        save, hang_timeout, message = ".", 0.0, f"pretrain_gpt.py: error: {exc}"
+        save, hang_timeout, message = ".", 0.0, f"{entry.prog}: error: {exc}"
     settings = NodeSettings(
         node=node, nproc_per_node=args.nproc_per_node,
-        round_argv=lambda plan_path: round_argv(train, plan_path=plan_path),
-        plan_inputs=lambda: plan_inputs(train), check_round=check_round,
+        round_argv=lambda plan_path: entry.round_argv(train, plan_path),
+        agree=lambda nodes: entry.agree(train, nodes), check_round=entry.check_round, prog=entry.prog,
         plan_dir=Path(save) / "elastic" / node.replace(":", "_"), store_endpoint=(host, port), run_id=args.rdzv_id,
         healthy_devices_cmd=args.healthy_devices_cmd, hang_timeout_s=hang_timeout,
         events_path=Path(args.events) if args.events else None)
-    spec = WorkerSpec(role="trainer", local_world_size=args.nproc_per_node, entrypoint=run_worker,
+    spec = WorkerSpec(role="trainer", local_world_size=args.nproc_per_node, entrypoint=entry.worker,
                       args=("[]", "", ""), rdzv_handler=handler, max_restarts=args.max_restarts,
                       monitor_interval=args.monitor_interval)
     agent = HetuElasticAgent(spec, settings, logs_specs=DefaultLogsSpecs(), start_method="forkserver",
@@ -163,7 +156,7 @@ def main(argv: list[str]) -> int:
         agent.publish_error(message)
         print(message, file=sys.stderr, flush=True)
         return 2
-    multiprocessing.set_forkserver_preload(list(PRELOAD))
+    multiprocessing.set_forkserver_preload(list(entry.preload))
     from multiprocessing import forkserver
 
     forkserver.ensure_running()  # its imports overlap the rendezvous (a spare node joins seconds sooner)

@@ -1,5 +1,6 @@
 """The function each rank runs under the elastic agent (forked from a forkserver that has imported torch and
-Megatron-core once per node, so a restart does not pay the imports again)."""
+Megatron-core, and DeepSpeed for ``--launcher deepspeed``, once per node, so a restart does not pay the imports
+again)."""
 
 from __future__ import annotations
 
@@ -31,11 +32,24 @@ class _ErrorLine:
 def run_worker(argv_json: str, devices: str, report_dir: str) -> None:
     """pretrain_gpt.py's entry (``hetu_ext.megatron.cli.main``) with ``argv``, local rank ``i`` on the ``i``-th
     healthy device; exits with its code (2 leaves the error line in ``report_dir`` for the agent)."""
-    os.environ["CUDA_VISIBLE_DEVICES"] = devices  # before anything touches CUDA; ignored on a CPU
-    from hetu_ext.megatron.cli import main
+    _run("hetu_ext.megatron.cli", argv_json, devices, report_dir)
 
+
+def run_deepspeed_worker(argv_json: str, devices: str, report_dir: str) -> None:
+    """launch/pretrain_gpt_deepspeed.py's entry (``hetu_ext.deepspeed.cli.main``), as :func:`run_worker`."""
+    _run("hetu_ext.deepspeed.cli", argv_json, devices, report_dir)
+
+
+def _run(module: str, argv_json: str, devices: str, report_dir: str) -> None:
+    os.environ["CUDA_VISIBLE_DEVICES"] = devices  # before anything touches CUDA; ignored on a CPU
+    from importlib import import_module
+
+    main = import_module(module).main
     sys.stderr = errors = _ErrorLine(sys.stderr)
-    code = main(json.loads(argv_json))
+    try:
+        code = main(json.loads(argv_json))
+    except SystemExit as exc:  # a parser's one-line error (exit 2)
+        code = exc.code if isinstance(exc.code, int) else 1
     if code == 2 and errors.line:
         Path(report_dir, f"config_error_local{os.environ.get('LOCAL_RANK', '0')}.txt").write_text(errors.line)
     sys.stderr.flush()
