@@ -8,6 +8,7 @@ what it holds comes from a runtime: Megatron's own ``parallel_state`` grid for u
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -39,6 +40,7 @@ from hetu_ext.plan.straggler_policy import StragglerPolicy
 from hetu_ext.runtime.straggler import CostFn, LayerTimer, parse_schedule
 
 from . import checkpointing, host
+from .activations import report_first_step
 from .data import DataSpec, build_train_dataset, make_tokenizer
 from .launch_plan import check_launch, save_format
 from .memory import memory_table
@@ -107,6 +109,8 @@ class Trainer:
     steps: StepKind | None = None
     """What a step is (hetu_ext.megatron.step): set by the builder of a plug-in (LoRA's tenants); else derived
     from the run: switching (--hetu-hotspa, --hetu-strategies), packed documents, or plain microbatches."""
+    activations_reported: bool = False
+    """The first step's activation memory was logged (measured beside the inventory's: activations.py)."""
 
     @property
     def step_kind(self) -> StepKind:
@@ -157,7 +161,12 @@ class Trainer:
             else:
                 if data is None:
                     data = self._open_data()
-                result = run_step(self, self.step_kind, data, log)
+                # the first step logs this rank's activation memory (not while switching: the compute
+                # placements' weights are not this model's parameters)
+                measure = not self.activations_reported and self.switching is None and self.numerics is not None
+                with report_first_step(self) if measure else contextlib.nullcontext():
+                    result = run_step(self, self.step_kind, data, log)
+                self.activations_reported = True
                 replan = result.replan
                 if watchdog is not None:
                     watchdog.beat(self.iteration)
