@@ -18,6 +18,7 @@ nothing: their logits are masked, hetu_ext.megatron.vocab).
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -92,18 +93,30 @@ def test_llama_resume_same_tp_is_bit_exact(llama):
     assert_same_state(tmp / "tp2", tmp / "ref", exact=True)
 
 
-@pytest.mark.parametrize("nproc", [2, 1], ids=["dp2", "single_rank"])
+STRAGGLER = ("--hetu-straggler-interval", "1", "--hetu-straggler-window", "2", "--hetu-straggler-threshold", "2.0",
+             "--hetu-emulate-slowdown", "step=4:rank=1:x=4", "--hetu-emulate-layer-ms", "10")
+"""Rank 1 emulated 4x slower from step 4: the weighting moves microbatches off it (test_megatron_lm's launch C)."""
+
+
+@pytest.mark.parametrize("nproc", [2, 1], ids=["dp2_straggler_weighted", "single_rank"])
 def test_llama_resume_other_layout(llama, nproc):
     """TP 2 -> DP 2 and -> one rank: another vocabulary padding (1,280 -> 1,152 rows) and the gated fc1's
-    halves regrouped."""
+    halves regrouped. On DP 2 an emulated straggler is weighted too: the slow rank runs fewer microbatches and
+    the losses and state stay the uninterrupted run's."""
     tmp, losses = llama
     out_dir = tmp / f"n{nproc}"
     proc = torchrun(tmp, *LLAMA, "--load", str(tmp / "ref"), "--ckpt-step", "3", "--save", str(out_dir),
-                    "--save-interval", "3", "--hetu-ckpt-format", "hetu", nproc=nproc)
-    resumed = step_losses(proc.stdout + proc.stderr)
+                    "--save-interval", "3", "--hetu-ckpt-format", "hetu", *(STRAGGLER if nproc == 2 else ()),
+                    nproc=nproc)
+    out = proc.stdout + proc.stderr
+    resumed = step_losses(out)
     assert sorted(resumed) == [4, 5, 6]
     assert_close(resumed, losses, [4, 5, 6])
     assert_same_state(out_dir, tmp / "ref", exact=False)
+    if nproc == 2:
+        counts = [tuple(map(int, m.split(", "))) for m in
+                  re.findall(r"microbatches per data-parallel rank: ([0-9, ]+) \(were", out)]
+        assert counts and counts[0][1] < counts[0][0], out[-3000:]
 
 
 @pytest.fixture(scope="module", params=["1024", "50257"])
