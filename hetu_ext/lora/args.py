@@ -24,13 +24,23 @@ def validate_lora_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--hetu-lora-tenants with --hetu-packing {args.hetu_packing}: a cut sequence would mix "
                          "no tenants but Megatron-style packs are not supported here; use balanced (default), ffd, "
                          "greedy or unpacked")
-    unsupported = [flag for flag, value in (
-        ("--use-distributed-optimizer", args.use_distributed_optimizer), ("--bf16", args.bf16),
-        ("--hetu-ckpt-format torch_dist", args.hetu_ckpt_format == "torch_dist"),
-        ("--hetu-straggler-replan online", args.hetu_straggler_replan == "online"),
-        ("--hetu-hotspa", getattr(args, "hetu_hotspa", None))) if value]
-    if unsupported:
-        raise ValueError(f"--hetu-lora-tenants does not combine with {' '.join(unsupported)} yet; drop it")
+    if getattr(args, "hetu_hotspa", None):
+        raise ValueError("--hetu-lora-tenants does not combine with --hetu-hotspa yet: HotSPa's switching moves the "
+                         "base's weights and gradients between strategies, not the adapters, each tenant's loss "
+                         "normalisation or its per-tenant step; drop --hetu-hotspa (tenants are packed by "
+                         "Hydraulis' balanced assignment)")
+    if args.hetu_ckpt_format == "torch_dist":
+        raise ValueError("--hetu-lora-tenants does not combine with --hetu-ckpt-format torch_dist yet; drop it")
+    moving = [flag for flag, value in (("--save", args.save), ("--load", args.load),
+                                       ("--hetu-migrate", args.hetu_migrate),
+                                       ("--hetu-straggler-replan online", args.hetu_straggler_replan == "online"))
+              if value]
+    for flag, value in (("--bf16", args.bf16), ("--use-distributed-optimizer", args.use_distributed_optimizer)):
+        if value and moving:
+            what = ("the adapters' fp32 master copies" if flag == "--bf16" else
+                    "Adam state sharded over the adapters' holders")
+            raise ValueError(f"--hetu-lora-tenants with {flag}: adapter checkpoints and migrations do not carry "
+                             f"{what} yet; drop {' '.join(moving)} or {flag}")
     tenants = load_tenants(args.hetu_lora_tenants)
     for tenant in tenants:
         if tenant.data_path is not None:

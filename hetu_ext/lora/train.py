@@ -27,7 +27,7 @@ from hetu_ext.config import RunConfig
 from hetu_ext.megatron import checkpointing, host
 from hetu_ext.megatron.data import make_tokenizer
 from hetu_ext.megatron.launch_plan import check_launch
-from hetu_ext.megatron.model import TrainingNumerics
+from hetu_ext.megatron.model import TrainingNumerics, optimizer_config
 from hetu_ext.megatron.plan_runtime import build_plan_placement
 from hetu_ext.megatron.step import StepKind, StepWork
 from hetu_ext.megatron.trainer import Trainer, emulated_layer_cost, make_scheduler, plan_id, straggler_monitor
@@ -36,6 +36,7 @@ from hetu_ext.runtime.straggler import LayerTimer
 
 from .data import TenantCorpus, build_tenant_steps
 from .install import LoRAConverter, routing_of
+from .layers import TenantRouting
 from .pretrained import load_base, seed_base
 from .sync import LoRASync, attach_sync
 from .tenants import TenantSpec, load_tenants
@@ -72,8 +73,9 @@ class LoRATrainer(Trainer):
         return adapter_pieces(placement, steps=self._migrating_steps)
 
     def placement_changed(self) -> None:
-        """The adapters' reduction for the new plan (collective)."""
+        """The adapters' reduction for the new plan (collective); an idle rank's probe layer routed."""
         self.lora = attach_sync(self.placement, self.plan, tuple(t.name for t in self.tenants), self.host.rank)
+        route_probe(self.placement, self.spec.seq_length)
 
     def _save(self, directory: str) -> None:
         """Save the tenants' adapters and Adam state (not the frozen base): hetu_ext.lora.checkpoint."""
@@ -190,8 +192,10 @@ def build_lora_trainer(config: RunConfig) -> LoRATrainer:
                               backend=config.parallel.distributed_backend)
     numerics = TrainingNumerics.of(config.model, training, variable_seq_lengths=True)
     converter = LoRAConverter(tenants, seed=training.seed)
-    placement = build_plan_placement(training, spec, plan, h, numerics, converter=converter)
-    lora = attach_sync(placement, plan, tuple(t.name for t in tenants), h.rank)
+    sharded = config.parallel.use_distributed_optimizer  # built over the adapters by attach_sync
+    placement = build_plan_placement(training, spec, plan, h, numerics, converter=converter, with_optimizer=not sharded)
+    lora = attach_sync(placement, plan, tuple(t.name for t in tenants), h.rank,
+                       sharded_optimizer=optimizer_config(training, numerics) if sharded else None)
     flops = inventory.training_flops_per_token(spec, seq_length=spec.seq_length, causal=True)  # MFU's convention
     layer_cost = emulated_layer_cost(config.straggler)  # --hetu-emulate-cost: layers padded to a cost table
     monitor = straggler_monitor(config.straggler, 1, config.logging.log_interval, spec, plan, h, placement)
@@ -205,6 +209,7 @@ def build_lora_trainer(config: RunConfig) -> LoRATrainer:
         _gradient_into_first_layer(placement.model)
     trainer.attach_timer()
     trainer.follow_log_rank()
+    route_probe(placement, spec.seq_length)
     trainer.base = seed_base(training.seed)
     if config.lora.pretrained_checkpoint:  # the base's weights (hetu_ext.lora.pretrained), before the adapters
         trainer.base = load_base(trainer, config.lora.pretrained_checkpoint)
@@ -213,6 +218,18 @@ def build_lora_trainer(config: RunConfig) -> LoRATrainer:
     if config.checkpoint.save:  # the run's identity; another run's checkpoints there are refused before training
         checkpointing.prepare_save(trainer, config.checkpoint.save)
     return trainer
+
+
+def route_probe(placement, seq_length: int) -> None:
+    """An idle rank's probe layer (the straggler monitor times one layer to keep the rank measured) carries
+    adapters too: route its tokens (one pack of ``seq_length``, as the monitor sends) to the first tenant."""
+    layer = placement.probe_layer
+    if placement.active or layer is None:
+        return
+    routings = {id(m.routing): m.routing for m in layer.modules() if isinstance(getattr(m, "routing", None),
+                                                                                  TenantRouting)}
+    for routing in routings.values():
+        routing.set(torch.zeros((1, seq_length), dtype=torch.long))
 
 
 def _gradient_into_first_layer(model) -> None:
