@@ -99,13 +99,17 @@ def test_straggler_triggers_an_online_replan_that_continues_the_same_run(sample_
 
 def test_an_idle_rank_that_recovers_is_brought_back(sample_prefix, tmp_path):
     """Rank 2 starts unused and 6x slow (emulated); its probe keeps measuring it; when it recovers at step 5 the
-    monitor's new plan uses it again, the job migrates online, and the run matches the reference.
+    monitor's new plan uses it again, the job migrates online, and the run matches the reference. On the
+    Llama-style model (the online re-planning of the Llama issue; the test above runs the GPT one): the probe is
+    one of its layers, and the migration moves the gated fc1 and the grouped qkv.
 
     Layers get an emulated device time (--hetu-emulate-layer-ms): the idle rank's one-layer probe and the
     training ranks' layers then take the time the emulated cluster says, not what 3 processes on 2 shared cores
     happen to get (without it the probe of this tiny model was sometimes timed 2x slow after recovery; 20 ms, not
     5, keeps a margin when busy neighbours share the cores)."""
-    steps = ("--train-iters", "12", "--lr-decay-style", "linear")
+    from test_llama_training import LLAMA
+
+    steps = ("--train-iters", "12", "--lr-decay-style", "linear", *LLAMA)
     reference = run_ranks(train, 1, _argv(1, 1, sample_prefix, steps), timeout=120)[0]
     plan = tmp_path / "start.yaml"
     plan.write_text("pipelines: [{num_microbatches: 2, stages: [{ranks: [0], layers: [0, 4]}]},"
