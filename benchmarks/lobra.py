@@ -107,7 +107,7 @@ def predicted(steps: int, cost_model: str | None = None, lengths: str | None = N
                         "lobra_gpu_s": best.step_s * gpus, "homogeneous_causal_gpu_s": causal * gpus,
                         "homogeneous_balanced_gpu_s": balanced * gpus, "deployment": best.describe(),
                         "homogeneous_strategy": f"{gpus // strategy.gpus} x {strategy.name}",
-                        "bound_gpu_s": work_bound_gpu_s(full_pool, batches)})
+                        "bound_gpu_s": work_bound_gpu_s(full_pool, batches, world_size=gpus)})
         homo = min(per, key=lambda r: r["homogeneous_gpu_s"])
         row = dict(min(per, key=lambda r: r["lobra_gpu_s"]))
         row.update(gpus=gpus, tenants=count, lengths=source.name, per_option=per,

@@ -15,7 +15,16 @@ from hetu_ext.model.spec import ModelSpec
 from hetu_ext.plan.cluster import Cluster
 from hetu_ext.plan.cost import CostModel, stage_cost
 from hetu_ext.plan.hydraulis import flops_cost_table
-from hetu_ext.plan.lobra import layer_cost, strategy_pool
+from hetu_ext.plan.lobra import (
+    TenantLengths,
+    homogeneous_s,
+    layer_cost,
+    least_step_s,
+    plan_deployment,
+    sample_steps,
+    strategy_pool,
+    work_bound_gpu_s,
+)
 from hetu_ext.plan.malleus import plan_malleus, predict, work_bound_s
 from hetu_ext.plan.options import PLAIN, Options, search_space
 
@@ -170,3 +179,42 @@ def test_grouping_bound_over_two_or_more_strategies_is_below_every_such_grouping
                 priced += 1
     assert priced > 10
     assert grouping_bound_s(lengths, home, spec, cost, fixed_s=fixed) <= bound2 * (1 + 1e-6)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_least_step_s_is_where_the_gpus_time_covers_the_allowed_work(seed):
+    rng = np.random.default_rng(seed)
+    n, shapes, world = int(rng.integers(1, 7)), int(rng.integers(1, 4)), int(rng.integers(1, 9))
+    work = rng.uniform(0.5, 5.0, (n, shapes))
+    solo = rng.uniform(0.1, 3.0, (n, shapes))
+    hole = rng.random((n, shapes)) < 0.3
+    hole[:, 0] = False  # every sequence fits some shape
+    work[hole], solo[hole] = np.inf, np.inf
+
+    def allowed(t):
+        return np.where(solo <= t, work, np.inf).min(axis=1).sum()
+
+    ts = np.unique(solo[np.isfinite(solo)])
+    candidates = sorted(set(ts) | {allowed(t) / world for t in ts if np.isfinite(allowed(t))})
+    want = min(t for t in candidates if world * t >= allowed(t) * (1 - 1e-12))
+    assert least_step_s(work, solo, world) == pytest.approx(want, rel=1e-12)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_lobra_bound_with_the_world_size_is_tighter_and_still_below_the_deployments(seed):
+    rng = np.random.default_rng(seed)
+    tenants = [TenantLengths(f"t{k}", np.maximum(rng.lognormal(6 + k, 1.0, 2000).astype(np.int64), 1), 16)
+               for k in range(3)]
+    gpus, max_len, cost, memory = 8, 4096, CostModel(), 6e9
+    batches = sample_steps(tenants, steps=3, seed=seed, max_len=max_len)
+    full = strategy_pool(SPEC, cost, gpu_memory_bytes=memory, gpus_per_node=8, max_gpus=gpus, prune=False)
+    loose = work_bound_gpu_s(full, batches)
+    tight = work_bound_gpu_s(full, batches, world_size=gpus)
+    pool = strategy_pool(SPEC, cost, gpu_memory_bytes=memory, gpus_per_node=8, max_gpus=gpus)
+    best = plan_deployment(pool, batches, world_size=gpus, max_len=max_len)
+    assert loose <= tight <= best.step_s * gpus
+    _, homo = homogeneous_s(pool, batches, world_size=gpus, max_len=max_len, packing="hetu")
+    assert tight <= homo * gpus
+    for keep in (1, 8):  # the exchange and the two-strategy mixes only ever improve on the scored candidates
+        assert best.step_s <= plan_deployment(pool, batches, world_size=gpus, max_len=max_len, keep=keep,
+                                              exchange_rounds=0).step_s + 1e-12

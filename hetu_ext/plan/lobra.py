@@ -223,18 +223,59 @@ def sequential_s(pool, batches, *, world_size: int, max_len: int) -> float:
     return total
 
 
-def work_bound_gpu_s(pool: list[Strategy], batches: list[list[np.ndarray]]) -> float:
+def least_step_s(work: np.ndarray, solo: np.ndarray, world_size: int) -> float:
+    """The least T with ``world_size x T >= sum over sequences of the least work[i, s] over the shapes s with
+    solo[i, s] <= T`` (``work``, ``solo``: sequences x shapes, GPU-seconds and seconds alone, inf where a shape
+    cannot hold the sequence): a step time bound when every sequence runs on a replica of some shape whose time is
+    at least that sequence's alone and the GPUs' summed time covers every sequence's GPU-seconds.
+    The allowed work only falls as T grows and the left side rises, so T is where they cross: over the sorted
+    solo times ``ts``, ``W_k`` the work allowed at ``ts[k]``, the first k with ``ts[k] >= W_k / G`` gives
+    ``min(ts[k], W_{k-1} / G)``."""
+    ts = np.unique(solo[np.isfinite(solo)])
+
+    def allowed(t: float) -> float:
+        return float(np.where(solo <= t, work, np.inf).min(axis=1).sum())
+
+    lo, hi = 0, ts.size - 1
+    if ts[hi] < allowed(ts[hi]) / world_size:
+        return allowed(ts[hi]) / world_size
+    while lo < hi:  # the first k with ts[k] * G >= W_k
+        mid = (lo + hi) // 2
+        if ts[mid] * world_size >= allowed(ts[mid]):
+            hi = mid
+        else:
+            lo = mid + 1
+    return float(ts[lo]) if lo == 0 else min(float(ts[lo]), allowed(ts[lo - 1]) / world_size)
+
+
+def work_bound_gpu_s(pool: list[Strategy], batches: list[list[np.ndarray]], *, world_size: int | None = None
+                     ) -> float:
     """A certified lower bound on the mean GPU-seconds per step of ANY deployment and dispatch under this cost
     model: every whole sequence priced at the cheapest GPU-seconds any pool strategy gives it (``tp x pp x
     (a s^2 + b s)`` over its stages), with no per-microbatch constant, no pipeline bubble, no idle replica and no
     imbalance. Pass the unpruned pool (``strategy_pool(..., prune=False)``). ``1 - bound / homogeneous`` is the
     largest saving over homogeneous replicas that this cost model allows, whatever the planner does (a bound for
-    dispatches of whole sequences, as LobRA's; Megatron-style packs cut sequences and are not covered)."""
-    per_gpu = [(s.gpus * s.replica.stage_costs[0].a, s.gpus * s.replica.stage_costs[0].b) for s in pool]
+    dispatches of whole sequences, as LobRA's; Megatron-style packs cut sequences and are not covered).
+
+    With ``world_size`` (the deployment's GPUs) it is tighter: a replica runs each of its sequences through every
+    stage, so its time is at least that sequence alone (``pp (a s^2 + b s + c)``); a step of T seconds can only
+    put a sequence on strategies holding it within T, and G x T must cover their least GPU-seconds
+    (:func:`least_step_s`); the bound is G x that T per step."""
     totals = []
     for step in batches:
         x = np.concatenate(step).astype(np.float64)
-        totals.append(float(np.min([a * x * x + b * x for a, b in per_gpu], axis=0).sum()))
+        if world_size is None:
+            per_gpu = [(s.gpus * s.replica.stage_costs[0].a, s.gpus * s.replica.stage_costs[0].b) for s in pool]
+            totals.append(float(np.min([a * x * x + b * x for a, b in per_gpu], axis=0).sum()))
+            continue
+        work = np.full((x.size, len(pool)), np.inf)
+        solo = np.full((x.size, len(pool)), np.inf)
+        for k, s in enumerate(pool):
+            held = x <= s.capacity
+            stage = s.replica.stage_costs[0]
+            work[:, k] = np.where(held, s.gpus * (stage.a * x * x + stage.b * x), np.inf)
+            solo[:, k] = np.where(held, sum(c.a * x * x + c.b * x + c.c for c in s.replica.stage_costs), np.inf)
+        totals.append(world_size * least_step_s(work, solo, world_size))
     return float(np.mean(totals))
 
 
@@ -282,10 +323,13 @@ def capacity_bound_s(lengths: np.ndarray, chosen: Sequence[tuple[Strategy, int]]
 
 
 def plan_deployment(pool: list[Strategy], batches: list[list[np.ndarray]], *, world_size: int, max_len: int,
-                    keep: int = 8) -> Deployment:
+                    keep: int = 8, exchange_rounds: int = 16) -> Deployment:
     """The deployment minimising the mean step time of ``batches`` (module docstring, steps 2-3): every filling
     scored by :func:`capacity_bound_s` summed over the steps, the ``keep`` best (and every one-strategy filling)
-    evaluated with the two-stage assignment."""
+    evaluated with the two-stage assignment, and the best mix of every two strategies
+    (:func:`_two_strategy_mixes`); then the best is improved by trading one strategy's replicas for
+    another's while that lowers the exact mean step time (:func:`_exchange`, at most ``exchange_rounds``
+    trades)."""
     steps = [np.concatenate(step) for step in batches]
     longest = max(int(step.max()) for step in steps)
     scored = []
@@ -305,7 +349,96 @@ def plan_deployment(pool: list[Strategy], batches: list[list[np.ndarray]], *, wo
         step = float(np.mean([joint_time_s(b, replicas) for b in steps]))
         if best is None or step < best.step_s:
             best = Deployment(counts=chosen, step_s=step)
-    return best
+    best = min([best, *_two_strategy_mixes(pool, steps, world_size=world_size, longest=longest)],
+               key=lambda d: d.step_s)
+    return _exchange(best, pool, steps, world_size=world_size, longest=longest, rounds=exchange_rounds)
+
+
+def _two_strategy_mixes(pool: list[Strategy], steps: list[np.ndarray], *, world_size: int, longest: int
+                        ) -> list[Deployment]:
+    """Per pair of strategies (a, b), the best of the deployments of n replicas of b and the rest of the GPUs in
+    a's, priced exactly on a coarse grid of n (about 9 points) and then every n within one grid step of its best
+    (the mean step time is not monotone in n: a few larger replicas only help once they hold every long
+    sequence)."""
+    out = []
+
+    def price(counts) -> float:
+        replicas = [s.replica for s, n in counts for _ in range(n)]
+        return float(np.mean([joint_time_s(b, replicas) for b in steps]))
+
+    for a in pool:
+        for b in pool:
+            if b.gpus <= a.gpus or b is a:
+                continue
+            top = world_size // b.gpus
+
+            def mix(n: int):
+                counts = ((a, (world_size - n * b.gpus) // a.gpus), (b, n))
+                counts = tuple((s, k) for s, k in counts if k)
+                return counts if counts and max(s.capacity for s, _ in counts) >= longest else None
+
+            stride = max(1, top // 8)
+            priced: dict[int, float] = {}
+            for n in range(0, top + 1, stride):
+                if mix(n) is not None:
+                    priced[n] = price(mix(n))
+            if not priced:
+                continue
+            centre = min(priced, key=priced.get)
+            for n in range(max(0, centre - stride + 1), min(top, centre + stride - 1) + 1):
+                if n not in priced and mix(n) is not None:
+                    priced[n] = price(mix(n))
+            n = min(priced, key=lambda k: (priced[k], k))
+            out.append(Deployment(counts=mix(n), step_s=priced[n]))
+    return out
+
+
+def _exchange(best: Deployment, pool: list[Strategy], steps: list[np.ndarray], *, world_size: int, longest: int,
+              rounds: int) -> Deployment:
+    """Local search from ``best``: trade the GPUs of 1, 2, 4, ... replicas of a strategy for replicas of another
+    (as many as those GPUs make, or back), keep the best trade priced exactly, while one lowers the mean step time
+    (at most ``rounds`` trades; each trade keeps the GPUs used and a replica holding the longest sequence)."""
+    evaluated: dict[tuple[int, ...], float] = {}
+
+    def price(counts: tuple[int, ...]) -> float:
+        if counts not in evaluated:
+            replicas = [s.replica for s, n in zip(pool, counts) for _ in range(n)]
+            evaluated[counts] = float(np.mean([joint_time_s(b, replicas) for b in steps]))
+        return evaluated[counts]
+
+    index = {id(s): k for k, s in enumerate(pool)}
+    current = [0] * len(pool)
+    for s, n in best.counts:
+        current[index[id(s)]] = n
+    now = tuple(current)
+    evaluated[now] = best.step_s
+    for _ in range(rounds):
+        trades = []
+        for i, big in enumerate(pool):
+            for j, small in enumerate(pool):
+                if i == j or big.gpus % small.gpus or big.gpus < small.gpus:
+                    continue
+                k = big.gpus // small.gpus
+                step = 1
+                while step * big.gpus <= world_size:
+                    up, down = list(now), list(now)  # small -> big, big -> small, ``step`` big replicas' worth
+                    up[j] -= k * step
+                    up[i] += step
+                    down[i] -= step
+                    down[j] += k * step
+                    trades += [tuple(up), tuple(down)]
+                    step *= 2
+        trades = [t for t in trades if min(t) >= 0 and sum(n * s.gpus for n, s in zip(t, pool)) <= world_size
+                  and max(s.capacity for n, s in zip(t, pool) if n) >= longest]
+        if not trades:
+            break
+        nxt = min(trades, key=lambda t: (price(t), t))
+        if price(nxt) >= price(now):
+            break
+        now = nxt
+    if now == tuple(current):
+        return best
+    return Deployment(counts=tuple((s, n) for s, n in zip(pool, now) if n), step_s=price(now))
 
 
 def deployment_plan(deployment: Deployment, *, num_layers: int, gpus_per_node: int) -> Plan:
