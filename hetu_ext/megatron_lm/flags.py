@@ -240,6 +240,13 @@ def _check_native(inv: Invocation) -> None:
             inv.megatron.calculate_per_token_loss = True
             inv.notes.append("--hetu-straggler-interval: added --calculate-per-token-loss (with microbatches "
                              "weighted per data-parallel rank, only a per-token mean keeps the global batch's loss)")
+    argv = inv.megatron_argv
+    local = any(t == "--transformer-impl=local" or (t == "--transformer-impl" and argv[i + 1:i + 2] == ["local"])
+                for i, t in enumerate(argv))
+    if "--sequence-parallel" in m.present and local:
+        raise ValueError("--sequence-parallel with --transformer-impl local: Megatron-core's local layer spec "
+                         "refuses it (its torch norms are not sequence-parallel); use Transformer Engine, or add "
+                         "--hetu-runtime plan to run it on hetu_ext's trainer, whose norms take it")
     _check_packing(inv)
     if ns.hetu_ckpt_keep < 1:
         raise ValueError(f"--hetu-ckpt-keep must be >= 1, got {ns.hetu_ckpt_keep}")
