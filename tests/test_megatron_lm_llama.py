@@ -179,13 +179,15 @@ def test_llama_packing_on_megatron_lm_equals_unpacked(tmp_path):
 def test_llama_hetero_plan_handed_to_hetu_trainer(tmp_path):
     """--hetu-plan with the Llama flags: the same command line runs in hetu_ext's trainer (the hand-off takes
     --swiglu, --normalization, --position-embedding-type rope, GQA, --disable-bias-linear; --no-rope-fusion is
-    implied) and trains."""
+    implied) and trains. ``--sequence-parallel`` goes along; every stage of this plan has TP 1, so it is turned
+    off with one notice, as Megatron-LM does, and the run goes on."""
     from test_megatron_lm import HETERO
 
     plan = tmp_path / "hetero.yaml"
     plan.write_text(HETERO)
-    proc = torchrun(tmp_path, *with_flags(LLAMA, train_iters="4"), "--hetu-plan", str(plan))
+    proc = torchrun(tmp_path, *with_flags(LLAMA, train_iters="4"), "--sequence-parallel", "--hetu-plan", str(plan))
     out = proc.stdout + proc.stderr
     assert "2 pipeline(s), 8 microbatches per global batch" in out, out[-3000:]
+    assert out.count("--sequence-parallel has no effect at TP 1") == 1, out[-3000:]
     losses = step_losses(out)
     assert sorted(losses) == [1, 2, 3, 4] and losses[4] < losses[1], out[-3000:]

@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     except (PlanError, ValueError, OSError) as exc:
         report_error(PROG, str(exc))
         return 2
-    for notice in launch_check.notices:
+    for notice in launch_check.notices if os.environ.get("RANK", "0") == "0" else ():  # once per job
         print(f"{PROG}: {notice}", file=sys.stderr)
     if not launched:
         if world_size > 1:
