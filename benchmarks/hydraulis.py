@@ -132,9 +132,11 @@ def megatron_best(spec: ModelSpec, gpus: int, cost: CostTable, batches: list[lis
 
 
 def predicted_row(name: str, spec: ModelSpec, gpus: int, cost: CostTable, pieces: np.ndarray,
-                  batches: list[list[int]], *, max_len: int, bandwidth: float) -> dict:
+                  batches: list[list[int]], *, max_len: int, bandwidth: float, limit: int = 8,
+                  sampled: int = 0) -> dict:
     start, cpu = time.perf_counter(), time.process_time()
-    strategies = candidate_strategies(spec, gpus, cost, pieces, max_len=max_len, batch_tokens=TOKENS_PER_GPU * gpus)
+    strategies = candidate_strategies(spec, gpus, cost, pieces, max_len=max_len, batch_tokens=TOKENS_PER_GPU * gpus,
+                                      limit=limit, sampled_batches=sampled, seed=10_000 + gpus)
     candidates_s, candidates_cpu_s = time.perf_counter() - start, time.process_time() - cpu
     items = strategies.items
     selector = Selector(strategies, spec, cost, bandwidth=bandwidth)
@@ -270,6 +272,10 @@ def main() -> None:
     parser.add_argument("--emulated-tokens", type=int, default=1024, help="emulated: tokens per global batch")
     parser.add_argument("--repeats", type=int, default=2, help="emulated: runs per method and corpus")
     parser.add_argument("--skip-predicted", action="store_true")
+    parser.add_argument("--limit", type=int, default=16, help="most candidates (the home included; the CLI's default)")
+    parser.add_argument("--sampled-batches", type=int, default=16,
+                        help="candidates also from the program on this many global batches drawn from the lengths "
+                        "(another seed than the evaluated batches')")
     parser.add_argument("--options", choices=("search", "plain"), default="search",
                         help="search: no/full recomputation with sequence parallelism and the distributed optimizer, "
                         "for Megatron's strategies and Hydraulis's alike; plain: none of them")
@@ -301,7 +307,8 @@ def main() -> None:
                     cost = cost_for(spec, args, opts, gpus)
                     try:
                         one = predicted_row(name, spec, gpus, cost, pieces, batches, max_len=max_len,
-                                            bandwidth=args.bandwidth * 1e9)
+                                            bandwidth=args.bandwidth * 1e9, limit=args.limit,
+                                            sampled=args.sampled_batches)
                     except (ValueError, SystemExit):
                         continue  # nothing under these options holds max_len
                     one["options"] = opts.name

@@ -218,3 +218,22 @@ def test_lobra_bound_with_the_world_size_is_tighter_and_still_below_the_deployme
     for keep in (1, 8):  # the exchange and the two-strategy mixes only ever improve on the scored candidates
         assert best.step_s <= plan_deployment(pool, batches, world_size=gpus, max_len=max_len, keep=keep,
                                               exchange_rounds=0).step_s + 1e-12
+
+
+def test_hydraulis_cli_searches_the_recomputation_and_names_the_flags(tmp_path, capsys):
+    from hetu_ext.plan.__main__ import main as plan_main
+
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("\n".join(str(x) for x in np.random.default_rng(0).lognormal(6, 1.2, 2000).astype(int) + 1)
+                       + "\n")
+    argv = ["hydraulis", "--world-size", "8", "--num-layers", "8", "--hidden-size", "1024", "--num-attention-heads",
+            "16", "--ffn-hidden-size", "4096", "--vocab-size", "32000", "--seq-length", "4096", "--batches", "2",
+            "--gpu-memory-gib", "4", "--lengths", str(lengths), "--sampled-batches", "2"]
+    assert plan_main([*argv, "--recompute-granularity", "auto", "--sequence-parallel",
+                      "--use-distributed-optimizer"]) == 0
+    text = capsys.readouterr().out
+    first = text.splitlines()[0]
+    assert first.startswith("options: ") and "searched: sp,do, rc=full,sp,do" in first
+    assert "--sequence-parallel --use-distributed-optimizer" in first
+    assert plan_main(argv) == 0
+    assert not capsys.readouterr().out.startswith("options: sp")  # the plain run prices none of them

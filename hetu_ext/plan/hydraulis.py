@@ -55,7 +55,7 @@ from hetu_ext.model import inventory
 
 from .cost import CostModel
 from .options import PLAIN, Options
-from .lobra import Deployment, deployment_plan
+from .lobra import Deployment, deployment_plan, least_step_s
 from .lobra import Strategy as Shape
 from hetu_ext.model.spec import ModelSpec
 from .plan import Plan, PlanError, uniform_plan, validate_plan
@@ -327,14 +327,18 @@ def shapes_plan(counts: Sequence[tuple[Shape, int]], *, model: ModelSpec, world_
 
 def candidate_strategies(model: ModelSpec, world_size: int, cost: CostTable, lengths: Sequence[int], *,
                          max_len: int, gpus_per_node: int = 8, slowdowns: Mapping[int, float] | None = None,
-                         limit: int = 8, batch_tokens: int | None = None, buckets: int = 32) -> Strategies:
+                         limit: int = 8, batch_tokens: int | None = None, buckets: int = 32,
+                         sampled_batches: int = 0, seed: int = 0) -> Strategies:
     """Hydraulis's candidate plans for ``lengths`` (a sample of the data's sequence lengths, e.g. a length
     file's; split at ``max_len``) on ``world_size`` GPUs: module docstring, steps 1-4. Each Strategy's
     ``max_len`` is its largest replica's capacity; the home (``Strategies.home``) is the homogeneous plan that
     holds ``max_len`` at the lowest predicted time on the histogram. At most ``limit`` strategies (home
     included). ``batch_tokens``: tokens per global batch (the histogram's scale; default: ``lengths`` is one
     batch). ``slowdowns`` (rank -> factor): every shape is priced at the largest factor (conservative; the
-    Selector prices each plan on its own ranks). ValueError (one line) when nothing fits."""
+    Selector prices each plan on its own ranks). ``sampled_batches`` (with ``batch_tokens``): also the program's
+    plan for each of that many global batches drawn from ``lengths`` (seeded by ``seed``; plans fitted to one
+    step's mix rather than the whole file's), after the others, within ``limit``. ValueError (one line) when
+    nothing fits."""
     if world_size < 1 or max_len < 1 or limit < 1:
         raise ValueError(f"Hydraulis: world_size, max_len and limit must be >= 1, got {world_size}, {max_len}, "
                          f"{limit}")
@@ -368,6 +372,13 @@ def candidate_strategies(model: ModelSpec, world_size: int, cost: CostTable, len
         found.append((j, counts))
     home_counts = {home_k: world_size // pool[home_k].gpus}
     chosen = [home_counts] + [c for _, c in sorted(found, key=lambda e: -e[0]) if c != home_counts]
+    if sampled_batches and batch_tokens:  # the program on single global batches drawn from the lengths: plans
+        pieces = split_long(np.asarray(lengths, dtype=np.int64).reshape(-1), max_len).length  # fitted to a step
+        for batch in sample_batches(pieces, tokens=batch_tokens, count=sampled_batches, seed=seed):
+            step = length_histogram(batch, max_len=max_len, edges=[s.capacity for s in pool], buckets=buckets)
+            sol = solve(pool, step, world_size)[-1]
+            if sol is not None and sol.counts(pool) not in chosen:
+                chosen.append(sol.counts(pool))
     items, home_name = [], None
     for counts in chosen:
         if len(items) >= limit:
@@ -510,7 +521,10 @@ def one_plan_bound_s(lengths: Sequence[int], pool: Sequence[Shape], world_size: 
     sequences of gpus_s (a_s L^2 + b_s L)`` for the shape s that trains it, which is at least the least such term
     over the shapes whose capacity holds L. A plan must have a replica holding the longest sequence; when every
     shape that holds it takes all G GPUs, that replica is the whole plan, and only those shapes count for every
-    sequence.
+    sequence. Tighter still: a replica's time is at least each of its sequences alone (its microbatch passes
+    every stage: ``sum over stages of (a L^2 + b L + c)``), so in a step of T seconds a sequence can only be on a
+    shape that trains it alone within T, and G T must cover the least GPU-seconds over those
+    (hetu_ext.plan.lobra.least_step_s).
 
     ValueError when no shape holds the longest sequence."""
     if not len(lengths):
@@ -526,8 +540,11 @@ def one_plan_bound_s(lengths: Sequence[int], pool: Sequence[Shape], world_size: 
                          f"{int(caps.max(initial=0))})")
     allowed = holders if (gpus[holders] >= world_size).all() else np.ones_like(holders)
     work = gpus[None, :] * (coef[None, :, 0] * L * L + coef[None, :, 1] * L)
-    work = np.where((caps[None, :] >= L) & allowed[None, :], work, np.inf)
-    return float(work.min(axis=1).sum() / world_size)
+    ok = (caps[None, :] >= L) & allowed[None, :]
+    work = np.where(ok, work, np.inf)
+    solo = np.stack([sum(c.a * L[:, 0] ** 2 + c.b * L[:, 0] + c.c for c in s.replica.stage_costs) for s in pool],
+                    axis=1)
+    return least_step_s(work, np.where(ok, solo, np.inf), world_size)
 
 
 # ------------------------------------------------------------------------------------------- planning CLI
@@ -580,7 +597,16 @@ def add_arguments(parser) -> None:
     parser.add_argument("--batch-tokens", type=int, default=None,
                         help="tokens per global batch (default: 32768 per GPU)")
     parser.add_argument("--batches", type=int, default=4, help="sampled global batches to choose candidates for")
-    parser.add_argument("--limit", type=int, default=8, help="most candidates (the home included)")
+    parser.add_argument("--limit", type=int, default=16, help="most candidates (the home included)")
+    parser.add_argument("--sampled-batches", type=int, default=16,
+                        help="candidates also from the dynamic program on this many global batches drawn from the "
+                        "lengths (plans fitted to one step's mix)")
+    parser.add_argument("--recompute-granularity", choices=("none", "selective", "full", "auto"), default="none",
+                        help="activation recomputation priced by the FLOP model (Megatron-LM's flag); auto: the "
+                        "better of none and full on the sampled batches")
+    parser.add_argument("--sequence-parallel", action="store_true", help="price sequence parallelism (TP > 1)")
+    parser.add_argument("--use-distributed-optimizer", action="store_true",
+                        help="price the distributed optimizer (Adam state once over the world's ranks)")
     parser.add_argument("--bandwidth", type=float, default=100.0,
                         help="GB/s per GPU for switching weights and gradients and for the gradient all-reduce")
     parser.add_argument("--cost-model", default=None, metavar="YAML",
@@ -605,10 +631,7 @@ def sample_batches(lengths: np.ndarray, *, tokens: int, count: int, seed: int) -
 def run(args) -> tuple[Strategies, str, ModelSpec]:
     """Candidates for ``args`` (add_arguments' flags) and a report (tables) to print; ValueError (one line) on
     bad input."""
-    import time
-
     from hetu_ext.data.cost import load_cost_table
-    from hetu_ext.data.hotspa import auto_strategies, group_seconds
     from hetu_ext.data.lengths import read_lengths
 
     for flag in ("world_size", "gpus_per_node", "num_layers", "hidden_size", "num_attention_heads", "seq_length",
@@ -621,18 +644,56 @@ def run(args) -> tuple[Strategies, str, ModelSpec]:
     model = ModelSpec(num_layers=args.num_layers, hidden_size=args.hidden_size,
                       num_attention_heads=args.num_attention_heads, ffn_hidden_size=args.ffn_hidden_size,
                       vocab_size=args.vocab_size, seq_length=args.seq_length)
-    cost = load_cost_table(args.cost_model) if args.cost_model else None
-    if cost is None or cost.device_memory_bytes is None:
-        memory = args.gpu_memory_gib * 2**30
-        cost = flops_cost_table(model, memory_bytes=memory) if cost is None else \
-            CostTable(per_tp=cost.per_tp, device=cost.device, device_memory_bytes=memory, note=cost.note)
+    measured = load_cost_table(args.cost_model) if args.cost_model else None
     pieces = split_long(read_lengths(args.lengths), args.seq_length).length
     tokens = args.batch_tokens or 32768 * args.world_size
     if tokens < 1:
         raise ValueError(f"--batch-tokens must be >= 1, got {tokens}")
+    if args.sampled_batches < 0:
+        raise ValueError(f"--sampled-batches must be >= 0, got {args.sampled_batches}")
+    rc = args.recompute_granularity
+    sets = [Options(recompute=r, sequence_parallel=args.sequence_parallel,
+                    distributed_optimizer=args.use_distributed_optimizer)
+            for r in (("none", "full") if rc == "auto" else (rc,))]
+    if measured is not None:
+        sets = [PLAIN]  # a measured table is one set of options already
+    best, errors = None, []
+    for opts in sets:
+        try:
+            got = _plan_once(args, model, measured, opts, pieces, tokens)
+        except ValueError as exc:  # nothing fits under these options; another set may
+            errors.append(str(exc))
+            continue
+        if best is None or got[2] < best[2]:
+            best = got
+    if best is None:
+        raise ValueError(errors[-1])
+    strategies, lines = best[0], best[1]
+    if measured is None:
+        lines.insert(0, f"options: {best[3].name} (Megatron-LM flags: {' '.join(best[3].flags()) or 'none'}; "
+                        f"searched: {', '.join(o.name for o in sets)}, by the mean predicted step of the sampled "
+                        "batches)")
+    return strategies, "\n".join(lines), model
+
+
+def _plan_once(args, model: ModelSpec, measured: CostTable | None, opts: Options, pieces: np.ndarray,
+               tokens: int) -> tuple[Strategies, list[str], float, Options]:
+    """run()'s candidates and report under one set of options; the mean predicted step of the sampled batches
+    (inf when no homogeneous strategy to compare with; the dynamic choice's own mean otherwise)."""
+    import time
+
+    from hetu_ext.data.hotspa import auto_strategies, group_seconds
+
+    cost = measured
+    if cost is None or cost.device_memory_bytes is None:
+        memory = args.gpu_memory_gib * 2**30
+        cost = flops_cost_table(model, memory_bytes=memory, options=opts, world_size=args.world_size) \
+            if cost is None else CostTable(per_tp=cost.per_tp, device=cost.device, device_memory_bytes=memory,
+                                           note=cost.note)
     start = time.perf_counter()
     strategies = candidate_strategies(model, args.world_size, cost, pieces, max_len=args.seq_length,
-                                      gpus_per_node=args.gpus_per_node, limit=args.limit, batch_tokens=tokens)
+                                      gpus_per_node=args.gpus_per_node, limit=args.limit, batch_tokens=tokens,
+                                      sampled_batches=args.sampled_batches, seed=args.seed + 1)
     plan_s = time.perf_counter() - start
     bandwidth = args.bandwidth * 1e9
     selector = Selector(strategies, model, cost, bandwidth=bandwidth)
@@ -671,4 +732,4 @@ def run(args) -> tuple[Strategies, str, ModelSpec]:
     if best_homo:
         lines.append(f"mean: dynamic {np.mean(dyn_all):.3f} s, homogeneous {best_homo} {np.mean(homo_s[best_homo]):.3f}"
                      f" s, predicted gain {np.mean(homo_s[best_homo]) / np.mean(dyn_all):.2f}x")
-    return strategies, "\n".join(lines), model
+    return strategies, lines, float(np.mean(dyn_all)), opts
