@@ -126,16 +126,19 @@ class SwitchedSteps:
         return SwitchedStep(groups=groups, sequences=int(ids.size), tokens=int(self.table.length[ids].sum()))
 
 
-def _pieces(placement: Placement, kind: str) -> list[Piece]:
-    """This rank's weights (``param``: the model's own dtype) or gradients (``grad``: the fp32 main_grad)."""
+def _pieces(placement: Placement, kind: str, plugin=None) -> list[Piece]:
+    """This rank's weights (``param``: the model's own dtype) or gradients (``grad``: the fp32 main_grad; a frozen
+    parameter has none), and a plug-in's (``plugin(placement, kind)``: LoRA's adapters) after them."""
     if not placement.active:
         return []
     out = []
     for s in local_shards(placement.model, **placement.shard_kwargs):
+        if kind == "grad" and not s.param.requires_grad:
+            continue
         box = tuple((sl.start, sl.stop) for sl in s.slices)
         tensor = s.data.data if kind == "param" else s.view(s.param.main_grad)
         out.append(Piece(f"{kind}:{s.key}", s.index, box, tensor))
-    return out
+    return out + (plugin(placement, kind) if plugin is not None else [])
 
 
 @dataclass
@@ -157,6 +160,9 @@ class Switching:
     ranks_per_node: int | None = None
     per_group_normalisation: bool = False
     """A negative control for tests only: divide each group by its own tokens (wrong)."""
+    plugin_pieces: object = None
+    """``(placement, kind) -> pieces``: a plug-in's weights (``param``) or gradients (``grad``) outside the model's
+    sharded state dict (LoRA's adapters), switched with the model's."""
     placements: dict = field(default_factory=dict)
 
     def placement(self, k: int) -> Placement:
@@ -171,12 +177,13 @@ class Switching:
         in one batched exchange (collective over the world)."""
         start = time.perf_counter()
         sources, destinations = [], []
+        plugin = self.plugin_pieces
         if pull is not None:
-            sources += _pieces(self.placement(pull), "grad")
-            destinations += _pieces(self.home, "grad")
+            sources += _pieces(self.placement(pull), "grad", plugin)
+            destinations += _pieces(self.home, "grad", plugin)
         if push is not None:
-            sources += _pieces(self.home, "param")
-            destinations += _pieces(self.placement(push), "param")
+            sources += _pieces(self.home, "param", plugin)
+            destinations += _pieces(self.placement(push), "param", plugin)
         report = reshard(sources, destinations, op={"param": "copy", "grad": "add"},
                          ranks_per_node=self.ranks_per_node)
         return SwitchReport(pull, push, report.bytes_sent, time.perf_counter() - start)
