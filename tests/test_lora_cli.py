@@ -7,7 +7,7 @@ import sys
 
 import numpy as np
 import pytest
-from test_pretrain_cli import ROOT, assert_one_error_line, run
+from helpers import ROOT, assert_one_error_line, run
 
 TENANT = """tenants:
   - name: chat
@@ -43,14 +43,13 @@ def test_tenants_with_other_data_flags_refused(tmp_path):
 
 
 @pytest.mark.parametrize("extra,needle", [
-    (("--hetu-hotspa", "auto"), "does not combine with --hetu-hotspa yet: HotSPa's switching moves"),
     (("--bf16", "--save", "ckpt"), "with --bf16: adapter checkpoints and migrations do not carry the adapters' fp32"),
     (("--use-distributed-optimizer", "--hetu-straggler-replan", "online", "--hetu-straggler-interval", "1"),
      "with --use-distributed-optimizer: adapter checkpoints and migrations do not carry Adam state sharded"),
 ])
 def test_tenants_refuse_what_they_do_not_support_yet(tmp_path, extra, needle):
-    """HotSPa with tenants, and checkpoints or migrations of bf16 masters or sharded adapter state: one error
-    line, exit 2, before any rank starts (not a failure in the middle of a run)."""
+    """Checkpoints or migrations of bf16 masters or sharded adapter state: one error line, exit 2, before any
+    rank starts (not a failure in the middle of a run)."""
     path = tmp_path / "tenants.yaml"
     path.write_text(TENANT)
     assert_one_error_line(run(["--nproc-per-node", "2", *ARGV, "--hetu-lora-tenants", str(path), *extra]), needle)

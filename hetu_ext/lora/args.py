@@ -24,11 +24,6 @@ def validate_lora_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--hetu-lora-tenants with --hetu-packing {args.hetu_packing}: a cut sequence would mix "
                          "no tenants but Megatron-style packs are not supported here; use balanced (default), ffd, "
                          "greedy or unpacked")
-    if getattr(args, "hetu_hotspa", None):
-        raise ValueError("--hetu-lora-tenants does not combine with --hetu-hotspa yet: HotSPa's switching moves the "
-                         "base's weights and gradients between strategies, not the adapters, each tenant's loss "
-                         "normalisation or its per-tenant step; drop --hetu-hotspa (tenants are packed by "
-                         "Hydraulis' balanced assignment)")
     if args.hetu_ckpt_format == "torch_dist":
         raise ValueError("--hetu-lora-tenants does not combine with --hetu-ckpt-format torch_dist yet; drop it")
     moving = [flag for flag, value in (("--save", args.save), ("--load", args.load),

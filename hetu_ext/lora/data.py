@@ -126,12 +126,17 @@ class TenantPackedSteps(PackedSteps):
 
 
 def build_tenant_steps(tenants: tuple[TenantSpec, ...], *, method: str, cost_model: str | None, spec: ModelSpec,
-                       plan: Plan, pipeline: int, device: torch.device, seed: int, vocab_size: int,
-                       corpus: TenantCorpus | None = None) -> TenantPackedSteps:
-    """Every tenant's data packed for ``plan``'s pipeline ``pipeline`` (packs of at most ``spec.seq_length``)."""
+                       plan: Plan, pipeline: int | None, device: torch.device, seed: int, vocab_size: int,
+                       corpus: TenantCorpus | None = None, max_pack_tokens: int | None = None) -> TenantPackedSteps:
+    """Every tenant's data packed for ``plan``'s pipeline ``pipeline`` (packs of at most ``spec.seq_length``, or
+    ``max_pack_tokens``: a HotSPa strategy's ``max_len``; ``pipeline`` None: this rank runs none of the plan's
+    pipelines but plans, so every rank agrees)."""
     corpus = corpus or TenantCorpus(tenants, vocab_size=vocab_size, seed=seed)
     batches = TenantBatches(corpus, spec.seq_length, seed)
     cost = load_cost_table(cost_model) if cost_model else CostTable()
-    replicas = replica_specs(plan, spec, cost, max_pack_tokens=spec.seq_length)
-    return TenantPackedSteps(corpus, batches.table, batches, method=method, replicas=replicas, pipeline=pipeline,
-                             max_len=spec.seq_length, device=device)
+    max_len = max_pack_tokens or spec.seq_length
+    replicas = replica_specs(plan, spec, cost, max_pack_tokens=max_len)
+    steps = TenantPackedSteps(corpus, batches.table, batches, method=method, replicas=replicas, pipeline=pipeline,
+                              max_len=max_len, device=device)
+    steps.cost = cost
+    return steps

@@ -30,6 +30,7 @@ from hetu_ext.megatron.launch_plan import check_launch
 from hetu_ext.megatron.model import TrainingNumerics, optimizer_config
 from hetu_ext.megatron.plan_runtime import build_plan_placement
 from hetu_ext.megatron.step import StepKind, StepWork
+from hetu_ext.megatron.switching import Switching
 from hetu_ext.megatron.trainer import Trainer, emulated_layer_cost, make_scheduler, plan_id, straggler_monitor
 from hetu_ext.model import inventory
 from hetu_ext.runtime.straggler import LayerTimer
@@ -38,6 +39,7 @@ from .data import TenantCorpus, build_tenant_steps
 from .install import LoRAConverter, routing_of
 from .layers import TenantRouting
 from .pretrained import load_base, seed_base
+from .switched import TenantGroupSteps, adapter_pieces
 from .sync import LoRASync, attach_sync
 from .tenants import TenantSpec, load_tenants
 
@@ -71,6 +73,15 @@ class LoRATrainer(Trainer):
             self._migrating_steps = {t: step for steps in everyone for t, step in steps.items()}
             return adapter_pieces(placement)
         return adapter_pieces(placement, steps=self._migrating_steps)
+
+    def build_strategy(self, k: int):
+        """HotSPa: strategy ``k``'s compute placement with the adapters and their reduction (collective)."""
+        plan = self.switching.strategies.items[k].plan
+        placement = build_plan_placement(self.config.training, self.spec, plan, self.host, self.numerics,
+                                         with_optimizer=False, converter=self.converter)
+        attach_sync(placement, plan, tuple(t.name for t in self.tenants), self.host.rank)
+        self.attach_timer(placement, plan)
+        return placement
 
     def placement_changed(self) -> None:
         """The adapters' reduction for the new plan (collective); an idle rank's probe layer routed."""
@@ -205,6 +216,10 @@ def build_lora_trainer(config: RunConfig) -> LoRATrainer:
                           tenants=tenants, lora=lora, layer_cost=layer_cost, monitor=monitor, converter=converter,
                           migrations=launch.migrations,
                           timer=monitor.timer if monitor else (LayerTimer() if layer_cost else None))
+    if launch.strategies is not None:  # --hetu-hotspa / --hetu-strategies: the adapters switch with the base
+        trainer.switching = Switching(launch.strategies, home=placement, build=trainer.build_strategy,
+                                      ranks_per_node=config.straggler.gpus_per_node, plugin_pieces=adapter_pieces)
+        trainer.steps = TenantGroupSteps()
     if layer_cost is not None and placement.active:
         _gradient_into_first_layer(placement.model)
     trainer.attach_timer()
