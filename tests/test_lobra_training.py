@@ -22,7 +22,7 @@ from __future__ import annotations
 import pytest
 import torch
 import yaml
-from helpers import ADAM_EPS
+from test_packed_training import ADAM_EPS
 
 from hetu_ext.metrics import read_records
 from hetu_ext.testing.multiproc import run_ranks
