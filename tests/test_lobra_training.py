@@ -318,28 +318,45 @@ strategies:
 """Sequences of at most 24 tokens (most of chat's, some of sums') train under DP 2, the rest under TP 2 (home)."""
 
 
-def test_joint_tenants_under_hotspa_equal_each_alone(references, tmp_path):
+CANDIDATES = """
+home: tp2
+strategies:
+  - {name: dp2, dp: 2, max_len: 64}
+  - {name: tp2, tp: 2, max_len: 64}
+"""
+"""Hydraulis' per-step candidate: the step's whole data under DP 2 or TP 2 (home); DP 2 is predicted faster."""
+
+
+@pytest.mark.parametrize("flag", ["--hetu-hotspa", "--hetu-strategies"])
+def test_joint_tenants_under_hotspa_equal_each_alone(flag, references, tmp_path):
     """--hetu-hotspa: every step's sequences of all tenants split into two length groups, the short one under DP 2
     (a compute placement with its own adapters), the long one under TP 2 (home, which holds the optimizer); the
     adapters are pushed with the base's weights and their gradients pulled into the home, each token weighted by
-    1 / its tenant's tokens in the whole step. Every adapter equals its tenant alone (measured 1.5e-8) and the
-    absent tenant stays bit-identical. Switching the base only, not the adapters, leaves the DP-2 group on the
-    initial adapters and without their gradients: 3e-4 to 5e-3 off (measured), over 30x the tolerance."""
+    1 / its tenant's tokens in the whole step. --hetu-strategies (Hydraulis): the same switching, the whole step
+    under the DP-2 candidate. Every adapter equals its tenant alone (measured 1.5e-8 for both) and the absent
+    tenant stays bit-identical. Switching the base only, not the adapters, leaves the DP-2 group on the initial
+    adapters and without their gradients: 3e-4 to 5e-3 off (measured with HotSPa), over 30x the tolerance."""
     tenants = _tenants_file(tmp_path / "tenants.yaml", TENANTS)
-    (tmp_path / "hotspa.yaml").write_text(HOTSPA)
+    (tmp_path / "strategies.yaml").write_text(HOTSPA if flag == "--hetu-hotspa" else CANDIDATES)
     metrics = tmp_path / "metrics.jsonl"
-    result = run_ranks(lobra_body, 2, _argv(tenants, "--hetu-hotspa", str(tmp_path / "hotspa.yaml"),
+    result = run_ranks(lobra_body, 2, _argv(tenants, flag, str(tmp_path / "strategies.yaml"),
                                             "--hetu-metrics-file", str(metrics)), timeout=300)[0]
     records = read_records(metrics, kind="step")
-    groups = [{g["strategy"] for g in r["packing"]["hotspa"]["groups"]} for r in records]
-    moved = [sum(w["bytes_total"] for w in r["packing"]["hotspa"]["switches"]) for r in records]
-    print(f"hotspa: groups per step {groups}, bytes switched per step {moved}")
-    assert all(g == {"short", "long"} for g in groups) and all(b > 0 for b in moved), (groups, moved)
+    if flag == "--hetu-hotspa":
+        used = [{g["strategy"] for g in r["packing"]["hotspa"]["groups"]} for r in records]
+        moved = [sum(w["bytes_total"] for w in r["packing"]["hotspa"]["switches"]) for r in records]
+        expected = {"short", "long"}
+    else:
+        used = [{r["packing"]["hydraulis"]["candidate"]} for r in records]
+        moved = [r["packing"]["hydraulis"]["switch_bytes"] for r in records]
+        expected = {"dp2"}
+    print(f"{flag}: strategies per step {used}, bytes switched per step {moved}")
+    assert len(records) == K_STEPS and all(u == expected for u in used) and all(b > 0 for b in moved), (used, moved)
     assert result["absent_same"] == [True, True], result["absent_same"]
     assert result["base_same"]
     for t in TENANTS:
         diff = _max_diff(result, references[t["name"]], t["name"])
-        print(f"hotspa {t['name']}: adapter max abs diff {diff:.2e}")
+        print(f"{flag} {t['name']}: adapter max abs diff {diff:.2e}")
         assert diff <= ADAPTER_ATOL, (t["name"], diff)
         ref_losses = [row[0] for row in references[t["name"]]["tenant_losses"]]
         joint_losses = [row[TENANTS.index(t)] for row in result["tenant_losses"]]
