@@ -22,6 +22,24 @@ def sample_prefix(tmp_path_factory) -> str:
     return prefix
 
 
+@pytest.fixture(scope="session")
+def one_process():
+    """``one_process(argv)``: the single-process reference run of ``argv`` (hetu_ext.testing.runs.train on one
+    rank: losses, gathered weights, log lines), computed once per session and shared by every module that compares
+    with it. Callers must not modify what it returns."""
+    from hetu_ext.testing.multiproc import run_ranks
+    from hetu_ext.testing.runs import train
+
+    runs: dict[tuple[str, ...], dict] = {}
+
+    def reference(argv: list[str], timeout: float = 180) -> dict:
+        key = tuple(argv)
+        if key not in runs:
+            runs[key] = run_ranks(train, 1, list(argv), timeout=timeout)[0]
+        return runs[key]
+    return reference
+
+
 # --- Test kinds (pytest.ini registers the markers; `make test-fast` deselects all three) -------------------------
 # gold:   exactness against a single-process (or uninterrupted, or dense) reference
 # e2e:    launches real processes: torchrun, Megatron-LM's script, the DeepSpeed launcher, the elastic launcher,
@@ -89,7 +107,8 @@ TEST_KINDS: list[tuple[str, str, tuple[str, ...]]] = [
     ("test_tools_hardening", r"test_elastic_stops_on_a_configuration_error", ("e2e",)),
 ]
 FAST_MODULES = {
-    "test_activations", "test_calibrate_fit", "test_ckpt_cli", "test_ckpt_coverage", "test_ckpt_elastic", "test_ckpt_formats",
+    "test_activations", "test_calibrate_fit", "test_ckpt_cli", "test_ckpt_coverage", "test_ckpt_elastic",
+    "test_ckpt_formats",
     "test_ckpt_save_cache", "test_config", "test_cpu_patches", "test_data", "test_elastic_agreement",
     "test_elastic_argv", "test_elastic_watchdog", "test_fisedit_progress", "test_hydraulis_plan", "test_import_cost",
     "test_inventory", "test_layering", "test_layout", "test_lengths", "test_lobra_bound", "test_lora_cli",

@@ -30,7 +30,7 @@ from test_ckpt_resume import (
     _plan_argv,
     _run,
 )
-from test_uniform_equivalence import LOSS_RTOL, WEIGHT_ATOL, _argv
+from helpers import LOSS_RTOL, WEIGHT_ATOL, gpt_argv
 
 from hetu_ext.testing.multiproc import run_ranks
 
@@ -69,7 +69,7 @@ def deepspeed_save_body(rank: int, world: int, argv: list[str], stage: int, dire
 
 
 def _deepspeed(stage: int, sample_prefix: str, directory, extra: tuple[str, ...] = ()) -> dict:
-    argv = _argv(1, 1, sample_prefix, SCHEDULE + ("--train-iters", "2") + extra)
+    argv = gpt_argv(1, 1, sample_prefix, SCHEDULE + ("--train-iters", "2") + extra)
     return run_ranks(deepspeed_save_body, 2, argv, stage, str(directory), timeout=180)[0]
 
 
@@ -77,8 +77,8 @@ def _deepspeed(stage: int, sample_prefix: str, directory, extra: tuple[str, ...]
 def zero2(sample_prefix, tmp_path_factory):
     directory = tmp_path_factory.mktemp("zero2") / "ckpt"
     saved = _deepspeed(2, sample_prefix, directory)
-    reference = _run(1, _argv(1, 1, sample_prefix, SCHEDULE + ("--train-iters", "4")))["final"]
-    saved["megatron_step2"] = _run(1, _argv(1, 1, sample_prefix, SCHEDULE + ("--train-iters", "2")))["final"]
+    reference = _run(1, gpt_argv(1, 1, sample_prefix, SCHEDULE + ("--train-iters", "4")))["final"]
+    saved["megatron_step2"] = _run(1, gpt_argv(1, 1, sample_prefix, SCHEDULE + ("--train-iters", "2")))["final"]
     return directory, saved, reference
 
 
@@ -220,7 +220,7 @@ def test_plain_deepspeed_checkpoint_and_wrong_model(zero2, sample_prefix, tmp_pa
     final = result["final"]
     loss = max(abs(a - b) / abs(b) for a, b in zip(final["losses"], reference["losses"][2:]))
     assert len(final["losses"]) == 2 and loss <= LOSS_RTOL
-    argv = _argv(1, 1, sample_prefix, SCHEDULE + ("--train-iters", "4", "--load", str(plain)))
+    argv = gpt_argv(1, 1, sample_prefix, SCHEDULE + ("--train-iters", "4", "--load", str(plain)))
     argv[argv.index("--ffn-hidden-size") + 1] = "96"
     with pytest.raises(RankError, match=r"linear_fc1.weight\[0\]: the model holds box .* but the DeepSpeed "
                                         r"checkpoint stores \[64, 32\]; the model configuration differs"):
@@ -238,7 +238,7 @@ def test_deepspeed_config_from_flags_and_its_errors():
     )
     from hetu_ext.megatron.args import build_parser
 
-    args = from_namespace(add_deepspeed_args(build_parser()).parse_args(_argv(1, 1, "unused")))
+    args = from_namespace(add_deepspeed_args(build_parser()).parse_args(gpt_argv(1, 1, "unused")))
     config = deepspeed_config(args, ZeroConfig(stage=3, extra={"zero_optimization": {"sub_group_size": 10**6},
                                                                "steps_per_print": 10}), 2)
     assert (config["train_batch_size"], config["gradient_accumulation_steps"], config["gradient_clipping"]) == \
@@ -264,7 +264,7 @@ def test_zero2_bf16_into_a_pipeline(sample_prefix, tmp_path):
     differently ordered sums; measured 3.5e-6 here). A master weight not restored (resuming from the bf16
     copy) fails the bit-exact check of ``master/``."""
     saved = _deepspeed(2, sample_prefix, tmp_path / "ckpt", ("--bf16",))
-    reference = _run(1, _argv(1, 1, sample_prefix, SCHEDULE + ("--train-iters", "4", "--bf16")))["final"]
+    reference = _run(1, gpt_argv(1, 1, sample_prefix, SCHEDULE + ("--train-iters", "4", "--bf16")))["final"]
     world, argv = _plan_argv("pp2b", sample_prefix, tmp_path, ("--train-iters", "4", "--load", str(tmp_path / "ckpt")))
     result = _run(world, argv)
     loaded = result["loaded"]

@@ -8,7 +8,7 @@ import importlib.util
 from pathlib import Path
 
 import pytest
-from test_uniform_equivalence import _argv
+from helpers import gpt_argv
 
 from hetu_ext.plan import plan_from_dict
 
@@ -20,7 +20,7 @@ spec.loader.exec_module(elastic)
 def test_restart_flags_and_plan():
     import yaml
 
-    argv = _argv(2, 2, "data/x", ("--save", "ckpt", "--save-interval", "2", "--hetu-plan", "old.yaml"))
+    argv = gpt_argv(2, 2, "data/x", ("--save", "ckpt", "--save-interval", "2", "--hetu-plan", "old.yaml"))
     again = elastic.restart_argv(argv, plan_path="ckpt/elastic_plan_5.yaml")
     assert again[-4:] == ["--hetu-plan", "ckpt/elastic_plan_5.yaml", "--load", "ckpt"]
     assert "old.yaml" not in again and "--tensor-model-parallel-size" not in again
@@ -28,4 +28,4 @@ def test_restart_flags_and_plan():
     assert plan.world_size == 5 and plan.num_microbatches == 4  # global batch 8 of microbatches of 2
     plan.validate(world_size=5)
     with pytest.raises(ValueError, match="need --save DIR"):
-        elastic.restart_argv(_argv(1, 1, "data/x"), plan_path="p.yaml")
+        elastic.restart_argv(gpt_argv(1, 1, "data/x"), plan_path="p.yaml")

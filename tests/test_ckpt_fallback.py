@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_ckpt_resume import SCHEDULE, _run
-from test_uniform_equivalence import _argv
+from helpers import gpt_argv
 
 from hetu_ext.checkpoint.reader import ShardReader, latest_iteration, read_manifest
 from hetu_ext.checkpoint.storage import LocalStorage
@@ -19,7 +19,7 @@ from hetu_ext.testing.multiproc import RankError
 def test_corrupt_latest_is_reported_and_fallback_resumes_exactly(sample_prefix, tmp_path):
     ckpt = tmp_path / "ckpt"
     common = SCHEDULE + ("--train-iters", "4")
-    full = _run(2, _argv(2, 1, sample_prefix, common + ("--save", str(ckpt), "--save-interval", "2")))["final"]
+    full = _run(2, gpt_argv(2, 1, sample_prefix, common + ("--save", str(ckpt), "--save-interval", "2")))["final"]
     assert latest_iteration(LocalStorage(ckpt)) == 4
     assert sorted(p.name for p in ckpt.glob("iter_*")) == ["iter_0000002", "iter_0000004"]
     # the second save reused the first one's host buffers: it must still hold step 4's state exactly
@@ -33,10 +33,10 @@ def test_corrupt_latest_is_reported_and_fallback_resumes_exactly(sample_prefix, 
 
     load = common + ("--load", str(ckpt))
     with pytest.raises(RankError, match=r"shard_00001\.safetensors: entry .* checksum mismatch"):
-        _run(2, _argv(2, 1, sample_prefix, load))
+        _run(2, gpt_argv(2, 1, sample_prefix, load))
     with pytest.raises(RankError, match=r"other data settings \(saved, now\): \{'global_batch_size': \(8, 4\)\}"):
-        _run(2, _argv(2, 1, sample_prefix, load + ("--hetu-ckpt-fallback", "--global-batch-size", "4")))
-    resumed = _run(2, _argv(2, 1, sample_prefix, load + ("--hetu-ckpt-fallback",)))
+        _run(2, gpt_argv(2, 1, sample_prefix, load + ("--hetu-ckpt-fallback", "--global-batch-size", "4")))
+    resumed = _run(2, gpt_argv(2, 1, sample_prefix, load + ("--hetu-ckpt-fallback",)))
     assert resumed["loaded"]["iteration"] == 2 and resumed["loaded"]["losses"] == full["losses"][:2]
     final = resumed["final"]
     assert final["losses"] == full["losses"]

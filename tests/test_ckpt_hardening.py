@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_ckpt_resume import PLANS
-from test_uniform_equivalence import _argv
+from helpers import gpt_argv
 
 from hetu_ext.checkpoint.cli import main as ckpt_cli
 from hetu_ext.checkpoint.manifest import CheckpointError
@@ -125,10 +125,10 @@ def test_new_run_is_refused_beside_another_runs_checkpoints(sample_prefix, tmp_p
     rank, with one line naming the folder's checkpoints and the flag; with --hetu-ckpt-reuse-dir it saves
     beside them (never over one of them) and leaves them byte for byte; --load then follows the tracker."""
     ckpt = tmp_path / "ckpt"
-    first = _argv(1, 1, sample_prefix, ("--train-iters", "4", "--save", str(ckpt), "--save-interval", "2"))
+    first = gpt_argv(1, 1, sample_prefix, ("--train-iters", "4", "--save", str(ckpt), "--save-interval", "2"))
     run_ranks(outcome_body, 1, first, timeout=240)
     before = _snapshot(ckpt)
-    second = _argv(2, 1, sample_prefix, ("--train-iters", "3", "--save", str(ckpt), "--hetu-ckpt-keep", "1"))
+    second = gpt_argv(2, 1, sample_prefix, ("--train-iters", "3", "--save", str(ckpt), "--hetu-ckpt-keep", "1"))
     error = _one_error(_outcomes(2, second))
     assert "iter_0000002, iter_0000004 (run " in error and "--hetu-ckpt-reuse-dir" in error, error
     assert _snapshot(ckpt) == before
@@ -141,7 +141,7 @@ def test_new_run_is_refused_beside_another_runs_checkpoints(sample_prefix, tmp_p
     assert {k: v for k, v in _snapshot(ckpt).items() if k.startswith(("iter_0000002", "iter_0000004"))} == \
         {k: v for k, v in before.items() if k.startswith("iter_")}
     assert latest_iteration(LocalStorage(ckpt)) == 3  # not 4, the highest number
-    resumed = _outcomes(1, _argv(1, 1, sample_prefix, ("--train-iters", "3", "--load", str(ckpt))))
+    resumed = _outcomes(1, gpt_argv(1, 1, sample_prefix, ("--train-iters", "3", "--load", str(ckpt))))
     assert resumed[0]["start"] == 3
 
 
@@ -149,8 +149,8 @@ def test_a_resumed_run_is_the_same_run(sample_prefix, tmp_path):
     """--load DIR --save DIR continues the run whose checkpoint it loaded: no refusal, and retention deletes that
     run's older checkpoint (its identity was kept). A guard of the fix above (it passed before it, too)."""
     ckpt = tmp_path / "ckpt"
-    run_ranks(outcome_body, 1, _argv(1, 1, sample_prefix, ("--train-iters", "2", "--save", str(ckpt))), timeout=240)
-    again = _argv(1, 1, sample_prefix, ("--train-iters", "3", "--load", str(ckpt), "--save", str(ckpt),
+    run_ranks(outcome_body, 1, gpt_argv(1, 1, sample_prefix, ("--train-iters", "2", "--save", str(ckpt))), timeout=240)
+    again = gpt_argv(1, 1, sample_prefix, ("--train-iters", "3", "--load", str(ckpt), "--save", str(ckpt),
                                         "--hetu-ckpt-keep", "1"))
     result = run_ranks(outcome_body, 1, again, timeout=240)[0]
     assert result.get("start") == 2, result
@@ -180,7 +180,7 @@ def test_resolve_schedule_follows_megatron_lm():
 def tp2_checkpoint(sample_prefix, tmp_path_factory):
     """2 steps of linear decay over --train-iters (2), saved by TP 2."""
     ckpt = tmp_path_factory.mktemp("tp2") / "ckpt"
-    run_ranks(outcome_body, 2, _argv(2, 1, sample_prefix, LINEAR + ("--train-iters", "2", "--save", str(ckpt))),
+    run_ranks(outcome_body, 2, gpt_argv(2, 1, sample_prefix, LINEAR + ("--train-iters", "2", "--save", str(ckpt))),
               timeout=240)
     return ckpt
 
@@ -190,7 +190,7 @@ def test_longer_train_iters_on_resume_is_an_error_on_every_rank(tp2_checkpoint, 
     error everywhere. Before: training went on at LR 0 (the decay had ended at iteration 2)."""
     plan = tmp_path / "idle.yaml"
     plan.write_text(PLANS["idle"][1])
-    argv = _argv(1, 1, sample_prefix, LINEAR + ("--train-iters", "4", "--load", str(tp2_checkpoint),
+    argv = gpt_argv(1, 1, sample_prefix, LINEAR + ("--train-iters", "4", "--load", str(tp2_checkpoint),
                                                 "--hetu-plan", str(plan)))
     error = _one_error(_outcomes(3, argv))
     assert "--lr-decay-iters 4 (checkpoint: 2)" in error and "--override-opt_param-scheduler" in error, error
@@ -202,7 +202,7 @@ def test_lr_decay_iters_on_resume(choice, lr, decay, tp2_checkpoint, sample_pref
     """--lr-decay-iters 8 given on resume: an error by default (before: silently ignored), the flags' decay with
     --override-opt_param-scheduler (LR after step 4 of 8: half the peak), the checkpoint's with
     --use-checkpoint-opt_param-scheduler (ended: LR 0)."""
-    argv = _argv(2, 1, sample_prefix, LINEAR + ("--train-iters", "4", "--lr-decay-iters", "8", "--load",
+    argv = gpt_argv(2, 1, sample_prefix, LINEAR + ("--train-iters", "4", "--lr-decay-iters", "8", "--load",
                                                 str(tp2_checkpoint)) + ((choice,) if choice else ()))
     results = _outcomes(2, argv)
     if choice is None:
@@ -214,7 +214,7 @@ def test_lr_decay_iters_on_resume(choice, lr, decay, tp2_checkpoint, sample_pref
 
 def test_schedule_error_is_one_line_and_exit_2_from_the_launcher(tp2_checkpoint, sample_prefix):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    argv = _argv(1, 1, sample_prefix, LINEAR + ("--train-iters", "4", "--load", str(tp2_checkpoint)))
+    argv = gpt_argv(1, 1, sample_prefix, LINEAR + ("--train-iters", "4", "--load", str(tp2_checkpoint)))
     proc = subprocess.run([sys.executable, str(ROOT / "launch" / "pretrain_gpt.py"), *argv], capture_output=True,
                           text=True, timeout=300, env=env, cwd=ROOT)
     assert proc.returncode == 2, proc.stderr[-3000:]
@@ -246,21 +246,21 @@ def test_distributed_optimizer_save_and_resume_continue_the_run(sample_prefix, t
     equal the uninterrupted 4-step run exactly (same plan, so the same sums). Before: the first save raised
     'ShardedTensor.flattened_range is not supported' and left an empty iter_0000002 folder."""
     zero1 = LINEAR + ("--lr-decay-iters", "4", "--use-distributed-optimizer")
-    full = _outcomes(2, _argv(1, 1, sample_prefix, zero1 + ("--train-iters", "4")))[0]
+    full = _outcomes(2, gpt_argv(1, 1, sample_prefix, zero1 + ("--train-iters", "4")))[0]
     ckpt = tmp_path / "ckpt"
-    saved = _outcomes(2, _argv(1, 1, sample_prefix, zero1 + ("--train-iters", "2", "--save", str(ckpt))))[0]
+    saved = _outcomes(2, gpt_argv(1, 1, sample_prefix, zero1 + ("--train-iters", "2", "--save", str(ckpt))))[0]
     assert "error" not in saved, saved
     assert (ckpt / "iter_0000002" / "metadata.json").exists() and not list(ckpt.glob(".tmp_*"))
-    resumed = _outcomes(2, _argv(1, 1, sample_prefix, zero1 + ("--train-iters", "4", "--load", str(ckpt))))[0]
+    resumed = _outcomes(2, gpt_argv(1, 1, sample_prefix, zero1 + ("--train-iters", "4", "--load", str(ckpt))))[0]
     assert resumed.get("start") == 2, resumed
     assert resumed["losses"] == full["losses"] and resumed["scheduler"] == full["scheduler"]
     # ZeRO-1's flat buffers load only into ZeRO-1 runs: one line, not a Megatron traceback
-    plain = _one_error(_outcomes(2, _argv(1, 1, sample_prefix, LINEAR + ("--lr-decay-iters", "4", "--train-iters",
+    plain = _one_error(_outcomes(2, gpt_argv(1, 1, sample_prefix, LINEAR + ("--lr-decay-iters", "4", "--train-iters",
                                                                          "4", "--load", str(ckpt)))))
     assert "was saved with --use-distributed-optimizer (dp_reshardable" in plain, plain
     # a save that fails leaves nothing that looks like a checkpoint
     broken = tmp_path / "broken"
-    error = run_ranks(failing_save_body, 2, _argv(1, 1, sample_prefix, zero1 + ("--train-iters", "1", "--save",
+    error = run_ranks(failing_save_body, 2, gpt_argv(1, 1, sample_prefix, zero1 + ("--train-iters", "1", "--save",
                                                                                  str(broken))), timeout=240)
     assert error == ["No space left on device"] * 2
     assert not list(broken.glob("iter_*")) and not (broken / "latest_checkpointed_iteration.txt").exists()

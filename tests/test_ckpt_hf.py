@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_ckpt_resume import SCHEDULE
-from test_uniform_equivalence import _argv
+from helpers import gpt_argv
 
 from hetu_ext.checkpoint.cli import main
 from hetu_ext.testing.multiproc import run_ranks
@@ -33,7 +33,7 @@ def test_export_to_hf_gpt2_gives_the_same_logits(sample_prefix, tmp_path):
     GPT2LMHeadModel = pytest.importorskip("transformers").GPT2LMHeadModel  # the [diffusion] extra installs it
 
     ckpt = tmp_path / "ckpt"
-    tokens, want = run_ranks(logits_body, 1, _argv(1, 1, sample_prefix, SCHEDULE + (
+    tokens, want = run_ranks(logits_body, 1, gpt_argv(1, 1, sample_prefix, SCHEDULE + (
         "--train-iters", "2", "--save", str(ckpt))), timeout=120)[0]
     assert main(["convert", str(ckpt), str(tmp_path / "hf"), "--to", "hf-gpt2"]) == 0
     model = GPT2LMHeadModel.from_pretrained(str(tmp_path / "hf")).eval()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_ckpt_resume import SCHEDULE, _assert_restored, _continuation_diffs, _plan_argv, _run
-from test_uniform_equivalence import LOSS_RTOL, WEIGHT_ATOL, _argv
+from helpers import LOSS_RTOL, WEIGHT_ATOL, gpt_argv
 
 from hetu_ext.testing.multiproc import run_ranks
 
@@ -17,11 +17,11 @@ from hetu_ext.testing.multiproc import run_ranks
 @pytest.fixture(scope="module")
 def saved(sample_prefix, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("torch_dist")
-    argv = _argv(2, 2, sample_prefix, SCHEDULE + ("--train-iters", "2", "--save", str(tmp / "ckpt"),
+    argv = gpt_argv(2, 2, sample_prefix, SCHEDULE + ("--train-iters", "2", "--save", str(tmp / "ckpt"),
                                                   "--hetu-ckpt-format", "torch_dist"))
     state = _run(4, argv)["final"]
     assert (tmp / "ckpt" / "iter_0000002" / "metadata.json").exists()  # Megatron's format, not hetu's
-    reference = _run(1, _argv(1, 1, sample_prefix, SCHEDULE + ("--train-iters", "4")))["final"]
+    reference = _run(1, gpt_argv(1, 1, sample_prefix, SCHEDULE + ("--train-iters", "4")))["final"]
     return tmp / "ckpt", state, reference
 
 
@@ -66,9 +66,9 @@ def test_export_to_dist_checkpointing(sample_prefix, tmp_path):
     from hetu_ext.checkpoint.cli import main
 
     ckpt, exported = tmp_path / "hetu", tmp_path / "exported"
-    state = _run(2, _argv(2, 1, sample_prefix, SCHEDULE + ("--train-iters", "2", "--save", str(ckpt))))["final"]
+    state = _run(2, gpt_argv(2, 1, sample_prefix, SCHEDULE + ("--train-iters", "2", "--save", str(ckpt))))["final"]
     assert main(["convert", str(ckpt), str(exported), "--to", "torch_dist"]) == 0
-    argv = _argv(1, 2, sample_prefix, SCHEDULE + ("--train-iters", "2"))
+    argv = gpt_argv(1, 2, sample_prefix, SCHEDULE + ("--train-iters", "2"))
     params = next(r for r in run_ranks(megatron_model_load_body, 2, argv, str(exported / "iter_0000002"),
                                        timeout=180) if r is not None)
     want = {k: v for k, v in state["tensors"].items() if k[0].startswith("param/")}

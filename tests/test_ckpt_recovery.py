@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from test_ckpt_resume import PLANS, SCHEDULE
-from test_uniform_equivalence import LOSS_RTOL, _argv
+from helpers import LOSS_RTOL, gpt_argv
 
 from hetu_ext.checkpoint.reader import candidates
 from hetu_ext.checkpoint.storage import LocalStorage
@@ -71,14 +71,14 @@ def test_rank_lost_mid_run_resumes_on_the_survivors_with_the_same_samples(sample
     common = SCHEDULE + ("--train-iters", str(STEPS), "--distributed-timeout-minutes", "0.5")
     reference_dir = tmp_path / "reference"
     reference_dir.mkdir()
-    reference = run_ranks(recovery_body, 1, _argv(1, 1, sample_prefix, common), str(reference_dir), False)[0]
+    reference = run_ranks(recovery_body, 1, gpt_argv(1, 1, sample_prefix, common), str(reference_dir), False)[0]
     want = recorded_samples(reference_dir, 1)
     assert sorted(want) == list(range(1, STEPS + 1)) and all(len(v) == 8 for v in want.values())
 
     ckpt = tmp_path / "ckpt"
     plan6 = tmp_path / "plan6.yaml"
     plan6.write_text(PLANS["h6"][1])
-    first = _argv(1, 1, sample_prefix, common + ("--hetu-plan", str(plan6), "--save", str(ckpt),
+    first = gpt_argv(1, 1, sample_prefix, common + ("--hetu-plan", str(plan6), "--save", str(ckpt),
                                                  "--save-interval", "2"))
     with pytest.raises(RankError):
         run_ranks(recovery_body, 6, first, str(tmp_path), True, timeout=120)
@@ -87,7 +87,7 @@ def test_rank_lost_mid_run_resumes_on_the_survivors_with_the_same_samples(sample
 
     plan5 = tmp_path / "plan5.yaml"
     plan5.write_text(_malleus_plan(first, 5))
-    second = _argv(1, 1, sample_prefix, common + ("--hetu-plan", str(plan5), "--load", str(ckpt), "--save",
+    second = gpt_argv(1, 1, sample_prefix, common + ("--hetu-plan", str(plan5), "--load", str(ckpt), "--save",
                                                   str(ckpt), "--save-interval", "2"))
     losses = next(r for r in run_ranks(recovery_body, 5, second, str(tmp_path), False, timeout=180) if r is not None)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from test_uniform_equivalence import LOSS_RTOL, WEIGHT_ATOL, _argv
+from helpers import LOSS_RTOL, WEIGHT_ATOL, gpt_argv
 
 from hetu_ext.testing.multiproc import run_ranks
 
@@ -61,7 +61,7 @@ def _plan_argv(name: str, data: str, tmp_path, extra: tuple[str, ...]) -> tuple[
         path = tmp_path / f"{name}.yaml"
         path.write_text(yaml)
         flags = flags + ("--hetu-plan", str(path))
-    return world, _argv(1, 1, data, SCHEDULE + flags + extra)
+    return world, gpt_argv(1, 1, data, SCHEDULE + flags + extra)
 
 
 def _gather(pieces) -> dict:
@@ -139,7 +139,7 @@ def _continuation_diffs(final: dict, reference: dict) -> tuple[float, float]:
 def runs(sample_prefix, tmp_path_factory):
     """Uninterrupted 4-step runs (single process, and each plan loaded into itself) and one checkpoint per save
     plan (each saved once, loaded by several tests)."""
-    out = {"reference": _run(1, _argv(1, 1, sample_prefix, SCHEDULE + ("--train-iters", "4")))["final"]}
+    out = {"reference": _run(1, gpt_argv(1, 1, sample_prefix, SCHEDULE + ("--train-iters", "4")))["final"]}
     for name in sorted({s for s, load in PAIRS if s == load or s.endswith("b")}):
         tmp = tmp_path_factory.mktemp(f"full_{name}")
         out[f"full_{name}"] = _run(*_plan_argv(name, sample_prefix, tmp, ("--train-iters", "4")))["final"]

@@ -10,8 +10,8 @@ import subprocess
 import pytest
 import torch
 import yaml
-from test_pretrain_cli import MODEL, ROOT, assert_one_error_line, run
-from test_uniform_equivalence import _argv
+from helpers import MODEL, ROOT, assert_one_error_line, run
+from helpers import gpt_argv
 
 from hetu_ext.config import build_parser, from_namespace, parse_namespace
 from hetu_ext.metrics import format_log_line, read_records
@@ -88,7 +88,7 @@ def test_unknown_key_anywhere_is_one_line_with_a_suggestion(tmp_path, where):
 def test_a_yaml_of_every_setting_reproduces_the_cli_run_bit_for_bit(sample_prefix, tmp_path):
     """Acceptance 3: --hetu-print-config writes every setting of a command line; training from that file alone
     gives the same losses and weights, bit for bit (TP 2, so layout settings travel too)."""
-    argv = _argv(2, 1, sample_prefix, ("--lr-decay-style", "linear", "--lr-warmup-iters", "1"))
+    argv = gpt_argv(2, 1, sample_prefix, ("--lr-decay-style", "linear", "--lr-warmup-iters", "1"))
     printed = subprocess.run([str(ROOT / ".venv" / "bin" / "python") if (ROOT / ".venv").exists() else "python",
                               str(ROOT / "launch" / "pretrain_gpt.py"), *argv, "--hetu-print-config"],
                              capture_output=True, text=True, timeout=120, cwd=ROOT)
@@ -111,7 +111,7 @@ def test_metrics_records_log_lines_and_tensorboard(sample_prefix, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     metrics, board = tmp_path / "metrics.jsonl", tmp_path / "tb"
-    argv = _argv(1, 2, sample_prefix, ("--hetu-metrics-file", str(metrics), "--tensorboard-dir", str(board)))
+    argv = gpt_argv(1, 2, sample_prefix, ("--hetu-metrics-file", str(metrics), "--tensorboard-dir", str(board)))
     result = next(r for r in run_ranks(train, 2, argv, timeout=180) if r is not None)
     steps = read_records(metrics, kind="step")
     assert [r["iteration"] for r in steps] == [1, 2, 3]
@@ -138,14 +138,14 @@ def test_checkpoint_events_and_one_restore_for_every_format(sample_prefix, tmp_p
     from hetu_ext.testing.multiproc import RankError
 
     save, metrics = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
-    first = _argv(1, 1, sample_prefix, ("--train-iters", "2", "--lr-decay-iters", "4", "--save", str(save),
+    first = gpt_argv(1, 1, sample_prefix, ("--train-iters", "2", "--lr-decay-iters", "4", "--save", str(save),
                                         "--save-interval", "1", "--hetu-metrics-file", str(metrics)))
     run_ranks(train, 2, first, False, timeout=180)
     saves = read_records(metrics, event="checkpoint_save")
     assert [(r["iteration"], r["format"]) for r in saves] == [(1, "hetu"), (2, "hetu")]
     assert saves[0]["blocking_s"] > 0 and saves[0]["total_s"] is None  # persisted in the background
     assert saves[1]["total_s"] == saves[1]["blocking_s"]  # the last save of a run blocks until committed
-    resumed = _argv(1, 1, sample_prefix, ("--train-iters", "4", "--lr-decay-iters", "4", "--load", str(save),
+    resumed = gpt_argv(1, 1, sample_prefix, ("--train-iters", "4", "--lr-decay-iters", "4", "--load", str(save),
                                           "--save", str(save), "--hetu-metrics-file", str(metrics)))
     result = next(r for r in run_ranks(train, 2, resumed, False, timeout=180) if r is not None)
     loads = read_records(metrics, event="checkpoint_load")

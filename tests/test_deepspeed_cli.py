@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_packed_training import LENGTHS
-from test_pretrain_cli import assert_one_error_line
+from helpers import LENGTHS
+from helpers import assert_one_error_line
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = ROOT / "launch" / "pretrain_gpt_deepspeed.py"

@@ -31,7 +31,7 @@ import sys
 from pathlib import Path
 
 from test_deepspeed_resume import ds_argv
-from test_uniform_equivalence import LOSS_RTOL
+from helpers import LOSS_RTOL
 
 from hetu_ext.testing.runs import recorded_samples
 

@@ -17,8 +17,8 @@ import torch
 from test_ckpt_resume import SCHEDULE, _plan_argv
 from test_ckpt_resume import _run as megatron_run
 from test_deepspeed_resume import full_state
-from test_packed_training import ADAM_EPS
-from test_uniform_equivalence import LOSS_RTOL, WEIGHT_ATOL, _argv
+from helpers import ADAM_EPS
+from helpers import LOSS_RTOL, WEIGHT_ATOL, gpt_argv
 
 from hetu_ext.testing.multiproc import run_ranks
 
@@ -70,13 +70,13 @@ element whose gradient is near epsilon turns last-bit differences of sums into w
 @pytest.mark.parametrize("family", ["gpt", "llama"])
 def test_megatron_to_deepspeed_and_back(family, sample_prefix, tmp_path):
     model = (*LLAMA, "--adam-eps", ADAM_EPS) if family == "llama" else ()
-    reference = megatron_run(1, _argv(1, 1, sample_prefix, SCHEDULE[:2] + model + ("--lr-decay-iters", "6",
+    reference = megatron_run(1, gpt_argv(1, 1, sample_prefix, SCHEDULE[:2] + model + ("--lr-decay-iters", "6",
                                                                                  "--train-iters", "6")))["final"]
     schedule = model + ("--lr-decay-iters", "6")
     first, second = tmp_path / "megatron", tmp_path / "deepspeed"
     world, argv = _plan_argv("h3", sample_prefix, tmp_path, schedule + ("--train-iters", "2", "--save", str(first)))
     megatron = megatron_run(world, argv)["final"]
-    ds_argv = _argv(1, 1, sample_prefix, SCHEDULE[:2] + schedule + ("--train-iters", "4"))
+    ds_argv = gpt_argv(1, 1, sample_prefix, SCHEDULE[:2] + schedule + ("--train-iters", "4"))
     ds = run_ranks(ds_hetu_body, 2, ds_argv, 3, str(first), str(second), timeout=240)[0]
     assert (ds["loaded"].source, ds["loaded"].iteration, ds["loaded"].saved_world_size) == ("hetu", 2, 3)
     after = _as_hetu(ds["after_load"], bool(model))

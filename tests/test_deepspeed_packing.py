@@ -21,8 +21,8 @@ this engine's own unpacked run.)
 from __future__ import annotations
 
 import pytest
-from test_packed_training import _argv
-from test_uniform_equivalence import LOSS_RTOL, WEIGHT_ATOL
+from helpers import packed_argv
+from helpers import LOSS_RTOL, WEIGHT_ATOL
 
 from hetu_ext.testing.multiproc import run_ranks
 
@@ -65,7 +65,7 @@ def packed_body(rank: int, world: int, argv: list[str]) -> dict | None:
 
 @pytest.fixture(scope="module")
 def reference():
-    return run_ranks(packed_body, 1, _argv("unpacked"), timeout=180)[0]
+    return run_ranks(packed_body, 1, packed_argv("unpacked"), timeout=180)[0]
 
 
 def _diffs(result: dict, reference: dict) -> tuple[float, float]:
@@ -84,7 +84,7 @@ busy machine); found after step 1, the packer gives it a smaller share from step
 @pytest.mark.parametrize("case", ["balanced", "balanced-straggler"])
 def test_packed_deepspeed_equals_unpacked_reference(case, reference):
     extra = STRAGGLER if case.endswith("straggler") else ()
-    result = run_ranks(packed_body, 2, _argv("balanced", *extra), timeout=180)[0]
+    result = run_ranks(packed_body, 2, packed_argv("balanced", *extra), timeout=180)[0]
     assert len(result["losses"]) == len(reference["losses"])
     loss, weight = _diffs(result, reference)
     steps = result["steps"]
@@ -99,7 +99,7 @@ def test_packed_deepspeed_equals_unpacked_reference(case, reference):
 def test_packs_that_let_documents_see_each_other_fail(reference):
     """The control: concat-causal packs (documents attend to the ones before them in a pack) differ by more
     than 100x the tolerance."""
-    control = run_ranks(packed_body, 2, _argv("concat-causal"), timeout=180)[0]
+    control = run_ranks(packed_body, 2, packed_argv("concat-causal"), timeout=180)[0]
     loss = max(abs(a - b) / abs(b) for a, b in zip(control["losses"], reference["losses"]))
     print(f"control (concat-causal): loss rel diff {loss:.2e}")
     assert loss > 100 * LOSS_RTOL

@@ -1,5 +1,5 @@
-"""Straggler-weighted microbatches on DeepSpeed's engine (ZeRO-1, unmanaged gradient accumulation) equal the
-single-process run on the same global batches.
+"""Straggler-weighted microbatches on DeepSpeed's engine (ZeRO-1 and ZeRO-0, unmanaged gradient accumulation) equal
+the single-process run on the same global batches.
 
 Two ranks split each global batch of 4 microbatches 3:1 (given, and found by the straggler monitor from an
 emulated 3x straggler). Each rank's loss is its token sum over the global batch's tokens times the world size
@@ -16,7 +16,7 @@ import pytest
 import torch
 from test_ckpt_resume import SCHEDULE
 from test_ckpt_resume import _run as megatron_run
-from test_uniform_equivalence import LOSS_RTOL, WEIGHT_ATOL, _argv
+from helpers import LOSS_RTOL, WEIGHT_ATOL, gpt_argv
 
 from hetu_ext.testing.multiproc import run_ranks
 
@@ -24,7 +24,7 @@ STEPS = 4
 
 
 def weighted_body(rank: int, world: int, argv: list[str], microbatches: tuple[int, ...] | None,
-                  interval: int, per_rank_normalisation: bool = False) -> dict | None:
+                  interval: int, per_rank_normalisation: bool = False, stage: int = 1) -> dict | None:
     from hetu_ext.config import from_namespace
     from hetu_ext.deepspeed.engine import ZeroConfig, add_deepspeed_args, build
     from hetu_ext.deepspeed.zero_checkpoint import hetu_name
@@ -32,7 +32,7 @@ def weighted_body(rank: int, world: int, argv: list[str], microbatches: tuple[in
 
     args = add_deepspeed_args(build_parser()).parse_args(argv)
     validate_args(args)
-    run = build(from_namespace(args), ZeroConfig(stage=1, microbatches=microbatches, straggler_interval=interval))
+    run = build(from_namespace(args), ZeroConfig(stage=stage, microbatches=microbatches, straggler_interval=interval))
     if per_rank_normalisation:  # the control: this rank's mean instead of a share of the global batch's mean
         backward, factor = run.engine.backward, sum(run.weighting.counts) / run.weighting.counts[rank]
         run.engine.backward = lambda loss, **kw: backward(loss * factor, **kw)
@@ -44,7 +44,7 @@ def weighted_body(rank: int, world: int, argv: list[str], microbatches: tuple[in
 
 
 def _argv_steps(sample_prefix: str, extra: tuple[str, ...] = ()) -> list[str]:
-    return _argv(1, 1, sample_prefix, SCHEDULE + ("--train-iters", str(STEPS)) + extra)
+    return gpt_argv(1, 1, sample_prefix, SCHEDULE + ("--train-iters", str(STEPS)) + extra)
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +71,17 @@ def test_zero1_weighted_3_to_1_equals_single_process(reference, sample_prefix):
     _, control_weight = _diffs(control, reference)
     print(f"per-rank normalisation (control): weight abs diff {control_weight:.2e}")
     assert control_weight > 100 * WEIGHT_ATOL
+
+
+def test_zero0_weighted_3_to_1_equals_single_process(reference, sample_prefix):
+    """ZeRO-0 (DeepSpeed without ZeRO): the backwards accumulate locally and ``step()`` all-reduces once, so the
+    3:1 split works as under ZeRO-1, within the same tolerances of one process (the clipping is DeepSpeed's fp32
+    path here, grads x clip / (norm + 1e-6) as Megatron's)."""
+    result = run_ranks(weighted_body, 2, _argv_steps(sample_prefix), (3, 1), 0, False, 0, timeout=180)[0]
+    loss, weight = _diffs(result, reference)
+    print(f"ZeRO-0 weighted 3:1 vs single process: loss rel diff {loss:.2e}, weight abs diff {weight:.2e}")
+    assert result["history"] == [(1, (3, 1))]
+    assert loss <= LOSS_RTOL and weight <= WEIGHT_ATOL
 
 
 def test_emulated_straggler_moves_microbatches_and_stays_exact(reference, sample_prefix):
@@ -108,10 +119,14 @@ def test_weighted_counts_and_refusals():
             ZeroConfig(stage=stage, straggler_interval=5)
         with pytest.raises(ValueError, match=r"microbatches \[3, 1\] weights microbatches per rank"):
             ZeroConfig(stage=stage, microbatches=(3, 1))
-    args = from_namespace(add_deepspeed_args(build_parser()).parse_args(_argv(1, 1, "unused")))
+    args = from_namespace(add_deepspeed_args(build_parser()).parse_args(gpt_argv(1, 1, "unused")))
     config = deepspeed_config(args, ZeroConfig(stage=1, microbatches=(3, 1)), 2)
     assert config["managed_gradient_accumulation"] is False
     assert "managed_gradient_accumulation" not in deepspeed_config(args, ZeroConfig(stage=1), 2)
     with pytest.raises(ValueError, match="--hetu-microbatches 3,2 must give each of the 2 ranks a count, summing "
                                          "to --global-batch-size 8 / --micro-batch-size 2 = 4"):
         deepspeed_config(args, ZeroConfig(stage=1, microbatches=(3, 2)), 2)
+    assert deepspeed_config(args, ZeroConfig(stage=0, microbatches=(3, 1)), 2)["zero_optimization"] == {"stage": 0}
+    bf16 = from_namespace(add_deepspeed_args(build_parser()).parse_args(_argv_steps("unused", ("--bf16",))))
+    with pytest.raises(ValueError, match="--bf16 under --zero-stage 0 is DeepSpeed's BF16_Optimizer"):
+        deepspeed_config(bf16, ZeroConfig(stage=0), 2)

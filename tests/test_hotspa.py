@@ -11,9 +11,9 @@ mutes a mis-weighting of groups, at lr 1e-3 it moves the third loss by 7.5e-4).
 from __future__ import annotations
 
 import pytest
-from test_packed_training import HETERO as HETERO_HOME  # pipelines of 1 and 2 stages
-from test_packed_training import _argv
-from test_uniform_equivalence import LOSS_RTOL, WEIGHT_ATOL, compare
+from test_packed_training import HETERO as HETERO_HOME
+from helpers import packed_argv
+from helpers import LOSS_RTOL, WEIGHT_ATOL, compare
 
 from hetu_ext.metrics import read_records
 from hetu_ext.testing.multiproc import run_ranks
@@ -36,8 +36,8 @@ strategies:
 
 
 @pytest.fixture(scope="module")
-def reference():
-    return run_ranks(train, 1, _argv("unpacked"), timeout=180)[0]
+def reference(one_process):
+    return one_process(packed_argv("unpacked"))
 
 
 def _write(tmp_path, text: str) -> str:
@@ -61,7 +61,7 @@ def test_hotspa_matches_unpacked_reference(case, reference, tmp_path):
     world, text, extra = CASES[case]
     metrics = tmp_path / "metrics.jsonl"
     hotspa = text if text == "auto" else _write(tmp_path, text)
-    argv = _argv("balanced", "--hetu-hotspa", hotspa, "--hetu-metrics-file", str(metrics), *extra)
+    argv = packed_argv("balanced", "--hetu-hotspa", hotspa, "--hetu-metrics-file", str(metrics), *extra)
     result = run_ranks(train, world, argv, timeout=300)[0]
     loss_diff, weight_diff = compare(result, reference)
     print(f"{case}: loss rel diff {loss_diff:.2e}, weight abs diff {weight_diff:.2e}")
@@ -81,8 +81,8 @@ def test_hotspa_matches_unpacked_reference(case, reference, tmp_path):
 
 def test_per_group_normalisation_is_caught(tmp_path):
     """Negative control: dividing each group by its own tokens (not the step's) changes the losses by > 1e-3."""
-    reference = run_ranks(train, 1, _argv("unpacked", "--lr", "1e-2"), timeout=180)[0]
-    argv = _argv("balanced", "--lr", "1e-2", "--hetu-hotspa", _write(tmp_path, TWO.format(home_first="true")))
+    reference = run_ranks(train, 1, packed_argv("unpacked", "--lr", "1e-2"), timeout=180)[0]
+    argv = packed_argv("balanced", "--lr", "1e-2", "--hetu-hotspa", _write(tmp_path, TWO.format(home_first="true")))
     right = run_ranks(train, 2, argv, timeout=300)[0]
     wrong = run_ranks(train, 2, argv, True, True, timeout=300)[0]
     assert compare(right, reference)[0] <= LOSS_RTOL
@@ -95,8 +95,8 @@ def test_bf16_hotspa_tracks_the_bf16_reference(reference, tmp_path):
     bf16 equivalence test's 1e-2 relative of the single-process bf16 run (test_uniform_equivalence: bf16 weights
     differ by their own rounding, larger than 3 steps of lr 1e-3, so they are not compared), and not the fp32
     losses (it really ran in bf16)."""
-    ref = run_ranks(train, 1, _argv("unpacked", "--bf16"), timeout=180)[0]
-    argv = _argv("balanced", "--bf16", "--hetu-hotspa", _write(tmp_path, TWO.format(home_first="true")))
+    ref = run_ranks(train, 1, packed_argv("unpacked", "--bf16"), timeout=180)[0]
+    argv = packed_argv("balanced", "--bf16", "--hetu-hotspa", _write(tmp_path, TWO.format(home_first="true")))
     result = run_ranks(train, 2, argv, timeout=300)[0]
     for got, want in zip(result["losses"], ref["losses"]):
         assert abs(got - want) <= 1e-2 * abs(want)
@@ -152,7 +152,7 @@ def test_bad_strategy_file_exits_2_with_one_line(tmp_path, text, message):
 
     path = tmp_path / "bad.yaml"
     path.write_text(text)
-    assert_launch_refused(2, _argv("balanced", "--hetu-hotspa", str(path)), message, cwd=tmp_path)
+    assert_launch_refused(2, packed_argv("balanced", "--hetu-hotspa", str(path)), message, cwd=tmp_path)
 
 
 def assert_launch_refused(world: int, argv: list[str], message: str, *, cwd) -> None:
@@ -206,11 +206,13 @@ def test_checkpoint_saved_from_the_home_resumes_the_same_run(reference, tmp_path
     """Saved from the home layout after step 2, resumed (home run last this time) for step 3: the reference's
     losses and weights."""
     ckpt = tmp_path / "ckpt"
-    first = run_ranks(train, 2, _argv("balanced", "--hetu-hotspa", _write(tmp_path, TWO.format(home_first="true")),
-                                      "--train-iters", "2", "--save", str(ckpt)), timeout=300)[0]
+    first = run_ranks(train, 2, packed_argv("balanced", "--hetu-hotspa",
+                                            _write(tmp_path, TWO.format(home_first="true")),
+                                            "--train-iters", "2", "--save", str(ckpt)), timeout=300)[0]
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "2"
-    resumed = run_ranks(train, 2, _argv("balanced", "--hetu-hotspa", _write(tmp_path, TWO.format(home_first="false")),
-                                        "--load", str(ckpt)), timeout=300)[0]
+    resumed = run_ranks(train, 2, packed_argv("balanced", "--hetu-hotspa",
+                                              _write(tmp_path, TWO.format(home_first="false")),
+                                              "--load", str(ckpt)), timeout=300)[0]
     losses = first["losses"] + resumed["losses"][-1:]
     assert max(abs(a - b) / abs(b) for a, b in zip(losses, reference["losses"])) <= LOSS_RTOL
     worst = max(float((resumed["weights"][k] - w).abs().max()) for k, w in reference["weights"].items())

@@ -16,8 +16,9 @@ import json
 
 import pytest
 from test_hotspa import assert_launch_refused
-from test_packed_training import ADAM_EPS, HETERO
-from test_uniform_equivalence import LOSS_RTOL, WEIGHT_ATOL, compare
+from helpers import ADAM_EPS
+from test_packed_training import HETERO
+from helpers import LOSS_RTOL, WEIGHT_ATOL, compare
 
 from hetu_ext.metrics import read_records
 from hetu_ext.testing.multiproc import run_ranks

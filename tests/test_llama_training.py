@@ -12,13 +12,11 @@ initialisation. Bad input: a TP degree that does not divide the query groups, ro
 from __future__ import annotations
 
 import pytest
-from test_uniform_equivalence import LOSS_RTOL, WEIGHT_ATOL, _argv, compare
+from helpers import LLAMA, LOSS_RTOL, WEIGHT_ATOL, compare, gpt_argv, packed_argv
 
 from hetu_ext.testing.multiproc import run_ranks
 from hetu_ext.testing.runs import train
 
-LLAMA = ("--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--group-query-attention",
-         "--num-query-groups", "2", "--disable-bias-linear", "--untie-embeddings-and-output-weights")
 
 PLANS = [
     ("tp_2_to_1_in_pipeline", 4,
@@ -44,15 +42,15 @@ PLANS = [
 
 
 @pytest.fixture(scope="module")
-def llama_reference(sample_prefix):
-    return run_ranks(train, 1, _argv(1, 1, sample_prefix, LLAMA), timeout=180)[0]
+def llama_reference(sample_prefix, one_process):
+    return one_process(gpt_argv(1, 1, sample_prefix, LLAMA))
 
 
 @pytest.mark.parametrize("name,world,text,extra", PLANS, ids=[p[0] for p in PLANS])
 def test_llama_plan_matches_single_process(name, world, text, extra, llama_reference, sample_prefix, tmp_path):
     plan = tmp_path / f"{name}.yaml"
     plan.write_text(text)
-    results = run_ranks(train, world, _argv(1, 1, sample_prefix, (*LLAMA, "--hetu-plan", str(plan), *extra)),
+    results = run_ranks(train, world, gpt_argv(1, 1, sample_prefix, (*LLAMA, "--hetu-plan", str(plan), *extra)),
                         timeout=300)
     result = next(r for r in results if r is not None)
     loss_diff, weight_diff = compare(result, llama_reference)
@@ -63,7 +61,7 @@ def test_llama_plan_matches_single_process(name, world, text, extra, llama_refer
 
 @pytest.fixture(scope="module")
 def qk_norm_reference(sample_prefix):
-    return run_ranks(train, 1, _argv(1, 1, sample_prefix, (*LLAMA, "--qk-layernorm")), timeout=180)[0]
+    return run_ranks(train, 1, gpt_argv(1, 1, sample_prefix, (*LLAMA, "--qk-layernorm")), timeout=180)[0]
 
 
 @pytest.mark.parametrize("runtime", ["plan", "megatron"])
@@ -72,7 +70,7 @@ def test_llama_sequence_parallel_with_qk_norm_equals_one_process(runtime, qk_nor
     Megatron's parallel_state grid). Each TP rank computes only a part of some gradients: the norms' (half the
     sequence each) and the query/key norms' (half the heads each, with or without sequence parallelism); unsummed
     over TP, the two ranks' copies drift apart (the checkpoint walk then refuses them)."""
-    argv = _argv(2, 1, sample_prefix, (*LLAMA, "--qk-layernorm", "--sequence-parallel", "--hetu-runtime", runtime))
+    argv = gpt_argv(2, 1, sample_prefix, (*LLAMA, "--qk-layernorm", "--sequence-parallel", "--hetu-runtime", runtime))
     result = run_ranks(train, 2, argv, timeout=300)[0]
     loss_diff, weight_diff = compare(result, qk_norm_reference)
     assert loss_diff <= LOSS_RTOL and weight_diff <= WEIGHT_ATOL, (loss_diff, weight_diff)
@@ -92,7 +90,7 @@ def test_sequence_parallel_settings(sample_prefix, extra, outcome):
     from hetu_ext.megatron.launch_plan import check_launch
     from hetu_ext.plan import PlanError
 
-    config = parse_run_config(_argv(1, 1, sample_prefix, (*LLAMA, "--sequence-parallel", *extra)))
+    config = parse_run_config(gpt_argv(1, 1, sample_prefix, (*LLAMA, "--sequence-parallel", *extra)))
     kind, text = outcome.split(": ", 1)
     if kind == "notice":
         assert any(text in notice for notice in check_launch(config, 2).notices)
@@ -124,7 +122,7 @@ def test_llama_bad_input_is_one_line(tmp_path, sample_prefix, extra, message):
     from pathlib import Path
 
     script = Path(__file__).resolve().parents[1] / "launch" / "pretrain_gpt.py"
-    argv = [a for a in _argv(1, 1, sample_prefix, LLAMA)]
+    argv = [a for a in gpt_argv(1, 1, sample_prefix, LLAMA)]
     proc = subprocess.run([sys.executable, str(script), *argv, *extra, "--nproc-per-node", "4"],
                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr[-2000:]
@@ -133,17 +131,14 @@ def test_llama_bad_input_is_one_line(tmp_path, sample_prefix, extra, message):
 
 
 @pytest.fixture(scope="module")
-def llama_unpacked():
-    from test_packed_training import _argv as packed_argv
-
-    return run_ranks(train, 1, packed_argv("unpacked", *LLAMA), timeout=180)[0]
+def llama_unpacked(one_process):
+    return one_process(packed_argv("unpacked", *LLAMA))
 
 
 @pytest.mark.parametrize("world, extra", [(2, ()), (2, ("--pipeline-model-parallel-size", "2"))], ids=["dp2", "pp2"])
 def test_llama_packed_equals_unpacked(llama_unpacked, world, extra):
     """THD packs of several documents: rotary positions restart at each document inside a pack (Megatron-core's
     thd rotary path, cu_seqlens), so the packed run equals one sequence per microbatch."""
-    from test_packed_training import _argv as packed_argv
 
     result = run_ranks(train, world, packed_argv("balanced", *LLAMA, *extra), timeout=240)[0]
     loss_diff, weight_diff = compare(result, llama_unpacked)
@@ -156,12 +151,12 @@ def test_llama_migration_continues_the_same_run(sample_prefix, tmp_path):
     process would."""
     from test_migration import STEPS, compare_k
 
-    reference = run_ranks(train, 1, _argv(1, 1, sample_prefix, (*LLAMA, *STEPS)), timeout=180)[0]
+    reference = run_ranks(train, 1, gpt_argv(1, 1, sample_prefix, (*LLAMA, *STEPS)), timeout=180)[0]
     first, second = tmp_path / "before.yaml", tmp_path / "after.yaml"
     first.write_text("pipelines: [{num_microbatches: 4, stages: [{ranks: [0, 1], layers: [0, 4]}]}]")
     second.write_text("pipelines: [{num_microbatches: 3, stages: [{ranks: [0], layers: [0, 4]}]},"
                       " {num_microbatches: 1, stages: [{ranks: [1], layers: [0, 4]}]}]")
-    argv = _argv(1, 1, sample_prefix, (*LLAMA, *STEPS, "--hetu-plan", str(first), "--hetu-migrate",
+    argv = gpt_argv(1, 1, sample_prefix, (*LLAMA, *STEPS, "--hetu-plan", str(first), "--hetu-migrate",
                                        f"step=2:plan={second}"))
     result = next(r for r in run_ranks(train, 2, argv, timeout=300) if r is not None)
     loss_diff, weight_diff = compare_k(result, reference)
@@ -173,7 +168,6 @@ def test_llama_hotspa_switching_equals_unpacked(llama_unpacked, tmp_path):
     """HotSPa: short sequences on DP 2, long ones on TP 2 (the switch reshards the gated fc1 and the grouped
     qkv between the two layouts and pulls the gradients home) equals one sequence per microbatch."""
     from test_hotspa import TWO
-    from test_packed_training import _argv as packed_argv
 
     path = tmp_path / "hotspa.yaml"
     path.write_text(TWO.format(home_first="true"))
@@ -198,7 +192,8 @@ def test_llama_lora_tenants_tp2_equal_one_process(tmp_path):
 
 
 def _plan_run(sample_prefix, plan, *extra):
-    results = run_ranks(train, 4, _argv(1, 1, sample_prefix, (*LLAMA, "--hetu-plan", str(plan), *extra)), timeout=300)
+    results = run_ranks(train, 4, gpt_argv(1, 1, sample_prefix, (*LLAMA, "--hetu-plan", str(plan), *extra)),
+                        timeout=300)
     return next(r for r in results if r is not None)
 
 

@@ -26,7 +26,7 @@ import pytest
 import torch
 import yaml
 from test_lobra_training import ADAPTER_ATOL, HETERO, LOSS_RTOL, TENANTS, _argv, _tenants_file
-from test_pretrain_cli import assert_one_error_line, run
+from helpers import assert_one_error_line, run
 
 from hetu_ext.testing.multiproc import run_ranks
 

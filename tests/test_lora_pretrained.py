@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_lobra_training import HETERO, TENANTS, _argv, _tenants_file
-from test_pretrain_cli import assert_one_error_line, run
+from helpers import assert_one_error_line, run
 
 from hetu_ext.testing.multiproc import run_ranks
 

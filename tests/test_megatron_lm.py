@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 from hetu_ext.patches.megatron_lm import TESTED_TAG, MegatronLMVersionError, check_patch_points
-from test_uniform_equivalence import LOSS_RTOL
+from helpers import LOSS_RTOL
 
 from hetu_ext.megatron_lm.flags import PROG
 from hetu_ext.megatron_lm.run import main

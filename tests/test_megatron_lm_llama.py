@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_megatron_lm import COMMON, SCRIPT, assert_close, needs_checkout, step_losses, torchrun
-from test_uniform_equivalence import WEIGHT_ATOL
+from helpers import WEIGHT_ATOL
 
 from hetu_ext.checkpoint import LocalStorage
 from hetu_ext.checkpoint.reader import ShardReader, read_manifest

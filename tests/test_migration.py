@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_uniform_equivalence import LOSS_RTOL, WEIGHT_ATOL, _argv
+from helpers import LOSS_RTOL, WEIGHT_ATOL, gpt_argv
 
 from hetu_ext.metrics import read_records
 from hetu_ext.testing.multiproc import run_ranks
@@ -35,8 +35,8 @@ CHANGES = [
 
 
 @pytest.fixture(scope="module")
-def reference(sample_prefix):
-    return run_ranks(train, 1, _argv(1, 1, sample_prefix, STEPS), timeout=120)[0]
+def reference(sample_prefix, one_process):
+    return one_process(gpt_argv(1, 1, sample_prefix, STEPS))
 
 
 @pytest.mark.parametrize("name,world,before,after", CHANGES, ids=[c[0] for c in CHANGES])
@@ -44,7 +44,7 @@ def test_migration_continues_the_same_run(name, world, before, after, reference,
     first, second = tmp_path / "before.yaml", tmp_path / "after.yaml"
     first.write_text(before)
     second.write_text(after)
-    argv = _argv(1, 1, sample_prefix, STEPS + ("--hetu-plan", str(first), "--hetu-migrate",
+    argv = gpt_argv(1, 1, sample_prefix, STEPS + ("--hetu-plan", str(first), "--hetu-migrate",
                                                f"step=2:plan={second}"))
     result = next(r for r in run_ranks(train, world, argv, timeout=240) if r is not None)
     loss_diff, weight_diff = compare_k(result, reference)
@@ -70,8 +70,8 @@ def test_straggler_triggers_an_online_replan_that_continues_the_same_run(sample_
     on a loaded machine): without it a healthy rank descheduled by a busy neighbour was once timed over the 2x
     threshold and the plan left it out instead of rank 3 (issue 17)."""
     steps = ("--train-iters", "10", "--lr-decay-style", "linear")
-    reference = run_ranks(train, 1, _argv(1, 1, sample_prefix, steps), timeout=120)[0]
-    argv = _argv(1, 1, sample_prefix, steps + (
+    reference = run_ranks(train, 1, gpt_argv(1, 1, sample_prefix, steps), timeout=120)[0]
+    argv = gpt_argv(1, 1, sample_prefix, steps + (
         "--hetu-runtime", "plan", "--tensor-model-parallel-size", "1", "--hetu-emulate-slowdown",
         "step=3:rank=3:x=6", "--hetu-straggler-interval", "2", "--hetu-straggler-window", "2",
         "--hetu-straggler-threshold", "2.0", "--hetu-straggler-replan", "online", "--hetu-gpus-per-node", "4",
@@ -107,14 +107,14 @@ def test_an_idle_rank_that_recovers_is_brought_back(sample_prefix, tmp_path):
     training ranks' layers then take the time the emulated cluster says, not what 3 processes on 2 shared cores
     happen to get (without it the probe of this tiny model was sometimes timed 2x slow after recovery; 20 ms, not
     5, keeps a margin when busy neighbours share the cores)."""
-    from test_llama_training import LLAMA
+    from helpers import LLAMA
 
     steps = ("--train-iters", "12", "--lr-decay-style", "linear", *LLAMA)
-    reference = run_ranks(train, 1, _argv(1, 1, sample_prefix, steps), timeout=120)[0]
+    reference = run_ranks(train, 1, gpt_argv(1, 1, sample_prefix, steps), timeout=120)[0]
     plan = tmp_path / "start.yaml"
     plan.write_text("pipelines: [{num_microbatches: 2, stages: [{ranks: [0], layers: [0, 4]}]},"
                     " {num_microbatches: 2, stages: [{ranks: [1], layers: [0, 4]}]}]\nunused_ranks: [2]")
-    argv = _argv(1, 1, sample_prefix, steps + (
+    argv = gpt_argv(1, 1, sample_prefix, steps + (
         "--hetu-plan", str(plan), "--hetu-emulate-slowdown", "step=1:rank=2:x=6,step=5:rank=2:x=1",
         "--hetu-straggler-interval", "2", "--hetu-straggler-window", "2", "--hetu-straggler-threshold", "2.0",
         "--hetu-straggler-replan", "online", "--hetu-gpus-per-node", "3", "--hetu-emulate-layer-ms", "20"))
@@ -142,9 +142,9 @@ def test_sgd_momentum_moves(change, sample_prefix, tmp_path):
     """--optimizer sgd: SGD's momentum buffers move like Adam's moments (dropping them changes step 3's loss
     by >1e-3); same tolerances as the Adam runs, against the single-process reference."""
     steps = STEPS + ("--optimizer", "sgd")
-    reference = run_ranks(train, 1, _argv(1, 1, sample_prefix, steps), timeout=120)[0]
+    reference = run_ranks(train, 1, gpt_argv(1, 1, sample_prefix, steps), timeout=120)[0]
     world, first, second = _plans(tmp_path, change)
-    argv = _argv(1, 1, sample_prefix, steps + ("--hetu-plan", first, "--hetu-migrate", f"step=2:plan={second}"))
+    argv = gpt_argv(1, 1, sample_prefix, steps + ("--hetu-plan", first, "--hetu-migrate", f"step=2:plan={second}"))
     result = next(r for r in run_ranks(train, world, argv, timeout=240) if r is not None)
     loss_diff, weight_diff = compare_k(result, reference)
     assert loss_diff <= LOSS_RTOL and weight_diff <= WEIGHT_ATOL, (loss_diff, weight_diff)
@@ -160,9 +160,9 @@ def test_bf16_migration_moves_the_fp32_masters_exactly(change, sample_prefix, tm
     world, first, second = _plans(tmp_path, change)
     # the same runtime as the migrating run (a uniform first plan would else run on Megatron's own runtime, whose
     # fp32 master update differs from the plan runtime's by an ulp: 6e-8 measured on this machine)
-    plain = next(r for r in run_ranks(train, world, _argv(1, 1, sample_prefix, steps + (
+    plain = next(r for r in run_ranks(train, world, gpt_argv(1, 1, sample_prefix, steps + (
         "--hetu-plan", first, "--hetu-runtime", "plan")), timeout=240) if r is not None)
-    moved = next(r for r in run_ranks(train, world, _argv(1, 1, sample_prefix, steps + (
+    moved = next(r for r in run_ranks(train, world, gpt_argv(1, 1, sample_prefix, steps + (
         "--hetu-plan", first, "--hetu-migrate", f"step=2:plan={second}")), timeout=240) if r is not None)
     assert any(line.startswith("migrated to a new plan after step 2") for line in moved["log_lines"])
     for kind in ("masters", "weights"):
@@ -179,9 +179,9 @@ def test_bf16_migration_continues_the_same_run(sample_prefix, tmp_path):
     world, first, second = _plans(tmp_path, "layer_split")
     # the same runtime as the migrating run (a uniform first plan would else run on Megatron's own runtime, whose
     # fp32 master update differs from the plan runtime's by an ulp: 6e-8 measured on this machine)
-    plain = next(r for r in run_ranks(train, world, _argv(1, 1, sample_prefix, steps + (
+    plain = next(r for r in run_ranks(train, world, gpt_argv(1, 1, sample_prefix, steps + (
         "--hetu-plan", first, "--hetu-runtime", "plan")), timeout=240) if r is not None)
-    moved = next(r for r in run_ranks(train, world, _argv(1, 1, sample_prefix, steps + (
+    moved = next(r for r in run_ranks(train, world, gpt_argv(1, 1, sample_prefix, steps + (
         "--hetu-plan", first, "--hetu-migrate", f"step=2:plan={second}")), timeout=240) if r is not None)
     loss_diff, master_diff = compare_k(dict(moved, weights=moved["masters"]), dict(plain, weights=plain["masters"]))
     print(f"bf16 layer split: loss rel diff {loss_diff:.2e}, master abs diff {master_diff:.2e}")

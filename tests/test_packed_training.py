@@ -18,39 +18,14 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_uniform_equivalence import LOSS_RTOL, WEIGHT_ATOL, compare
+from helpers import LENGTHS, LOSS_RTOL, WEIGHT_ATOL, compare, packed_argv
 
 from hetu_ext.testing.multiproc import run_ranks
 from hetu_ext.testing.runs import train
 
-K_STEPS = 3
-# real-looking length skew: log-normal document lengths, many longer than the 64-token pack (they are split)
-LENGTHS = json.dumps({"mode": "distribution", "type": "lognormal", "min_seq_len": 2, "max_seq_len": 300,
-                      "mean_seq_len": 40, "lognormal_sigma": 1.0})
-
-
-ADAM_EPS = "1e-4"
-"""Adam's epsilon in these gold runs (and HotSPa's, Hydraulis' and LoRA's). With Megatron's 1e-8, an element whose
-gradient is near epsilon turns fp32 rounding differences (the reduction order of packed vs unpacked attention,
-across TP ranks, the CPU's kernels) into weight differences of up to ~lr. On an AVX-512/AMX machine (2026-12-04)
-the packed and HotSPa runs measured 2.0-2.7e-6 against the unpacked reference and LoRA TP 2 vs TP 1 1.4e-4,
-over the tolerances (2e-6, 1e-5) that earlier sessions' machines met; with 1e-5, HotSPa's TP 2 home still
-2.3e-6. With 1e-4: 1e-8 to 4e-7 and LoRA <= 1.1e-7, while the negative controls still move adapters by
-4e-4 to 7e-4 and losses by > 1e-3. The comparison is then about the transformation, not that amplification."""
-
-
-def _argv(method: str, *extra: str) -> list[str]:
-    return ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--ffn-hidden-size", "64",
-            "--seq-length", "64", "--micro-batch-size", "1", "--hetu-global-batch-tokens", "600",
-            "--train-iters", str(K_STEPS), "--lr", "1e-3", "--adam-eps", ADAM_EPS, "--lr-decay-style", "constant",
-            "--clip-grad", "1.0",
-            "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "7", "--mock-data",
-            "--hetu-varlen-mock", LENGTHS, "--hetu-mock-documents", "2000", "--hetu-packing", method, *extra]
-
-
 @pytest.fixture(scope="module")
-def reference():
-    return run_ranks(train, 1, _argv("unpacked"), timeout=180)[0]
+def reference(one_process):
+    return one_process(packed_argv("unpacked"))
 
 
 HETERO = """
@@ -80,7 +55,7 @@ def test_packed_training_matches_unpacked_reference(case, reference, tmp_path):
     plan = tmp_path / "hetero.yaml"
     plan.write_text(HETERO)
     extra = tuple(str(plan) if e == "HETERO" else e for e in extra)
-    result = run_ranks(train, world, _argv(method, *extra), timeout=240)[0]
+    result = run_ranks(train, world, packed_argv(method, *extra), timeout=240)[0]
     loss_diff, weight_diff = compare(result, reference)
     print(f"{case}: loss rel diff {loss_diff:.2e}, weight abs diff {weight_diff:.2e}")
     assert loss_diff <= LOSS_RTOL and weight_diff <= WEIGHT_ATOL, (loss_diff, weight_diff)
@@ -138,7 +113,7 @@ def _cli_argv(*data: str) -> list[str]:
 def test_bad_data_gives_one_clear_error(tmp_path):
     """Acceptance 5: a dataset path that does not exist, an empty dataset, a length file with a non-integer line:
     exit code 2 and one error line naming the file (and the line)."""
-    from test_pretrain_cli import assert_one_error_line, run
+    from helpers import assert_one_error_line, run
 
     from hetu_ext.megatron.preprocess_data import preprocess
 

@@ -13,7 +13,7 @@ step-2 losses by >1e-3.
 from __future__ import annotations
 
 import pytest
-from test_uniform_equivalence import LOSS_RTOL, WEIGHT_ATOL, _argv, compare
+from helpers import LOSS_RTOL, WEIGHT_ATOL, compare, gpt_argv
 
 from hetu_ext.testing.multiproc import run_ranks
 from hetu_ext.testing.runs import train
@@ -57,20 +57,19 @@ PLANS = [
 
 
 @pytest.fixture(scope="module")
-def reference(sample_prefix):
-    return run_ranks(train, 1, _argv(1, 1, sample_prefix), timeout=120)[0]
+def reference(sample_prefix, one_process):
+    return one_process(gpt_argv(1, 1, sample_prefix))
 
 
 @pytest.fixture(scope="module")
-def reference_untied(sample_prefix):
-    return run_ranks(train, 1, _argv(1, 1, sample_prefix, ("--untie-embeddings-and-output-weights",)),
-                     timeout=120)[0]
+def reference_untied(sample_prefix, one_process):
+    return one_process(gpt_argv(1, 1, sample_prefix, ("--untie-embeddings-and-output-weights",)))
 
 
 def _run(tmp_path, sample_prefix, name, world, text, extra=()):
     plan = tmp_path / f"{name}.yaml"
     plan.write_text(text)
-    results = run_ranks(train, world, _argv(1, 1, sample_prefix, ("--hetu-plan", str(plan), *extra)), timeout=240)
+    results = run_ranks(train, world, gpt_argv(1, 1, sample_prefix, ("--hetu-plan", str(plan), *extra)), timeout=240)
     return next(r for r in results if r is not None)
 
 
@@ -94,8 +93,8 @@ def test_untied_output_layer_on_heterogeneous_plans(name, reference_untied, samp
 
 def test_uniform_plan_on_the_plan_runtime_matches_megatrons_uniform_path(sample_prefix, tmp_path):
     """TP2 x DP2 as a Plan through the plan runtime against Megatron's parallel_state path, same flags."""
-    megatron = run_ranks(train, 4, _argv(2, 1, sample_prefix), timeout=180)[0]
-    plan_rt = run_ranks(train, 4, _argv(2, 1, sample_prefix, ("--hetu-runtime", "plan")), timeout=180)[0]
+    megatron = run_ranks(train, 4, gpt_argv(2, 1, sample_prefix), timeout=180)[0]
+    plan_rt = run_ranks(train, 4, gpt_argv(2, 1, sample_prefix, ("--hetu-runtime", "plan")), timeout=180)[0]
     loss_diff, weight_diff = compare(plan_rt, megatron)
     assert loss_diff <= LOSS_RTOL and weight_diff <= WEIGHT_ATOL
 
@@ -113,6 +112,6 @@ def test_a_malleus_plan_trains_like_single_process(reference, sample_prefix, tmp
                       "--global-batch-size", "8", "--vocab-size", "257", "--output", str(path)]) == 0
     plan = load_plan(path)
     assert uniform_shape(plan) is None and plan.stage_of(2) is None  # the 3x straggler is left out
-    results = run_ranks(train, 4, _argv(1, 1, sample_prefix, ("--hetu-plan", str(path))), timeout=240)
+    results = run_ranks(train, 4, gpt_argv(1, 1, sample_prefix, ("--hetu-plan", str(path))), timeout=240)
     loss_diff, weight_diff = compare(next(r for r in results if r is not None), reference)
     assert loss_diff <= LOSS_RTOL and weight_diff <= WEIGHT_ATOL

@@ -10,25 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
-LAUNCH = ROOT / "launch" / "pretrain_gpt.py"
-MODEL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
-         "--micro-batch-size", "2", "--lr", "1e-3"]
-
-
-def run(args: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    return subprocess.run([sys.executable, str(LAUNCH), *args], capture_output=True, text=True, timeout=timeout,
-                          env=env, cwd=ROOT)
-
-
-def assert_one_error_line(proc: subprocess.CompletedProcess, needle: str) -> None:
-    assert proc.returncode == 2, proc.stderr
-    assert "Traceback" not in proc.stderr
-    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
-    assert len(errors) == 1, proc.stderr
-    assert needle in errors[0], errors[0]
+from helpers import LAUNCH, MODEL, ROOT, assert_one_error_line, run
 
 
 def write(tmp_path: Path, name: str, text: str) -> str:

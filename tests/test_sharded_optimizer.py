@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import pytest
 from test_plan_runtime import PLANS
-from test_uniform_equivalence import LOSS_RTOL, WEIGHT_ATOL, _argv, compare
+from helpers import LOSS_RTOL, WEIGHT_ATOL, compare, gpt_argv
 
 from hetu_ext.testing.multiproc import run_ranks
 from hetu_ext.testing.runs import train
@@ -59,8 +59,8 @@ def train_and_measure(rank: int, world_size: int, argv: list[str]) -> dict:
 
 
 @pytest.fixture(scope="module")
-def reference(sample_prefix):
-    return run_ranks(train, 1, _argv(1, 1, sample_prefix), timeout=120)[0]
+def reference(sample_prefix, one_process):
+    return one_process(gpt_argv(1, 1, sample_prefix))
 
 
 @pytest.mark.parametrize("name", SHARDED)
@@ -68,7 +68,7 @@ def test_sharded_optimizer_matches_single_process(name, reference, sample_prefix
     _, world, covers, text = next(p for p in PLANS if p[0] == name)
     plan = tmp_path / f"{name}.yaml"
     plan.write_text(text)
-    argv = _argv(1, 1, sample_prefix, ("--hetu-plan", str(plan), "--use-distributed-optimizer"))
+    argv = gpt_argv(1, 1, sample_prefix, ("--hetu-plan", str(plan), "--use-distributed-optimizer"))
     rows = run_ranks(train_and_measure, world, argv, timeout=240)
     result = next(r for r in rows if "losses" in r)
     loss_diff, weight_diff = compare(result, reference)
@@ -96,8 +96,8 @@ def _plan(tmp_path, name: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def reference4(sample_prefix):
-    return run_ranks(train, 1, _argv(1, 1, sample_prefix, STEPS), timeout=120)[0]
+def reference4(sample_prefix, one_process):
+    return one_process(gpt_argv(1, 1, sample_prefix, STEPS))
 
 
 def _close(result: dict, ref: dict) -> None:
@@ -117,17 +117,17 @@ def test_sharded_checkpoint_loads_into_other_plans_sharded_or_not(reference4, sa
     sharded, plain = tmp_path / "sharded", tmp_path / "plain"
     flag = ("--use-distributed-optimizer",)
     two = ("--train-iters", "2", "--lr-decay-style", "linear", "--lr-decay-iters", "4")
-    saved = next(r for r in run_ranks(train, 4, _argv(1, 1, sample_prefix, two + flag + (
+    saved = next(r for r in run_ranks(train, 4, gpt_argv(1, 1, sample_prefix, two + flag + (
         "--hetu-plan", first, "--save", str(sharded))), timeout=240) if r is not None)
     assert saved["losses"] == pytest.approx(reference4["losses"][:2], rel=LOSS_RTOL)
-    a = next(r for r in run_ranks(train, 4, _argv(1, 1, sample_prefix, STEPS + flag + (
+    a = next(r for r in run_ranks(train, 4, gpt_argv(1, 1, sample_prefix, STEPS + flag + (
         "--hetu-plan", second, "--load", str(sharded))), timeout=240) if r is not None)
     _close(a, reference4)
-    b = next(r for r in run_ranks(train, 4, _argv(1, 1, sample_prefix, ("--train-iters", "3", "--lr-decay-style",
+    b = next(r for r in run_ranks(train, 4, gpt_argv(1, 1, sample_prefix, ("--train-iters", "3", "--lr-decay-style",
              "linear", "--lr-decay-iters", "4", "--hetu-plan", third, "--load", str(sharded), "--save", str(plain))),
              timeout=240) if r is not None)
     assert b["losses"] == pytest.approx(reference4["losses"][:3], rel=LOSS_RTOL)
-    c = next(r for r in run_ranks(train, 4, _argv(1, 1, sample_prefix, STEPS + flag + (
+    c = next(r for r in run_ranks(train, 4, gpt_argv(1, 1, sample_prefix, STEPS + flag + (
         "--hetu-plan", first, "--load", str(plain))), timeout=240) if r is not None)
     _close(c, reference4)
 
@@ -137,7 +137,7 @@ def test_migration_between_sharded_plans_continues_the_same_run(reference4, samp
     -> 1 (other owners, other holder sets); the owned masters' moments move through the reshard engine and
     steps 3-4 match the uninterrupted run."""
     first, second = _plan(tmp_path, "tp_1_to_2_in_pipeline"), _plan(tmp_path, "microbatches_3_1")
-    argv = _argv(1, 1, sample_prefix, STEPS + ("--use-distributed-optimizer", "--hetu-plan", first,
+    argv = gpt_argv(1, 1, sample_prefix, STEPS + ("--use-distributed-optimizer", "--hetu-plan", first,
                                                "--hetu-migrate", f"step=2:plan={second}"))
     result = next(r for r in run_ranks(train, 4, argv, timeout=240) if r is not None)
     assert any(line.startswith("migrated to a new plan after step 2") for line in result["log_lines"])
@@ -150,7 +150,7 @@ def test_bf16_sharded_follows_the_replicated_optimizer(sample_prefix, tmp_path):
     TP-1 replicas): losses within 1e-6 relative and the bf16 weights within one bf16 rounding (measured: equal);
     a master not cast back or not gathered leaves copies that differ (gather_weights fails) or moves the losses."""
     plan = _plan(tmp_path, "tp_differs_between_pipelines")
-    runs = [next(r for r in run_ranks(train, 4, _argv(1, 1, sample_prefix, ("--bf16", "--hetu-plan", plan) + extra),
+    runs = [next(r for r in run_ranks(train, 4, gpt_argv(1, 1, sample_prefix, ("--bf16", "--hetu-plan", plan) + extra),
                                       timeout=240) if r is not None)
             for extra in ((), ("--use-distributed-optimizer",))]
     plain, sharded = runs

@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from test_uniform_equivalence import _argv
+from helpers import gpt_argv
 
 from hetu_ext.plan import ModelSpec, uniform_plan
 from hetu_ext.plan.straggler_policy import (
@@ -163,7 +163,7 @@ def test_monitor_detects_an_emulated_straggler(sample_prefix):
     """Rank 1 turns 5x slow at step 3; both ranks hold the same detection of rank 1 only. Layers get an emulated
     device time (15 ms, many times this tiny layer's real time) so busy neighbours on the shared cores cannot make
     rank 0 read as the straggler or the straggler as less slow (at 5 ms and load average ~40 it read as x2.2)."""
-    argv = _argv(1, 1, sample_prefix, ("--train-iters", "8", "--hetu-emulate-slowdown", "step=3:rank=1:x=5",
+    argv = gpt_argv(1, 1, sample_prefix, ("--train-iters", "8", "--hetu-emulate-slowdown", "step=3:rank=1:x=5",
                                        "--hetu-straggler-interval", "2", "--hetu-straggler-window", "2",
                                        "--hetu-straggler-threshold", "2.0", "--hetu-emulate-layer-ms", "15"))
     results = run_ranks(_monitored, 2, argv, timeout=180)
@@ -178,8 +178,8 @@ def test_timing_and_emulation_leave_training_bit_identical(sample_prefix):
     """The layer marks are identities: a monitored, emulated run trains exactly like a plain one."""
     from hetu_ext.testing.runs import train
 
-    plain = run_ranks(train, 2, _argv(1, 1, sample_prefix), timeout=180)[0]
-    watched = run_ranks(train, 2, _argv(1, 1, sample_prefix, ("--hetu-emulate-slowdown", "step=1:rank=1:x=2",
+    plain = run_ranks(train, 2, gpt_argv(1, 1, sample_prefix), timeout=180)[0]
+    watched = run_ranks(train, 2, gpt_argv(1, 1, sample_prefix, ("--hetu-emulate-slowdown", "step=1:rank=1:x=2",
                                                               "--hetu-straggler-interval", "1")), timeout=180)[0]
     assert watched["losses"] == plain["losses"]
     assert all(torch.equal(watched["weights"][k], w) for k, w in plain["weights"].items())

@@ -18,45 +18,22 @@ from __future__ import annotations
 
 import pytest
 
+from helpers import LOSS_RTOL, WEIGHT_ATOL, compare, gpt_argv
+
 from hetu_ext.testing.multiproc import run_ranks
 from hetu_ext.testing.runs import train
 
-K_STEPS = 3
 LAYOUTS = [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1), (1, 2, 2)]  # (TP, PP, DP)
-LOSS_RTOL = 1e-6
-WEIGHT_ATOL = 2e-6
-
-
-def _argv(tp: int, pp: int, data_prefix: str, extra: tuple[str, ...] = ()) -> list[str]:
-    return ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--ffn-hidden-size", "64",
-            "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
-            "--train-iters", str(K_STEPS), "--lr", "1e-3", "--lr-decay-style", "constant", "--clip-grad", "1.0",
-            "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "7",
-            "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
-            "--data-path", data_prefix, "--split", "100,0,0", *extra]
 
 
 @pytest.fixture(scope="module")
-def reference(sample_prefix):
-    return run_ranks(train, 1, _argv(1, 1, sample_prefix), timeout=120)[0]
-
-
-def compare(result: dict, ref: dict) -> tuple[float, float]:
-    """(max relative loss difference, max absolute weight difference); asserts the same tensors exist."""
-    assert len(result["losses"]) == len(ref["losses"]) == K_STEPS
-    loss_diff = max(abs(a - b) / abs(b) for a, b in zip(result["losses"], ref["losses"]))
-    assert result["weights"].keys() == ref["weights"].keys()
-    weight_diff = 0.0
-    for key, want in ref["weights"].items():
-        got = result["weights"][key]
-        assert got.shape == want.shape, key
-        weight_diff = max(weight_diff, float((got - want).abs().max()))
-    return loss_diff, weight_diff
+def reference(sample_prefix, one_process):
+    return one_process(gpt_argv(1, 1, sample_prefix))
 
 
 @pytest.mark.parametrize("tp,pp,dp", LAYOUTS, ids=[f"tp{t}pp{p}dp{d}" for t, p, d in LAYOUTS])
 def test_uniform_layout_matches_single_process(tp, pp, dp, reference, sample_prefix):
-    result = run_ranks(train, tp * pp * dp, _argv(tp, pp, sample_prefix), timeout=180)[0]
+    result = run_ranks(train, tp * pp * dp, gpt_argv(tp, pp, sample_prefix), timeout=180)[0]
     loss_diff, weight_diff = compare(result, reference)
     print(f"tp{tp}pp{pp}dp{dp}: max loss rel diff {loss_diff:.2e}, max weight abs diff {weight_diff:.2e}")
     assert loss_diff <= LOSS_RTOL, (result["losses"], reference["losses"])
@@ -66,16 +43,16 @@ def test_uniform_layout_matches_single_process(tp, pp, dp, reference, sample_pre
 def test_reference_learns_and_weights_move(reference, sample_prefix):
     """Guards the matrix against passing vacuously: training changes weights and lowers the loss."""
     assert reference["losses"][-1] < reference["losses"][0]
-    untrained = run_ranks(train, 1, _argv(1, 1, sample_prefix, ("--lr", "0", "--min-lr", "0")), timeout=120)[0]
+    untrained = run_ranks(train, 1, gpt_argv(1, 1, sample_prefix, ("--lr", "0", "--min-lr", "0")), timeout=120)[0]
     moved = max(float((reference["weights"][k] - w).abs().max()) for k, w in untrained["weights"].items())
     assert moved > 100 * WEIGHT_ATOL
 
 
-def test_untied_embeddings_match_across_pipeline_stages(reference, sample_prefix):
+def test_untied_embeddings_match_across_pipeline_stages(reference, sample_prefix, one_process):
     """Untied output layer under PP=2 (embedding and output on different ranks) against its own reference."""
     extra = ("--untie-embeddings-and-output-weights",)
-    ref = run_ranks(train, 1, _argv(1, 1, sample_prefix, extra), timeout=120)[0]
-    result = run_ranks(train, 2, _argv(1, 2, sample_prefix, extra), timeout=120)[0]
+    ref = one_process(gpt_argv(1, 1, sample_prefix, extra))
+    result = run_ranks(train, 2, gpt_argv(1, 2, sample_prefix, extra), timeout=120)[0]
     assert "output_layer.weight" in ref["weights"]
     loss_diff, weight_diff = compare(result, ref)
     assert loss_diff <= LOSS_RTOL and weight_diff <= WEIGHT_ATOL
@@ -83,7 +60,7 @@ def test_untied_embeddings_match_across_pipeline_stages(reference, sample_prefix
 
 def test_distributed_optimizer_matches_single_process(reference, sample_prefix):
     """--use-distributed-optimizer (ZeRO-1 over DP) shards Adam's state; the update must not change."""
-    result = run_ranks(train, 2, _argv(1, 1, sample_prefix, ("--use-distributed-optimizer",)), timeout=120)[0]
+    result = run_ranks(train, 2, gpt_argv(1, 1, sample_prefix, ("--use-distributed-optimizer",)), timeout=120)[0]
     loss_diff, weight_diff = compare(result, reference)
     assert loss_diff <= LOSS_RTOL and weight_diff <= WEIGHT_ATOL
 
@@ -93,7 +70,7 @@ def test_bf16_tracks_fp32(reference, sample_prefix):
     on CPU and follows the fp32 run: losses within 1e-2 relative (measured 1e-3). Weights are not compared:
     the model holds bf16 copies whose rounding (2^-8 relative, 4e-3 on layernorm weights near 1) is larger than
     3 steps of lr=1e-3, so such a check would test bf16 rounding, not our code."""
-    result = run_ranks(train, 2, _argv(2, 1, sample_prefix, ("--bf16",)), timeout=120)[0]
+    result = run_ranks(train, 2, gpt_argv(2, 1, sample_prefix, ("--bf16",)), timeout=120)[0]
     for got, want in zip(result["losses"], reference["losses"]):
         assert abs(got - want) <= 1e-2 * abs(want)
     assert result["losses"] != reference["losses"]  # it really ran in bf16
