@@ -7,7 +7,7 @@ import sys
 
 import numpy as np
 import pytest
-from test_pretrain_cli import ROOT, assert_one_error_line, run
+from helpers import ROOT, assert_one_error_line, run
 
 TENANT = """tenants:
   - name: chat
