@@ -224,9 +224,14 @@ def plan_malleus(cluster: Cluster, spec: ModelSpec, *, micro_batch: int, num_mic
     candidates = []
     searched = tuple(options) if options is not None else (PLAIN,)
     cutoffs = sorted({cluster.slowdown(r) for r in range(cluster.world_size)}, reverse=True)[:4]
+    slack = 1 + keep_tolerance if current is not None else 1.0
+    best_step = float("inf")
     for tp in tp_degrees:
         if tp > cluster.gpus_per_node or inventory.tp_problems(spec, tp):
             continue
+        whole = stage_cost(spec, cost, num_layers=spec.num_layers, tp=tp, slowdown=1.0, micro_batch=micro_batch,
+                           first=True, last=True, in_flight=1)
+        model_s = whole.forward_s + whole.backward_s  # one microbatch through every stage, no recomputation
         for cutoff in cutoffs:
             groups, unused = _groups(cluster, tp, cutoff)
             if not groups:
@@ -242,11 +247,16 @@ def plan_malleus(cluster: Cluster, spec: ModelSpec, *, micro_batch: int, num_mic
                 for k, g in enumerate(order):
                     lap, i = divmod(k, d)
                     pipes[i if lap % 2 == 0 else d - 1 - i].append(g)
+                # no template beats its groups' summed pace: each TP group runs one stage's microbatch at a time,
+                # at 1 / slowdown, and the microbatches' stages add up to model_s (options only add time)
+                if num_microbatches * model_s / sum(1 / x for pipe in pipes for _, x in pipe) > best_step * slack:
+                    continue
                 for opts in searched:
                     result = _evaluate(spec, cost, cluster, pipes, tp, micro_batch, num_microbatches, opts)
                     if result is None:
                         continue
                     step, splits, mbs, capped = result
+                    best_step = min(best_step, step)
                     candidates.append((step, tp, cutoff, pp, pipes, splits, mbs,
                                        unused + [r for g, _ in spare for r in g], opts))
                     if not capped:
