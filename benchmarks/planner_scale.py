@@ -13,9 +13,11 @@ nodes of 8 GPUs with 80 GiB. Stragglers: 1% and 5% of the GPUs, slowdowns drawn 
   cutoff: the ranks slower than it are left out, restart cost not counted), stragglers kept placed where they
   cost least. This is what a user restarting without the slow GPUs would pick.
 
-Planning time is the median of 3 runs of the pure planner (no process group). Targets: <= 0.1 s at 64 GPUs,
-<= 1 s at 1024. The TP efficiencies are the cost model's assumed constants unless ``--tp-efficiency FILE`` gives
-measured ones (``python -m hetu_ext.data.calibrate``; degrees not in it keep the constants). Ends with one JSON line.
+Planning time is the median of 3 runs of the pure planner (no process group), wall-clock (``plan_s``) and its
+process CPU time (``cpu_s``: single-threaded, what it costs on an idle core when the machine is shared). Targets:
+<= 0.1 s at 64 GPUs, <= 1 s at 1024 and 4096. The TP efficiencies are the cost model's assumed constants unless
+``--tp-efficiency FILE`` gives measured ones (``python -m hetu_ext.data.calibrate``; degrees not in it keep the
+constants). Ends with one JSON line.
 """
 
 from __future__ import annotations
@@ -128,8 +130,9 @@ def main() -> None:
     source = f"measured {args.tp_efficiency}" if args.tp_efficiency else "assumed constants"
     print(f"config: {SPEC}, micro batch 1, 4 microbatches per GPU, 8 GPUs x 80 GiB per node, seed {args.seed}; "
           f"TP efficiency {cost.tp_efficiency} ({source}); options: {args.options}")
-    print(f"{'gpus':>6} {'stragglers':>10} {'plan_s':>8} {'template':<42} {'tp8pp4_s':>9} {'best_uniform':<36} "
-          f"{'best_s':>7} {'hetu_s':>7} {'vs_tp8pp4':>9} {'gain':>6} {'bound_s':>7} {'ceiling':>7} {'share':>6}")
+    print(f"{'gpus':>6} {'stragglers':>10} {'plan_s':>8} {'cpu_s':>6} {'template':<42} {'tp8pp4_s':>9} "
+          f"{'best_uniform':<36} {'best_s':>7} {'hetu_s':>7} {'vs_tp8pp4':>9} {'gain':>6} {'bound_s':>7} "
+          f"{'ceiling':>7} {'share':>6}")
     results = []
     for gpus in (64, 256, 1024, 4096):
         for share in (0.01, 0.05):
@@ -139,12 +142,13 @@ def main() -> None:
                 continue
             cluster = Cluster(world_size=gpus, gpus_per_node=8, gpu_memory_bytes=80 * 2**30, slowdowns=slow)
             microbatches = 4 * gpus
-            times = []
+            times, cpu = [], []
             for _ in range(3):
-                start = time.perf_counter()
+                start, start_cpu = time.perf_counter(), time.process_time()
                 planned = plan_malleus(cluster, SPEC, micro_batch=1, num_microbatches=microbatches, cost=cost,
                                        options=options)
                 times.append(time.perf_counter() - start)
+                cpu.append(time.process_time() - start_cpu)
             uniform = predict_uniform(cluster, SPEC, tp=8, pp=4, micro_batch=1, num_microbatches=microbatches,
                                       cost=cost)
             best = best_uniform(cluster, SPEC, micro_batch=1, num_microbatches=microbatches, cost=cost,
@@ -154,11 +158,12 @@ def main() -> None:
                       f"on {len(best['ranks'])}/{gpus}")
             speedup, best_speedup = uniform / planned.predicted_step_s, best["step_s"] / planned.predicted_step_s
             reached = share_of_ceiling(best["step_s"], planned.predicted_step_s, bound)
-            seconds = statistics.median(times)
-            print(f"{gpus:>6} {count:>10} {seconds:>8.3f} {planned.template:<42} {uniform:>9.2f} {layout:<36} "
-                  f"{best['step_s']:>7.2f} {planned.predicted_step_s:>7.2f} {speedup:>9.2f} {best_speedup:>5.2f}x "
-                  f"{bound:>7.2f} {best['step_s'] / bound:>6.2f}x {reached:>6.1%}", flush=True)
+            seconds, cpu_s = statistics.median(times), statistics.median(cpu)
+            print(f"{gpus:>6} {count:>10} {seconds:>8.3f} {cpu_s:>6.3f} {planned.template:<42} {uniform:>9.2f} "
+                  f"{layout:<36} {best['step_s']:>7.2f} {planned.predicted_step_s:>7.2f} {speedup:>9.2f} "
+                  f"{best_speedup:>5.2f}x {bound:>7.2f} {best['step_s'] / bound:>6.2f}x {reached:>6.1%}", flush=True)
             results.append({"gpus": gpus, "stragglers": count, "plan_seconds": round(seconds, 4),
+                            "plan_cpu_seconds": round(cpu_s, 4),
                             "predicted_speedup": round(speedup, 3), "best_uniform_speedup": round(best_speedup, 3),
                             "hetu_s": round(planned.predicted_step_s, 4), "options": planned.options.name,
                             "bound_s": round(bound, 4), "ceiling": round(best["step_s"] / bound, 4),
