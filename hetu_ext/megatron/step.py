@@ -179,10 +179,7 @@ class SwitchedGroupSteps(StepKind):
         per_strategy = []
         for strategy in strategies.items:
             where = strategy.plan.stage_of(trainer.host.rank)
-            steps = build_packed_steps(packing, trainer.spec, strategy.plan, where[0] if where else None,
-                                       trainer.documents, trainer.host.device, seed=training.seed,
-                                       global_batch_size=training.global_batch_size,
-                                       max_pack_tokens=strategy.max_len)
+            steps = self.strategy_data(trainer, strategy, where[0] if where else None)
             steps.close()  # planning ahead happens once, for the whole step, in SwitchedSteps
             per_strategy.append(steps)
         switch_s = predicted_switch_s(strategies, trainer.spec, weight_bytes=2 if training.bf16 else 4,
@@ -190,6 +187,14 @@ class SwitchedGroupSteps(StepKind):
         mode = "select" if packing.strategies else "auto" if packing.hotspa == "auto" else "fixed"
         return SwitchedSteps(per_strategy, strategies, mode=mode, spec=trainer.spec, cost=per_strategy[0].cost,
                              switch_s=switch_s)
+
+    def strategy_data(self, trainer, strategy, pipeline: int | None) -> PackedSteps:
+        """One strategy's packs (at most its ``max_len`` tokens) of its ``pipeline`` (None: this rank runs none of
+        them), over the run's global batches."""
+        training = trainer.config.training
+        return build_packed_steps(trainer.config.packing, trainer.spec, strategy.plan, pipeline, trainer.documents,
+                                  trainer.host.device, seed=training.seed,
+                                  global_batch_size=training.global_batch_size, max_pack_tokens=strategy.max_len)
 
     def prepare(self, trainer, data: SwitchedSteps) -> StepWork:
         step = data.step(trainer.iteration)
