@@ -21,12 +21,13 @@ import torch
 import torch.distributed as dist
 
 from hetu_ext.megatron.step import StepWork, SwitchedGroupSteps
-from hetu_ext.megatron.switching import SwitchedSteps, predicted_switch_s
+from hetu_ext.megatron.switching import SwitchedSteps
 from hetu_ext.runtime.reshard import Piece
 
 from .adapters import adapter_shards
 from .data import build_tenant_steps
 from .install import routing_of
+from .loss import tenant_forward_step, token_weights
 
 
 def adapter_pieces(placement, kind: str) -> list[Piece]:
@@ -41,23 +42,13 @@ def adapter_pieces(placement, kind: str) -> list[Piece]:
 class TenantGroupSteps(SwitchedGroupSteps):
     """One step of every tenant, its length groups under their strategies."""
 
-    def open(self, trainer) -> SwitchedSteps:
-        training, packing = trainer.config.training, trainer.config.packing
-        strategies = trainer.switching.strategies
-        per_strategy = []
-        for strategy in strategies.items:
-            where = strategy.plan.stage_of(trainer.host.rank)
-            steps = build_tenant_steps(trainer.tenants, method=packing.method, cost_model=packing.cost_model,
-                                       spec=trainer.spec, plan=strategy.plan, pipeline=where[0] if where else None,
-                                       device=trainer.host.device, seed=training.seed, vocab_size=0,
-                                       corpus=trainer.documents, max_pack_tokens=strategy.max_len)
-            steps.close()  # planning ahead happens once, for the whole step, in SwitchedSteps
-            per_strategy.append(steps)
-        switch_s = predicted_switch_s(strategies, trainer.spec, weight_bytes=2 if training.bf16 else 4,
-                                      bandwidth=packing.hotspa_bandwidth_gbs * 1e9)
-        mode = "select" if packing.strategies else "auto" if packing.hotspa == "auto" else "fixed"
-        return SwitchedSteps(per_strategy, strategies, mode=mode, spec=trainer.spec, cost=per_strategy[0].cost,
-                             switch_s=switch_s)
+    def strategy_data(self, trainer, strategy, pipeline: int | None):
+        """The tenants' packs for one strategy (at most its ``max_len`` tokens), over the same global batches."""
+        packing = trainer.config.packing
+        return build_tenant_steps(trainer.tenants, method=packing.method, cost_model=packing.cost_model,
+                                  spec=trainer.spec, plan=strategy.plan, pipeline=pipeline,
+                                  device=trainer.host.device, seed=trainer.config.training.seed, vocab_size=0,
+                                  corpus=trainer.documents, max_pack_tokens=strategy.max_len)
 
     def prepare(self, trainer, data: SwitchedSteps) -> StepWork | None:
         counts = data.batches.tenant_tokens(trainer.iteration)
@@ -65,21 +56,15 @@ class TenantGroupSteps(SwitchedGroupSteps):
             trainer.tenant_losses.append([None] * len(trainer.tenants))
             return None
         work = super().prepare(trainer, data)
-        if trainer.normalisation == "tenant":
-            weights = torch.tensor([1.0 / n if n else 0.0 for n in counts], dtype=torch.float32)
-        else:
-            weights = torch.full((len(counts),), 1.0 / float(counts.sum()), dtype=torch.float32)
-        work.extra.update(counts=counts, weights=weights)
+        work.extra.update(counts=counts, weights=token_weights(counts, trainer.normalisation))
         return work
 
     def execute(self, trainer, work: StepWork) -> list:
-        from .train import _forward_step
-
         weights, tenants = work.extra["weights"].to(trainer.host.device), len(trainer.tenants)
 
         def run_schedule(placement, step):
             return placement.forward_backward(
-                forward_step_func=partial(_forward_step, routing_of(placement.model), weights, tenants),
+                forward_step_func=partial(tenant_forward_step, routing_of(placement.model), weights, tenants),
                 data_iterator=iter(step.microbatches), model=[placement.model],
                 num_microbatches=len(step.microbatches), seq_length=trainer.spec.seq_length, micro_batch_size=1,
                 forward_only=False, **placement.schedule_kwargs)

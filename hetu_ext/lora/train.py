@@ -38,6 +38,7 @@ from hetu_ext.runtime.straggler import LayerTimer
 from .data import TenantCorpus, build_tenant_steps
 from .install import LoRAConverter, routing_of
 from .layers import TenantRouting
+from .loss import tenant_forward_step, token_weights
 from .pretrained import load_base, seed_base
 from .switched import TenantGroupSteps, adapter_pieces
 from .sync import LoRASync, attach_sync
@@ -140,10 +141,7 @@ class TenantSteps(StepKind):
             trainer.tenant_losses.append([None] * len(trainer.tenants))
             return None
         step = data.step(trainer.iteration)
-        if trainer.normalisation == "tenant":
-            weights = torch.tensor([1.0 / n if n else 0.0 for n in counts], dtype=torch.float32)
-        else:
-            weights = torch.full((len(counts),), 1.0 / float(counts.sum()), dtype=torch.float32)
+        weights = token_weights(counts, trainer.normalisation)
         return StepWork(microbatches=iter(step.microbatches), num_microbatches=len(step.microbatches),
                         samples=step.sequences, tokens=step.tokens, micro_batch_size=1, shapes=step.shapes,
                         extra={"counts": counts, "weights": weights, "predicted_s": list(step.predicted_s)})
@@ -153,7 +151,7 @@ class TenantSteps(StepKind):
 
     def forward_step(self, trainer, work: StepWork):
         weights = work.extra["weights"].to(trainer.host.device)
-        return partial(_forward_step, routing_of(trainer.model), weights, len(trainer.tenants))
+        return partial(tenant_forward_step, routing_of(trainer.model), weights, len(trainer.tenants))
 
     def optimizer_step(self, trainer, work: StepWork) -> float | None:
         present = [bool(n) for n in work.extra["counts"]]
@@ -163,27 +161,6 @@ class TenantSteps(StepKind):
         trainer.tenant_losses.append(trainer.tenant_losses_of(reports))
         return {"microbatches": work.num_microbatches, "predicted_s": work.extra["predicted_s"],
                 "tenant_tokens": [int(n) for n in work.extra["counts"]], "tenant_loss": trainer.tenant_losses[-1]}
-
-
-def _forward_step(routing, weights, num_tenants, data_iterator, model):
-    batch = next(data_iterator)
-    ids = batch["tenant_ids"]
-    routing.set(ids)
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
-                   packed_seq_params=batch.get("packed_seq_params"))
-    return output, partial(_tenant_loss, ids, batch["loss_mask"], weights, num_tenants)
-
-
-def _tenant_loss(ids, loss_mask, weights, num_tenants, per_token_loss):
-    """sum_i w[tenant(i)] l_i (w = 1 / tenant's tokens in the global batch); reports the plain sums per tenant."""
-    ids, mask = ids.reshape(-1), loss_mask.reshape(-1).float()
-    losses = per_token_loss.reshape(-1).float() * mask  # (t,)
-    loss = torch.sum(losses * weights[ids])
-    plain = torch.zeros(num_tenants, dtype=torch.float32, device=losses.device).index_add(0, ids, losses.detach())
-    tokens = torch.zeros(num_tenants, dtype=torch.float32, device=losses.device).index_add(0, ids, mask)
-    num_tokens = mask.sum().to(torch.int)
-    report = torch.stack([losses.detach().sum(), mask.sum()])
-    return loss, num_tokens, {"lm loss": report, "tenant loss": torch.cat([plain, tokens])}
 
 
 def build_lora_trainer(config: RunConfig) -> LoRATrainer:
