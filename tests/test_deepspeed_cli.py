@@ -29,7 +29,7 @@ def run(args: list[str], timeout: float = 180) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("args,needle", [
     (["--zero-stage", "2", "--hetu-straggler-interval", "5"],
      "--hetu-straggler-interval 5 weights microbatches per rank, which needs a ZeRO stage whose backwards only "
-     "accumulate locally (1); ZeRO-2 reduces gradients on every backward"),
+     "accumulate locally (0, 1); ZeRO-2 reduces gradients on every backward"),
     (["--zero-stage", "3", "--hetu-microbatches", "2"], "microbatches [2] weights microbatches per rank"),
     (["--zero-stage", "1", "--hetu-microbatches", "3,1"],
      "--hetu-microbatches 3,1 must give each of the 1 ranks a count, summing to --global-batch-size 2"),

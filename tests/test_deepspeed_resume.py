@@ -21,7 +21,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_ckpt_resume import SCHEDULE
-from test_uniform_equivalence import LOSS_RTOL, WEIGHT_ATOL, _argv
+from helpers import LOSS_RTOL, WEIGHT_ATOL, gpt_argv
 
 from hetu_ext.testing.multiproc import run_ranks
 
@@ -29,7 +29,7 @@ MBS_GBS = ("--micro-batch-size", "1", "--global-batch-size", "12")
 
 
 def ds_argv(sample_prefix: str, iters: int, extra: tuple[str, ...] = ()) -> list[str]:
-    argv = _argv(1, 1, sample_prefix, SCHEDULE + ("--train-iters", str(iters)) + extra)
+    argv = gpt_argv(1, 1, sample_prefix, SCHEDULE + ("--train-iters", str(iters)) + extra)
     for flag, value in zip(MBS_GBS[::2], MBS_GBS[1::2]):
         argv[argv.index(flag) + 1] = value
     return argv
@@ -40,7 +40,14 @@ def full_state(run) -> dict:
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     optimizer = run.engine.optimizer
-    if run.engine.zero_optimization_stage() <= 2:
+    if run.engine.zero_optimization_stage() == 0:  # torch's AdamW itself: the parameters are the fp32 masters
+        state = {}
+        for name, p in run.engine.module.named_parameters():
+            state[("master", name)] = state[("param", name)] = p.detach().clone()
+            for kind in ("exp_avg", "exp_avg_sq"):
+                state[(kind, name)] = optimizer.state[p][kind].detach().clone()
+        return state
+    if run.engine.zero_optimization_stage() in (1, 2):
         # DeepSpeed 0.19.8 links a parameter to its Adam state fragments once, after the first step of group 0,
         # before torch's AdamW has created group 1's state (see test_ckpt_deepspeed): link again.
         optimizer._hp_optimizer_states_linked = False
@@ -56,8 +63,9 @@ def full_state(run) -> dict:
 
 
 def ds_body(rank: int, world: int, argv: list[str], stage: int, load: str | None, save: str | None,
-            zero_extra: dict | None = None) -> dict | None:
-    """Build the DeepSpeed run, optionally load, train to --train-iters, optionally save; rank 0 reports."""
+            zero_extra: dict | None = None, save_hetu: str | None = None) -> dict | None:
+    """Build the DeepSpeed run, optionally load, train to --train-iters, optionally save (DeepSpeed's format, and
+    hetu's to ``save_hetu``); rank 0 reports."""
     from hetu_ext.config import from_namespace
     from hetu_ext.deepspeed import engine_state
     from hetu_ext.deepspeed.engine import ZeroConfig, add_deepspeed_args, build
@@ -81,6 +89,10 @@ def ds_body(rank: int, world: int, argv: list[str], stage: int, load: str | None
     out["lr"] = [g["lr"] for g in run.engine.optimizer.param_groups]
     if save:
         run.save(save)
+    if save_hetu:
+        from hetu_ext.deepspeed.engine_save import HetuSaver
+
+        HetuSaver(run, save_hetu, loaded_run_id=None, resumed_here=False).save(blocking=True)
     return out if rank == 0 else None
 
 
@@ -157,3 +169,32 @@ def test_bf16_resumes_on_3(stage, sample_prefix, tmp_path):
         loss = max(abs(a - b) / abs(b) for a, b in zip(result["losses"][2:], reference["losses"][2:]))
         print(f"bf16 ZeRO-2 4 -> 3 ranks: steps 3-4 loss rel diff {loss:.2e}")
         assert len(result["losses"]) == 4 and loss <= BF16_LOSS_RTOL
+
+
+def test_zero0_checkpoints_resume_on_3_and_hand_over_in_hetu_format(sample_prefix, tmp_path):
+    """ZeRO-0 (DeepSpeed without ZeRO: torch's AdamW in the engine, every rank holding everything), 2 -> 3 ranks:
+    the DeepSpeed checkpoint (rank 0's model states alone, the optimizer numbering the parameters, hetu_ext's
+    client state naming them) loads with masters, moments, step and schedule equal to the saved ones bit for bit,
+    and steps 3-4 match the uninterrupted 2-rank run within the tolerances above. The 3-rank run then saves a hetu
+    checkpoint (each parameter written by one rank), which one rank loads bit for bit."""
+    directory, hetu = tmp_path / "ckpt", tmp_path / "hetu"
+    reference = _run(2, ds_argv(sample_prefix, 4), 0, None, None)
+    at_save = _run(2, ds_argv(sample_prefix, 2), 0, None, str(directory))
+    assert sorted(p.name for p in (directory / "global_step2").iterdir()) == ["mp_rank_00_model_states.pt"]
+    result = _run(3, ds_argv(sample_prefix, 4), 0, str(directory), None, None, str(hetu))
+    loaded = result["loaded"]
+    assert (loaded.source, loaded.iteration, loaded.saved_world_size, loaded.optimizer_step) == \
+        ("deepspeed", 2, 2, 2.0)
+    assert result["after_load"].keys() == at_save["final"].keys()
+    for key, value in at_save["final"].items():
+        assert torch.equal(result["after_load"][key], value), key
+    assert result["after_load_step"] == 2.0 and result["after_load_scheduler"] == at_save["scheduler"]
+    assert result["losses"][:2] == at_save["losses"] == reference["losses"][:2]
+    loss = max(abs(a - b) / abs(b) for a, b in zip(result["losses"][2:], reference["losses"][2:]))
+    weight = _max_diff(result["final"], reference["final"])
+    print(f"ZeRO-0 2 -> 3 ranks: steps 3-4 loss rel diff {loss:.2e}, master abs diff {weight:.2e}")
+    assert loss <= LOSS_RTOL and weight <= WEIGHT_ATOL and result["step"] == 4.0
+    handed = _run(1, ds_argv(sample_prefix, 4), 0, str(hetu), None)
+    assert handed["loaded"].source == "hetu" and handed["loaded"].iteration == 4
+    for key, value in result["final"].items():
+        assert torch.equal(handed["after_load"][key], value), key

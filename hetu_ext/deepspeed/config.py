@@ -10,12 +10,13 @@ from typing import Any
 
 from hetu_ext.config import RunConfig
 
-ZERO_STAGES = (1, 2, 3)
+ZERO_STAGES = (0, 1, 2, 3)
 
 
 def add_deepspeed_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("deepspeed")
-    g.add_argument("--zero-stage", type=int, choices=ZERO_STAGES, default=2, help="ZeRO stage (default 2)")
+    g.add_argument("--zero-stage", type=int, choices=ZERO_STAGES, default=2,
+                   help="ZeRO stage (default 2; 0: DeepSpeed without ZeRO, fp32 only)")
     g.add_argument("--deepspeed-config", default=None,
                    help="a DeepSpeed JSON config merged over the one built from the flags (its batch sizes, "
                         "optimizer and precision must agree with the flags)")
@@ -42,7 +43,8 @@ class ZeroConfig:
     """What DeepSpeed is asked for beyond the Megatron-LM flags."""
 
     stage: int = 2
-    """ZeRO stage: 1 (optimizer state partitioned), 2 (+ gradients), 3 (+ parameters)."""
+    """ZeRO stage: 0 (nothing partitioned: data parallel with an all-reduce per step), 1 (optimizer state
+    partitioned), 2 (+ gradients), 3 (+ parameters)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Entries of a user's DeepSpeed config, merged over the built one."""
     microbatches: tuple[int, ...] | None = None
@@ -56,7 +58,7 @@ class ZeroConfig:
         from .weighting import check_stage
 
         if self.stage not in ZERO_STAGES:
-            raise ValueError(f"ZeRO stage {self.stage} is not one of {ZERO_STAGES}; pass --zero-stage 1, 2 or 3")
+            raise ValueError(f"ZeRO stage {self.stage} is not one of {ZERO_STAGES}; pass --zero-stage 0, 1, 2 or 3")
         check_stage(self.stage, self.straggler_interval, self.microbatches, self.packing)
 
     @property
@@ -86,6 +88,10 @@ def deepspeed_config(config: RunConfig, zero: ZeroConfig, world_size: int) -> di
         raise ValueError(f"--hetu-microbatches {','.join(map(str, zero.microbatches))} must give each of the "
                          f"{world_size} ranks a count, summing to --global-batch-size {gbs} / --micro-batch-size "
                          f"{mbs} = {gbs // mbs}; give {world_size} counts with that sum")
+    if zero.stage == 0 and training.bf16:
+        raise ValueError("--bf16 under --zero-stage 0 is DeepSpeed's BF16_Optimizer, which partitions the fp32 "
+                         "masters as ZeRO-1 does under another checkpoint layout; pass --zero-stage 1 with --bf16, "
+                         "or drop --bf16 for ZeRO-0")
     if zero.weighted:  # the caller's backwards make a step: per-rank counts may differ (weighting.py)
         ds["managed_gradient_accumulation"] = False
     for key, value in zero.extra.items():

@@ -1,4 +1,4 @@
-"""Train Megatron-core's GPTModel (TP 1, PP 1) with DeepSpeed's engine and ZeRO stage 1/2/3, and save with
+"""Train Megatron-core's GPTModel (TP 1, PP 1) with DeepSpeed's engine and ZeRO stage 0/1/2/3, and save with
 ``engine.save_checkpoint``: the same model, initial weights, samples, loss normalisation, Adam, clipping and LR
 schedule as hetu_ext's Megatron path with the same flags, so its checkpoints can be checked against that path.
 
@@ -199,9 +199,12 @@ class DeepSpeedGPT:
         rng: list = [None] * dist.get_world_size()
         dist.all_gather_object(rng, rng_state(dist.get_rank()))
         tag = f"global_step{self.engine.global_steps}"
+        names = {id(p): n for n, p in self.engine.module.named_parameters()}
+        order = [names[id(p)] for group in self.engine.optimizer.param_groups for p in group["params"]] \
+            if self.engine.zero_optimization_stage() == 0 else None  # what ZeRO-0's optimizer state numbers
         state = {CLIENT_STATE_KEY: {"iteration": self.iteration, "losses": list(self.losses),
                                     "scheduler": self.scheduler.state_dict(), "data": self.data_settings(),
-                                    "rng": rng}}
+                                    "rng": rng, "parameter_order": order}}
         self.engine.save_checkpoint(directory, tag=tag, client_state=state, save_latest=False)  # ends in a barrier
         if dist.get_rank() == 0:
             partial = os.path.join(directory, f".latest.{os.getpid()}")

@@ -1,7 +1,7 @@
 """``--load`` on the DeepSpeed path: a checkpoint saved on any number of ranks, into the engine on this number, in
 process (no ``ds_to_universal``, no temporary files).
 
-Sources: a DeepSpeed ZeRO-1/2/3 checkpoint (``DIR/latest`` -> ``DIR/global_stepN``; zero_checkpoint.py rebuilds
+Sources: a DeepSpeed ZeRO-0/1/2/3 checkpoint (``DIR/latest`` -> ``DIR/global_stepN``; zero_checkpoint.py rebuilds
 each kind of tensor on one rank with DeepSpeed's own reconstruction) or a hetu checkpoint (hetu_ext's trainer under
 any plan, or this path's ``--hetu-ckpt-format hetu``; hetu_ext/checkpoint/load.py). Destinations: this rank's
 fragments of DeepSpeed's flat fp32 partitions and Adam moments (engine_state.py), filled in place by the reshard

@@ -67,7 +67,7 @@ class HetuSaver:
         engine = run.engine
         bf16 = engine.bfloat16_enabled()
         gated = run.config.model.swiglu
-        pieces = engine_state.engine_pieces(engine, master_as="master" if bf16 else "param", gated=gated)
+        pieces = engine_state.engine_pieces(engine, master_as="master" if bf16 else "param", gated=gated, owned=True)
         if bf16:
             pieces += engine_state.param_pieces(engine, gated=gated)
         data = run.data_settings()

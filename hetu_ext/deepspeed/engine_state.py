@@ -1,4 +1,4 @@
-"""A DeepSpeed ZeRO-1/2/3 engine's state as reshard pieces: what a load fills and a hetu-format save writes.
+"""A DeepSpeed ZeRO-0/1/2/3 engine's state as reshard pieces: what a load fills and a hetu-format save writes.
 
 DeepSpeed keeps each rank's share of the fp32 master weights and of Adam's moments in flat buffers:
 
@@ -11,6 +11,10 @@ DeepSpeed keeps each rank's share of the fp32 master weights and of Adam's momen
   ``[r * n_p, (r + 1) * n_p)`` of each parameter flattened (``n_p = p.partition_numel()``, the last rank padded),
   at ``grad_position[id]`` in its sub-group's buffer. Module weights are placeholders; each rank's share is
   ``p.ds_tensor`` (the model dtype).
+
+* ZeRO-0 (DeepSpeed without ZeRO, fp32): the engine's optimizer is torch's AdamW itself; every rank holds every
+  parameter (the fp32 master) and its moments whole (``optimizer.state[p]``). Each parameter is one "partition"
+  here, its fragment the whole tensor; a save writes parameter i from rank i mod world size only.
 
 A range of a row-major tensor flattened is a union of boxes (:func:`flat_range_boxes`: a partial first row,
 whole rows, a partial last row, recursively), so each fragment becomes one to three pieces (``master/KEY``,
@@ -103,19 +107,42 @@ def zero_stage(engine) -> int:
     return int(engine.zero_optimization_stage())
 
 
-def flat_partitions(engine) -> list[torch.Tensor]:
-    """This rank's flat fp32 partitions (the tensors the base optimizer steps, one per group / sub-group)."""
+def _stage0_params(engine) -> list[torch.nn.Parameter]:
+    """ZeRO-0: the parameters in the optimizer's order (its state dict numbers them so)."""
+    return [p for group in engine.optimizer.param_groups for p in group["params"]]
+
+
+def _base_state(engine) -> dict:
+    """The base optimizer's state, keyed by :func:`flat_partitions`' tensors (ZeRO-0: by the parameters)."""
     optimizer = engine.optimizer
+    return optimizer.state if zero_stage(engine) == 0 else optimizer.optimizer.state
+
+
+def flat_partitions(engine) -> list[torch.Tensor]:
+    """This rank's flat fp32 partitions (the tensors the base optimizer steps, one per group / sub-group; ZeRO-0:
+    the parameters, whole)."""
+    optimizer = engine.optimizer
+    if zero_stage(engine) == 0:
+        return _stage0_params(engine)
     if zero_stage(engine) == 3:
         return list(optimizer.fp32_partitioned_groups_flat)
     return list(optimizer.single_partition_of_fp32_groups)
 
 
-def _fragments(engine) -> Iterable[tuple[str, tuple[int, ...], int, int, int]]:
+def _fragments(engine, owned: bool = False) -> Iterable[tuple[str, tuple[int, ...], int, int, int]]:
     """(parameter name, shape, first element of the parameter held here, element count, group, offset in the
-    group's flat partition) for each parameter fragment this rank holds."""
+    group's flat partition) for each parameter fragment this rank holds (ZeRO-0, ``owned``: only those this
+    rank writes, parameter i on rank i mod world size; ZeRO-1/2/3 fragments are each held by one rank)."""
     names = _names(engine)
     optimizer = engine.optimizer
+    if zero_stage(engine) == 0:
+        import torch.distributed as dist
+
+        rank, world = dist.get_rank(), dist.get_world_size()
+        for g, p in enumerate(_stage0_params(engine)):
+            if not owned or g % world == rank:
+                yield names[id(p)], tuple(p.shape), 0, p.numel(), g, 0
+        return
     if zero_stage(engine) == 3:
         for group in optimizer.fp16_groups:
             for p in group:
@@ -142,27 +169,29 @@ def create_optimizer_state(engine, step: float, moments: Iterable[str] = MOMENTS
     load fills every element a parameter covers; the alignment padding beyond them is zeroed), and link it to
     the parameters as DeepSpeed does after its first step."""
     optimizer = engine.optimizer
+    base = _base_state(engine)
     for flat in flat_partitions(engine):
         state = {m: torch.zeros_like(flat) for m in moments}
         state["step"] = torch.tensor(float(step), dtype=torch.float32)
-        optimizer.optimizer.state[flat] = state
-    if zero_stage(engine) <= 2:
+        base[flat] = state
+    if zero_stage(engine) in (1, 2):
         optimizer._hp_optimizer_states_linked = False
         optimizer._lazy_init_hp_params_optimizer_state()
 
 
 def engine_pieces(engine, kinds: Iterable[str] = ("master", *MOMENTS), *, master_as: str = "master",
-                  gated: bool = False) -> list[Piece]:
+                  gated: bool = False, owned: bool = False) -> list[Piece]:
     """This rank's fragments of the fp32 master weights and Adam moments as pieces viewing DeepSpeed's buffers
     (``kinds`` among ``master``, ``exp_avg``, ``exp_avg_sq``; moments need the optimizer state to exist).
     ``master_as="param"`` names the masters ``param/KEY`` (filled from an fp32 run's weights); ``gated``: the model
-    has a gated MLP (``--swiglu``), whose ``linear_fc1`` hetu checkpoints hold as ``(2, F, ...)``."""
+    has a gated MLP (``--swiglu``), whose ``linear_fc1`` hetu checkpoints hold as ``(2, F, ...)``; ``owned``:
+    what a save writes from this rank (:func:`_fragments`)."""
     flats = flat_partitions(engine)
-    state = engine.optimizer.optimizer.state
+    state = _base_state(engine)
     pieces: list[Piece] = []
-    for name, shape, first, count, g, offset in _fragments(engine):
+    for name, shape, first, count, g, offset in _fragments(engine, owned):
         for kind in kinds:
-            buffer = (flats[g] if kind == "master" else state[flats[g]][kind]).detach()
+            buffer = (flats[g] if kind == "master" else state[flats[g]][kind]).detach().view(-1)
             named = master_as if kind == "master" else kind
             pieces += _fragment_pieces(named, name, shape, first, buffer.narrow(0, offset, count), gated)
     return pieces
@@ -193,7 +222,7 @@ def param_pieces(engine, *, gated: bool = False) -> list[Piece]:
 
 def optimizer_step(engine) -> float | None:
     """Adam's step (the same for every partition), or None before the first step."""
-    state = engine.optimizer.optimizer.state
+    state = _base_state(engine)
     steps = {float(state[f]["step"]) for f in flat_partitions(engine) if f in state and "step" in state[f]}
     if len(steps) > 1:
         raise AssertionError(f"flat partitions at different Adam steps {sorted(steps)}")
@@ -205,6 +234,8 @@ def refresh_model_weights(engine) -> None:
     """The model-dtype weights from the fp32 masters, as DeepSpeed's step ends (ZeRO-1/2: copy this rank's
     partition and all-gather, collective; ZeRO-3: copy into each rank's ``ds_tensor`` partitions)."""
     optimizer = engine.optimizer
+    if zero_stage(engine) == 0:  # fp32: the parameters are the masters
+        return
     if zero_stage(engine) <= 2:
         optimizer.update_lp_params()
         return

@@ -1,9 +1,9 @@
 """Straggler-weighted microbatches on DeepSpeed's engine: per-rank microbatch counts that follow measured speeds.
 
 DeepSpeed 0.19.4+ lets the caller decide how many backward passes make a step (``"managed_gradient_accumulation":
-false``; ``backward(loss, scale_wrt_gas=False)`` then ``step()``). Under ZeRO-1 a rank's backwards only accumulate
-into its own gradients and ``step()`` reduces once (an average over the ranks), so ranks may run different
-microbatch counts. ZeRO-2/3 reduce-scatter on every backward (``partition_gradients``): a rank with fewer
+false``; ``backward(loss, scale_wrt_gas=False)`` then ``step()``). Under ZeRO-0 and ZeRO-1 a rank's backwards only
+accumulate into its own gradients and ``step()`` reduces once (an average over the ranks), so ranks may run
+different microbatch counts. ZeRO-2/3 reduce-scatter on every backward (``partition_gradients``): a rank with fewer
 microbatches would leave the others waiting in a collective it never joins, so they are refused
 (:func:`check_stage`).
 
@@ -29,9 +29,9 @@ from hetu_ext.plan.plan import Pipeline, Stage
 
 logger = logging.getLogger(__name__)
 
-WEIGHTED_STAGES = (1,)
-"""ZeRO stages whose backwards accumulate locally (stage 0, DeepSpeed without ZeRO, is not a stage this path
-builds: its checkpoints hold no ZeRO partitions)."""
+WEIGHTED_STAGES = (0, 1)
+"""ZeRO stages whose backwards accumulate locally: 0 (DeepSpeed without ZeRO: ``step()`` all-reduces the
+gradients) and 1 (``step()`` reduces them to the partitions)."""
 
 
 def check_stage(stage: int, interval: int, microbatches: tuple[int, ...] | None = None, packing: str = "off") -> None:

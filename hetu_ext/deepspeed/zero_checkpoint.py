@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO-1/2/3 checkpoints as a reshard source, with no offline step (no ``ds_to_universal``).
+"""DeepSpeed ZeRO-0/1/2/3 checkpoints as a reshard source, with no offline step (no ``ds_to_universal``).
 
 A DeepSpeed checkpoint ``DIR/<tag>/`` (``DIR/latest`` names the tag) holds the model states (the module's
 weights for ZeRO-1/2, placeholders for ZeRO-3; ``param_shapes``: parameter names and shapes in flattening order;
@@ -60,11 +60,19 @@ class DeepSpeedInfo:
     optimizer_step: float | None = None
 
 
+MODEL_STATES = "mp_rank_00_model_states.pt"
+"""Rank 0's model states; a ZeRO-0 tag holds only this file (the optimizer's state dict inside it)."""
+
+
+def _is_tag(root: Path) -> bool:
+    return any(root.glob("*_optim_states.pt")) or (root / MODEL_STATES).is_file()
+
+
 def is_deepspeed(directory: str) -> bool:
     """A ``DIR`` with DeepSpeed's ``latest`` tag file and no hetu / Megatron tracker (whether the tag it names is
     complete is checked on reading, with an error naming the missing files), or a DeepSpeed tag directory."""
     root = Path(directory)
-    if any(root.glob("*_optim_states.pt")):
+    if _is_tag(root):
         return True
     return (root / LATEST).is_file() and not (root / "latest_checkpointed_iteration.txt").exists()
 
@@ -72,16 +80,16 @@ def is_deepspeed(directory: str) -> bool:
 def tag_path(directory: str) -> Path:
     """``DIR/<latest tag>``, or ``DIR`` itself when given a tag directory."""
     root = Path(directory)
-    if any(root.glob("*_optim_states.pt")):
+    if _is_tag(root):
         return root
     latest = root / LATEST
     if not latest.is_file():
         raise CheckpointError(f"{directory}: no DeepSpeed checkpoint (no '{LATEST}' file and no *_optim_states.pt); "
                               "give the save_checkpoint directory or one of its tag directories")
     path = root / latest.read_text().strip()
-    if not any(path.glob("*_optim_states.pt")):
-        raise CheckpointError(f"{path}: named by {latest} but holds no *_optim_states.pt; the save did not finish "
-                              "or the files were moved; point 'latest' at a complete tag")
+    if not _is_tag(path):
+        raise CheckpointError(f"{path}: named by {latest} but holds no *_optim_states.pt and no {MODEL_STATES}; "
+                              "the save did not finish or the files were moved; point 'latest' at a complete tag")
     return path
 
 
@@ -154,6 +162,8 @@ def read_info(directory: str) -> DeepSpeedInfo:
     try:
         model_files = z.get_model_state_files(str(path))
         states = torch.load(model_files[0], map_location="cpu", mmap=True, weights_only=False)
+        if not any(path.glob("*_optim_states.pt")) and _saved_stage(states) == 0:
+            return _stage0_info(path, states)
         optim = torch.load(_optim_files(path)[0], map_location="cpu", mmap=True, weights_only=False)
     except (FileNotFoundError, RuntimeError, ValueError) as e:
         raise CheckpointError(f"{path}: not a readable DeepSpeed ZeRO checkpoint ({e})") from None
@@ -174,6 +184,42 @@ def read_info(directory: str) -> DeepSpeedInfo:
                          optimizer_step=steps.pop() if steps else None)
 
 
+def _saved_stage(states: dict[str, Any]) -> int | None:
+    zero = (states.get("ds_config") or {}).get("zero_optimization") or {}
+    return int(zero.get("stage", 0)) if isinstance(zero, dict) else None
+
+
+def _stage0_info(path: Path, states: dict[str, Any]) -> DeepSpeedInfo:
+    """ZeRO-0 (DeepSpeed without ZeRO): the module's weights and torch's optimizer state dict, in rank 0's model
+    states. The state dict numbers the parameters in the optimizer's order, which hetu_ext's DeepSpeed path saves
+    as ``parameter_order`` in its client state (DeepSpeed records no names for it at stage 0)."""
+    client = states.get("hetu_ext") or {}
+    order = client.get("parameter_order")
+    if not order:
+        raise CheckpointError(f"{path}: a ZeRO-0 DeepSpeed checkpoint whose optimizer state names no parameters "
+                              "(DeepSpeed numbers them; hetu_ext's DeepSpeed path saves their names); load one saved "
+                              "by launch/pretrain_gpt_deepspeed.py, or save under ZeRO-1")
+    optimizer = states.get("optimizer") or {}
+    steps = {float(s["step"]) for s in optimizer.get("state", {}).values() if "step" in s}
+    if len(steps) > 1:
+        raise CheckpointError(f"{path}: parameters at different Adam steps {sorted(steps)}")
+    module = states["module"]
+    shapes = {name: _module_weight(module, name, str(path)).shape for name in order}
+    return DeepSpeedInfo(path=path, zero_stage=0, world_size=int(states.get("dp_world_size", 1)),
+                         global_steps=int(states.get("global_steps", 0)), shapes=shapes,
+                         client_state={"hetu_ext": client}, optimizer_step=steps.pop() if steps else None)
+
+
+def _rebuild_stage0(info: DeepSpeedInfo, kind: str) -> dict[str, torch.Tensor]:
+    """ZeRO-0: the module's weights (fp32: the masters too), or the moments by the saved parameter order."""
+    states = torch.load(info.path / MODEL_STATES, map_location="cpu", mmap=True, weights_only=False)
+    if kind in ("param", "master"):
+        return {n: _module_weight(states["module"], n, str(info.path)).clone() for n in info.shapes}
+    state = states["optimizer"]["state"]
+    order = info.client_state["hetu_ext"]["parameter_order"]
+    return {name: state[i][kind].clone() for i, name in enumerate(order)}
+
+
 def hetu_names(info: DeepSpeedInfo) -> set[str]:
     """The hetu names (``KIND/KEY``) of every tensor the checkpoint holds (moments only after a step)."""
     kinds = KINDS if info.optimizer_step is not None else KINDS[:2]
@@ -182,6 +228,8 @@ def hetu_names(info: DeepSpeedInfo) -> set[str]:
 
 def rebuild(info: DeepSpeedInfo, kind: str) -> dict[str, torch.Tensor]:
     """Full tensors of one kind by DeepSpeed parameter name, through DeepSpeed's own reconstruction."""
+    if info.zero_stage == 0:
+        return _rebuild_stage0(info, kind)
     z = _zero_to_fp32()
     path = str(info.path)
     with _quiet():

@@ -17,12 +17,15 @@ modules.
 from __future__ import annotations
 
 import argparse
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
 from . import argv as hetu_argv
 from .agreement import Agreement, NodeReport, agree, data_parallel
 from .worker import PRELOAD, run_deepspeed_worker, run_worker
+
+logger = logging.getLogger(__name__)
 
 SAVE_REQUIRED = ("elastic restarts need --save DIR (the checkpoints to resume from); add it with "
                  "--save-interval N")
@@ -105,8 +108,13 @@ class DeepSpeedEntry:
 
         config = from_namespace(self._parse(train))
         training = config.training
-        return data_parallel(nodes, num_layers=config.model.num_layers,
-                             num_microbatches=training.global_batch_size // training.micro_batch_size)
+        microbatches = training.global_batch_size // training.micro_batch_size
+        agreement = data_parallel(nodes, num_layers=config.model.num_layers, num_microbatches=microbatches)
+        healthy = sum(len(n.devices) for n in nodes)
+        if agreement.plan.world_size < healthy:
+            logger.warning("elastic: %d of %d healthy devices train this round: %d ranks do not divide the global "
+                           "batch's %d microbatches", agreement.plan.world_size, healthy, healthy, microbatches)
+        return agreement
 
     def round_argv(self, train: list[str], plan_path: str) -> list[str]:
         """``train`` with ``--load`` the ``--save`` directory once that holds a checkpoint (DeepSpeed's ``latest``
