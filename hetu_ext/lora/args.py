@@ -30,12 +30,10 @@ def validate_lora_args(args: argparse.Namespace) -> None:
                                        ("--hetu-migrate", args.hetu_migrate),
                                        ("--hetu-straggler-replan online", args.hetu_straggler_replan == "online"))
               if value]
-    for flag, value in (("--bf16", args.bf16), ("--use-distributed-optimizer", args.use_distributed_optimizer)):
-        if value and moving:
-            what = ("the adapters' fp32 master copies" if flag == "--bf16" else
-                    "Adam state sharded over the adapters' holders")
-            raise ValueError(f"--hetu-lora-tenants with {flag}: adapter checkpoints and migrations do not carry "
-                             f"{what} yet; drop {' '.join(moving)} or {flag}")
+    if args.use_distributed_optimizer and moving:
+        raise ValueError(f"--hetu-lora-tenants with --use-distributed-optimizer: adapter checkpoints and migrations "
+                         f"do not carry Adam state sharded over the adapters' holders yet; drop {' '.join(moving)} "
+                         "or --use-distributed-optimizer")
     tenants = load_tenants(args.hetu_lora_tenants)
     for tenant in tenants:
         if tenant.data_path is not None:

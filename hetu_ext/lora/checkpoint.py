@@ -3,7 +3,8 @@
 ``--save DIR`` with ``--hetu-lora-tenants`` writes, through the same writer as the base model's checkpoints
 (hetu_ext.checkpoint.writer: each unique element once, async persist, atomic commit, retention, run identity):
 
-* ``param/decoder.layers.<module>.lora_{A,B}.<tenant>`` (index: the global layer) for every adapter factor, and
+* ``param/decoder.layers.<module>.lora_{A,B}.<tenant>`` (index: the global layer) for every adapter factor (its
+  fp32 master under --bf16, from which a load casts the model's bf16 copy), and
   ``exp_avg/...``, ``exp_avg_sq/...`` for those of tenants Adam has stepped; boxes as in
   hetu_ext.lora.adapters (column B split by output rows, row A split by input columns under TP);
 * in the manifest's ``state``: the iteration, losses and per-tenant losses so far, the LR schedule, **each
@@ -132,6 +133,21 @@ def _shards(placement):
     return adapter_shards(placement.model, layer_offset=placement.shard_kwargs.get("layer_offset", 0))
 
 
+def _stepped(param: torch.nn.Parameter) -> torch.Tensor:
+    """What the optimizer steps for a model parameter: its fp32 master under --bf16, else the parameter."""
+    master = getattr(param, "main_param", None)
+    return param if master is None else master
+
+
+def cast_masters_down(placement) -> None:
+    """--bf16: the model's adapter weights from their fp32 masters, as after an optimizer step (after a load)."""
+    if not placement.active:
+        return
+    for inner in getattr(placement.optimizer, "chained_optimizers", [placement.optimizer]):
+        if getattr(inner, "float16_groups", None):
+            inner._copy_main_params_to_model_params()
+
+
 def adapter_pieces(placement, *, steps: dict[str, float | None] | None = None) -> list[Piece]:
     """This rank's adapter factors and their Adam moments as pieces (empty on idle ranks). With ``steps``
     (loading: tenant -> its Adam step, None if never stepped), every adapter parameter first gets Adam state at
@@ -141,10 +157,7 @@ def adapter_pieces(placement, *, steps: dict[str, float | None] | None = None) -
     held = _optimizer_states(placement.optimizer)
     pieces = []
     for s in _shards(placement):
-        if getattr(s.param, "main_param", None) is not None:
-            raise CheckpointError("LoRA adapters with fp32 master copies (--bf16) are not supported by adapter "
-                                  "checkpoints")
-        opt, param = held[id(s.param)]
+        opt, param = held[id(_stepped(s.param))]  # under --bf16 the fp32 master: its weights and Adam state
         if steps is not None:
             step = steps.get(s.tenant)
             opt.state.pop(param, None)
@@ -152,7 +165,7 @@ def adapter_pieces(placement, *, steps: dict[str, float | None] | None = None) -
                 opt.state[param] = {"step": torch.tensor(float(step), dtype=torch.float32),
                                     **{m: torch.zeros_like(param.data) for m in MOMENTS}}
         box = tuple((sl.start, sl.stop) for sl in s.slices)
-        pieces.append(Piece(f"param/{s.key}", s.index, box, s.view(s.param.data)))
+        pieces.append(Piece(f"param/{s.key}", s.index, box, s.view(param.data)))
         state = opt.state.get(param, {})
         pieces.extend(Piece(f"{m}/{s.key}", s.index, box, s.view(state[m])) for m in MOMENTS if m in state)
     return pieces
@@ -165,7 +178,7 @@ def local_tenant_steps(placement) -> dict[str, float | None]:
     held = _optimizer_states(placement.optimizer)
     found: dict[str, set] = {}
     for s in _shards(placement):
-        opt, param = held[id(s.param)]
+        opt, param = held[id(_stepped(s.param))]
         state = opt.state.get(param, {})
         found.setdefault(s.tenant, set()).add(float(state["step"]) if "step" in state else None)
     bad = {t: sorted(v, key=lambda x: -1 if x is None else x) for t, v in found.items() if len(v) > 1}
@@ -255,6 +268,7 @@ def load_adapters(trainer, directory: str) -> bool:
 
     start = time.perf_counter()
     report = load_pieces(storage, destinations, fallback=config.checkpoint.fallback, read=config.checkpoint.read)
+    cast_masters_down(trainer.placement)
     manifest = report.manifest
     rng = checkpointing.saved_rng(trainer, manifest, note="adapters resharded; ")
     state = manifest.state
