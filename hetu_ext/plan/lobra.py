@@ -361,6 +361,7 @@ def _two_strategy_mixes(pool: list[Strategy], steps: list[np.ndarray], *, world_
     (the mean step time is not monotone in n: a few larger replicas only help once they hold every long
     sequence)."""
     out = []
+    smallest = min(s.gpus for s in pool)  # as _fillings: fewer idle GPUs than the smallest strategy needs
 
     def price(counts) -> float:
         replicas = [s.replica for s, n in counts for _ in range(n)]
@@ -375,7 +376,9 @@ def _two_strategy_mixes(pool: list[Strategy], steps: list[np.ndarray], *, world_
             def mix(n: int):
                 counts = ((a, (world_size - n * b.gpus) // a.gpus), (b, n))
                 counts = tuple((s, k) for s, k in counts if k)
-                return counts if counts and max(s.capacity for s, _ in counts) >= longest else None
+                idle = world_size - sum(s.gpus * k for s, k in counts)
+                return counts if counts and idle < smallest and max(s.capacity for s, _ in counts) >= longest \
+                    else None
 
             stride = max(1, top // 8)
             priced: dict[int, float] = {}
