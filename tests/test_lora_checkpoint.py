@@ -41,13 +41,16 @@ def _state(trainer) -> dict:
     placement = trainer.placement
     offset = placement.shard_kwargs.get("layer_offset", 0)
     moments: dict[str, dict] = {"exp_avg": {}, "exp_avg_sq": {}}
-    for inner in getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer]):
-        for group in inner.optimizer.param_groups:
-            for p in group["params"]:
-                st = inner.optimizer.state.get(p, {})
+    stepped = {id(p): getattr(p, "main_param", p) for p in trainer.model.parameters() if p.requires_grad} \
+        if placement.active else {}  # under --bf16 the optimizer steps (and the checkpoint holds) the fp32 masters
+    for inner in getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer]) if placement.active else []:
+        states = inner.optimizer.state
+        for pid, held in stepped.items():
+            if held in states or pid not in moments["exp_avg"]:
                 for m in moments:
-                    moments[m][id(p)] = st[m] if m in st else torch.zeros_like(p)
-    out = {"param": gather_adapters(trainer.model, layer_offset=offset)}
+                    moments[m][pid] = states[held][m] if m in states.get(held, {}) else torch.zeros_like(held)
+    out = {"param": gather_adapters(trainer.model, layer_offset=offset, values=stepped),
+           "weight": gather_adapters(trainer.model, layer_offset=offset)}  # the model's copies (bf16 or fp32)
     for m, values in moments.items():
         out[m] = gather_adapters(trainer.model, layer_offset=offset, values=values)
     return {"tensors": out, "steps": tenant_steps(trainer), "iteration": trainer.iteration,
@@ -142,6 +145,32 @@ def test_resume_same_plan_is_bit_exact(saved_run, tmp_path):
     assert final["steps"] == want["steps"] == {"chat": 4.0, "code": 4.0, "sums": 2.0}
     assert final["losses"] == want["losses"] and final["tenant_losses"] == want["tenant_losses"]
     assert _equal(final["tensors"], want["tensors"]), _max_diff(final["tensors"], want["tensors"])
+
+
+def test_bf16_resume_same_plan_is_bit_exact(tmp_path):
+    """--bf16: the checkpoint holds the adapters' fp32 masters (not their bf16 copies) and Adam state; 2 steps +
+    save + 2 resumed steps equal 4 uninterrupted steps bit for bit (masters, moments, bf16 weights, losses).
+    Saving the bf16 copies instead would restart the masters rounded to bf16, which a bit-exact comparison sees."""
+    from hetu_ext.checkpoint import LocalStorage
+    from hetu_ext.checkpoint.reader import read_manifest
+
+    (tmp_path / "hetero.yaml").write_text(HETERO)
+    tenants = _tenants_file(tmp_path / "tenants.yaml", TENANTS)
+    argv = _argv(tenants, "--hetu-plan", str(tmp_path / "hetero.yaml"), "--train-iters", str(STEPS), "--bf16")
+    full = _run(3, [*argv, "--save", str(tmp_path / "ckpt"), "--save-interval", "2"])
+    dtypes = {t.dtype for t in read_manifest(LocalStorage(tmp_path / "ckpt"), 2).tensors}
+    assert dtypes == {"F32"}, dtypes  # the fp32 masters, not the bf16 copies (BF16)
+    at2 = tmp_path / "at2"
+    shutil.copytree(tmp_path / "ckpt" / "iter_0000002", at2 / "iter_0000002")
+    (at2 / "latest_checkpointed_iteration.txt").write_text("2")
+    resumed = _run(3, [*argv, "--load", str(at2)])
+    assert _equal(resumed["loaded"]["tensors"], full["saved"][2]["tensors"])
+    final, want = resumed["final"], full["final"]
+    assert final["steps"] == want["steps"] == {"chat": 4.0, "code": 4.0, "sums": 2.0}
+    assert final["losses"] == want["losses"] and final["tenant_losses"] == want["tenant_losses"]
+    assert _equal(final["tensors"], want["tensors"]), _max_diff(final["tensors"], want["tensors"])
+    masters, weights = want["tensors"]["param"], want["tensors"]["weight"]
+    assert any(not torch.equal(masters[k], weights[k]) for k in masters)  # the masters are not the bf16 copies
 
 
 @pytest.mark.parametrize("layout", [(), ("--tensor-model-parallel-size", "2")], ids=["dp2", "tp2"])
