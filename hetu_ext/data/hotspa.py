@@ -224,14 +224,15 @@ def run_order(groups: list[Group], strategies: Strategies) -> list[Group]:
 
 def auto_groups(lengths: Sequence[int], strategies: Strategies, group_s: Callable[[int, list[int]], float],
                 switch_s: Sequence[float], *, points: int = 16,
-                exact: Callable[[int, list[int]], float] | None = None) -> list[Group]:
+                exact: Callable[[int, list[int]], float] | None = None, alone_margin: float = 0.1) -> list[Group]:
     """The grouping minimising ``sum over groups (group_s(strategy, lengths) + switch_s[strategy])`` (switch 0 for
     home): a dynamic program over split points of the sorted lengths (every capacity boundary and ``points``
     quantiles), each contiguous run of lengths given the strategy that takes its longest and has no more
     pipelines than sequences. ``group_s`` may be an estimate (the packer's bound); with ``exact`` (the packer)
     the program's grouping is then improved by exactly priced merges of its groups (:func:`_merge_exactly`) and
     compared with the home alone, so an estimate's error never makes a step slower than running it all under the
-    home strategy."""
+    home strategy; then with every strategy alone whose estimate is within ``alone_margin`` of that exact price
+    (:func:`_best_alone`)."""
     check_capacity(lengths, strategies)
     s = np.asarray(lengths, dtype=np.int64)
     order = np.argsort(s, kind="stable")
@@ -263,9 +264,35 @@ def auto_groups(lengths: Sequence[int], strategies: Strategies, group_s: Callabl
     for k, i, j, _ in best[n][1]:
         merged.setdefault(k, []).extend(int(x) for x in order[i:j])
     groups = [Group(strategy=k, indices=tuple(ix)) for k, ix in sorted(merged.items())]
-    if exact is None or len(groups) == 1:
+    if exact is None:
         return groups
-    return _merge_exactly(groups, s, strategies, exact, switch_s)
+    if len(groups) > 1:
+        groups = _merge_exactly(groups, s, strategies, exact, switch_s)
+    return _best_alone(groups, s, strategies, group_s, exact, switch_s, margin=alone_margin)
+
+
+def _best_alone(groups: list[Group], s: np.ndarray, strategies: Strategies, group_s, exact, switch_s, *,
+                margin: float) -> list[Group]:
+    """``groups`` or one strategy alone taking every sequence, whichever is exactly cheaper: the program's
+    estimate can miss that a strategy other than the home trains the whole step faster even after its switch
+    (e.g. a step whose longest sequence a faster shape holds). Strategies are priced exactly only when their
+    estimate plus switch is within ``margin`` of the best exact total so far (ties: ``groups``)."""
+    def switch(k: int) -> float:
+        return 0.0 if k == strategies.home else switch_s[k]
+
+    best = sum(exact(g.strategy, [int(s[i]) for i in g.indices]) + switch(g.strategy) for g in groups)
+    chosen = groups
+    everything = s.tolist()
+    order = sorted((group_s(k, everything) + switch(k), k) for k, st in enumerate(strategies.items)
+                   if st.max_len >= int(s.max()) and len(st.plan.pipelines) <= s.size
+                   and not (len(groups) == 1 and groups[0].strategy == k))
+    for estimate, k in order:
+        if estimate > best * (1 + margin):
+            break
+        t = exact(k, everything) + switch(k)
+        if t < best:
+            best, chosen = t, [Group(strategy=k, indices=tuple(range(s.size)))]
+    return chosen
 
 
 def _merge_exactly(groups: list[Group], s: np.ndarray, strategies: Strategies,
