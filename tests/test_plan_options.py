@@ -237,3 +237,29 @@ def test_hydraulis_cli_searches_the_recomputation_and_names_the_flags(tmp_path, 
     assert "--sequence-parallel --use-distributed-optimizer" in first
     assert plan_main(argv) == 0
     assert not capsys.readouterr().out.startswith("options: sp")  # the plain run prices none of them
+
+
+def test_hotspa_auto_takes_another_strategy_alone_when_it_is_exactly_cheaper():
+    """The program's estimate keeps the whole step under the home; the exact price says the other strategy
+    alone is cheaper, switch included: auto_groups takes it. Outside the margin it is not priced."""
+    from hetu_ext.data.hotspa import Strategy, auto_groups
+    from hetu_ext.plan import uniform_plan
+
+    items = (Strategy("dp2", uniform_plan(world_size=2, num_layers=4, num_microbatches=2), 64),
+             Strategy("tp2", uniform_plan(world_size=2, tp=2, num_layers=4), 64))
+    strategies = Strategies(items=items, home=1)
+    lengths = [3, 9, 17, 18, 30, 50, 2, 12]
+    priced = []
+
+    def estimate(k, ls):
+        return (1.05 if k == 0 else 1.0) * sum(ls)
+
+    def exact(k, ls):
+        priced.append(k)
+        return (0.5 if k == 0 else 1.0) * sum(ls)
+
+    got = auto_groups(lengths, strategies, estimate, [1.0, 0.0], exact=exact)
+    assert [(g.strategy, sorted(g.indices)) for g in got] == [(0, list(range(len(lengths))))]
+    priced.clear()
+    got = auto_groups(lengths, strategies, estimate, [20.0, 0.0], exact=exact)  # the switch is too dear
+    assert [g.strategy for g in got] == [1] and 0 not in priced
