@@ -32,7 +32,7 @@ from collections.abc import Sequence
 
 from hetu_ext.plan.cluster import Cluster
 from hetu_ext.plan.cost import CostModel, load_tp_efficiency, stage_cost, with_measured_tp
-from hetu_ext.plan.malleus import plan_malleus, predict, predict_uniform, work_bound_s
+from hetu_ext.plan.malleus import microbatch_bound_s, plan_malleus, predict, predict_uniform, work_bound_s
 from hetu_ext.plan.options import PLAIN, Options, search_space
 from hetu_ext.model.spec import ModelSpec
 from hetu_ext.plan.plan import uniform_plan
@@ -153,7 +153,8 @@ def main() -> None:
                                       cost=cost)
             best = best_uniform(cluster, SPEC, micro_batch=1, num_microbatches=microbatches, cost=cost,
                                 options=options or (PLAIN,))
-            bound = work_bound_s(cluster, SPEC, micro_batch=1, num_microbatches=microbatches, cost=cost)
+            bound = max(work_bound_s(cluster, SPEC, micro_batch=1, num_microbatches=microbatches, cost=cost),
+                        microbatch_bound_s(cluster, SPEC, micro_batch=1, num_microbatches=microbatches, cost=cost))
             layout = (f"tp{best['tp']} pp{best['pp']} dp{best['dp']} {best['options'].name} "
                       f"on {len(best['ranks'])}/{gpus}")
             speedup, best_speedup = uniform / planned.predicted_step_s, best["step_s"] / planned.predicted_step_s

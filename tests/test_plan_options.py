@@ -25,7 +25,7 @@ from hetu_ext.plan.lobra import (
     strategy_pool,
     work_bound_gpu_s,
 )
-from hetu_ext.plan.malleus import plan_malleus, predict, work_bound_s
+from hetu_ext.plan.malleus import microbatch_bound_s, plan_malleus, predict, predict_uniform, work_bound_s
 from hetu_ext.plan.options import PLAIN, Options, search_space
 
 SPEC = ModelSpec(num_layers=8, hidden_size=1024, num_attention_heads=16, ffn_hidden_size=4096, vocab_size=32000,
@@ -263,3 +263,59 @@ def test_hotspa_auto_takes_another_strategy_alone_when_it_is_exactly_cheaper():
     priced.clear()
     got = auto_groups(lengths, strategies, estimate, [20.0, 0.0], exact=exact)  # the switch is too dear
     assert [g.strategy for g in got] == [1] and 0 not in priced
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_malleus_microbatch_bound_is_below_every_plan_it_covers(seed):
+    """microbatch_bound_s (whole microbatches, one TP degree per plan) is at most the planner's plan under every
+    option set and every uniform layout on the same (straggling) cluster, and at least the fluid work bound
+    wherever it counts; with no straggler and a batch that divides evenly over TP-1 GPUs it meets the fluid one."""
+    rng = random.Random(500 + seed)
+    spec = ModelSpec(num_layers=rng.choice((8, 16)), hidden_size=2048, num_attention_heads=16, vocab_size=32000,
+                     seq_length=rng.choice((1024, 2048)))
+    gpus = rng.choice((8, 16, 24))
+    cluster = _cluster(rng, gpus, rng.choice((16, 40, 80)) * 2**30)
+    microbatches = rng.choice((gpus * 2, gpus * 4 + 3, 37))
+    bound = microbatch_bound_s(cluster, spec, micro_batch=1, num_microbatches=microbatches)
+    options = search_space(distributed_optimizer=(False, True))
+    try:
+        planned = plan_malleus(cluster, spec, micro_batch=1, num_microbatches=microbatches, options=options)
+    except ValueError:
+        planned = None
+    if planned is not None:
+        assert bound <= planned.predicted_step_s * (1 + 1e-9)
+        assert predict(planned.plan, cluster, spec, micro_batch=1, options=planned.options) >= bound * (1 - 1e-9)
+    for tp in (1, 2, 4, 8):
+        for pp in (1, 2, 4):
+            if gpus % (tp * pp) or spec.num_layers % pp:
+                continue
+            for o in (PLAIN, Options(recompute="full", sequence_parallel=True)):
+                t = predict_uniform(cluster, spec, tp=tp, pp=pp, micro_batch=1, num_microbatches=microbatches,
+                                    options=o)
+                assert bound <= t * (1 + 1e-9), (tp, pp, o)
+
+
+def test_malleus_microbatch_bound_counts_whole_microbatches():
+    spec = ModelSpec(num_layers=8, hidden_size=2048, num_attention_heads=16, vocab_size=32000, seq_length=1024)
+    even = Cluster(world_size=8, gpus_per_node=8, gpu_memory_bytes=80 * 2**30)
+    whole = microbatch_bound_s(even, spec, micro_batch=1, num_microbatches=32)
+    assert whole == pytest.approx(work_bound_s(even, spec, micro_batch=1, num_microbatches=32), rel=1e-6)
+    # one more microbatch than 8 GPUs divide: some GPU (or TP group) runs a fifth, or a pipeline pays its fill
+    odd = microbatch_bound_s(even, spec, micro_batch=1, num_microbatches=33)
+    assert odd > work_bound_s(even, spec, micro_batch=1, num_microbatches=33) * 1.15
+    planned = plan_malleus(even, spec, micro_batch=1, num_microbatches=33)
+    assert odd <= planned.predicted_step_s * (1 + 1e-9)
+
+
+def test_malleus_microbatch_bound_lets_a_straggler_take_its_one_microbatch():
+    """Two GPUs, one 1.5x slow, three microbatches: the best plan gives the slow GPU one (2 F against 3 F on the
+    healthy GPU alone); the bound must allow it (a bound counting the slow GPU's work fluidly, without the one
+    whole microbatch it can finish, would say 2.5 F)."""
+    spec = ModelSpec(num_layers=4, hidden_size=1024, num_attention_heads=16, vocab_size=32000, seq_length=1024)
+    cluster = Cluster(world_size=2, gpus_per_node=2, gpu_memory_bytes=80 * 2**30, slowdowns={1: 1.5})
+    planned = plan_malleus(cluster, spec, micro_batch=1, num_microbatches=3, tp_degrees=(1,))
+    assert planned.plan.pipelines[0].num_microbatches + planned.plan.pipelines[-1].num_microbatches == 3
+    assert len(planned.plan.pipelines) == 2
+    bound = microbatch_bound_s(cluster, spec, micro_batch=1, num_microbatches=3)
+    assert bound <= planned.predicted_step_s * (1 + 1e-9)
+    assert bound >= 0.99 * planned.predicted_step_s  # and it is this plan's time: the bound is tight here

@@ -344,3 +344,59 @@ def work_bound_s(cluster: Cluster, spec: ModelSpec, *, micro_batch: int, num_mic
     best = max([cost.tp_efficiency.get(1, 0.8), *cost.tp_efficiency.values()])
     rate = sum(cost.flops_per_s * best / cluster.slowdown(r) for r in range(cluster.world_size))
     return num_microbatches * flops / rate
+
+
+def microbatch_bound_s(cluster: Cluster, spec: ModelSpec, *, micro_batch: int, num_microbatches: int,
+                       cost: CostModel = CostModel(), tp_degrees: tuple[int, ...] = (1, 2, 4, 8)) -> float:
+    """A lower bound on the predicted step time of every plan with one TP degree (every Malleus template, any
+    option set), counting whole microbatches: tighter than :func:`work_bound_s` where the batch does not divide
+    evenly over the GPUs.
+
+    Proof, for TP t (``F`` = one microbatch's forward and backward through every layer at TP t, no slowdown, no
+    recomputation: stage_cost's). A pipeline whose stages' TP groups run at slowdowns x_j has a fill (the sum of
+    its stage times) of at least F and a bottleneck b with ``F <= b sum_j 1 / x_j`` (each stage's time is at least
+    x_j times its share of F, x_j counting the slowdown on compute only: a slowdown does not slow the all-reduces);
+    1F1B's ``(m - 1) b + fill <= T`` then gives ``m <= floor((T / F - 1) s) + 1``, s = sum_j 1 / x_j (m = 0 when
+    T < F). A pipeline of p healthy groups takes at most ``floor((y - 1) p) + 1 <= p floor(y)`` (y = T / F;
+    with y = n + f, ``floor((n - 1 + f) p) + 1 = (n - 1) p + floor(f p) + 1 <= n p``): at most floor(y) per
+    group, so the healthy groups (at most the sum over nodes of floor(healthy GPUs / t)) take at most
+    ``N floor(y)``; each GPU slower than 1 adds at most ``(y - 1) / x + 1`` (its share of a pipeline's s, and
+    that pipeline's one extra microbatch). The least T
+    where that reaches ``num_microbatches`` bounds every plan of TP t; the bound is the least over t."""
+    best = float("inf")
+    slow = [cluster.slowdown(r) for r in range(cluster.world_size) if cluster.slowdown(r) > 1.0]
+    for t in tp_degrees:
+        if t > cluster.gpus_per_node or inventory.tp_problems(spec, t):
+            continue
+        whole = stage_cost(spec, cost, num_layers=spec.num_layers, tp=t, slowdown=1.0, micro_batch=micro_batch,
+                           first=True, last=True, in_flight=1)
+        f = whole.forward_s + whole.backward_s
+        groups = sum(sum(1 for r in node if cluster.slowdown(r) <= 1.0) // t for node in cluster.nodes)
+        # a slowdown x scales a layer's compute, not its all-reduce: a stage is at least x' = (x C + K) / (C + K)
+        # times its share of F (C, K: a layer's compute and all-reduce seconds at TP t; the embedding and output
+        # have no all-reduce, so their x' is x, larger)
+        one, two = (stage_cost(spec, cost, num_layers=1, tp=t, slowdown=x, micro_batch=micro_batch, first=False,
+                               last=False, in_flight=1) for x in (1.0, 2.0))
+        compute = (two.forward_s + two.backward_s) - (one.forward_s + one.backward_s)
+        comm = (one.forward_s + one.backward_s) - compute
+        effective = [(x * compute + comm) / (compute + comm) for x in slow]
+
+        def taken(y: float) -> float:
+            if y < 1.0:
+                return 0.0
+            return groups * math.floor(y + 1e-12) + sum((y - 1) / x + 1 for x in effective)
+
+        hi = 1.0 + num_microbatches  # one group alone takes num_microbatches by y = 1 + num_microbatches
+        if taken(hi) < num_microbatches:
+            continue
+        lo = 0.0
+        for _ in range(_BISECT_STEPS):
+            mid = (lo + hi) / 2
+            if mid in (lo, hi):
+                break
+            if taken(mid) >= num_microbatches:
+                hi = mid
+            else:
+                lo = mid
+        best = min(best, lo * f)
+    return best
