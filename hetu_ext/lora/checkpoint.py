@@ -146,6 +146,9 @@ def cast_masters_down(placement) -> None:
     for inner in getattr(placement.optimizer, "chained_optimizers", [placement.optimizer]):
         if getattr(inner, "float16_groups", None):
             inner._copy_main_params_to_model_params()
+    sharded = getattr(placement.optimizer, "hetu_sharded", None)
+    if sharded is not None:  # --use-distributed-optimizer: the owners' boxes to every holder
+        sharded.sync.gather()
 
 
 def adapter_pieces(placement, *, steps: dict[str, float | None] | None = None) -> list[Piece]:
@@ -154,6 +157,9 @@ def adapter_pieces(placement, *, steps: dict[str, float | None] | None = None) -
     its tenant's step (zero moments, to be filled), or none."""
     if not placement.active:
         return []
+    sharded = getattr(placement.optimizer, "hetu_sharded", None)
+    if sharded is not None:
+        return _sharded_pieces(placement, sharded, steps)
     held = _optimizer_states(placement.optimizer)
     pieces = []
     for s in _shards(placement):
@@ -171,13 +177,52 @@ def adapter_pieces(placement, *, steps: dict[str, float | None] | None = None) -
     return pieces
 
 
+def _owned(placement, sharded):
+    """--use-distributed-optimizer: (tenant, owned box, what the optimizer steps for it) for every box this rank
+    owns: the box's view, or under --bf16 its fp32 master."""
+    tenant_of = {id(s.param): s.tenant for s in _shards(placement)}
+    return [(tenant_of[id(owned.local.param)], owned, getattr(view, "main_param", view))
+            for owned, view in sharded.params]
+
+
+def _sharded_pieces(placement, sharded, steps) -> list[Piece]:
+    """adapter_pieces with --use-distributed-optimizer: Adam state of the owned boxes only; the weights from every
+    holder (fp32) or the owned boxes' fp32 masters (--bf16; a load casts and all-gathers them after)."""
+    opt = sharded.optimizer.optimizer
+    pieces = []
+    owned_boxes = _owned(placement, sharded)
+    fp32 = all(getattr(view, "main_param", None) is None for _, view in sharded.params)
+    if fp32:
+        for s in _shards(placement):
+            pieces.append(Piece(f"param/{s.key}", s.index, tuple((sl.start, sl.stop) for sl in s.slices),
+                                s.view(s.param.data)))
+    for tenant, owned, held in owned_boxes:
+        key, index, box = owned.cell.key, owned.cell.index, owned.box
+        if steps is not None:
+            step = steps.get(tenant)
+            opt.state.pop(held, None)
+            if step is not None:
+                opt.state[held] = {"step": torch.tensor(float(step), dtype=torch.float32),
+                                   **{m: torch.zeros_like(held.data) for m in MOMENTS}}
+        if not fp32:
+            pieces.append(Piece(f"param/{key}", index, box, held.data))
+        state = opt.state.get(held, {})
+        pieces.extend(Piece(f"{m}/{key}", index, box, state[m]) for m in MOMENTS if m in state)
+    return pieces
+
+
 def local_tenant_steps(placement) -> dict[str, float | None]:
     """Tenant -> Adam's step count of its local adapter parameters (None: never stepped); they must agree."""
     if not placement.active:
         return {}
-    held = _optimizer_states(placement.optimizer)
     found: dict[str, set] = {}
-    for s in _shards(placement):
+    sharded = getattr(placement.optimizer, "hetu_sharded", None)
+    if sharded is not None:
+        for tenant, _, held in _owned(placement, sharded):
+            state = sharded.optimizer.optimizer.state.get(held, {})
+            found.setdefault(tenant, set()).add(float(state["step"]) if "step" in state else None)
+    held = _optimizer_states(placement.optimizer) if sharded is None else {}
+    for s in _shards(placement) if sharded is None else []:
         opt, param = held[id(_stepped(s.param))]
         state = opt.state.get(param, {})
         found.setdefault(s.tenant, set()).add(float(state["step"]) if "step" in state else None)
