@@ -66,10 +66,11 @@ def _pieces(placement: Placement, *, create_state_at_step: int | None = None) ->
     sharded = getattr(placement.optimizer, "hetu_sharded", None)
     if sharded is not None:  # --- the plan runtime's sharded optimizer: owned boxes (masters under --bf16)
         entries = sharded.entries()
-        pieces = []
-        if all(p.dtype == torch.float32 for p in placement.model.parameters()):  # fp32: every holder's weights
-            pieces = [Piece(f"param:{s.key}", s.index, tuple((sl.start, sl.stop) for sl in s.slices), s.data.data)
-                      for s in local_shards(placement.model, **placement.shard_kwargs)]
+        # every holder's weights where the optimizer keeps no fp32 master: fp32 models, and frozen parameters
+        # (a plug-in's base, e.g. LoRA's) in bf16 too
+        pieces = [Piece(f"param:{s.key}", s.index, tuple((sl.start, sl.stop) for sl in s.slices), s.data.data)
+                  for s in local_shards(placement.model, **placement.shard_kwargs)
+                  if s.param.dtype == torch.float32 or not s.param.requires_grad]
         for e in entries:
             if e.master is not None:
                 pieces.append(Piece(f"param:{e.key}", e.index, e.box, e.master.data))

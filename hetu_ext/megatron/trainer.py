@@ -247,12 +247,8 @@ class Trainer:
         """Move to ``plan`` now (collective over every rank): new stage models, state resharded, same run."""
         report_rank = min(plan.used_ranks)
         old_scheduler = self.scheduler
-        placement, report = migrate(
-            self.placement,
-            lambda: build_plan_placement(self.config.training, self.spec, plan, self.host, self.numerics,
-                                         use_distributed_optimizer=self.config.parallel.use_distributed_optimizer,
-                                         converter=self.converter),
-            self.iteration, plugin_pieces=self.plugin_pieces)
+        placement, report = migrate(self.placement, lambda: self.build_placement(plan), self.iteration,
+                                    plugin_pieces=self.plugin_pieces)
         self.plan, self.placement, self.plan_key = plan, placement, plan_id(plan)
         self.placement_changed()
         self.scheduler = make_scheduler(self.config.training, self.config.packing, placement, plan)
@@ -275,6 +271,13 @@ class Trainer:
             log(f"migrated to a new plan after step {self.iteration} in {report.seconds:.2f} s: "
                 f"{sent[0] / 2**20:.2f} MiB sent between ranks, {sent[1] / 2**20:.2f} MiB kept in place\n"
                 f"{format_plan(plan)}")
+
+    def build_placement(self, plan: Plan) -> Placement:
+        """This rank's placement under ``plan``, a migration's destination (collective; a plug-in may add its own
+        parts before the state moves)."""
+        return build_plan_placement(self.config.training, self.spec, plan, self.host, self.numerics,
+                                    use_distributed_optimizer=self.config.parallel.use_distributed_optimizer,
+                                    converter=self.converter)
 
     def placement_changed(self) -> None:
         """After a migration built the new placement and moved the state (collective): a plug-in re-attaches."""
