@@ -432,7 +432,7 @@ pipelines:
 """After the migration: the TP-2 replica moves to ranks 0 and 1, the TP-1 one to rank 2."""
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp32-sharded", "bf16-sharded"])
 def test_joint_tenants_through_a_migration_equal_each_alone(precision, references, bf16_references, joint_files,
                                                             tmp_path):
     """A scheduled migration after step 1 (the base's weights and every tenant's adapters and Adam state, at each
@@ -440,18 +440,21 @@ def test_joint_tenants_through_a_migration_equal_each_alone(precision, reference
     adapter still equals its tenant trained alone, and the absent tenant's skipped step survives the move. Under
     --bf16 the adapters' fp32 masters move (the bf16 copies are cast from them), compared to the bf16 alone runs
     with test_bf16_joint_tenants_equal_each_alone's tolerances; moving the bf16 copies instead (the new masters
-    then keep their initial values) puts chat's update 92% off (measured)."""
+    then keep their initial values) puts chat's update 92% off (measured). With --use-distributed-optimizer
+    ("sharded") each box's Adam state (and master) moves from its old owner to its new one, and the frozen base's
+    weights from every holder."""
     tenants, plan = joint_files
     moved = tmp_path / "moved.yaml"
     moved.write_text(MOVED)
-    extra = ("--bf16",) if precision == "bf16" else ()
+    extra = (("--bf16",) if precision.startswith("bf16") else ()) + \
+        (("--use-distributed-optimizer",) if precision.endswith("sharded") else ())
     result = run_ranks(lobra_body, 3, _argv(tenants, "--hetu-plan", plan, "--hetu-migrate", f"step=1:plan={moved}",
                                             *extra), "tenant", False, timeout=300)[0]
     assert any(line.startswith("migrated to a new plan after step 1") for line in result["lines"])
-    if precision == "bf16":
-        _assert_bf16_each_alone(result, bf16_references, references, "bf16 migration")
+    if precision.startswith("bf16"):
+        _assert_bf16_each_alone(result, bf16_references, references, f"{precision} migration")
         return
-    _assert_each_alone(result, references, "migration")
+    _assert_each_alone(result, references, f"{precision} migration")
     assert result["base_same"]
     keys = [k for k in result["exp_avg"] if k.endswith(".sums")]
     assert max(float((result["exp_avg"][k] - references["sums"]["exp_avg"][k]).abs().max()) for k in keys) <= 1e-6

@@ -42,18 +42,13 @@ def test_tenants_with_other_data_flags_refused(tmp_path):
     assert_one_error_line(run([*ARGV, "--mock-data", "--hetu-lora-tenants", str(path)]), "drop --mock-data")
 
 
-@pytest.mark.parametrize("extra,needle", [
-    (("--use-distributed-optimizer", "--hetu-migrate", "step=1:plan=configs/lobra/plan_3ranks.yaml"),
-     "with --use-distributed-optimizer: migrations do not carry Adam state sharded"),
-    (("--use-distributed-optimizer", "--hetu-straggler-replan", "online", "--hetu-straggler-interval", "1"),
-     "with --use-distributed-optimizer: migrations do not carry Adam state sharded"),
-])
-def test_tenants_refuse_what_they_do_not_support_yet(tmp_path, extra, needle):
-    """Migrations of sharded adapter state: one error line, exit 2, before any rank starts (not a failure in the
-    middle of a run)."""
+def test_tenants_refuse_torch_dist_checkpoints(tmp_path):
+    """Adapter checkpoints are hetu_ext's format only: one error line, exit 2, before any rank starts."""
     path = tmp_path / "tenants.yaml"
     path.write_text(TENANT)
-    assert_one_error_line(run(["--nproc-per-node", "2", *ARGV, "--hetu-lora-tenants", str(path), *extra]), needle)
+    assert_one_error_line(run(["--nproc-per-node", "2", *ARGV, "--hetu-lora-tenants", str(path),
+                               "--hetu-ckpt-format", "torch_dist", "--save", "ckpt"]),
+                          "does not combine with --hetu-ckpt-format torch_dist yet")
 
 
 def test_planner_bad_tenants_file_exit_2(tmp_path):

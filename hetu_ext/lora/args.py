@@ -26,13 +26,6 @@ def validate_lora_args(args: argparse.Namespace) -> None:
                          "greedy or unpacked")
     if args.hetu_ckpt_format == "torch_dist":
         raise ValueError("--hetu-lora-tenants does not combine with --hetu-ckpt-format torch_dist yet; drop it")
-    moving = [flag for flag, value in (("--hetu-migrate", args.hetu_migrate),
-                                       ("--hetu-straggler-replan online", args.hetu_straggler_replan == "online"))
-              if value]
-    if args.use_distributed_optimizer and moving:
-        raise ValueError(f"--hetu-lora-tenants with --use-distributed-optimizer: migrations do not carry Adam state "
-                         f"sharded over the adapters' holders yet; drop {' '.join(moving)} or "
-                         "--use-distributed-optimizer")
     tenants = load_tenants(args.hetu_lora_tenants)
     for tenant in tenants:
         if tenant.data_path is not None:

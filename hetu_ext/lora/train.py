@@ -84,9 +84,15 @@ class LoRATrainer(Trainer):
         self.attach_timer(placement, plan)
         return placement
 
+    def build_placement(self, plan):
+        """A migration's destination: the stage with adapters and their reduction (and, with
+        --use-distributed-optimizer, the adapters' sharded optimizer) before the state moves (collective)."""
+        placement, self.lora = place_tenants(self.config, self.spec, plan, self.host, self.numerics, self.converter,
+                                             tuple(t.name for t in self.tenants))
+        return placement
+
     def placement_changed(self) -> None:
-        """The adapters' reduction for the new plan (collective); an idle rank's probe layer routed."""
-        self.lora = attach_sync(self.placement, self.plan, tuple(t.name for t in self.tenants), self.host.rank)
+        """After a migration: an idle rank's probe layer routed."""
         route_probe(self.placement, self.spec.seq_length)
 
     def _save(self, directory: str) -> None:
@@ -180,10 +186,7 @@ def build_lora_trainer(config: RunConfig) -> LoRATrainer:
                               backend=config.parallel.distributed_backend)
     numerics = TrainingNumerics.of(config.model, training, variable_seq_lengths=True)
     converter = LoRAConverter(tenants, seed=training.seed)
-    sharded = config.parallel.use_distributed_optimizer  # built over the adapters by attach_sync
-    placement = build_plan_placement(training, spec, plan, h, numerics, converter=converter, with_optimizer=not sharded)
-    lora = attach_sync(placement, plan, tuple(t.name for t in tenants), h.rank,
-                       sharded_optimizer=optimizer_config(training, numerics) if sharded else None)
+    placement, lora = place_tenants(config, spec, plan, h, numerics, converter, tuple(t.name for t in tenants))
     flops = inventory.training_flops_per_token(spec, seq_length=spec.seq_length, causal=True)  # MFU's convention
     layer_cost = emulated_layer_cost(config.straggler)  # --hetu-emulate-cost: layers padded to a cost table
     monitor = straggler_monitor(config.straggler, 1, config.logging.log_interval, spec, plan, h, placement)
@@ -210,6 +213,17 @@ def build_lora_trainer(config: RunConfig) -> LoRATrainer:
     if config.checkpoint.save:  # the run's identity; another run's checkpoints there are refused before training
         checkpointing.prepare_save(trainer, config.checkpoint.save)
     return trainer
+
+
+def place_tenants(config: RunConfig, spec, plan, h, numerics, converter, tenants: tuple[str, ...]):
+    """This rank's stage under ``plan`` with the tenants' adapters, and their reduction and step (collective):
+    (placement, LoRASync). With --use-distributed-optimizer the stage is built without an optimizer and the
+    adapters' sharded one is attached (hetu_ext.lora.sync.attach_sync)."""
+    training, sharded = config.training, config.parallel.use_distributed_optimizer
+    placement = build_plan_placement(training, spec, plan, h, numerics, converter=converter, with_optimizer=not sharded)
+    lora = attach_sync(placement, plan, tenants, h.rank,
+                       sharded_optimizer=optimizer_config(training, numerics) if sharded else None)
+    return placement, lora
 
 
 def route_probe(placement, seq_length: int) -> None:
