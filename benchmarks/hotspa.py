@@ -7,10 +7,10 @@ Two parts, one JSON line at the end:
   ``--batch-tokens`` tokens. ``static_s``: the best uniform TP x PP x DP whose memory holds the longest sequence
   (every shape that fits, searched as a Megatron user would; Hydraulis packing, the strongest packer here) plus
   its data-parallel gradient all-reduce. ``hotspa_s``: the dynamic program's grouping over every shape that fits
-  memory (hetu_ext.data.hotspa.auto_groups, the candidates --hetu-hotspa auto offers), each group's time, its
+  memory (hetu_ext.plan.hotspa.auto_groups, the candidates --hetu-hotspa auto offers), each group's time, its
   all-reduce and the switch to and from the home (the static best; weights bf16 in, gradients fp32 out at
   ``--bandwidth`` GB/s per GPU) included; ``switch_s`` the switch part. ``bound_s``: no grouping of the same
-  batches over those candidates, under any home, beats it (hetu_ext.data.hotspa.grouping_bound_s: compute and
+  batches over those candidates, under any home, beats it (hetu_ext.plan.hotspa.grouping_bound_s: compute and
   all-reduce, switches left out); ``ceiling`` = static_s / bound_s, the most any HotSPa grouping can gain under
   this cost and memory model. Means over ``--batches`` batches.
   The per-TP layer costs are the cost model's assumption: the A100 FLOPs model of hetu_ext.data.cost plus the
@@ -48,7 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from hetu_ext.data.cost import CostTable, load_cost_table, save_cost_table  # noqa: E402
-from hetu_ext.data.hotspa import (  # noqa: E402
+from hetu_ext.plan.hotspa import (  # noqa: E402
     GroupPricer,
     Strategies,
     allreduce_seconds,

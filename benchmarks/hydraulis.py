@@ -21,7 +21,7 @@ all-reduce (hetu_ext.plan.hydraulis.sync_seconds at ``--bandwidth`` GB/s per GPU
   two-stage packer for every step, and that plan's own gradient all-reduce (what the heterogeneous plan runtime
   does without switching);
 * ``dynamic_s``: per step, the candidate hetu_ext.plan.hydraulis.Selector chooses (packer's time plus the
-  switch of weights and gradients from the home and back, hetu_ext.data.hotspa.switch_seconds at
+  switch of weights and gradients from the home and back, hetu_ext.plan.hotspa.switch_seconds at
   ``--bandwidth``), plus the home's gradient all-reduce;
 * ``one_plan_bound_s`` (``meg/bnd``: ``megatron_s`` over it): hetu_ext.plan.hydraulis.one_plan_bound_s, a
   certified lower bound on the compute time of any single plan of the pool's shapes per step (what per-step
@@ -71,7 +71,7 @@ from hotspa import (  # noqa: E402  (benchmarks/hotspa.py)
 
 from hetu_ext.data.cost import CostTable, load_cost_table  # noqa: E402
 from hetu_ext.data.lengths import read_lengths, split_long  # noqa: E402
-from hetu_ext.data.packing import replica_specs  # noqa: E402
+from hetu_ext.plan.replicas import replica_specs  # noqa: E402
 from hetu_ext.plan import ModelSpec  # noqa: E402
 from hetu_ext.plan.cost import CostModel  # noqa: E402
 from hetu_ext.plan.hydraulis import (  # noqa: E402

@@ -92,7 +92,7 @@ def predicted(args: argparse.Namespace, cost_path: str) -> dict[tuple[str, str],
     The microbatches are the trainer's own (PackedSteps.plan_step on the same corpus, seed and token budget);
     ``megatron_causal`` prices a pack as one span (its causal attention covers the whole pack)."""
     from hetu_ext.data.cost import load_cost_table
-    from hetu_ext.data.packing import replica_specs
+    from hetu_ext.plan.replicas import replica_specs
     from hetu_ext.data.sequences import GlobalBatches, SequenceTable
     from hetu_ext.megatron.packed_data import PackedSteps
     from hetu_ext.model.spec import ModelSpec

@@ -123,7 +123,7 @@ def _add_reshard(rank: int, world_size: int) -> None:
 
 
 def test_lengths_are_grouped_and_bad_strategies_refused(tmp_path):
-    from hetu_ext.data.hotspa import fixed_groups, strategies_from_dict
+    from hetu_ext.plan.hotspa import fixed_groups, strategies_from_dict
     from hetu_ext.plan import ModelSpec
 
     spec = ModelSpec(num_layers=4, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, vocab_size=257,
@@ -173,7 +173,7 @@ def test_auto_grouping_is_the_best_split():
     """auto_groups equals brute force over contiguous splits of the sorted lengths, on a small case."""
     import itertools
 
-    from hetu_ext.data.hotspa import Strategies, Strategy, auto_groups
+    from hetu_ext.plan.hotspa import Strategies, Strategy, auto_groups
     from hetu_ext.plan import uniform_plan
 
     items = (Strategy("dp2", uniform_plan(world_size=2, num_layers=4, num_microbatches=2), 20),
@@ -222,7 +222,7 @@ def test_checkpoint_saved_from_the_home_resumes_the_same_run(reference, tmp_path
 def test_auto_grouping_never_exactly_slower_than_the_home_alone():
     """An estimate that favours splitting while the exact price favours the home alone: with ``exact`` the
     grouping falls back to the home (one group); without it the estimate's split stands."""
-    from hetu_ext.data.hotspa import Strategies, Strategy, auto_groups
+    from hetu_ext.plan.hotspa import Strategies, Strategy, auto_groups
     from hetu_ext.plan import uniform_plan
 
     items = (Strategy("dp2", uniform_plan(world_size=2, num_layers=4, num_microbatches=2), 20),
@@ -253,7 +253,7 @@ def _merge_case(middle: tuple[str, dict, int], rate: dict):
     """Three strategies over 2 ranks, the third the home: DP 2 (takes 20 tokens), ``middle`` (name, uniform_plan
     shape, max_len), a PP 2 or TP 2 home taking 64; ``rate[kind][k]`` seconds per token of strategy k under the
     ``estimate`` and ``exact`` prices. Returns the strategies, the split without ``exact`` and the choice with it."""
-    from hetu_ext.data.hotspa import Strategies, Strategy, auto_groups
+    from hetu_ext.plan.hotspa import Strategies, Strategy, auto_groups
     from hetu_ext.plan import uniform_plan
 
     name, shape, max_len = middle
@@ -298,7 +298,7 @@ def test_grouping_bound_is_below_every_grouping():
     import numpy as np
 
     from hetu_ext.data.cost import CostTable, _default_per_tp
-    from hetu_ext.data.hotspa import (
+    from hetu_ext.plan.hotspa import (
         GroupPricer,
         Strategies,
         allreduce_seconds,

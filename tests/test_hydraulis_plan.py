@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from hetu_ext.data.cost import CostTable, LengthCost
-from hetu_ext.data.hotspa import load_strategies
+from hetu_ext.plan.hotspa import load_strategies
 from hetu_ext.plan import ModelSpec
 from hetu_ext.plan.__main__ import main as plan_main
 from hetu_ext.plan.hydraulis import (
@@ -191,8 +191,9 @@ def test_one_plan_bound_is_below_every_candidate_and_binds_when_only_the_whole_c
 def test_pricer_hands_on_the_packing_it_priced():
     """The switching layer's select mode trains the chosen candidate with the packing the selection made
     (GroupPricer.packed): the same as packing again, and None for other lengths or other replicas."""
-    from hetu_ext.data.hotspa import GroupPricer
-    from hetu_ext.data.packing import assign, replica_specs
+    from hetu_ext.plan.hotspa import GroupPricer
+    from hetu_ext.data.packing import assign
+    from hetu_ext.plan.replicas import replica_specs
 
     st = candidate_strategies(MODEL, 8, _cost(2), _lengths(2, n=2000), max_len=SHORT, batch_tokens=32 * 512)
     pricer = GroupPricer(st, MODEL, _cost(2))

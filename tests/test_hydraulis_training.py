@@ -90,9 +90,9 @@ def test_each_step_under_its_candidate_matches_unpacked_reference(tmp_path):
     for c in chosen[1:]:  # into the candidate's layout and back: weights out, gradients in, both moved bytes
         assert len(c["switches"]) == 2 and c["switch_bytes"] > 0 and c["predicted_switch_s"] > 0, c
         assert c["predicted_s"] == pytest.approx(c["predicted_compute_s"] + c["predicted_switch_s"])
-    # the switch volume the selection prices (hetu_ext.data.hotspa.switch_elements: every parameter of the model,
+    # the switch volume the selection prices (hetu_ext.plan.hotspa.switch_elements: every parameter of the model,
     # TP-split or whole, the last stage's tied embedding copy) equals the bytes the reshards sent, over all ranks
-    from hetu_ext.data.hotspa import load_strategies, switch_elements
+    from hetu_ext.plan.hotspa import load_strategies, switch_elements
     from hetu_ext.plan import ModelSpec
 
     spec = ModelSpec(num_layers=4, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, vocab_size=257,

@@ -118,7 +118,7 @@ def test_planner_figures_are_the_inventorys():
     """The cost models' per-layer FLOPs, parameters and activations come from the inventory: equal figures."""
     from hetu_ext.plan import cost
 
-    from hetu_ext.data import hotspa
+    from hetu_ext.plan import hotspa
     from hetu_ext.plan import hydraulis, lobra
 
     default = cost.CostModel()

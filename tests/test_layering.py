@@ -26,8 +26,8 @@ RULES = {
                       "hetu_ext.runtime", "hetu_ext.checkpoint", "hetu_ext.diffusion", "hetu_ext.lora"),
     "plan": HOSTS + ("torch.distributed", "hetu_ext.megatron", "hetu_ext.deepspeed", "hetu_ext.runtime",
                      "hetu_ext.checkpoint", "hetu_ext.diffusion"),
-    "data": HOSTS + ("torch.distributed", "hetu_ext.megatron", "hetu_ext.deepspeed", "hetu_ext.runtime",
-                     "hetu_ext.checkpoint", "hetu_ext.diffusion"),
+    "data": HOSTS + ("torch.distributed", "hetu_ext.plan", "hetu_ext.megatron", "hetu_ext.deepspeed",
+                     "hetu_ext.runtime", "hetu_ext.checkpoint", "hetu_ext.diffusion"),
     "checkpoint": ("megatron", "deepspeed", "hetu_ext.megatron", "hetu_ext.deepspeed"),
     "config": HOSTS + ("torch", "hetu_ext.megatron", "hetu_ext.deepspeed", "hetu_ext.runtime"),
     "keys.py": HOSTS + ("torch",),
@@ -107,3 +107,57 @@ def test_layering_entry_point_keeps_host_rules():
     main = PACKAGE / "checkpoint" / ENTRY_POINT
     assert _forbidden("checkpoint", main) == ("megatron", "deepspeed")
     assert "hetu_ext.deepspeed" in _forbidden("checkpoint", PACKAGE / "checkpoint" / "cli.py")
+
+
+def _package_graph() -> dict[str, set[str]]:
+    """Top-level package (or module) of hetu_ext -> the others its files import (entry points left out)."""
+    graph: dict[str, set[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name == ENTRY_POINT or path.parent == PACKAGE and path.name == "__init__.py":
+            continue
+        source = path.relative_to(PACKAGE).parts[0].removesuffix(".py")
+        for _, module, _ in _imports(path):
+            parts = module.split(".")
+            if parts[0] == "hetu_ext" and len(parts) > 1 and parts[1] != source:
+                graph.setdefault(source, set()).add(parts[1])
+    return graph
+
+
+KNOWN_BACK_EDGES = {
+    ("plan", "lora"): "plan/lobra.py's command line reads the tenants file (lora/tenants.py, pure)",
+    ("megatron", "deepspeed"): "megatron/checkpointing.py loads DeepSpeed ZeRO checkpoints into the trainer",
+    ("megatron", "lora"): "megatron/cli.py and args.py choose and check the LoRA trainer from the command line",
+    ("megatron", "elastic"): "megatron/trainer.py's hang watchdog (elastic/watchdog.py)",
+    ("deepspeed", "elastic"): "deepspeed/engine.py's hang watchdog (elastic/watchdog.py)",
+    ("megatron", "testing"): "megatron/calibrate.py starts its ranks with testing/multiproc.py",
+}
+"""Imports against the layering still in the tree, each with where it is (debt: the fix moves the command line
+out of megatron/, the tenants file and the watchdog down, and registers the ZeRO reader through
+checkpoint/formats.py). The test fails on any other edge that closes a circle, and on an entry here that is gone."""
+
+
+def test_layering_no_import_circle_between_packages():
+    """Packages import each other one way only (issue 31: data/ and plan/ imported each other): the graph of
+    hetu_ext's top-level packages, less KNOWN_BACK_EDGES, has no cycle. The planners (plan/) read the packing
+    algorithms and length costs (data/), which know replicas only, never plans."""
+    graph = _package_graph()
+    assert "data" in graph.get("plan", set())  # the scan sees package edges (a broken scan passes vacuously)
+    gone = [edge for edge in KNOWN_BACK_EDGES if edge[1] not in graph.get(edge[0], set())]
+    assert not gone, f"no longer imported, drop from KNOWN_BACK_EDGES: {gone}"
+    for source, target in KNOWN_BACK_EDGES:
+        graph[source].discard(target)
+    state: dict[str, int] = {}
+
+    def cycle_from(node: str, path: list[str]) -> list[str] | None:
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path + [node, nxt]
+            if nxt not in state and (found := cycle_from(nxt, path + [node])):
+                return found
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (found := cycle_from(start, [])):
+            pytest.fail("import circle: " + " -> ".join(found))

@@ -24,7 +24,8 @@ from hetu_ext.data.lengths import (
     concat_split,
     split_long,
 )
-from hetu_ext.data.packing import METHODS, ReplicaSpec, assign, replica_specs
+from hetu_ext.data.packing import METHODS, ReplicaSpec, assign
+from hetu_ext.plan.replicas import replica_specs
 from hetu_ext.data.packing_bound import lower_bound_s, may_fit_within
 from hetu_ext.model.spec import ModelSpec
 from hetu_ext.plan.plan import Pipeline, Plan, Stage, uniform_plan
@@ -317,7 +318,7 @@ def _random_replicas(rng, r: int) -> list[ReplicaSpec]:
 def test_level_search_equals_the_document_by_document_fill():
     """_stage1_levels (replica by replica, bisection, early volume test) returns exactly the shares of the grid
     filled document by document (_stage1_levels_grid), found or not, on random batches and replica mixes."""
-    from hetu_ext.data import hydraulis
+    from hetu_ext.data import two_stage
     from hetu_ext.data.packing_bound import lower_bound_s
 
     rng = np.random.default_rng(5)
@@ -328,11 +329,11 @@ def test_level_search_equals_the_document_by_document_fill():
         n = int(rng.integers(1, 300))
         s = np.clip(rng.lognormal(6, 1.5, n).astype(np.int64), 1, cap) if rng.random() < 0.7 else \
             rng.choice([100, 200, min(4096, cap)], n)
-        rep = hydraulis.ReplicaArrays(replicas, s)
+        rep = two_stage.ReplicaArrays(replicas, s)
         bound = lower_bound_s(s, replicas)
         high = bound * float(rng.uniform(1.0, 1.5))
-        fast = hydraulis._stage1_levels(s, rep, high, bound)
-        assert fast == hydraulis._stage1_levels_grid(s, rep, high, bound)
+        fast = two_stage._stage1_levels(s, rep, high, bound)
+        assert fast == two_stage._stage1_levels_grid(s, rep, high, bound)
         found += fast is not None
     assert found >= 10
 
@@ -342,7 +343,7 @@ def test_stage1_and_smallest_equal_their_plain_forms():
     packs and is at least _stage2_floor (refinement skips on it); _smallest equals a stable argsort."""
     import heapq
 
-    from hetu_ext.data import hydraulis
+    from hetu_ext.data import two_stage
 
     def plain_stage1(s, rep):
         keys = list(zip(rep.ra.tolist(), rep.rb.tolist(), rep.rc.tolist(), rep.pp.tolist(), rep.cap.tolist()))
@@ -360,7 +361,7 @@ def test_stage1_and_smallest_equal_their_plain_forms():
                 k = heap[0][1]
                 w, tokens, d, n = state[k]
                 cost = a * length * length + b * length
-                est = hydraulis._estimate(w + cost, tokens + length, max(d, cost), n + 1, pp, c, cap)
+                est = two_stage._estimate(w + cost, tokens + length, max(d, cost), n + 1, pp, c, cap)
                 if best is None or (est, k) < best[:2]:
                     best = (est, k, cost, heap)
             est, k, cost, heap = best
@@ -378,15 +379,15 @@ def test_stage1_and_smallest_equal_their_plain_forms():
         replicas = _random_replicas(rng, int(rng.integers(1, 12)))
         cap = max(x.token_capacity for x in replicas)
         s = np.clip(rng.lognormal(6, 1.5, int(rng.integers(1, 300))).astype(np.int64), 1, cap)
-        rep = hydraulis.ReplicaArrays(replicas, s)
-        assert hydraulis._stage1(s, rep) == plain_stage1(s, rep)
-        for r, share in enumerate(hydraulis._stage1(s, rep)):  # stage 2's running sums price as _time does
-            packs, t = hydraulis._stage2(s, share, rep, r)
-            assert t == hydraulis._time(packs, rep, r)
-            assert hydraulis._stage2_floor(share, rep, r) <= t * (1 + 1e-12)
+        rep = two_stage.ReplicaArrays(replicas, s)
+        assert two_stage._stage1(s, rep) == plain_stage1(s, rep)
+        for r, share in enumerate(two_stage._stage1(s, rep)):  # stage 2's running sums price as _time does
+            packs, t = two_stage._stage2(s, share, rep, r)
+            assert t == two_stage._time(packs, rep, r)
+            assert two_stage._stage2_floor(share, rep, r) <= t * (1 + 1e-12)
         x = rng.choice([0.0, 1.0, 2.0, np.inf, float(rng.uniform())], int(rng.integers(1, 200)))
         top = int(rng.integers(1, 6))
-        assert hydraulis._smallest(x, top).tolist() == np.argsort(x, kind="stable")[:top].tolist()
+        assert two_stage._smallest(x, top).tolist() == np.argsort(x, kind="stable")[:top].tolist()
 
 
 def test_may_fit_within_passes_every_packing_and_rules_out_levels_above_the_bound():

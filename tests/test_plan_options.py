@@ -9,7 +9,7 @@ import random
 import numpy as np
 import pytest
 
-from hetu_ext.data.hotspa import GroupPricer, Strategies, auto_strategies, grouping_bound_s
+from hetu_ext.plan.hotspa import GroupPricer, Strategies, auto_strategies, grouping_bound_s
 from hetu_ext.model import inventory
 from hetu_ext.model.spec import ModelSpec
 from hetu_ext.plan.cluster import Cluster
@@ -242,7 +242,7 @@ def test_hydraulis_cli_searches_the_recomputation_and_names_the_flags(tmp_path, 
 def test_hotspa_auto_takes_another_strategy_alone_when_it_is_exactly_cheaper():
     """The program's estimate keeps the whole step under the home; the exact price says the other strategy
     alone is cheaper, switch included: auto_groups takes it. Outside the margin it is not priced."""
-    from hetu_ext.data.hotspa import Strategy, auto_groups
+    from hetu_ext.plan.hotspa import Strategy, auto_groups
     from hetu_ext.plan import uniform_plan
 
     items = (Strategy("dp2", uniform_plan(world_size=2, num_layers=4, num_microbatches=2), 64),

@@ -16,7 +16,7 @@ Methods (all keep every document index exactly once and every microbatch within 
 * ``ffd``: first-fit-decreasing by tokens into the fewest packs, dealt round-robin (equal microbatch counts).
 * ``greedy``: DeepSpeed-style: documents, longest first, to the replica with the fewest tokens; each replica's
   share packed first-fit in that order.
-* ``hetu``: ours, two stages (Hydraulis, :mod:`hetu_ext.data.hydraulis`). Stage 1 spreads documents, most
+* ``hetu``: ours, two stages (Hydraulis, :mod:`hetu_ext.data.two_stage`). Stage 1 spreads documents, most
   expensive first, to the replica whose estimated time after taking it is lowest (speed, depth and capacity
   aware; O(classes + log R) per document); with pipelines it also tries level-based first-fit-decreasing, which
   keeps long documents together so fewer replicas pay a long fill and drain (O(N R) numpy per level grid).
@@ -31,16 +31,13 @@ make the slowest replica faster than it (relaxations, see its docstring).
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from hetu_ext.model.spec import ModelSpec
-from hetu_ext.plan.plan import Plan
-
-from .cost import CostTable, LengthCost
-from .hydraulis import assign_hetu
+from .cost import LengthCost
+from .two_stage import assign_hetu
 from .packing_bound import lower_bound_s
 
 logger = logging.getLogger(__name__)
@@ -104,34 +101,6 @@ class Assignment:
         """Slowest replica over the mean replica (1.0 is perfect balance)."""
         mean = sum(self.predicted_s) / len(self.predicted_s)
         return max(self.predicted_s) / mean if mean > 0 else 1.0
-
-
-def replica_specs(plan: Plan, model: ModelSpec, cost: CostTable, *, slowdowns: Mapping[int, float] | None = None,
-                  max_pack_tokens: int) -> list[ReplicaSpec]:
-    """One ReplicaSpec per pipeline of ``plan``: stage costs = per-layer cost at the stage's TP degree x its layers
-    x its slowest rank's slowdown; capacity = ``max_pack_tokens`` lowered to what fits in ``cost``'s device
-    memory with the microbatches 1F1B keeps in flight on each stage (``pp - j`` on stage j)."""
-    if model.num_layers != plan.pipelines[0].stages[-1].layer_stop:
-        raise ValueError(f"replica_specs: the plan holds {plan.pipelines[0].stages[-1].layer_stop} layers but the "
-                         f"model has {model.num_layers}; use the plan made for this model")
-    slowdowns = dict(slowdowns or {})
-    specs = []
-    for i, pipeline in enumerate(plan.pipelines):
-        stage_costs, capacity = [], max_pack_tokens
-        for j, stage in enumerate(pipeline.stages):
-            layer = cost.for_tp(stage.tp)
-            slow = max(slowdowns.get(r, 1.0) for r in stage.ranks)
-            stage_cost = layer.times_layers(stage.num_layers, slow)
-            stage_costs.append(stage_cost)
-            if cost.device_memory_bytes is not None and stage_cost.memory_per_token_bytes > 0:
-                in_flight = pipeline.pp - j
-                free = cost.device_memory_bytes - stage_cost.memory_fixed_bytes
-                capacity = min(capacity, int(free // (stage_cost.memory_per_token_bytes * in_flight)))
-        if capacity < 1:
-            raise ValueError(f"replica_specs: pipeline {i} cannot hold one token per microbatch in "
-                             f"{cost.device_memory_bytes:.3g} bytes per device; use more stages or a larger TP")
-        specs.append(ReplicaSpec(stage_costs=tuple(stage_costs), token_capacity=capacity))
-    return specs
 
 
 def assign(lengths: Sequence[int], replicas: Sequence[ReplicaSpec], *, method: str = "hetu",
@@ -203,7 +172,7 @@ def _in_order(s: np.ndarray, capacity: int) -> list[list[int]]:
 
 def _first_fit_decreasing(s: np.ndarray, idx: np.ndarray, capacity: int) -> list[list[int]]:
     """First-fit-decreasing by tokens of documents ``idx`` (ties: lower index first)."""
-    from .hydraulis import first_fit
+    from .two_stage import first_fit
 
     order = idx[np.lexsort((idx, -s[idx]))]
     return first_fit(order.tolist(), s[order].tolist(), capacity)

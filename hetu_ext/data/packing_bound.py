@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .hydraulis import ReplicaArrays
+from .two_stage import ReplicaArrays
 
 if TYPE_CHECKING:
     from .packing import ReplicaSpec

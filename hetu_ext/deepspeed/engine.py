@@ -121,7 +121,7 @@ class DeepSpeedGPT:
 
     def _batches(self, plan, rank: int) -> list[dict[str, torch.Tensor]]:
         """This rank's microbatches of the next step under ``plan`` (global batch g: samples [gB, (g + 1)B))."""
-        from hetu_ext.data.assign import microbatch_samples
+        from hetu_ext.plan.batches import microbatch_samples
 
         out = []
         for ids in microbatch_samples(plan, rank, self.iteration, self.config.training.micro_batch_size):

@@ -13,7 +13,7 @@ import torch
 
 from hetu_ext.data.cost import CostTable, load_cost_table
 from hetu_ext.data.lengths import budget_end
-from hetu_ext.data.packing import replica_specs
+from hetu_ext.plan.replicas import replica_specs
 from hetu_ext.data.sequences import SequenceTable
 from hetu_ext.megatron.packed_data import IndexedDocuments, PackedSteps, varlen_mock_documents
 from hetu_ext.plan import ModelSpec, Plan

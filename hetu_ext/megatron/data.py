@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from hetu_ext.data.assign import microbatch_samples
+from hetu_ext.plan.batches import microbatch_samples
 from hetu_ext.data.tokenizer import ByteLevelTokenizer, tokenizer_vocab_size
 from hetu_ext.plan import Plan
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from hetu_ext.config import CheckpointConfig, PackingConfig, ParallelConfig, RunConfig, TrainingConfig
 from hetu_ext.config.spec import model_spec
-from hetu_ext.data.assign import global_batch_size
+from hetu_ext.plan.batches import global_batch_size
 from hetu_ext.data.tokenizer import tokenizer_vocab_size
 from hetu_ext.plan import ModelSpec, Plan, PlanError, load_plan, uniform_plan, uniform_shape
 
@@ -115,7 +115,7 @@ class LaunchCheck:
     runtime: str
     """``megatron`` or ``plan`` (select_runtime)."""
     strategies: object = None
-    """--hetu-hotspa / --hetu-strategies: the :class:`hetu_ext.data.hotspa.Strategies` (``plan`` is then the home
+    """--hetu-hotspa / --hetu-strategies: the :class:`hetu_ext.plan.hotspa.Strategies` (``plan`` is then the home
     strategy's)."""
     notices: tuple[str, ...] = ()
     """Lines the launcher prints and goes on (a setting that has no effect, as Megatron-LM warns and goes on)."""
@@ -177,7 +177,7 @@ def hotspa_strategies(config: RunConfig, spec: ModelSpec, world_size: int):
     """--hetu-hotspa or --hetu-strategies, FILE or auto: the strategies, checked against the run (one-line
     errors). Both run through the switching layer with the home strategy holding the optimizer."""
     from hetu_ext.data.cost import CostTable, load_cost_table
-    from hetu_ext.data.hotspa import auto_strategies, load_strategies
+    from hetu_ext.plan.hotspa import auto_strategies, load_strategies
 
     packing, straggler = config.packing, config.straggler
     if packing.hotspa and packing.strategies:

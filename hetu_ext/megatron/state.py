@@ -25,7 +25,7 @@ import torch
 
 from hetu_ext.checkpoint import CheckpointError
 from hetu_ext.checkpoint.schedule import resolve_schedule
-from hetu_ext.data.assign import global_batch_size
+from hetu_ext.plan.batches import global_batch_size
 from hetu_ext.runtime.reshard import Piece
 
 from .weights import local_shards

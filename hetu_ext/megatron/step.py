@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from hetu_ext.config import PackingConfig, TrainingConfig
-from hetu_ext.data.assign import global_batch_size
+from hetu_ext.plan.batches import global_batch_size
 from hetu_ext.plan import Plan
 from hetu_ext.runtime.straggler import factor_at, parse_schedule
 

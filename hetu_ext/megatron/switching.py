@@ -4,7 +4,7 @@ optimizer's (HotSPa: a strategy per length group; Hydraulis: one candidate plan 
 A *home* placement holds the optimizer (fp32 masters and moments under ``--bf16``, the grad norm, the LR
 schedule); *compute* placements, one per other strategy, are built on first use (every rank, collectively; the
 same plan runtime, without an optimizer) and kept. A step runs its length groups one after another
-(hetu_ext.data.hotspa decides them); for a group under a compute strategy:
+(hetu_ext.plan.hotspa decides them); for a group under a compute strategy:
 
 1. **push**: the home's weights, in the model's dtype (bf16 under ``--bf16``), resharded into the strategy's layout;
 2. its own schedule (Megatron's 1F1B over its pipelines) on the group's packs; its gradients are reduced over its
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from hetu_ext.data.hotspa import Group, GroupPricer, Strategies, auto_groups, fixed_groups, run_order, switch_seconds
+from hetu_ext.plan.hotspa import Group, GroupPricer, Strategies, auto_groups, fixed_groups, run_order, switch_seconds
 from hetu_ext.plan.hydraulis import select_candidate
 from hetu_ext.runtime.reshard import Piece, reshard
 

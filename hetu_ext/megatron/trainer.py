@@ -27,7 +27,7 @@ from hetu_ext.config import (
     StragglerConfig,
     TrainingConfig,
 )
-from hetu_ext.data.assign import global_batch_size
+from hetu_ext.plan.batches import global_batch_size
 from hetu_ext.metrics import MetricsWriter, format_log_line, peak_tflops
 from hetu_ext.model import inventory
 from hetu_ext.plan import (

@@ -1,6 +1,6 @@
 """Hydraulis, part 2: heterogeneous parallel strategies chosen per step (pure: numpy, no torch).
 
-Candidates are :class:`hetu_ext.data.hotspa.Strategies` (each a plan over the same ranks and the longest sequence
+Candidates are :class:`hetu_ext.plan.hotspa.Strategies` (each a plan over the same ranks and the longest sequence
 it takes; the home holds the optimizer). Every step trains under one of them, switched to and from the home's
 layout by hetu_ext.megatron.switching (one length group per step).
 
@@ -46,9 +46,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from hetu_ext.data.cost import CostTable, LengthCost
-from hetu_ext.data.hotspa import Strategies, Strategy, check_capacity
+from .hotspa import Strategies, Strategy, check_capacity
 from hetu_ext.data.lengths import split_long
-from hetu_ext.data.packing import Assignment, assign, replica_specs
+from hetu_ext.data.packing import Assignment, assign
+from .replicas import replica_specs
 from hetu_ext.data.packing_bound import lower_bound_s, may_fit_within
 
 from hetu_ext.model import inventory
@@ -127,7 +128,7 @@ def sync_seconds(plan: Plan, spec: ModelSpec, *, bandwidth: float, grad_bytes: i
     """Predicted seconds of the data-parallel gradient all-reduce of ``plan`` (ring: ``2 (d-1)/d`` of each rank's
     gradient bytes over ``bandwidth`` bytes/s, ``d`` the pipelines), the slowest rank's; heterogeneous pipelines
     priced the same way (each rank's layers and embedding, divided by its TP degree). Equals
-    hetu_ext.data.hotspa.allreduce_seconds on a uniform plan."""
+    hetu_ext.plan.hotspa.allreduce_seconds on a uniform plan."""
     d = len(plan.pipelines)
     if d == 1:
         return 0.0
@@ -442,14 +443,14 @@ def select_candidate(lengths: Sequence[int], strategies: Strategies, *, estimate
 
 class Selector:
     """Per-step choice among ``strategies`` with prices built once: each candidate's replicas
-    (hetu_ext.data.packing.replica_specs, straggler ``slowdowns`` included), the packer's certified lower bound
+    (hetu_ext.plan.replicas.replica_specs, straggler ``slowdowns`` included), the packer's certified lower bound
     (hetu_ext.data.packing_bound.lower_bound_s) as the estimate, the two-stage packer (``assign``, ``hetu``) as the
-    exact price, and each candidate's switch from the home and back (hetu_ext.data.hotspa.switch_seconds:
+    exact price, and each candidate's switch from the home and back (hetu_ext.plan.hotspa.switch_seconds:
     weights in at ``weight_bytes``, fp32 gradients out, ``bandwidth`` bytes/s per GPU; 0 for the home)."""
 
     def __init__(self, strategies: Strategies, model: ModelSpec, cost: CostTable, *, bandwidth: float,
                  weight_bytes: int = 2, slowdowns: Mapping[int, float] | None = None) -> None:
-        from hetu_ext.data.hotspa import switch_seconds
+        from hetu_ext.plan.hotspa import switch_seconds
 
         self.strategies = strategies
         self.replicas = [replica_specs(s.plan, model, cost, max_pack_tokens=s.max_len, slowdowns=slowdowns)
@@ -559,7 +560,7 @@ def replicas_of(strategy: Strategy) -> list[tuple[int, int, int]]:
 
 
 def strategies_yaml(strategies: Strategies, plan_file: Callable[[int], str]) -> tuple[str, dict[str, Plan]]:
-    """The candidates in the HotSPa strategies-file format (hetu_ext.data.hotspa) and the plan files it names:
+    """The candidates in the HotSPa strategies-file format (hetu_ext.plan.hotspa) and the plan files it names:
     the home, when it is Megatron's grid, as ``tp``/``pp``/``dp``, the others as ``plan: FILE``
     (``plan_file(k)``; the caller writes the returned plans there)."""
     import yaml
@@ -682,7 +683,7 @@ def _plan_once(args, model: ModelSpec, measured: CostTable | None, opts: Options
     (inf when no homogeneous strategy to compare with; the dynamic choice's own mean otherwise)."""
     import time
 
-    from hetu_ext.data.hotspa import auto_strategies, group_seconds
+    from hetu_ext.plan.hotspa import auto_strategies, group_seconds
 
     cost = measured
     if cost is None or cost.device_memory_bytes is None:

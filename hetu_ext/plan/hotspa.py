@@ -33,15 +33,16 @@ from pathlib import Path
 
 import numpy as np
 
+from hetu_ext.data.cost import CostTable
+from hetu_ext.data.packing import Assignment, ReplicaSpec, assign
+from hetu_ext.data.packing_bound import lower_bound_s
 from hetu_ext.keys import check_keys, read_yaml
-from hetu_ext.plan.io import load_plan
 from hetu_ext.model import inventory
 from hetu_ext.model.spec import ModelSpec
-from hetu_ext.plan.plan import Plan, PlanError, uniform_plan, validate_plan
 
-from .cost import CostTable
-from .packing import Assignment, ReplicaSpec, assign, replica_specs
-from .packing_bound import lower_bound_s
+from .io import load_plan
+from .plan import Plan, PlanError, uniform_plan, validate_plan
+from .replicas import replica_specs
 
 _FILE_KEYS = {"home", "home_first", "strategies"}
 _STRATEGY_KEYS = {"name", "plan", "tp", "pp", "dp", "max_len"}

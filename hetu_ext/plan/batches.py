@@ -8,7 +8,7 @@ so a plan change never skips or repeats a sample.
 
 from __future__ import annotations
 
-from hetu_ext.plan import Plan
+from .plan import Plan
 
 
 def global_batch_size(plan: Plan, micro_batch_size: int) -> int:
