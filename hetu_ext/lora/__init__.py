@@ -5,7 +5,10 @@
 * ``install.py``: the probed layer-spec patch that puts adapters into the stage models and freezes the base.
 * ``adapters.py``: adapters' global identity (keys, boxes), layout-independent init, gathering.
 * ``data.py``: every tenant's sequences of a step packed together, tokens tagged with their tenant.
-* ``sync.py``: adapters' gradient reduction under any plan, per-tenant clipping, absent tenants not stepped.
+* ``sync.py``: adapters' gradient reduction under any plan, per-tenant clipping, absent tenants not stepped
+  (fp32 or ``--bf16`` masters; ``--use-distributed-optimizer``: Adam state on each box's owner).
+* ``loss.py``: each token's loss weighted by 1 / its tenant's tokens in the global batch; the forward step.
+* ``switched.py``: tenants under HotSPa's / Hydraulis' switching layer (adapters switched with the base).
 * ``train.py``: the trainer with tenants (``pretrain_gpt.py --hetu-lora-tenants FILE``).
 * ``peft.py``: export of each tenant's adapter in the PEFT format (extra ``lora``).
 * ``checkpoint.py``: ``--save``/``--load`` with tenants: adapters and per-tenant Adam state in the hetu checkpoint
