@@ -231,7 +231,7 @@ def test_export_peft_from_checkpoint(saved_run, tmp_path):
 
     from hetu_ext.lora.__main__ import main
     from hetu_ext.lora.peft import write_peft
-    from hetu_ext.lora.tenants import load_tenants
+    from hetu_ext.config.tenants import load_tenants
 
     assert main(["export-peft", "--load", saved_run["ckpt"], "--out", str(tmp_path / "out"), "--base", "gpt2"]) == 0
     adapters = saved_run["result"]["final"]["tensors"]["param"]  # the iteration-4 checkpoint is the final state

@@ -61,7 +61,7 @@ def test_planner_bad_tenants_file_exit_2(tmp_path):
 
 
 def test_tenants_file_parses_schedules_and_defaults(tmp_path):
-    from hetu_ext.lora.tenants import TARGETS, load_tenants
+    from hetu_ext.config.tenants import TARGETS, load_tenants
 
     (tmp_path / "lens.txt").write_text("5\n9\n")
     (tmp_path / "t.yaml").write_text(TENANT + """  - name: docs

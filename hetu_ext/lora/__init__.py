@@ -1,6 +1,7 @@
 """LobRA on Megatron-core: many tenants' LoRA adapters trained jointly over one frozen base model.
 
-* ``tenants.py`` (pure): the tenants file (``--hetu-lora-tenants``): data, per-step share, LoRA settings.
+* the tenants file (``--hetu-lora-tenants``: data, per-step share, LoRA settings) is configuration, read by the
+  planner too: :mod:`hetu_ext.config.tenants` (pure).
 * ``layers.py``: per-token multi-tenant LoRA on Megatron-core's Column/RowParallelLinear (TP-aware).
 * ``install.py``: the probed layer-spec patch that puts adapters into the stage models and freezes the base.
 * ``adapters.py``: adapters' global identity (keys, boxes), layout-independent init, gathering.

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from .tenants import load_tenants
+from hetu_ext.config.tenants import load_tenants
 
 
 def validate_lora_args(args: argparse.Namespace) -> None:

@@ -38,11 +38,11 @@ import torch.distributed as dist
 from hetu_ext.checkpoint import CheckpointError, LocalStorage
 from hetu_ext.checkpoint.load import load_pieces
 from hetu_ext.checkpoint.manifest import MANIFEST, Manifest
+from hetu_ext.config.tenants import TenantSpec
 from hetu_ext.plan import plan_to_dict
 from hetu_ext.runtime.reshard import Piece
 
 from .pretrained import describe, same_base, saved_base, seed_base
-from .tenants import TenantSpec
 
 logger = logging.getLogger(__name__)
 
@@ -339,9 +339,9 @@ def export_peft(directory: str, out: str, *, base: str | None = None, tenants: l
     ``base_model_name_or_path`` written into adapter_config.json (the Hugging Face GPT-2 export of the base)."""
     from hetu_ext.checkpoint.reader import ShardReader
     from hetu_ext.config.spec import recorded_model_spec
+    from hetu_ext.config.tenants import LoRASettings
 
     from .peft import write_peft
-    from .tenants import LoRASettings
 
     if not Path(directory).is_dir():
         raise CheckpointError(f"{directory}: no such directory; give the --save directory of a run with "

@@ -11,14 +11,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from hetu_ext.config.tenants import TenantSpec
 from hetu_ext.data.cost import CostTable, load_cost_table
 from hetu_ext.data.lengths import budget_end
-from hetu_ext.plan.replicas import replica_specs
 from hetu_ext.data.sequences import SequenceTable
 from hetu_ext.megatron.packed_data import IndexedDocuments, PackedSteps, varlen_mock_documents
 from hetu_ext.plan import ModelSpec, Plan
-
-from .tenants import TenantSpec
+from hetu_ext.plan.replicas import replica_specs
 
 
 class TenantStream:

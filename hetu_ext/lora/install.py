@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .tenants import TenantSpec
+from hetu_ext.config.tenants import TenantSpec
 
 _SLOTS = (("self_attention", "linear_qkv", "qkv", "column"), ("self_attention", "linear_proj", "proj", "row"),
           ("mlp", "linear_fc1", "fc1", "column"), ("mlp", "linear_fc2", "fc2", "row"))

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
-from .tenants import LoRASettings
+from hetu_ext.config.tenants import LoRASettings
 
 
 class TenantRouting:

@@ -26,9 +26,8 @@ from pathlib import Path
 
 import torch
 
+from hetu_ext.config.tenants import TenantSpec
 from hetu_ext.model.spec import ModelSpec
-
-from .tenants import TenantSpec
 
 _TARGET = {"qkv": "attn.c_attn", "proj": "attn.c_proj", "fc1": "mlp.c_fc", "fc2": "mlp.c_proj"}
 _KEY = re.compile(r"^decoder\.layers\.(self_attention\.linear_qkv|self_attention\.linear_proj|mlp\.linear_fc1|"

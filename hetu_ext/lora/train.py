@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from hetu_ext.config import RunConfig
+from hetu_ext.config.tenants import TenantSpec, load_tenants
 from hetu_ext.megatron import checkpointing, host
 from hetu_ext.megatron.data import make_tokenizer
 from hetu_ext.megatron.launch_plan import check_launch
@@ -42,7 +43,6 @@ from .loss import tenant_forward_step, token_weights
 from .pretrained import load_base, seed_base
 from .switched import TenantGroupSteps, adapter_pieces
 from .sync import LoRASync, attach_sync
-from .tenants import TenantSpec, load_tenants
 
 
 @dataclass

@@ -469,7 +469,7 @@ def lobra_cost_model(**overrides) -> CostModel:
 
 
 def tenant_lengths(tenants, *, seed: int) -> list[TenantLengths]:
-    """The planner's view of a tenants file (hetu_ext.lora.tenants): each tenant's length pool from its
+    """The planner's view of a tenants file (hetu_ext.config.tenants): each tenant's length pool from its
     ``lengths`` spec and its sequences per step (the mean of a ``samples`` schedule, at least 1)."""
     from hetu_ext.data.lengths import parse_length_spec
 
@@ -506,7 +506,7 @@ def add_arguments(parser) -> None:
 
 def run(args) -> tuple[Plan, str]:
     """Plan a deployment for ``args`` (add_arguments' flags); the Plan and a report (table) to print."""
-    from hetu_ext.lora.tenants import load_tenants
+    from hetu_ext.config.tenants import load_tenants
 
     for flag in ("world_size", "gpus_per_node", "num_layers", "hidden_size", "num_attention_heads", "seq_length",
                  "steps"):
