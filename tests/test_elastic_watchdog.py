@@ -1,4 +1,4 @@
-"""--hetu-hang-timeout's step-progress watchdog (hetu_ext/elastic/watchdog.py), without a process group.
+"""--hetu-hang-timeout's step-progress watchdog (hetu_ext/runtime/watchdog.py), without a process group.
 
 A rank stuck in a collective never returns to Python; only a thread that watches the time since the last step can
 end it. Caught here: a watchdog that never fires (the rank would wait for the 10-minute collective timeout), one
@@ -13,11 +13,11 @@ import sys
 
 import pytest
 
-from hetu_ext.elastic.watchdog import HANG_EXIT_CODE
+from hetu_ext.runtime.watchdog import HANG_EXIT_CODE
 
 
 def _run(body: str) -> subprocess.CompletedProcess:
-    script = "import time\nfrom hetu_ext.elastic.watchdog import StepWatchdog\n" + body
+    script = "import time\nfrom hetu_ext.runtime.watchdog import StepWatchdog\n" + body
     return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
 
 

@@ -126,12 +126,10 @@ def _package_graph() -> dict[str, set[str]]:
 KNOWN_BACK_EDGES = {
     ("megatron", "deepspeed"): "megatron/checkpointing.py loads DeepSpeed ZeRO checkpoints into the trainer",
     ("megatron", "lora"): "megatron/cli.py and args.py choose and check the LoRA trainer from the command line",
-    ("megatron", "elastic"): "megatron/trainer.py's hang watchdog (elastic/watchdog.py)",
-    ("deepspeed", "elastic"): "deepspeed/engine.py's hang watchdog (elastic/watchdog.py)",
     ("megatron", "testing"): "megatron/calibrate.py starts its ranks with testing/multiproc.py",
 }
 """Imports against the layering still in the tree, each with where it is (debt: the fix moves the command line
-out of megatron/, the watchdog down, and registers the ZeRO reader through
+out of megatron/ and registers the ZeRO reader through
 checkpoint/formats.py). The test fails on any other edge that closes a circle, and on an entry here that is gone."""
 
 

@@ -89,7 +89,7 @@ class DeepSpeedGPT:
         gbs = self.engine.train_batch_size()
         watchdog = None
         if self.config.parallel.hang_timeout:  # --hetu-hang-timeout: a rank that completes no step exits (code 3)
-            from hetu_ext.elastic.watchdog import StepWatchdog
+            from hetu_ext.runtime.watchdog import StepWatchdog
 
             watchdog = StepWatchdog(self.config.parallel.hang_timeout, rank=rank)
         try:

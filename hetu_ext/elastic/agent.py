@@ -38,14 +38,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from torch.distributed import TCPStore
-from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerSpec, WorkerState
+from torch.distributed.elastic.agent.server.api import (
+    RunResult,
+    WorkerGroup,
+    WorkerSpec,
+    WorkerState,
+)
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.rendezvous import RendezvousClosedError
 
 from hetu_ext.plan import dump_plan
+from hetu_ext.runtime.watchdog import HANG_EXIT_CODE
 
 from .agreement import Agreement, NodeReport
-from .watchdog import HANG_EXIT_CODE
 
 logger = logging.getLogger(__name__)
 

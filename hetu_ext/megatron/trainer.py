@@ -349,10 +349,10 @@ class Trainer:
 
 
 def _hang_watchdog(timeout_s: float, rank: int):
-    """--hetu-hang-timeout: the step-progress watchdog of hetu_ext/elastic/watchdog.py (None when 0)."""
+    """--hetu-hang-timeout: the step-progress watchdog of hetu_ext/runtime/watchdog.py (None when 0)."""
     if not timeout_s:
         return None
-    from hetu_ext.elastic.watchdog import StepWatchdog
+    from hetu_ext.runtime.watchdog import StepWatchdog
 
     return StepWatchdog(timeout_s, rank=rank)
 
