@@ -203,7 +203,7 @@ def held_state(trainer) -> tuple[str, list[tuple]]:
 
 
 def _trainer(argv: list[str]):
-    from hetu_ext.megatron.args import parse_run_config
+    from hetu_ext.cli.args import parse_run_config
     from hetu_ext.megatron.trainer import build_trainer
 
     return build_trainer(parse_run_config(argv))
@@ -457,7 +457,7 @@ def _load_hetu_with_report(trainer, directory: str):
 def _ds_run(argv: list[str], extra: dict | None = None):
     from hetu_ext.config import from_namespace
     from hetu_ext.deepspeed.engine import ZeroConfig, add_deepspeed_args, build
-    from hetu_ext.megatron.args import build_parser, validate_args
+    from hetu_ext.cli.args import build_parser, validate_args
 
     args = add_deepspeed_args(build_parser()).parse_args(argv)
     validate_args(args)

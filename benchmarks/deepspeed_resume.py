@@ -79,7 +79,7 @@ def model_argv(args, ranks: int) -> list[str]:
 def _run(argv: list[str], stage: int, extra: dict | None = None):
     from hetu_ext.config import from_namespace
     from hetu_ext.deepspeed.engine import ZeroConfig, add_deepspeed_args, build
-    from hetu_ext.megatron.args import build_parser, validate_args
+    from hetu_ext.cli.args import build_parser, validate_args
 
     args = add_deepspeed_args(build_parser()).parse_args(argv)
     validate_args(args)

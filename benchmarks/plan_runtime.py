@@ -50,7 +50,7 @@ def step_ms(metrics: Path) -> float:
 
 
 def grad_bytes(rank: int, world: int, argv: list[str]):
-    from hetu_ext.megatron.args import parse_run_config
+    from hetu_ext.cli.args import parse_run_config
     from hetu_ext.megatron.trainer import build_trainer
 
     trainer = build_trainer(parse_run_config(argv))

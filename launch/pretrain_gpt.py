@@ -7,7 +7,7 @@
 
 import sys
 
-from hetu_ext.megatron.cli import main
+from hetu_ext.cli.train import main
 
 if __name__ == "__main__":
     sys.exit(main())

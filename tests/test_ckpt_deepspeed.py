@@ -42,7 +42,7 @@ def deepspeed_save_body(rank: int, world: int, argv: list[str], stage: int, dire
     from hetu_ext.config import from_namespace
     from hetu_ext.deepspeed.engine import ZeroConfig, add_deepspeed_args, build
     from hetu_ext.deepspeed.zero_checkpoint import hetu_name
-    from hetu_ext.megatron.args import build_parser, validate_args
+    from hetu_ext.cli.args import build_parser, validate_args
 
     args = add_deepspeed_args(build_parser()).parse_args(argv)
     validate_args(args)
@@ -236,7 +236,7 @@ def test_deepspeed_config_from_flags_and_its_errors():
         add_deepspeed_args,
         deepspeed_config,
     )
-    from hetu_ext.megatron.args import build_parser
+    from hetu_ext.cli.args import build_parser
 
     args = from_namespace(add_deepspeed_args(build_parser()).parse_args(gpt_argv(1, 1, "unused")))
     config = deepspeed_config(args, ZeroConfig(stage=3, extra={"zero_optimization": {"sub_group_size": 10**6},

@@ -58,7 +58,7 @@ def _snapshot(root: Path) -> dict[str, bytes]:
 
 def outcome_body(rank: int, world: int, argv: list[str]) -> dict:
     """Build (loading if --load), train; every rank returns its error (one line) or what it ran."""
-    from hetu_ext.megatron.args import parse_run_config
+    from hetu_ext.cli.args import parse_run_config
     from hetu_ext.megatron.trainer import build_trainer
 
     try:

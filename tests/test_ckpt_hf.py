@@ -16,7 +16,7 @@ from hetu_ext.testing.multiproc import run_ranks
 
 
 def logits_body(rank: int, world: int, argv: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-    from hetu_ext.megatron.args import parse_run_config
+    from hetu_ext.cli.args import parse_run_config
     from hetu_ext.megatron.trainer import build_trainer
 
     trainer = build_trainer(parse_run_config(argv))

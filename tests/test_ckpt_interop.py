@@ -47,7 +47,7 @@ def megatron_model_load_body(rank: int, world: int, argv: list[str], path: str) 
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
     from test_ckpt_resume import _gather
 
-    from hetu_ext.megatron.args import parse_run_config
+    from hetu_ext.cli.args import parse_run_config
     from hetu_ext.megatron.state import state_pieces
     from hetu_ext.megatron.trainer import build_trainer
 

@@ -29,7 +29,7 @@ KILLED_RANK, KILLED_AT_STEP = 4, 6
 
 
 def recovery_body(rank: int, world: int, argv: list[str], out: str, kill: bool) -> list[float] | None:
-    from hetu_ext.megatron.args import parse_run_config
+    from hetu_ext.cli.args import parse_run_config
     from hetu_ext.megatron.trainer import build_trainer
 
     trainer = build_trainer(parse_run_config(argv))
@@ -51,7 +51,7 @@ def recovery_body(rank: int, world: int, argv: list[str], out: str, kill: bool) 
 
 
 def _malleus_plan(argv: list[str], world: int) -> str:
-    from hetu_ext.megatron.args import parse_run_config
+    from hetu_ext.cli.args import parse_run_config
     from hetu_ext.megatron.data import make_tokenizer
     from hetu_ext.megatron.launch_plan import model_spec
     from hetu_ext.plan import dump_plan

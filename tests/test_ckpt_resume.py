@@ -102,7 +102,7 @@ def _capture(trainer) -> dict:
 
 def resume_body(rank: int, world: int, argv: list[str]) -> dict | None:
     """Build (loading if --load is given), capture the state, train to --train-iters, capture again."""
-    from hetu_ext.megatron.args import parse_run_config
+    from hetu_ext.cli.args import parse_run_config
     from hetu_ext.megatron.trainer import build_trainer
 
     trainer = build_trainer(parse_run_config(argv))

@@ -29,7 +29,7 @@ def ds_hetu_body(rank: int, world: int, argv: list[str], stage: int, load: str, 
     from hetu_ext.deepspeed import engine_state
     from hetu_ext.deepspeed.engine import ZeroConfig, add_deepspeed_args, build
     from hetu_ext.deepspeed.engine_save import HetuSaver
-    from hetu_ext.megatron.args import build_parser, validate_args
+    from hetu_ext.cli.args import build_parser, validate_args
 
     args = add_deepspeed_args(build_parser()).parse_args(argv)
     validate_args(args)

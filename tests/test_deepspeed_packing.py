@@ -34,7 +34,7 @@ def packed_body(rank: int, world: int, argv: list[str]) -> dict | None:
     from hetu_ext.config import from_namespace
     from hetu_ext.deepspeed.engine import ZeroConfig, add_deepspeed_args, build
     from hetu_ext.deepspeed.zero_checkpoint import hetu_name
-    from hetu_ext.megatron.args import build_parser, validate_args
+    from hetu_ext.cli.args import build_parser, validate_args
 
     args = add_deepspeed_args(build_parser()).parse_args(argv)
     validate_args(args)

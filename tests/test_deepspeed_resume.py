@@ -69,7 +69,7 @@ def ds_body(rank: int, world: int, argv: list[str], stage: int, load: str | None
     from hetu_ext.config import from_namespace
     from hetu_ext.deepspeed import engine_state
     from hetu_ext.deepspeed.engine import ZeroConfig, add_deepspeed_args, build
-    from hetu_ext.megatron.args import build_parser, validate_args
+    from hetu_ext.cli.args import build_parser, validate_args
 
     args = add_deepspeed_args(build_parser()).parse_args(argv)
     validate_args(args)

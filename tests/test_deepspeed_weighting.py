@@ -28,7 +28,7 @@ def weighted_body(rank: int, world: int, argv: list[str], microbatches: tuple[in
     from hetu_ext.config import from_namespace
     from hetu_ext.deepspeed.engine import ZeroConfig, add_deepspeed_args, build
     from hetu_ext.deepspeed.zero_checkpoint import hetu_name
-    from hetu_ext.megatron.args import build_parser, validate_args
+    from hetu_ext.cli.args import build_parser, validate_args
 
     args = add_deepspeed_args(build_parser()).parse_args(argv)
     validate_args(args)
@@ -107,7 +107,7 @@ def test_weighted_counts_and_refusals():
     from hetu_ext.config import from_namespace
     from hetu_ext.deepspeed.engine import ZeroConfig, add_deepspeed_args, deepspeed_config
     from hetu_ext.deepspeed.weighting import weighted_counts
-    from hetu_ext.megatron.args import build_parser
+    from hetu_ext.cli.args import build_parser
 
     assert weighted_counts(4, {1: 3.0}, 2) == (3, 1)
     assert weighted_counts(4, {}, 2) == (2, 2)

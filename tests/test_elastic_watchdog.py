@@ -37,7 +37,7 @@ def test_the_clock_runs_only_between_steps():
 
 def test_negative_timeout_is_refused_in_one_line():
     from hetu_ext.config import build_parser, parse_namespace
-    from hetu_ext.megatron.args import validate_args
+    from hetu_ext.cli.args import validate_args
 
     argv = ["--num-layers", "2", "--hidden-size", "8", "--num-attention-heads", "2", "--seq-length", "8",
             "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "2", "--lr", "1e-3",

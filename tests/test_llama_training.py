@@ -86,7 +86,7 @@ def test_llama_sequence_parallel_with_qk_norm_equals_one_process(runtime, qk_nor
 def test_sequence_parallel_settings(sample_prefix, extra, outcome):
     """--sequence-parallel at TP 1 is turned off with a notice (Megatron-LM warns and goes on); a sequence that
     TP does not divide, or packs, are refused before any rank starts."""
-    from hetu_ext.megatron.args import parse_run_config
+    from hetu_ext.cli.args import parse_run_config
     from hetu_ext.megatron.launch_plan import check_launch
     from hetu_ext.plan import PlanError
 

@@ -100,8 +100,8 @@ def lobra_body(rank: int, world_size: int, argv: list[str], normalisation: str =
     """Train with tenants; returns (on the logging rank) adapters, base weights before/after, and per-step local
     snapshots of the absent tenant's parameters and moments (every rank checks its own)."""
     from hetu_ext.lora.adapters import gather_adapters
-    from hetu_ext.megatron.args import parse_run_config
-    from hetu_ext.megatron.cli import build_run
+    from hetu_ext.cli.args import parse_run_config
+    from hetu_ext.cli.train import build_run
     from hetu_ext.megatron.weights import gather_weights
 
     trainer = build_run(parse_run_config(argv))

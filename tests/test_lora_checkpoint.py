@@ -59,8 +59,8 @@ def _state(trainer) -> dict:
 
 def ckpt_body(rank: int, world_size: int, argv: list[str]) -> dict | None:
     """Build (loading with --load), capture the state, train (capturing it at each save), capture again."""
-    from hetu_ext.megatron.args import parse_run_config
-    from hetu_ext.megatron.cli import build_run
+    from hetu_ext.cli.args import parse_run_config
+    from hetu_ext.cli.train import build_run
 
     trainer = build_run(parse_run_config(argv))
     loaded = _state(trainer)
@@ -215,7 +215,7 @@ def test_other_lora_rank_refused_exit_2(saved_run, tmp_path):
 def test_other_tenants_refused(saved_run, tmp_path, tenants, needle):
     """A tenant of the checkpoint missing from the tenants file, or one the checkpoint does not have: the same
     check (validate_args), one-line ValueError."""
-    from hetu_ext.megatron.args import parse_run_config
+    from hetu_ext.cli.args import parse_run_config
 
     path = tmp_path / "tenants.yaml"
     path.write_text(yaml.safe_dump({"tenants": tenants}))

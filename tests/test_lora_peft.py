@@ -32,8 +32,8 @@ def export_body(rank: int, world_size: int, argv: list[str], out: str) -> dict |
     from hetu_ext.lora.adapters import gather_adapters
     from hetu_ext.lora.install import routing_of
     from hetu_ext.lora.peft import write_peft
-    from hetu_ext.megatron.args import parse_run_config
-    from hetu_ext.megatron.cli import build_run
+    from hetu_ext.cli.args import parse_run_config
+    from hetu_ext.cli.train import build_run
     from hetu_ext.megatron.weights import gather_weights
 
     trainer = build_run(parse_run_config(argv))
@@ -93,8 +93,8 @@ LLAMA_SHAPE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-head
 def llama_body(rank: int, world_size: int, argv: list[str]) -> dict:
     """Fine-tune tenants over the imported base (saving the adapters); Megatron's logits per tenant."""
     from hetu_ext.lora.install import routing_of
-    from hetu_ext.megatron.args import parse_run_config
-    from hetu_ext.megatron.cli import build_run
+    from hetu_ext.cli.args import parse_run_config
+    from hetu_ext.cli.train import build_run
 
     trainer = build_run(parse_run_config(argv))
     trainer.train(log=lambda line: None)

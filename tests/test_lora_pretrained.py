@@ -27,8 +27,8 @@ PRETRAIN = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads",
 
 
 def pretrain_body(rank: int, world_size: int, argv: list[str]) -> dict | None:
-    from hetu_ext.megatron.args import parse_run_config
-    from hetu_ext.megatron.cli import build_run
+    from hetu_ext.cli.args import parse_run_config
+    from hetu_ext.cli.train import build_run
     from hetu_ext.megatron.weights import gather_weights
 
     trainer = build_run(parse_run_config(argv))
@@ -39,8 +39,8 @@ def pretrain_body(rank: int, world_size: int, argv: list[str]) -> dict | None:
 
 def finetune_body(rank: int, world_size: int, argv: list[str]) -> dict | None:
     """The base (gathered) right after building, and after training; the keys of this rank's base shards."""
-    from hetu_ext.megatron.args import parse_run_config
-    from hetu_ext.megatron.cli import build_run
+    from hetu_ext.cli.args import parse_run_config
+    from hetu_ext.cli.train import build_run
     from hetu_ext.megatron.weights import gather_weights, local_shards
 
     trainer = build_run(parse_run_config(argv))
@@ -139,7 +139,7 @@ def test_resume_on_the_same_base(runs):
 def test_resume_on_another_base_refused_exit_2(runs):
     """The adapters were trained on the pretrained base: resuming them on the seed's base is one line, exit 2,
     before any rank starts; on the same base the check passes."""
-    from hetu_ext.megatron.args import parse_run_config
+    from hetu_ext.cli.args import parse_run_config
 
     argv = _argv(runs["tenants"], "--train-iters", "4", "--load", runs["adapters"])
     proc = run(argv + ["--nproc-per-node", "3"])
@@ -163,7 +163,7 @@ def test_other_vocabulary_refused_in_the_rank_exit_2(runs):
 def test_bad_pretrained_checkpoint_is_one_line(runs, tmp_path, case):
     """A folder without a committed checkpoint, a checkpoint of another model shape, an adapters checkpoint, or
     the flag without tenants: one-line ValueError (what the launcher prints as its one error line, exit 2)."""
-    from hetu_ext.megatron.args import parse_run_config
+    from hetu_ext.cli.args import parse_run_config
 
     argv, needle = {
         "empty": (_argv(runs["tenants"], "--pretrained-checkpoint", str(tmp_path)),

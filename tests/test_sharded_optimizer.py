@@ -31,7 +31,7 @@ at the end), TP 2 beside two TP-1 replicas, a single pipeline whose only reduced
 
 def train_and_measure(rank: int, world_size: int, argv: list[str]) -> dict:
     """Train; the lowest used rank returns losses and weights, every rank its optimizer memory and bytes."""
-    from hetu_ext.megatron.args import parse_run_config
+    from hetu_ext.cli.args import parse_run_config
     from hetu_ext.megatron.memory import optimizer_bytes_per_element, rank_memory
     from hetu_ext.megatron.state import MOMENTS
     from hetu_ext.megatron.trainer import build_trainer

@@ -150,7 +150,7 @@ def test_emulated_slowdown_is_real_time_and_measured_in_forward_and_backward():
 
 
 def _monitored(rank, world, argv):
-    from hetu_ext.megatron.args import parse_run_config
+    from hetu_ext.cli.args import parse_run_config
     from hetu_ext.megatron.trainer import build_trainer
 
     trainer = build_trainer(parse_run_config(argv))

@@ -28,7 +28,7 @@ def check_flags(argv: list[str] | None, world_size: int,
                 parser: argparse.ArgumentParser | None = None) -> tuple[argparse.Namespace, RunConfig, ZeroConfig]:
     """The flags parsed and checked against ``world_size`` ranks with no process group: (flags, settings, ZeRO
     settings); ValueError / OSError with the one-line message (a bad flag exits 2 in the parser itself)."""
-    from hetu_ext.megatron.args import validate_args
+    from hetu_ext.cli.args import validate_args
 
     args = parse_namespace(argv, parser or flag_parser())
     validate_args(args)

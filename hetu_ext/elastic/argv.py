@@ -94,7 +94,7 @@ def check_round(argv: list[str], world_size: int) -> None:
     """pretrain_gpt.py's own checks of a round's flags against its plan and world size (no rank started):
     ValueError / OSError with its one-line message."""
     from hetu_ext.config import build_parser, from_namespace, parse_namespace
-    from hetu_ext.megatron.args import validate_args
+    from hetu_ext.cli.args import validate_args
     from hetu_ext.megatron.launch_plan import check_launch
 
     args = parse_namespace(argv, build_parser())

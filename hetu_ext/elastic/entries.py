@@ -42,7 +42,7 @@ class HetuEntry:
     def check_flags(self, train: list[str]) -> tuple[str, float]:
         """The flags as the program's launcher checks them, plus what restarts need: (--save, --hetu-hang-timeout)."""
         from hetu_ext.config import build_parser, from_namespace, parse_namespace
-        from hetu_ext.megatron.args import validate_args
+        from hetu_ext.cli.args import validate_args
 
         parsed = parse_namespace(train, build_parser())
         validate_args(parsed)

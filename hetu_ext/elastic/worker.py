@@ -9,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-PRELOAD = ("torch", "hetu_ext.megatron.trainer", "hetu_ext.megatron.cli")
+PRELOAD = ("torch", "hetu_ext.megatron.trainer", "hetu_ext.cli.train")
 """Modules the node's forkserver imports once (about 5 s per process on a busy 2-core machine)."""
 
 
@@ -30,9 +30,9 @@ class _ErrorLine:
 
 
 def run_worker(argv_json: str, devices: str, report_dir: str) -> None:
-    """pretrain_gpt.py's entry (``hetu_ext.megatron.cli.main``) with ``argv``, local rank ``i`` on the ``i``-th
+    """pretrain_gpt.py's entry (``hetu_ext.cli.train.main``) with ``argv``, local rank ``i`` on the ``i``-th
     healthy device; exits with its code (2 leaves the error line in ``report_dir`` for the agent)."""
-    _run("hetu_ext.megatron.cli", argv_json, devices, report_dir)
+    _run("hetu_ext.cli.train", argv_json, devices, report_dir)
 
 
 def run_deepspeed_worker(argv_json: str, devices: str, report_dir: str) -> None:

@@ -20,6 +20,6 @@
 
 The deployment planner is pure and lives in ``hetu_ext/plan/lobra.py`` (``python -m hetu_ext.plan lobra``).
 This package is an adapter on Megatron-core (like ``deepspeed/`` on DeepSpeed) and composes
-``hetu_ext.megatron``'s trainer and plan runtime; ``hetu_ext.megatron.cli.build_run`` reaches it
+``hetu_ext.megatron``'s trainer and plan runtime; ``hetu_ext.cli.train.build_run`` reaches it
 through one lazy import when ``--hetu-lora-tenants`` is given.
 """

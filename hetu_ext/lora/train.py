@@ -1,6 +1,6 @@
 """LobRA's joint training: many tenants' adapters over one frozen base, on any plan, through pretrain_gpt.py.
 
-``--hetu-lora-tenants FILE`` makes :func:`hetu_ext.megatron.cli.build_run` (where the command line is read) choose
+``--hetu-lora-tenants FILE`` makes :func:`hetu_ext.cli.train.build_run` (where the command line is read) choose
 :func:`build_lora_trainer`: the plan runtime builds Megatron-core's stage models with the tenants' adapters
 installed (hetu_ext.lora.install), every step packs all tenants' sequences together across the plan's pipelines
 (hetu_ext.lora.data), and the loss is

@@ -432,7 +432,7 @@ def build_trainer(config: RunConfig) -> Trainer:
     """Check the plan, start the process group, then place this rank and build its scheduler and dataset."""
     if config.lora.tenants:  # a plug-in's run: never train it as a plain one, silently without its tenants
         raise ValueError("--hetu-lora-tenants: LoRA tenants are built by hetu_ext.lora.train.build_lora_trainer "
-                         "(hetu_ext.megatron.cli.build_run chooses it); build_trainer trains the plain model only")
+                         "(hetu_ext.cli.train.build_run chooses it); build_trainer trains the plain model only")
     # the plan is checked against the model before any process group exists
     world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     launch = check_launch(config, world_size)

@@ -2,7 +2,7 @@
 
 A heterogeneous plan (``--hetu-plan``: pipelines of different shapes, uneven stages, idle ranks), online
 re-planning (``--hetu-straggler-replan online``), scheduled migrations (``--hetu-migrate``) and packed THD
-microbatches (``--hetu-packing``) run in hetu_ext's trainer (:mod:`hetu_ext.megatron.cli`, the one behind
+microbatches (``--hetu-packing``) run in hetu_ext's trainer (:mod:`hetu_ext.cli.train`, the one behind
 ``launch/pretrain_gpt.py``). Its flags are Megatron-LM's names, so the user's command line is handed over as it
 is, with two adjustments made here, before any process group:
 
@@ -70,6 +70,6 @@ def run_handoff(inv: Invocation) -> int:
     except ValueError as exc:
         report_error(PROG, str(exc))
         return 2
-    from hetu_ext.megatron.cli import main as hetu_main
+    from hetu_ext.cli.train import main as hetu_main
 
     return hetu_main(argv)

@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         from hetu_ext.hostlog import quiet_host_frameworks
 
         quiet_host_frameworks()
-        from .launch_plan import check_launch
+        from hetu_ext.megatron.launch_plan import check_launch
 
         launch_check = check_launch(config, world_size)  # the plan against the model and world size, no group
     except (PlanError, ValueError, OSError) as exc:
@@ -112,8 +112,8 @@ def _launch(argv: list[str], config: RunConfig) -> int:
                      "--master-port", str(launch.master_port or 29500)]
     if sys.argv[0].endswith(".py"):  # launch/pretrain_gpt.py
         entry = [os.path.abspath(sys.argv[0])]
-    else:  # python -m hetu_ext.megatron.cli
-        entry = ["--no-python", sys.executable, "-m", "hetu_ext.megatron.cli"]
+    else:  # python -m hetu_ext.cli.train
+        entry = ["--no-python", sys.executable, "-m", "hetu_ext.cli.train"]
     try:
         run(parse_args(torchrun + entry + rest))
     except ChildFailedError as exc:
@@ -147,7 +147,7 @@ def build_run(config: RunConfig):
         from hetu_ext.lora.train import build_lora_trainer
 
         return build_lora_trainer(config)
-    from .trainer import build_trainer
+    from hetu_ext.megatron.trainer import build_trainer
 
     return build_trainer(config)
 
@@ -158,7 +158,7 @@ def _train(config: RunConfig) -> int:
                         format="[%(asctime)s] [rank %(rank)s] %(name)s: %(message)s".replace("%(rank)s", str(rank)))
     logging.getLogger("megatron").setLevel(logging.WARNING)  # its INFO lists every parameter and config field
 
-    from . import host
+    from hetu_ext.megatron import host
 
     try:
         trainer = build_run(config)
