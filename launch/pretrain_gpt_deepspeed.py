@@ -21,7 +21,7 @@ does.
 
 import sys
 
-from hetu_ext.deepspeed.cli import main
+from hetu_ext.cli.deepspeed import main
 
 if __name__ == "__main__":
     sys.exit(main())

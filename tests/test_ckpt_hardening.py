@@ -59,10 +59,10 @@ def _snapshot(root: Path) -> dict[str, bytes]:
 def outcome_body(rank: int, world: int, argv: list[str]) -> dict:
     """Build (loading if --load), train; every rank returns its error (one line) or what it ran."""
     from hetu_ext.cli.args import parse_run_config
-    from hetu_ext.megatron.trainer import build_trainer
+    from hetu_ext.cli.train import build_run
 
     try:
-        trainer = build_trainer(parse_run_config(argv))
+        trainer = build_run(parse_run_config(argv))
         start = trainer.iteration
         trainer.train(log=lambda line: None)
     except ValueError as e:  # CheckpointError is one: what the launcher prints as its one error line

@@ -17,9 +17,9 @@ from hetu_ext.testing.multiproc import run_ranks
 
 def logits_body(rank: int, world: int, argv: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
     from hetu_ext.cli.args import parse_run_config
-    from hetu_ext.megatron.trainer import build_trainer
+    from hetu_ext.cli.train import build_run
 
-    trainer = build_trainer(parse_run_config(argv))
+    trainer = build_run(parse_run_config(argv))
     trainer.train(log=lambda line: None)
     tokens = torch.randint(0, 257, (2, 32), generator=torch.Generator().manual_seed(0))
     positions = torch.arange(32).unsqueeze(0).expand(2, -1)

@@ -49,9 +49,9 @@ def megatron_model_load_body(rank: int, world: int, argv: list[str], path: str) 
 
     from hetu_ext.cli.args import parse_run_config
     from hetu_ext.megatron.state import state_pieces
-    from hetu_ext.megatron.trainer import build_trainer
+    from hetu_ext.cli.train import build_run
 
-    trainer = build_trainer(parse_run_config(argv))
+    trainer = build_run(parse_run_config(argv))
     module = trainer.model.module
     tensors, _ = extract_matching_values(module.sharded_state_dict(), lambda v: isinstance(v, ShardedTensor))
     module.load_state_dict(dist_checkpointing.load(tensors, path), strict=False)

@@ -30,9 +30,9 @@ KILLED_RANK, KILLED_AT_STEP = 4, 6
 
 def recovery_body(rank: int, world: int, argv: list[str], out: str, kill: bool) -> list[float] | None:
     from hetu_ext.cli.args import parse_run_config
-    from hetu_ext.megatron.trainer import build_trainer
+    from hetu_ext.cli.train import build_run
 
-    trainer = build_trainer(parse_run_config(argv))
+    trainer = build_run(parse_run_config(argv))
     where = trainer.plan.stage_of(rank)
     if where is not None and where[1] == 0 and trainer.placement.tp_rank == 0:  # one reader per pipeline
         trainer.dataset = SampleRecorder(trainer.dataset, trainer, Path(out) / f"ids_{world}_{rank}.txt")

@@ -103,9 +103,9 @@ def _capture(trainer) -> dict:
 def resume_body(rank: int, world: int, argv: list[str]) -> dict | None:
     """Build (loading if --load is given), capture the state, train to --train-iters, capture again."""
     from hetu_ext.cli.args import parse_run_config
-    from hetu_ext.megatron.trainer import build_trainer
+    from hetu_ext.cli.train import build_run
 
-    trainer = build_trainer(parse_run_config(argv))
+    trainer = build_run(parse_run_config(argv))
     loaded = _capture(trainer)
     trainer.train(log=lambda line: None)
     final = _capture(trainer)

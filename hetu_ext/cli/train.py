@@ -142,14 +142,16 @@ def _strip_launcher_flags(argv: list[str]) -> list[str]:
 
 def build_run(config: RunConfig):
     """The trainer the command line asks for (collective): the tenants' (hetu_ext.lora, a plug-in of the trainer,
-    chosen here rather than inside it) with --hetu-lora-tenants, else the plain one."""
+    chosen here rather than inside it) with --hetu-lora-tenants, else the plain one, whose ``--load`` also reads
+    DeepSpeed ZeRO checkpoints (the format is handed to it here, so megatron/ imports no deepspeed/)."""
     if config.lora.tenants:
         from hetu_ext.lora.train import build_lora_trainer
 
         return build_lora_trainer(config)
+    from hetu_ext.deepspeed.zero_checkpoint import ZERO_CHECKPOINTS  # imports DeepSpeed only when it reads one
     from hetu_ext.megatron.trainer import build_trainer
 
-    return build_trainer(config)
+    return build_trainer(config, checkpoint_formats=(ZERO_CHECKPOINTS,))
 
 
 def _train(config: RunConfig) -> int:

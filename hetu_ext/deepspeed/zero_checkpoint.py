@@ -384,7 +384,8 @@ def cli_lines(command: str, path: str, output: str | None = None, kind: str = "p
 
 @dataclass(frozen=True)
 class ZeroCheckpoints:
-    """DeepSpeed ZeRO-1/2/3 folders as a format of the checkpoint CLI (hetu_ext/checkpoint/formats.py)."""
+    """DeepSpeed ZeRO-0/1/2/3 folders as a format of the checkpoint CLI (hetu_ext/checkpoint/formats.py) and of the
+    trainer's ``--load`` (hetu_ext/megatron/checkpointing.py)."""
 
     name: str = "DeepSpeed ZeRO"
 
@@ -395,6 +396,13 @@ class ZeroCheckpoints:
     def cli_lines(self, command: str, path: str, output: str | None, kind: str, to: str) -> list[str]:
         """:func:`cli_lines`."""
         return cli_lines(command, path, output, kind, to)
+
+    def load_into(self, trainer, path: str):
+        """``--load`` of hetu_ext's trainer (hetu_ext.megatron.checkpointing.TrainerCheckpoints): the checkpoint
+        resharded into the trainer's plan; its run state for ``checkpointing.restore``."""
+        from .resume import load_deepspeed
+
+        return load_deepspeed(trainer, path)
 
 
 ZERO_CHECKPOINTS = ZeroCheckpoints()

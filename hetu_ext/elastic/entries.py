@@ -72,13 +72,13 @@ class DeepSpeedEntry:
     name = "deepspeed"
     prog = "pretrain_gpt_deepspeed.py"
     preload: tuple[str, ...] = ("torch", "deepspeed", "hetu_ext.megatron.trainer", "hetu_ext.deepspeed.engine",
-                                "hetu_ext.deepspeed.engine_load", "hetu_ext.deepspeed.cli")
+                                "hetu_ext.deepspeed.engine_load", "hetu_ext.cli.deepspeed")
     """The node's forkserver imports DeepSpeed too (set ``DS_ACCELERATOR`` before it starts, without CUDA)."""
     worker: Callable[[str, str, str], None] = staticmethod(run_deepspeed_worker)
 
     def _parse(self, argv: list[str]) -> argparse.Namespace:
         from hetu_ext.config import parse_namespace
-        from hetu_ext.deepspeed.cli import flag_parser
+        from hetu_ext.cli.deepspeed import flag_parser
 
         return parse_namespace(argv, flag_parser())
 
@@ -134,7 +134,7 @@ class DeepSpeedEntry:
         return hetu_argv.without(train, ("--load",)) + ["--load", save]
 
     def check_round(self, argv: list[str], world_size: int) -> None:
-        from hetu_ext.deepspeed.cli import check_flags
+        from hetu_ext.cli.deepspeed import check_flags
 
         check_flags(argv, world_size)
 

@@ -36,8 +36,8 @@ def run_worker(argv_json: str, devices: str, report_dir: str) -> None:
 
 
 def run_deepspeed_worker(argv_json: str, devices: str, report_dir: str) -> None:
-    """launch/pretrain_gpt_deepspeed.py's entry (``hetu_ext.deepspeed.cli.main``), as :func:`run_worker`."""
-    _run("hetu_ext.deepspeed.cli", argv_json, devices, report_dir)
+    """launch/pretrain_gpt_deepspeed.py's entry (``hetu_ext.cli.deepspeed.main``), as :func:`run_worker`."""
+    _run("hetu_ext.cli.deepspeed", argv_json, devices, report_dir)
 
 
 def _run(module: str, argv_json: str, devices: str, report_dir: str) -> None:

@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -235,22 +235,34 @@ def _is_hetu(directory: str) -> bool:
     return any(root.glob(f"iter_*/{MANIFEST}"))
 
 
-def load(trainer, directory: str) -> bool:
-    """Load the latest checkpoint under ``directory`` (hetu, torch_dist or DeepSpeed ZeRO); False if there is
-    none."""
-    from hetu_ext.deepspeed.zero_checkpoint import is_deepspeed
+class TrainerCheckpoints(Protocol):
+    """Another framework's checkpoints as the trainer's ``--load`` reads them (DeepSpeed ZeRO's:
+    hetu_ext/deepspeed/zero_checkpoint.py), given to the trainer where the command line is read (hetu_ext/cli)."""
 
-    deepspeed, hetu = is_deepspeed(directory), _is_hetu(directory)
+    name: str
+
+    def recognises(self, path: str) -> bool:
+        """Whether ``path`` holds a checkpoint of this format (file names only)."""
+        ...
+
+    def load_into(self, trainer, path: str) -> RunState:
+        """The checkpoint into the trainer's plan (collective); the run state :func:`restore` takes."""
+        ...
+
+
+def load(trainer, directory: str) -> bool:
+    """Load the latest checkpoint under ``directory`` (hetu, torch_dist, or one of ``trainer.checkpoint_formats``:
+    DeepSpeed ZeRO); False if there is none."""
+    foreign = next((f for f in trainer.checkpoint_formats if f.recognises(directory)), None)
+    hetu = foreign is None and _is_hetu(directory)
     plan_runtime = trainer.placement.grad_sync is not None or not trainer.placement.active
     # the plan runtime's sharded optimizer loads per-parameter state through the reshard engine (state_pieces)
-    if trainer.config.parallel.use_distributed_optimizer and (deepspeed or hetu) and not plan_runtime:
-        raise CheckpointError(f"--load {directory}: a {'DeepSpeed' if deepspeed else 'hetu'} checkpoint holds "
+    if trainer.config.parallel.use_distributed_optimizer and (foreign or hetu) and not plan_runtime:
+        raise CheckpointError(f"--load {directory}: a {foreign.name if foreign else 'hetu'} checkpoint holds "
                               "optimizer state per parameter, which --use-distributed-optimizer's flat ZeRO-1 "
                               "buffers cannot take yet; resume without --use-distributed-optimizer")
-    if deepspeed:
-        from hetu_ext.deepspeed.resume import load_deepspeed
-
-        state = load_deepspeed(trainer, directory)
+    if foreign is not None:
+        state = foreign.load_into(trainer, directory)
     elif hetu:
         state = load_hetu(trainer, directory)
     elif latest_iteration(directory) is None:

@@ -109,6 +109,9 @@ class Trainer:
     steps: StepKind | None = None
     """What a step is (hetu_ext.megatron.step): set by the builder of a plug-in (LoRA's tenants); else derived
     from the run: switching (--hetu-hotspa, --hetu-strategies), packed documents, or plain microbatches."""
+    checkpoint_formats: tuple = ()
+    """Other frameworks' checkpoints ``--load`` reads (:class:`~hetu_ext.megatron.checkpointing.TrainerCheckpoints`:
+    DeepSpeed ZeRO's), given where the command line is read (hetu_ext.cli.train.build_run)."""
     activations_reported: bool = False
     """The first step's activation memory was logged (measured beside the inventory's: activations.py)."""
 
@@ -428,8 +431,9 @@ def metrics_path(config: RunConfig) -> str | None:
     return os.path.join(run_dir, "metrics.jsonl") if run_dir else None
 
 
-def build_trainer(config: RunConfig) -> Trainer:
-    """Check the plan, start the process group, then place this rank and build its scheduler and dataset."""
+def build_trainer(config: RunConfig, *, checkpoint_formats: tuple = ()) -> Trainer:
+    """Check the plan, start the process group, then place this rank and build its scheduler and dataset.
+    ``checkpoint_formats``: other frameworks' checkpoints ``--load`` reads (Trainer.checkpoint_formats)."""
     if config.lora.tenants:  # a plug-in's run: never train it as a plain one, silently without its tenants
         raise ValueError("--hetu-lora-tenants: LoRA tenants are built by hetu_ext.lora.train.build_lora_trainer "
                          "(hetu_ext.cli.train.build_run chooses it); build_trainer trains the plain model only")
@@ -481,7 +485,7 @@ def build_trainer(config: RunConfig) -> Trainer:
                       dataset=dataset, monitor=monitor,
                       numerics=numerics, migrations=migrations, documents=documents, flops_per_token=flops,
                       peak_tflops=peak_tflops(torch.cuda.get_device_name() if h.device.type == "cuda" else None),
-                      plan_key=plan_id(plan), layer_cost=layer_cost,
+                      plan_key=plan_id(plan), layer_cost=layer_cost, checkpoint_formats=tuple(checkpoint_formats),
                       timer=monitor.timer if monitor else (LayerTimer() if layer_cost else None))
     trainer.attach_timer()
     if launch.strategies is not None:

@@ -14,7 +14,7 @@ from pathlib import Path
 from hetu_ext.config import RunConfig, build_parser, from_namespace, parse_namespace
 from hetu_ext.config.parse import report_error
 
-from .config import ZeroConfig, add_deepspeed_args, check_supported, deepspeed_config
+from hetu_ext.deepspeed.config import ZeroConfig, add_deepspeed_args, check_supported, deepspeed_config
 
 PROG = "pretrain_gpt_deepspeed.py"
 
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     quiet_host_frameworks()
     from hetu_ext.megatron import host
 
-    from .engine import build
+    from hetu_ext.deepspeed.engine import build
 
     if rank == 0:
         print(f"DeepSpeed ZeRO-{zero.stage} on {world} rank(s): importing Megatron-core and DeepSpeed, building the "
@@ -96,7 +96,7 @@ def _saver(run, args, loaded):
     if not args.save:
         return None
     if run.config.checkpoint.format == "hetu":
-        from .engine_save import HetuSaver
+        from hetu_ext.deepspeed.engine_save import HetuSaver
 
         resumed_here = bool(args.load) and os.path.abspath(args.load) == os.path.abspath(args.save)
         hetu = HetuSaver(run, args.save, loaded_run_id=loaded.run_id if loaded else None, resumed_here=resumed_here)
