@@ -204,7 +204,7 @@ def held_state(trainer) -> tuple[str, list[tuple]]:
 
 def _trainer(argv: list[str]):
     from hetu_ext.cli.args import parse_run_config
-    from hetu_ext.megatron.trainer import build_trainer
+    from hetu_ext.train.trainer import build_trainer
 
     return build_trainer(parse_run_config(argv))
 

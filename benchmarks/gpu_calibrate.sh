@@ -5,7 +5,7 @@
 #   1. kernels (benchmarks/gpu_kernels.py, <= 120 s): bf16 GEMM efficiency by size, HBM bandwidth, and the packed
 #      attention kernels (SDPA per document, FlexAttention eager and compiled, on THD packs of 1/4/16 documents);
 #      writes $OUT/device_measured.yaml, a device profile with the measured curve (--device for plan predict).
-#   2. layer table (python -m hetu_ext.megatron.calibrate, <= 150 s): one Megatron-core layer of the 7B shape the
+#   2. layer table (python -m hetu_ext.cli.calibrate, <= 150 s): one Megatron-core layer of the 7B shape the
 #      benchmarks use (hidden 4096, 32 heads, ffn 11008) on packs of 512 .. 8192 tokens, fitted to
 #      a s^2 + b s + c; TP 2/4/8 derived from it by python -m hetu_ext.plan.calibration (one GPU measures TP 1
 #      only): $OUT/layer_cost.yaml. Note: that module builds the layer in fp32 (no --bf16 option yet), so the
@@ -79,7 +79,7 @@ step() {  # step NAME LIMIT_S COMMAND...: run it with its output in $OUT/NAME.lo
 
 step kernels 120 "$PYTHON" benchmarks/gpu_kernels.py --base-profile "$PROFILE" \
     --profile-out "$OUT/device_measured.yaml" --json-out "$OUT/kernels.json" --repeats 10
-step layer_table 150 "$PYTHON" -m hetu_ext.megatron.calibrate --out "$OUT/layer_cost_tp1.yaml" \
+step layer_table 150 "$PYTHON" -m hetu_ext.cli.calibrate --out "$OUT/layer_cost_tp1.yaml" \
     --hidden-size 4096 --num-attention-heads 32 --ffn-hidden-size 11008 \
     --seq-lengths 512,1024,2048,3072,4096,6144,8192 --repeats 3
 if [[ -f "$OUT/layer_cost_tp1.yaml" ]]; then

@@ -18,7 +18,7 @@ Two parts, one JSON line at the end:
   backward, of s x h bf16 values, ring 2 (t-1)/t at ``--tp-bandwidth`` GB/s: 150 for NVLink A100 SXM, 25 for a
   PCIe node), activations 10 h + 24 h / t bytes per token and layer (no sequence parallelism, FlashAttention),
   weights, gradients and Adam 18 bytes per parameter split by TP and PP; calibrate a real device with
-  ``python -m hetu_ext.megatron.calibrate`` and pass ``--cost-model`` to use measured ones. PP up to 8.
+  ``python -m hetu_ext.cli.calibrate`` and pass ``--cost-model`` to use measured ones. PP up to 8.
 * **emulated**: 4 CPU ranks train a small model (256-token context) whose layers are padded to a cost table's time
   (``--hetu-emulate-cost``: configs/emulation/hotspa_cpu.yaml x ``--emulation-scale``, a large layer's times, so
   the padding dominates the CPU's own work) on real Wikipedia lengths divided by 128 (256 tokens stand for 32K);

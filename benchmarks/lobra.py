@@ -181,7 +181,7 @@ def _emulated_files(tmp: Path) -> tuple[str, str, str]:
 def emulated(steps: int) -> list[dict]:
     from hetu_ext.metrics import read_records
     from hetu_ext.testing.multiproc import run_ranks
-    from hetu_ext.testing.runs import train
+    from hetu_ext.cli.runs import train
 
     tmp = Path(tempfile.mkdtemp(prefix="lobra_bench_"))
     table, tenants, plan = _emulated_files(tmp)
@@ -215,7 +215,7 @@ def main() -> None:
     parser.add_argument("--emulated-steps", type=int, default=6)
     parser.add_argument("--part", choices=("all", "predicted", "emulated"), default="all")
     parser.add_argument("--cost-model", default=None, help="predicted part: a measured per-layer cost table (YAML, "
-                        "python -m hetu_ext.megatron.calibrate on the GPU) instead of the FLOP model")
+                        "python -m hetu_ext.cli.calibrate on the GPU) instead of the FLOP model")
     parser.add_argument("--lengths", default=None, help="predicted part: the length file the tenants' lengths are "
                         "scaled from (default: Wikipedia's)")
     parser.add_argument("--options", choices=("search", "plain"), default="search",

@@ -12,7 +12,7 @@ targets. Every method sees the same global batches (a token budget per step): ``
 per-document attention"), ``megatron_causal`` the same packs with causal attention over the whole pack
 (Megatron-LM's default GPTDataset, no --reset-attention-mask), ``greedy`` is DeepSpeed-style greedy by tokens,
 ``hetu`` is our two-stage length-aware assignment (``--hetu-packing balanced``), whose cost model is calibrated
-first on this CPU for this model (``python -m hetu_ext.megatron.calibrate``). Methods run interleaved,
+first on this CPU for this model (``python -m hetu_ext.cli.calibrate``). Methods run interleaved,
 ``--rounds`` times each; tokens/s is the total tokens over the total time of steps 2..N of every round (step 1
 warms up); each round starts with the next method, so that no method always runs first or last on a shared
 machine.
@@ -50,7 +50,7 @@ MODEL = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "ffn_hidd
 
 def calibrate(max_len: int, out: str) -> None:
     lengths = ",".join(str(n) for n in (128, 256, 512, 1024, 2048, 4096, 8192) if n <= max_len)
-    subprocess.run([sys.executable, "-m", "hetu_ext.megatron.calibrate", "--out", out, "--hidden-size",
+    subprocess.run([sys.executable, "-m", "hetu_ext.cli.calibrate", "--out", out, "--hidden-size",
                     str(MODEL["hidden_size"]), "--num-attention-heads", str(MODEL["num_attention_heads"]),
                     "--ffn-hidden-size", str(MODEL["ffn_hidden_size"]), "--seq-lengths", lengths, "--threads", "1"],
                    check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
@@ -130,7 +130,7 @@ def predicted(args: argparse.Namespace, cost_path: str) -> dict[tuple[str, str],
 def real_rows(args: argparse.Namespace, log=print) -> list[dict]:
     """``[{"layout", "method", "tokens_per_s"}, ...]`` for DP 2 and PP 2 on 2 CPU ranks."""
     from hetu_ext.testing.multiproc import run_ranks
-    from hetu_ext.testing.runs import train
+    from hetu_ext.cli.runs import train
 
     with tempfile.TemporaryDirectory() as tmp:
         cost = str(Path(tmp) / "cost.yaml")

@@ -51,7 +51,7 @@ def step_ms(metrics: Path) -> float:
 
 def grad_bytes(rank: int, world: int, argv: list[str]):
     from hetu_ext.cli.args import parse_run_config
-    from hetu_ext.megatron.trainer import build_trainer
+    from hetu_ext.train.trainer import build_trainer
 
     trainer = build_trainer(parse_run_config(argv))
     trainer.train(log=lambda line: None)
@@ -71,7 +71,7 @@ def main() -> None:
 
     from hetu_ext.megatron.preprocess_data import preprocess
     from hetu_ext.testing.multiproc import run_ranks
-    from hetu_ext.testing.runs import train
+    from hetu_ext.cli.runs import train
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--reps", type=int, default=3)

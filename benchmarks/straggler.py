@@ -97,7 +97,7 @@ def main() -> None:
     from hetu_ext.plan.cost import CostModel, layer_forward_flops
     from hetu_ext.plan.malleus import plan_malleus, predict
     from hetu_ext.testing.multiproc import run_ranks
-    from hetu_ext.testing.runs import train
+    from hetu_ext.cli.runs import train
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--iters", type=int, default=10)

@@ -24,11 +24,11 @@ def sample_prefix(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def one_process():
-    """``one_process(argv)``: the single-process reference run of ``argv`` (hetu_ext.testing.runs.train on one
+    """``one_process(argv)``: the single-process reference run of ``argv`` (hetu_ext.cli.runs.train on one
     rank: losses, gathered weights, log lines), computed once per session and shared by every module that compares
     with it. Callers must not modify what it returns."""
     from hetu_ext.testing.multiproc import run_ranks
-    from hetu_ext.testing.runs import train
+    from hetu_ext.cli.runs import train
 
     runs: dict[tuple[str, ...], dict] = {}
 

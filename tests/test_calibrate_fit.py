@@ -1,6 +1,6 @@
 """The pure half of calibration (hetu_ext/data/calibrate.py): measurements in, one TP degree's LengthCost out.
 
-The measuring half runs Megatron-core (hetu_ext/megatron/calibrate.py; test_quiet.py runs its CLI end to end);
+The measuring half runs Megatron-core (hetu_ext/cli/calibrate.py; test_quiet.py runs its CLI end to end);
 this checks, with no torch and no process group, that the memory terms it writes are what the docstrings say:
 saved bytes at the longest length per token, and parameters x 4 fp32 copies. A table built from the shortest
 length's bytes (too small by the s x s scores) or counting only weights and gradients would fail here.

@@ -7,7 +7,7 @@ from pathlib import Path
 from helpers import WEIGHT_ATOL, gpt_argv
 
 from hetu_ext.testing.multiproc import run_ranks
-from hetu_ext.testing.runs import train
+from hetu_ext.cli.runs import train
 
 SCHEDULE = ("--lr-decay-style", "linear", "--lr-decay-iters", "4")
 

@@ -22,7 +22,7 @@ from helpers import LOSS_RTOL, gpt_argv
 from hetu_ext.checkpoint.reader import candidates
 from hetu_ext.checkpoint.storage import LocalStorage
 from hetu_ext.testing.multiproc import RankError, run_ranks
-from hetu_ext.testing.runs import SampleRecorder, recorded_samples
+from hetu_ext.cli.runs import SampleRecorder, recorded_samples
 
 STEPS = 8
 KILLED_RANK, KILLED_AT_STEP = 4, 6

@@ -16,7 +16,7 @@ from helpers import gpt_argv
 from hetu_ext.config import build_parser, from_namespace, parse_namespace
 from hetu_ext.metrics import format_log_line, read_records
 from hetu_ext.testing.multiproc import run_ranks
-from hetu_ext.testing.runs import train
+from hetu_ext.cli.runs import train
 
 BASE = MODEL + ["--train-iters", "2", "--mock-data"]
 

@@ -33,7 +33,7 @@ from pathlib import Path
 from test_deepspeed_resume import ds_argv
 from helpers import LOSS_RTOL
 
-from hetu_ext.testing.runs import recorded_samples
+from hetu_ext.cli.runs import recorded_samples
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, SAVE_INTERVAL, GLOBAL_BATCH = 8, 4, 12
@@ -59,7 +59,7 @@ def _patch(engine):
     import time
     from pathlib import Path
 
-    from hetu_ext.testing.runs import SampleRecorder
+    from hetu_ext.cli.runs import SampleRecorder
 
     cls = engine.DeepSpeedGPT
     train, step = cls.train, cls._step

@@ -17,7 +17,7 @@ from helpers import LOSS_RTOL, WEIGHT_ATOL, compare
 
 from hetu_ext.metrics import read_records
 from hetu_ext.testing.multiproc import run_ranks
-from hetu_ext.testing.runs import train
+from hetu_ext.cli.runs import train
 
 TWO = """
 home: long

@@ -22,7 +22,7 @@ from helpers import LOSS_RTOL, WEIGHT_ATOL, compare
 
 from hetu_ext.metrics import read_records
 from hetu_ext.testing.multiproc import run_ranks
-from hetu_ext.testing.runs import train
+from hetu_ext.cli.runs import train
 
 LENGTHS = json.dumps({"mode": "distribution", "type": "lognormal", "min_seq_len": 2, "max_seq_len": 64,
                       "mean_seq_len": 10, "lognormal_sigma": 1.0})

@@ -15,7 +15,7 @@ import pytest
 from helpers import LLAMA, LOSS_RTOL, WEIGHT_ATOL, compare, gpt_argv, packed_argv
 
 from hetu_ext.testing.multiproc import run_ranks
-from hetu_ext.testing.runs import train
+from hetu_ext.cli.runs import train
 
 
 PLANS = [

@@ -403,7 +403,7 @@ def test_lora_tp2_equals_tp1(tmp_path):
 
 def test_joint_tenants_under_the_straggler_monitor_replanned_online_equal_each_alone(references, joint_files):
     """The straggler monitor on a LoRA run, with online re-planning (one step for every kind:
-    hetu_ext.megatron.step): it times the tenants' packs (rank 2 emulated 3x slow from step 1), detects the
+    hetu_ext.train.step): it times the tenants' packs (rank 2 emulated 3x slow from step 1), detects the
     straggler after step 1, makes a Malleus plan without it and the run migrates there online (the adapters and
     each tenant's Adam state move; rank 2 goes idle and its probe layer, which carries adapters too, keeps it
     measured). Every adapter still equals its tenant trained alone, to the heterogeneous run's tolerance

@@ -12,7 +12,7 @@ from helpers import LOSS_RTOL, WEIGHT_ATOL, gpt_argv
 
 from hetu_ext.metrics import read_records
 from hetu_ext.testing.multiproc import run_ranks
-from hetu_ext.testing.runs import train
+from hetu_ext.cli.runs import train
 
 STEPS = ("--train-iters", "4", "--lr-decay-style", "linear")
 CHANGES = [

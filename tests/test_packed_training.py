@@ -21,7 +21,7 @@ import pytest
 from helpers import LENGTHS, LOSS_RTOL, WEIGHT_ATOL, compare, packed_argv
 
 from hetu_ext.testing.multiproc import run_ranks
-from hetu_ext.testing.runs import train
+from hetu_ext.cli.runs import train
 
 @pytest.fixture(scope="module")
 def reference(one_process):

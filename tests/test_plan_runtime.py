@@ -16,7 +16,7 @@ import pytest
 from helpers import LOSS_RTOL, WEIGHT_ATOL, compare, gpt_argv
 
 from hetu_ext.testing.multiproc import run_ranks
-from hetu_ext.testing.runs import train
+from hetu_ext.cli.runs import train
 
 # (id, world size, what it covers, plan YAML)
 PLANS = [

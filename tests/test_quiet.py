@@ -51,7 +51,7 @@ def test_preprocess_data_and_calibrate_print_no_warnings(tmp_path):
                "--append-eod")
     assert "wrote 2 documents" in out and _warning_lines(out) == [], out
     table = tmp_path / "cost.yaml"
-    out = _run("hetu_ext.megatron.calibrate", "--out", str(table), "--hidden-size", "32", "--num-attention-heads", "2",
+    out = _run("hetu_ext.cli.calibrate", "--out", str(table), "--hidden-size", "32", "--num-attention-heads", "2",
                "--seq-lengths", "16,32,64", "--repeats", "1")
     assert f"wrote {table}" in out and table.exists() and _warning_lines(out) == [], out
 

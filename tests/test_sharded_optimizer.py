@@ -21,7 +21,7 @@ from test_plan_runtime import PLANS
 from helpers import LOSS_RTOL, WEIGHT_ATOL, compare, gpt_argv
 
 from hetu_ext.testing.multiproc import run_ranks
-from hetu_ext.testing.runs import train
+from hetu_ext.cli.runs import train
 
 SHARDED = ["microbatches_3_1", "tp_1_to_2_in_pipeline", "rank0_unused_and_rank_order", "unused_ranks",
            "tp_differs_between_pipelines", "one_pipeline_uneven"]
@@ -34,7 +34,7 @@ def train_and_measure(rank: int, world_size: int, argv: list[str]) -> dict:
     from hetu_ext.cli.args import parse_run_config
     from hetu_ext.megatron.memory import optimizer_bytes_per_element, rank_memory
     from hetu_ext.megatron.state import MOMENTS
-    from hetu_ext.megatron.trainer import build_trainer
+    from hetu_ext.train.trainer import build_trainer
     from hetu_ext.megatron.weights import gather_weights
 
     config = parse_run_config(argv)

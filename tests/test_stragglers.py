@@ -151,7 +151,7 @@ def test_emulated_slowdown_is_real_time_and_measured_in_forward_and_backward():
 
 def _monitored(rank, world, argv):
     from hetu_ext.cli.args import parse_run_config
-    from hetu_ext.megatron.trainer import build_trainer
+    from hetu_ext.train.trainer import build_trainer
 
     trainer = build_trainer(parse_run_config(argv))
     lines = []
@@ -176,7 +176,7 @@ def test_monitor_detects_an_emulated_straggler(sample_prefix):
 
 def test_timing_and_emulation_leave_training_bit_identical(sample_prefix):
     """The layer marks are identities: a monitored, emulated run trains exactly like a plain one."""
-    from hetu_ext.testing.runs import train
+    from hetu_ext.cli.runs import train
 
     plain = run_ranks(train, 2, gpt_argv(1, 1, sample_prefix), timeout=180)[0]
     watched = run_ranks(train, 2, gpt_argv(1, 1, sample_prefix, ("--hetu-emulate-slowdown", "step=1:rank=1:x=2",

@@ -21,7 +21,7 @@ import pytest
 from helpers import LOSS_RTOL, WEIGHT_ATOL, compare, gpt_argv
 
 from hetu_ext.testing.multiproc import run_ranks
-from hetu_ext.testing.runs import train
+from hetu_ext.cli.runs import train
 
 LAYOUTS = [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1), (1, 2, 2)]  # (TP, PP, DP)
 

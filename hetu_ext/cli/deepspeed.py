@@ -13,8 +13,12 @@ from pathlib import Path
 
 from hetu_ext.config import RunConfig, build_parser, from_namespace, parse_namespace
 from hetu_ext.config.parse import report_error
-
-from hetu_ext.deepspeed.config import ZeroConfig, add_deepspeed_args, check_supported, deepspeed_config
+from hetu_ext.deepspeed.config import (
+    ZeroConfig,
+    add_deepspeed_args,
+    check_supported,
+    deepspeed_config,
+)
 
 PROG = "pretrain_gpt_deepspeed.py"
 
@@ -57,9 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     from hetu_ext.hostlog import quiet_host_frameworks
 
     quiet_host_frameworks()
-    from hetu_ext.megatron import host
-
     from hetu_ext.deepspeed.engine import build
+    from hetu_ext.megatron import host
 
     if rank == 0:
         print(f"DeepSpeed ZeRO-{zero.stage} on {world} rank(s): importing Megatron-core and DeepSpeed, building the "

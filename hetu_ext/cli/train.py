@@ -148,8 +148,10 @@ def build_run(config: RunConfig):
         from hetu_ext.lora.train import build_lora_trainer
 
         return build_lora_trainer(config)
-    from hetu_ext.deepspeed.zero_checkpoint import ZERO_CHECKPOINTS  # imports DeepSpeed only when it reads one
-    from hetu_ext.megatron.trainer import build_trainer
+    from hetu_ext.deepspeed.zero_checkpoint import (
+        ZERO_CHECKPOINTS,  # imports DeepSpeed only when it reads one
+    )
+    from hetu_ext.train.trainer import build_trainer
 
     return build_trainer(config, checkpoint_formats=(ZERO_CHECKPOINTS,))
 

@@ -200,7 +200,7 @@ class PackingConfig:
                                                    "(default: --global-batch-size sequences)")
     cost_model: str | None = setting(flag="--hetu-cost-model", metavar="YAML", path=True,
                                      help="per-layer time a*s^2+b*s+c per TP degree (python -m "
-                                          "hetu_ext.megatron.calibrate); default: built-in coefficients")
+                                          "hetu_ext.cli.calibrate); default: built-in coefficients")
     varlen_mock: str | None = setting(flag="--hetu-varlen-mock", metavar="JSON",
                                       help='with --mock-data: document lengths, {"mode": "file", "path": ...} or '
                                            '{"mode": "distribution", "type": "lognormal", "min_seq_len": ..., '
@@ -246,7 +246,7 @@ class StragglerConfig:
                                                   "(backward 2x) on every rank (needs the straggler monitor)")
     emulate_cost: str | None = setting(flag="--hetu-emulate-cost", path=True, metavar="FILE",
                                        help="pad each layer's forward and backward to the time a cost table "
-                                            "(YAML of python -m hetu_ext.megatron.calibrate) gives for the "
+                                            "(YAML of python -m hetu_ext.cli.calibrate) gives for the "
                                             "microbatch it ran at its stage's TP degree (forward 1/3, backward 2/3)")
 
 

@@ -4,8 +4,8 @@ measured TP efficiencies the Malleus planner reads.
     python -m hetu_ext.data.calibrate --cost-table configs/calibration/cpu.yaml \
         --out configs/calibration/tp_efficiency_cpu.yaml [--tokens 4096]
 
-The times come from ``python -m hetu_ext.megatron.calibrate --out FILE``, which measures one Megatron-core
-transformer layer on the device (hetu_ext/megatron/calibrate.py) and writes the cost table this fit gives.
+The times come from ``python -m hetu_ext.cli.calibrate --out FILE``, which measures one Megatron-core
+transformer layer on the device (hetu_ext/cli/calibrate.py) and writes the cost table this fit gives.
 The fit is linear least squares on ``(s^2, s, 1)`` weighted by ``1 / t`` (relative error), with a, b, c >= 0;
 :func:`length_cost` adds the memory terms to make one TP degree's :class:`~hetu_ext.data.cost.LengthCost`.
 """
@@ -80,7 +80,7 @@ def length_cost(lengths: Sequence[int], seconds: Sequence[float], saved_bytes: S
 def tp_efficiency(table: CostTable, tokens: int) -> dict[int, float]:
     """Per measured TP degree t, ``T_1(s) / (t T_t(s))`` at ``tokens`` from the table's fitted layer times: the
     fraction of the t-fold speed-up one layer reached on the device, its all-reduces included (each degree of a
-    table from ``hetu_ext.megatron.calibrate`` is measured on t ranks, not derived). ValueError without TP 1."""
+    table from ``hetu_ext.cli.calibrate`` is measured on t ranks, not derived). ValueError without TP 1."""
     one = table.for_tp(1).document_s(tokens)
     return {tp: round(one / (tp * cost.document_s(tokens)), 4) for tp, cost in sorted(table.per_tp.items())}
 
@@ -98,7 +98,7 @@ def save_tp_efficiency(table: CostTable, tokens: int, path: str | Path, source: 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m hetu_ext.data.calibrate",
                                      description="TP efficiencies of a device from its measured cost table")
-    parser.add_argument("--cost-table", required=True, help="the table python -m hetu_ext.megatron.calibrate "
+    parser.add_argument("--cost-table", required=True, help="the table python -m hetu_ext.cli.calibrate "
                         "wrote (with --tp 1,2,...)")
     parser.add_argument("--out", required=True, help="YAML file for the efficiencies (read by --tp-efficiency)")
     parser.add_argument("--tokens", type=int, default=4096, help="sequence length the efficiency is taken at")
@@ -110,7 +110,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         parser.exit(2, f"error: {exc}\n")
     if len(eff) < 2:
         print(f"warning: {args.cost_table} holds TP {sorted(eff)} only; measure more degrees with "
-              "python -m hetu_ext.megatron.calibrate --tp 1,2")
+              "python -m hetu_ext.cli.calibrate --tp 1,2")
     print(f"device: {table.device}")
     for tp, e in eff.items():
         print(f"TP {tp}: efficiency {e:.3f} at {args.tokens} tokens")

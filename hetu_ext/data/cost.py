@@ -8,7 +8,7 @@ attend only to themselves::
 ``a`` is attention (scores and values grow with the square of each document's own length), ``b`` everything that
 grows with tokens (QKV, projection and MLP matmuls, norms), ``c`` the fixed cost of running one microbatch through
 the layer (kernel launches, framework overhead). One document of ``s`` tokens alone costs ``a s^2 + b s + c``;
-``python -m hetu_ext.megatron.calibrate`` measures that on the actual device and fits the three numbers.
+``python -m hetu_ext.cli.calibrate`` measures that on the actual device and fits the three numbers.
 
 Memory of one layer for a pack of ``S`` tokens: ``memory_fixed_bytes + memory_per_token_bytes * S`` (activations
 kept for backward grow with tokens only when attention never materialises an s x s matrix, as with
@@ -141,7 +141,7 @@ class CostTable:
         """Per-layer cost at TP ``tp``; ValueError naming the degrees the table has."""
         if tp not in self.per_tp:
             raise ValueError(f"cost table ({self.device}): no cost for TP degree {tp}; it has TP "
-                             f"{sorted(self.per_tp)}; calibrate with `python -m hetu_ext.megatron.calibrate --tp {tp}`")
+                             f"{sorted(self.per_tp)}; calibrate with `python -m hetu_ext.cli.calibrate --tp {tp}`")
         return self.per_tp[tp]
 
 
@@ -178,7 +178,7 @@ def load_cost_table(path: str | Path) -> CostTable:
     """Read a cost table YAML; ValueError naming the file for a missing, unreadable or malformed one."""
     path = Path(path)
     data = read_yaml(path, "cost table file",
-                     fix="check the path or create it with `python -m hetu_ext.megatron.calibrate --out FILE`")
+                     fix="check the path or create it with `python -m hetu_ext.cli.calibrate --out FILE`")
     return cost_table_from_dict(data, where=f"cost table file {str(path)!r}")
 
 

@@ -71,7 +71,7 @@ class DeepSpeedEntry:
 
     name = "deepspeed"
     prog = "pretrain_gpt_deepspeed.py"
-    preload: tuple[str, ...] = ("torch", "deepspeed", "hetu_ext.megatron.trainer", "hetu_ext.deepspeed.engine",
+    preload: tuple[str, ...] = ("torch", "deepspeed", "hetu_ext.train.trainer", "hetu_ext.deepspeed.engine",
                                 "hetu_ext.deepspeed.engine_load", "hetu_ext.cli.deepspeed")
     """The node's forkserver imports DeepSpeed too (set ``DS_ACCELERATOR`` before it starts, without CUDA)."""
     worker: Callable[[str, str, str], None] = staticmethod(run_deepspeed_worker)

@@ -9,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-PRELOAD = ("torch", "hetu_ext.megatron.trainer", "hetu_ext.cli.train")
+PRELOAD = ("torch", "hetu_ext.train.trainer", "hetu_ext.cli.train")
 """Modules the node's forkserver imports once (about 5 s per process on a busy 2-core machine)."""
 
 

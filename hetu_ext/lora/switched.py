@@ -2,7 +2,7 @@
 sequences of every tenant split into length groups, each trained under its own strategy (hetu_ext.megatron.switching),
 the adapters switched with the base.
 
-What changes against a plain switched step (hetu_ext.megatron.step.SwitchedGroupSteps):
+What changes against a plain switched step (hetu_ext.train.step.SwitchedGroupSteps):
 
 * every strategy's packs are the tenants' packs (hetu_ext.lora.data, tokens tagged with their tenant), over the
   same global batches, so the groups partition the step's sequences of every tenant;
@@ -20,7 +20,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from hetu_ext.megatron.step import StepWork, SwitchedGroupSteps
+from hetu_ext.train.step import StepWork, SwitchedGroupSteps
 from hetu_ext.megatron.switching import SwitchedSteps
 from hetu_ext.runtime.reshard import Piece
 

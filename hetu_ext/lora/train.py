@@ -30,9 +30,9 @@ from hetu_ext.megatron.data import make_tokenizer
 from hetu_ext.megatron.launch_plan import check_launch
 from hetu_ext.megatron.model import TrainingNumerics, optimizer_config
 from hetu_ext.megatron.plan_runtime import build_plan_placement
-from hetu_ext.megatron.step import StepKind, StepWork
+from hetu_ext.train.step import StepKind, StepWork
 from hetu_ext.megatron.switching import Switching
-from hetu_ext.megatron.trainer import Trainer, emulated_layer_cost, make_scheduler, plan_id, straggler_monitor
+from hetu_ext.train.trainer import Trainer, emulated_layer_cost, make_scheduler, plan_id, straggler_monitor
 from hetu_ext.model import inventory
 from hetu_ext.runtime.straggler import LayerTimer
 
@@ -130,7 +130,7 @@ class LoRATrainer(Trainer):
 
 
 class TenantSteps(StepKind):
-    """One step of every tenant (hetu_ext.megatron.step): all tenants' sequences packed together, each token's loss
+    """One step of every tenant (hetu_ext.train.step): all tenants' sequences packed together, each token's loss
     weighted by its tenant (``normalisation``), the adapters stepped per tenant present (LoRASync)."""
 
     scheduler_increment = 1

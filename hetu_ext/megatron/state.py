@@ -234,7 +234,7 @@ def restore_scheduler(trainer, saved: dict[str, Any] | None, where: str) -> None
     is raised everywhere at once. Without a saved schedule the flags' schedule is replayed to the iteration.
     With --use-checkpoint-opt_param-scheduler the run's training config takes the checkpoint's schedule, so a
     scheduler built later from it (a migration) agrees."""
-    from .step import scheduler_unit
+    from hetu_ext.plan.batches import scheduler_unit
 
     training = trainer.config.training
     unit = scheduler_unit(training, trainer.config.packing, trainer.plan)

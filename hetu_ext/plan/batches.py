@@ -8,6 +8,8 @@ so a plan change never skips or repeats a sample.
 
 from __future__ import annotations
 
+from hetu_ext.config import PackingConfig, TrainingConfig
+
 from .plan import Plan
 
 
@@ -21,3 +23,9 @@ def microbatch_samples(plan: Plan, pipeline: int, iteration: int, micro_batch_si
     start += micro_batch_size * sum(p.num_microbatches for p in plan.pipelines[:pipeline])
     return [range(start + m * micro_batch_size, start + (m + 1) * micro_batch_size)
             for m in range(plan.pipelines[pipeline].num_microbatches)]
+
+
+def scheduler_unit(training: TrainingConfig, packing: PackingConfig, plan: Plan) -> int:
+    """What one step advances the LR schedule by: its samples, as Megatron-LM counts; with --hetu-packing a
+    global batch's sequence count varies (token budgets), so the schedule counts steps."""
+    return 1 if packing.method != "off" else global_batch_size(plan, training.micro_batch_size)

@@ -1,6 +1,6 @@
 """From a layer measured on one GPU to the TP degrees the planners search (pure).
 
-``python -m hetu_ext.megatron.calibrate`` on one GPU measures TP 1 only: ``t_1(s) = a s^2 + b s + c`` seconds for one
+``python -m hetu_ext.cli.calibrate`` on one GPU measures TP 1 only: ``t_1(s) = a s^2 + b s + c`` seconds for one
 layer's forward + backward on a document of ``s`` tokens. The planners' benchmarks (HotSPa, Hydraulis, LobRA) search
 TP 1..8, and price only the degrees their ``--cost-model`` table holds. :func:`extend_by_tp` adds TP ``t`` entries
 from the measured ones and the step model's ratios (:mod:`hetu_ext.plan.step_model`, one device profile):

@@ -15,7 +15,7 @@ any path). Keys (unknown ones are refused, naming the key and the closest allowe
     inter_node_bytes_per_s: 25.0e9 # per GPU across nodes (its NIC), bus bandwidth
     inter_node_latency_s: 2.0e-5   # per collective across nodes
     gpus_per_node: 8
-    calibrate: null                # optional: a cost table of `python -m hetu_ext.megatron.calibrate` (path
+    calibrate: null                # optional: a cost table of `python -m hetu_ext.cli.calibrate` (path
                                    # relative to the profile) measured on this device, and the layer it measured
     note: where the numbers come from
 
@@ -40,7 +40,7 @@ CALIBRATE_KEYS = ("table", "hidden_size", "num_attention_heads", "ffn_hidden_siz
 
 @dataclass(frozen=True)
 class Calibration:
-    """A measured per-layer cost table (``python -m hetu_ext.megatron.calibrate``) and the layer it measured."""
+    """A measured per-layer cost table (``python -m hetu_ext.cli.calibrate``) and the layer it measured."""
 
     table: Path
     """The cost table file (YAML)."""

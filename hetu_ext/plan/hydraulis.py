@@ -611,7 +611,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--bandwidth", type=float, default=100.0,
                         help="GB/s per GPU for switching weights and gradients and for the gradient all-reduce")
     parser.add_argument("--cost-model", default=None, metavar="YAML",
-                        help="measured per-layer costs (python -m hetu_ext.megatron.calibrate) instead of the FLOP "
+                        help="measured per-layer costs (python -m hetu_ext.cli.calibrate) instead of the FLOP "
                              "model; its device_memory_bytes, when set, replaces --gpu-memory-gib")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--output", "-o", default=None,

@@ -122,7 +122,7 @@ def strategy_pool(spec: ModelSpec, cost: CostModel, *, gpu_memory_bytes: float, 
     ``options`` (FLOP model only): priced by :func:`layer_cost`; under full recomputation the one layer
     recomputing at a time holds its whole activations for a microbatch of up to ``spec.seq_length`` tokens, taken
     off the memory.
-    ``table``: measured per-layer costs (python -m hetu_ext.megatron.calibrate) used instead of the FLOP model for
+    ``table``: measured per-layer costs (python -m hetu_ext.cli.calibrate) used instead of the FLOP model for
     the TP degrees it has (others are skipped), with its own device memory when it gives one."""
     out = []
     if table is not None and table.device_memory_bytes is not None:
@@ -498,7 +498,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--vocab-size", type=int, default=50257)
     parser.add_argument("--steps", type=int, default=8, help="sampled steps the deployment is evaluated on")
     parser.add_argument("--cost-model", default=None, metavar="YAML",
-                        help="measured per-layer costs (python -m hetu_ext.megatron.calibrate) instead of the FLOP "
+                        help="measured per-layer costs (python -m hetu_ext.cli.calibrate) instead of the FLOP "
                              "model; its device_memory_bytes, when set, replaces --gpu-memory-gib")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--output", "-o", default=None, help="write the plan here (YAML, for --hetu-plan)")

@@ -31,7 +31,7 @@ ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo
        "PYTHONWARNINGS": "ignore"}
 DEFAULT_PRELOAD = ("torch", "torch.distributed", "megatron.core", "megatron.core.models.gpt",
                    "megatron.core.optimizer", "megatron.core.distributed", "megatron.core.pipeline_parallel",
-                   "hetu_ext.megatron.trainer")
+                   "hetu_ext.train.trainer")
 
 _CONTEXT: mp.context.BaseContext | None = None
 

@@ -1,6 +1,6 @@
 """Measure one Megatron-core transformer layer and fit the length cost ``t(s) = a s^2 + b s + c`` (seconds).
 
-    python -m hetu_ext.megatron.calibrate --out configs/calibration/cpu.yaml [--hidden-size 256 \\
+    python -m hetu_ext.cli.calibrate --out configs/calibration/cpu.yaml [--hidden-size 256 \\
         --num-attention-heads 8 --seq-lengths 128,256,512,1024,2048,4096 --repeats 5 --tp 1,2 \\
         --tp-efficiency-out configs/calibration/tp_efficiency_cpu.yaml]
 
@@ -48,10 +48,13 @@ def _build_layer(hidden: int, heads: int, ffn: int | None, tp: int = 1):
     import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
 
+    from hetu_ext.megatron.host import enable_cpu_support
+    from hetu_ext.megatron.model import (
+        TrainingNumerics,
+        build_gpt_stage,
+        transformer_config,
+    )
     from hetu_ext.model.spec import ModelSpec
-
-    from .host import enable_cpu_support
-    from .model import TrainingNumerics, build_gpt_stage, transformer_config
 
     on_cpu = enable_cpu_support() or not torch.cuda.is_available()
     if not dist.is_initialized():
@@ -140,7 +143,7 @@ def calibrate(args: argparse.Namespace) -> tuple[CostTable, dict[int, Fit], dict
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m hetu_ext.megatron.calibrate", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m hetu_ext.cli.calibrate", description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, help="YAML file to write the cost table to")
     parser.add_argument("--hidden-size", type=int, default=256)
     parser.add_argument("--num-attention-heads", type=int, default=8)

@@ -27,7 +27,20 @@ from hetu_ext.config import (
     StragglerConfig,
     TrainingConfig,
 )
-from hetu_ext.plan.batches import global_batch_size
+from hetu_ext.megatron import checkpointing, host
+from hetu_ext.megatron.activations import report_first_step
+from hetu_ext.megatron.data import DataSpec, build_train_dataset, make_tokenizer
+from hetu_ext.megatron.launch_plan import check_launch, save_format
+from hetu_ext.megatron.memory import memory_table
+from hetu_ext.megatron.migrate import migrate
+from hetu_ext.megatron.model import TrainingNumerics
+from hetu_ext.megatron.monitor import StragglerMonitor
+from hetu_ext.megatron.packed_data import PackedSteps, StepData, open_documents
+from hetu_ext.megatron.placement import Placement
+from hetu_ext.megatron.plan_runtime import build_plan_placement
+from hetu_ext.megatron.state import scheduler_settings
+from hetu_ext.megatron.switching import SwitchedSteps, Switching
+from hetu_ext.megatron.uniform_runtime import build_megatron_placement
 from hetu_ext.metrics import MetricsWriter, format_log_line, peak_tflops
 from hetu_ext.model import inventory
 from hetu_ext.plan import (
@@ -36,32 +49,17 @@ from hetu_ext.plan import (
     format_plan,
     plan_to_dict,
 )
+from hetu_ext.plan.batches import global_batch_size, scheduler_unit
 from hetu_ext.plan.straggler_policy import StragglerPolicy
 from hetu_ext.runtime.straggler import CostFn, LayerTimer, parse_schedule
-
-from . import checkpointing, host
-from .activations import report_first_step
-from .data import DataSpec, build_train_dataset, make_tokenizer
-from .launch_plan import check_launch, save_format
-from .memory import memory_table
-from .migrate import migrate
-from .model import TrainingNumerics
-from .monitor import StragglerMonitor
-from .packed_data import PackedSteps, StepData, open_documents
-from .placement import Placement
-from .plan_runtime import build_plan_placement
-from .state import scheduler_settings
-from .step import (
+from hetu_ext.train.step import (
     MicrobatchSteps,
     PackedDocumentSteps,
     StepKind,
     SwitchedGroupSteps,
     forward_step,
     run_step,
-    scheduler_unit,
 )
-from .switching import SwitchedSteps, Switching
-from .uniform_runtime import build_megatron_placement
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +105,7 @@ class Trainer:
     plugin_pieces: Callable | None = None
     """A plug-in's state outside the model's sharded state dict, as pieces a migration moves (see migrate.py)."""
     steps: StepKind | None = None
-    """What a step is (hetu_ext.megatron.step): set by the builder of a plug-in (LoRA's tenants); else derived
+    """What a step is (hetu_ext.train.step): set by the builder of a plug-in (LoRA's tenants); else derived
     from the run: switching (--hetu-hotspa, --hetu-strategies), packed documents, or plain microbatches."""
     checkpoint_formats: tuple = ()
     """Other frameworks' checkpoints ``--load`` reads (:class:`~hetu_ext.megatron.checkpointing.TrainerCheckpoints`:

@@ -13,8 +13,8 @@ def train(rank: int, world_size: int, argv: list[str], gather: bool = True,
     the full gathered weights, every other rank None. ``hotspa_per_group_normalisation``: a negative control
     (HotSPa groups each divided by their own tokens)."""
     from hetu_ext.cli.args import parse_run_config
-    from hetu_ext.megatron.migrate import master_weights
     from hetu_ext.cli.train import build_run
+    from hetu_ext.megatron.migrate import master_weights
     from hetu_ext.megatron.weights import gather_weights
 
     config = parse_run_config(argv)

@@ -25,14 +25,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hetu_ext.config import PackingConfig, TrainingConfig
-from hetu_ext.plan.batches import global_batch_size
-from hetu_ext.plan import Plan
+from hetu_ext.megatron.data import microbatch_iterator
+from hetu_ext.megatron.packed_data import PackedSteps, build_packed_steps
+from hetu_ext.megatron.switching import SwitchedSteps, local_loss, predicted_switch_s
+from hetu_ext.plan.batches import global_batch_size, scheduler_unit
 from hetu_ext.runtime.straggler import factor_at, parse_schedule
-
-from .data import microbatch_iterator
-from .packed_data import PackedSteps, build_packed_steps
-from .switching import SwitchedSteps, local_loss, predicted_switch_s
 
 
 @dataclass(frozen=True)
@@ -79,12 +76,6 @@ def _loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
     num_tokens = mask.sum().to(torch.int)
     report = torch.stack([loss.detach().clone(), num_tokens.detach().float()])
     return loss, num_tokens, {"lm loss": report}
-
-
-def scheduler_unit(training: TrainingConfig, packing: PackingConfig, plan: Plan) -> int:
-    """What one step advances the LR schedule by: its samples, as Megatron-LM counts; with --hetu-packing a
-    global batch's sequence count varies (token budgets), so the schedule counts steps."""
-    return 1 if packing.method != "off" else global_batch_size(plan, training.micro_batch_size)
 
 
 class StepKind:
@@ -236,7 +227,7 @@ class SwitchedGroupSteps(StepKind):
 
 
 def run_step(trainer, kind: StepKind, data, log) -> StepResult:
-    """One step of ``trainer`` (a :class:`hetu_ext.megatron.trainer.Trainer`) of the given kind."""
+    """One step of ``trainer`` (a :class:`hetu_ext.train.trainer.Trainer`) of the given kind."""
     work = kind.prepare(trainer, data)
     if work is None:
         trainer.scheduler.step(increment=1)
