@@ -39,8 +39,9 @@ from .simulate import one_f_one_b, pipeline_time_closed_form
 _BISECT_STEPS = 64  # halvings: enough to reach float resolution of any level below 1e19 x the lowest
 
 
-def _snap_min_level(count_at, lo: float, hi: float, demand: int) -> float:
-    """Smallest level in (lo, hi] whose count reaches ``demand`` (count_at monotone, step-wise)."""
+def _bisect_level(count_at, lo: float, hi: float, demand: int) -> tuple[float, float]:
+    """``(lo, hi)`` narrowed around where ``count_at`` (monotone, step-wise) reaches ``demand``: ``hi`` the smallest
+    level found that reaches it, ``lo`` the largest found that does not."""
     for _ in range(_BISECT_STEPS):
         mid = (lo + hi) / 2
         if mid in (lo, hi):
@@ -49,7 +50,12 @@ def _snap_min_level(count_at, lo: float, hi: float, demand: int) -> float:
             hi = mid
         else:
             lo = mid
-    return hi
+    return lo, hi
+
+
+def _snap_min_level(count_at, lo: float, hi: float, demand: int) -> float:
+    """Smallest level in (lo, hi] whose count reaches ``demand`` (count_at monotone, step-wise)."""
+    return _bisect_level(count_at, lo, hi, demand)[1]
 
 
 def split_layers(num_layers: int, per_layer: list[float], fixed: list[float], caps: list[int]) -> list[int] | None:
@@ -389,14 +395,6 @@ def microbatch_bound_s(cluster: Cluster, spec: ModelSpec, *, micro_batch: int, n
         hi = 1.0 + num_microbatches  # one group alone takes num_microbatches by y = 1 + num_microbatches
         if taken(hi) < num_microbatches:
             continue
-        lo = 0.0
-        for _ in range(_BISECT_STEPS):
-            mid = (lo + hi) / 2
-            if mid in (lo, hi):
-                break
-            if taken(mid) >= num_microbatches:
-                hi = mid
-            else:
-                lo = mid
+        lo, _ = _bisect_level(taken, 0.0, hi, num_microbatches)  # a level that failed: the bound stays valid
         best = min(best, lo * f)
     return best
