@@ -234,6 +234,7 @@ def _kept_bytes_body(rank: int, world: int, _unused) -> dict:
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
+    from hetu_ext.megatron.activations import SavedTensorMeter
     from hetu_ext.megatron.host import enable_cpu_support
     from hetu_ext.megatron.model import TrainingNumerics, build_gpt_stage, transformer_config
     from hetu_ext.model import ModelSpec
@@ -244,18 +245,11 @@ def _kept_bytes_body(rank: int, world: int, _unused) -> dict:
     def kept(spec, numerics, tp) -> int:
         model = build_gpt_stage(spec, transformer_config(spec, numerics, tp=tp, pp=1, on_cpu=True),
                                 pre_process=True, post_process=True).to(torch.bfloat16)
-        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        storages = {}
-
-        def pack(t):
-            if t.untyped_storage().data_ptr() not in params:
-                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        meter = SavedTensorMeter(model)  # the trainer's own first-step meter (megatron/activations.py)
+        with meter.measuring():
             loss = model(tokens, torch.arange(128).expand(2, 128), None, labels=tokens).float().sum()
         loss.backward()
-        return sum(storages.values())
+        return meter.peak
 
     out = {}
     for tp, sps in ((1, (False,)), (2, (False, True))):
