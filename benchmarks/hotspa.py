@@ -81,8 +81,8 @@ SEQLENS = ROOT.parent / "shared" / "data" / "seqlens" / "wikipedia.txt.gz"
 SAMPLE = ROOT / "hetu_ext" / "data" / "samples" / "wikipedia_lengths_20k.txt.gz"
 
 
-def predicted_row(spec: ModelSpec, gpus: int, cost: CostTable, batch_list: list[list[int]], *, bandwidth: float
-                  ) -> dict:
+def predicted_row(spec: ModelSpec, gpus: int, cost: CostTable, batch_list: list[list[int]], *, bandwidth: float,
+                  bound_time_limit_s: float = 120.0) -> dict:
     strategies = auto_strategies(spec, gpus, cost, max_pp=8)
     items = strategies.items
     longest = max(max(b) for b in batch_list)
@@ -108,10 +108,12 @@ def predicted_row(spec: ModelSpec, gpus: int, cost: CostTable, batch_list: list[
     def estimate_s(k, ls):
         return pricer.estimate(k, ls) + allreduce[k]
 
+    fixed = [a + w for a, w in zip(allreduce, switch)]
     totals, switches, chosen, plan_ms, bounds = [], [], set(), [], []
     for b in batch_list:
         start = time.perf_counter()
-        groups = auto_groups(b, home, estimate_s, switch, exact=group_s)
+        groups = auto_groups(b, home, estimate_s, switch, exact=group_s,
+                             relaxed=lambda ls, price: pricer.relaxed(ls, fixed, upper_s=price))
         plan_ms.append((time.perf_counter() - start) * 1e3)
         t = sw = 0.0
         for g in groups:
@@ -122,11 +124,12 @@ def predicted_row(spec: ModelSpec, gpus: int, cost: CostTable, batch_list: list[
         switches.append(sw)
         # every grouping with this home (the static best, as auto_groups is given), all-reduce and switches
         # included: one group is priced by the packer itself (what HotSPa's price of it is), two or more groups
-        # by the relaxation (grouping_bound_s)
-        fixed = [a + w for a, w in zip(allreduce, switch)]
+        # by the relaxation (grouping_bound_s), which needs no bound above the best price known (upper_s)
         alone = min((pricer.exact(k, b) + fixed[k] for k, s in enumerate(items)
                      if s.max_len >= max(b) and len(s.plan.pipelines) <= len(b)), default=float("inf"))
-        bounds.append(min(alone, grouping_bound_s(b, home, spec, cost, fixed_s=fixed, min_strategies=2)))
+        known = min(alone, totals[-1])
+        bounds.append(min(alone, grouping_bound_s(b, home, spec, cost, fixed_s=fixed, min_strategies=2,
+                                                  upper_s=known, time_limit_s=bound_time_limit_s)))
     plan_ms = statistics.mean(plan_ms)
     hotspa_s, switch_s = statistics.mean(totals), statistics.mean(switches)
     return {"gpus": gpus, "max_len": longest, "static_s": static_s, "hotspa_s": hotspa_s, "switch_s": switch_s,

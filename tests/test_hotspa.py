@@ -348,6 +348,17 @@ def test_grouping_bound_is_below_every_grouping():
             bound = grouping_bound_s(lengths, strategies, spec, cost, fixed_s=fixed)
             assert bound <= min(tried) * (1 + 1e-6), (bound, min(tried))
             assert bound >= 0.9 * min(tried), (bound, min(tried))
+            # with a known price U, every pipeline's fill counts: still below every grouping tried, whatever U
+            # (U above the best tried, between, at it), and never looser than without U
+            for upper in (max(tried), float(np.median(tried)), min(tried)):
+                tighter = grouping_bound_s(lengths, strategies, spec, cost, fixed_s=fixed, upper_s=upper)
+                assert tighter <= min(tried) * (1 + 1e-6), (tighter, min(tried), upper)
+                assert tighter >= bound * (1 - 1e-6) or tighter == upper, (tighter, bound, upper)
+            # the relaxation's own grouping (the planner's second candidate) follows HotSPa's rules
+            relaxed = pricer.relaxed(lengths, fixed, upper_s=min(tried))
+            if relaxed is not None:
+                assert sorted(i for g in relaxed for i in g.indices) == list(range(len(lengths)))
+                assert all(holds(g.strategy, [lengths[i] for i in g.indices]) for g in relaxed)
 
 
 def test_auto_grouping_compares_the_home_after_merging_into_one_group():

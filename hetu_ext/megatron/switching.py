@@ -89,8 +89,10 @@ class SwitchedSteps:
         if self._pricer is None:
             self._pricer = GroupPricer(self.strategies, self.spec, self.cost)
         if self.mode == "auto":
+            fixed = [0.0 if k == self.strategies.home else sw for k, sw in enumerate(self.switch_s)]
             return auto_groups(lengths, self.strategies, self._pricer.estimate, self.switch_s,
-                               exact=self._pricer.exact)
+                               exact=self._pricer.exact,
+                               relaxed=lambda ls, price: self._pricer.relaxed(ls, fixed, upper_s=price))
         k, predicted = select_candidate(lengths, self.strategies, estimate=self._pricer.bound,
                                         exact=self._pricer.exact, switch_s=self.switch_s)
         return [Group(strategy=k, indices=tuple(range(len(lengths))), predicted_s=predicted)]

@@ -40,6 +40,7 @@ from hetu_ext.keys import check_keys, read_yaml
 from hetu_ext.model import inventory
 from hetu_ext.model.spec import ModelSpec
 
+from .grouping_relaxation import relaxation
 from .io import load_plan
 from .plan import Plan, PlanError, uniform_plan, validate_plan
 from .replicas import replica_specs
@@ -225,7 +226,8 @@ def run_order(groups: list[Group], strategies: Strategies) -> list[Group]:
 
 def auto_groups(lengths: Sequence[int], strategies: Strategies, group_s: Callable[[int, list[int]], float],
                 switch_s: Sequence[float], *, points: int = 16,
-                exact: Callable[[int, list[int]], float] | None = None, alone_margin: float = 0.1) -> list[Group]:
+                exact: Callable[[int, list[int]], float] | None = None, alone_margin: float = 0.1,
+                relaxed: Callable[[list[int], float], list[Group] | None] | None = None) -> list[Group]:
     """The grouping minimising ``sum over groups (group_s(strategy, lengths) + switch_s[strategy])`` (switch 0 for
     home): a dynamic program over split points of the sorted lengths (every capacity boundary and ``points``
     quantiles), each contiguous run of lengths given the strategy that takes its longest and has no more
@@ -233,7 +235,10 @@ def auto_groups(lengths: Sequence[int], strategies: Strategies, group_s: Callabl
     the program's grouping is then improved by exactly priced merges of its groups (:func:`_merge_exactly`) and
     compared with the home alone, so an estimate's error never makes a step slower than running it all under the
     home strategy; then with every strategy alone whose estimate is within ``alone_margin`` of that exact price
-    (:func:`_best_alone`)."""
+    (:func:`_best_alone`). ``relaxed`` (with ``exact``): a second candidate grouping of the lengths (e.g.
+    :meth:`GroupPricer.relaxed`, the mixed-integer relaxation's, which is not bound to contiguous runs: it tops up
+    the long sequences' pipelines with short ones; called with the lengths and the exact price to beat), taken
+    when its exact price is lower."""
     check_capacity(lengths, strategies)
     s = np.asarray(lengths, dtype=np.int64)
     order = np.argsort(s, kind="stable")
@@ -269,7 +274,17 @@ def auto_groups(lengths: Sequence[int], strategies: Strategies, group_s: Callabl
         return groups
     if len(groups) > 1:
         groups = _merge_exactly(groups, s, strategies, exact, switch_s)
+    if relaxed is not None:  # called with the lengths and the price to beat
+        price = _exact_total(groups, s, strategies, exact, switch_s)
+        other = relaxed(s.tolist(), price)
+        if other and _exact_total(other, s, strategies, exact, switch_s) < price:
+            groups = other
     return _best_alone(groups, s, strategies, group_s, exact, switch_s, margin=alone_margin)
+
+
+def _exact_total(groups: list[Group], s: np.ndarray, strategies: Strategies, exact, switch_s) -> float:
+    return sum(exact(g.strategy, [int(s[i]) for i in g.indices])
+               + (0.0 if g.strategy == strategies.home else switch_s[g.strategy]) for g in groups)
 
 
 def _best_alone(groups: list[Group], s: np.ndarray, strategies: Strategies, group_s, exact, switch_s, *,
@@ -281,7 +296,7 @@ def _best_alone(groups: list[Group], s: np.ndarray, strategies: Strategies, grou
     def switch(k: int) -> float:
         return 0.0 if k == strategies.home else switch_s[k]
 
-    best = sum(exact(g.strategy, [int(s[i]) for i in g.indices]) + switch(g.strategy) for g in groups)
+    best = _exact_total(groups, s, strategies, exact, switch_s)
     chosen = groups
     everything = s.tolist()
     order = sorted((group_s(k, everything) + switch(k), k) for k, st in enumerate(strategies.items)
@@ -336,77 +351,24 @@ def _merge_exactly(groups: list[Group], s: np.ndarray, strategies: Strategies,
 
 def grouping_bound_s(lengths: Sequence[int], strategies: Strategies, spec: ModelSpec, cost: CostTable, *,
                      fixed_s: Sequence[float] | None = None, time_limit_s: float = 120.0,
-                     min_strategies: int = 1) -> float:
+                     min_strategies: int = 1, upper_s: float | None = None) -> float:
     """A lower bound on ``sum over groups (the packer's time of the group under its strategy + fixed_s[k])``
-    over every grouping of ``lengths`` into groups under ``strategies`` (any split, contiguous or not; two groups
-    under one strategy are bounded below as their union is), ``fixed_s[k]`` a time every used strategy adds (its
-    all-reduce, its switch; default 0): what HotSPa can reach at best under the packer's cost model. Needs scipy
-    (HiGHS).
+    over every grouping of ``lengths`` into groups under ``strategies`` (any split, contiguous or not; at least
+    one sequence per pipeline of a group's strategy), ``fixed_s[k]`` a time every used strategy adds (its
+    all-reduce, its switch; default 0): what HotSPa can reach at best under the packer's cost model. The
+    mixed-integer relaxation of :mod:`hetu_ext.plan.grouping_relaxation` (its docstring has the proof), solved by
+    scipy's HiGHS; its dual bound is returned, so a time limit keeps it a bound.
 
-    Proof. A strategy's plan covers at most G = the world's ranks. A pipeline r of it runs its microbatches in
-    ``T_r = sum over packs of max_j t_j(pack) + (pp - 1) max over packs of max_j t_j(pack)`` (the packer's 1F1B
-    model), ``t_j(p) = a_j Q + b_j S + c_j`` on stage j (Q, S: the pack's squared and plain tokens). With
-    ``g_j`` the ranks of stage j, the pipeline's rank-seconds ``sum_j g_j T_r`` are at least ``w_r(S_r) +
-    (pp - 1) w_r(longest of S_r)`` where ``w_r(X) = sum over x in X of sum_j g_j (a_j x^2 + b_j x)``
-    (``max_j >= any j``, ``Q >= sum x^2`` over the pack, ``c >= 0``, the longest pack holds at least the longest
-    sequence). The group's time is at least each pipeline's, so ``G x time >= sum over pipelines`` of those
-    rank-seconds. Each sequence lands on one pipeline that holds it, costing at least the least ``w`` over the
-    strategy's pipelines that hold it; the pipeline holding the group's longest sequence adds at least
-    ``(pp - 1) w`` of it. Minimising that relaxation over all groupings is the mixed-integer program solved here
-    (x: sequence i in strategy k's group, y: strategy k used, z: its fill and drain); HiGHS's dual bound is
-    returned, so a time limit keeps it a bound (HiGHS's default tolerances, 1e-6 relative, apply).
-
-    ``min_strategies``: bound only the groupings that use at least that many strategies (``sum y >= it``; 2 with
-    one strategy priced exactly apart, e.g. by the packer, gives a tighter bound on every grouping: the least of
-    the two). Infinity when fewer strategies hold a sequence than that."""
-    try:
-        from scipy.optimize import Bounds, LinearConstraint, milp
-        from scipy.sparse import coo_matrix
-    except ImportError as exc:  # pragma: no cover - the dev extra installs scipy
-        raise ImportError("grouping_bound_s needs scipy (HiGHS): pip install scipy") from exc
-    s = np.asarray(lengths, dtype=np.float64)
-    check_capacity(s.astype(np.int64).tolist(), strategies)
-    n, K = s.size, len(strategies.items)
-    world = max(st.plan.world_size for st in strategies.items)
-    fixed = np.zeros(K) if fixed_s is None else np.asarray(fixed_s, dtype=np.float64)
-    work = np.full((n, K), np.inf)  # least rank-seconds of sequence i on a pipeline of strategy k holding it
-    fill = np.full((n, K), np.inf)  # least (pp - 1) x that over those pipelines
-    for k, st in enumerate(strategies.items):
-        for pipeline, rep in zip(st.plan.pipelines, replica_specs(st.plan, spec, cost, max_pack_tokens=st.max_len)):
-            w = sum(len(stage.ranks) * (c.a * s * s + c.b * s) for stage, c in zip(pipeline.stages, rep.stage_costs))
-            held = s <= rep.token_capacity
-            work[:, k] = np.where(held, np.minimum(work[:, k], w), work[:, k])
-            fill[:, k] = np.where(held, np.minimum(fill[:, k], (rep.pp - 1) * w), fill[:, k])
-    pairs = np.argwhere(np.isfinite(work))  # (i, k): a sequence and a strategy holding it
-    m = len(pairs)
-    ny, nz = m, m + K  # variables: x (m of them), then y (K), then z (K)
-    c = np.concatenate([work[pairs[:, 0], pairs[:, 1]] / world, fixed, np.ones(K) / world])
-    x = np.arange(m)
-    ones = np.ones(m)
-    rows = np.concatenate([pairs[:, 0],                   # sum over k of x_ik = 1 (rows 0..n-1)
-                           n + x, n + x,                  # x_ik - y_k <= 0
-                           n + m + x, n + m + x])         # fill_ik x_ik - z_k <= 0
-    cols = np.concatenate([x, x, ny + pairs[:, 1], x, nz + pairs[:, 1]])
-    vals = np.concatenate([ones, ones, -ones, fill[pairs[:, 0], pairs[:, 1]], -ones])
-    lo = np.concatenate([np.ones(n), np.full(2 * m, -np.inf)])
-    hi = np.concatenate([np.ones(n), np.zeros(2 * m)])
-    A = coo_matrix((vals, (rows, cols)), shape=(n + 2 * m, nz + K)).tocsr()
-    constraints = [LinearConstraint(A, lo, hi)]
-    if min_strategies > 1:
-        if len({int(k) for k in pairs[:, 1]}) < min_strategies:
-            return float("inf")
-        pick = np.zeros(nz + K)
-        pick[ny:nz] = 1.0
-        constraints.append(LinearConstraint(pick[None, :], min_strategies, np.inf))
-    integrality = np.concatenate([np.ones(nz), np.zeros(K)])
-    upper = np.concatenate([np.ones(nz), np.full(K, np.inf)])
-    res = milp(c, constraints=constraints, integrality=integrality,
-               bounds=Bounds(np.zeros(nz + K), upper),
-               options={"time_limit": time_limit_s, "mip_rel_gap": 1e-6})
-    bound = getattr(res, "mip_dual_bound", None)
-    if bound is None or not np.isfinite(bound):
-        raise RuntimeError(f"grouping_bound_s: HiGHS returned no bound ({res.message})")
-    return float(bound)
+    ``upper_s``: the price of a grouping already known (e.g. the best strategy alone); groupings dearer than it
+    need no bound, which lets the relaxation count every pipeline's fill and drain (row 1); the result is then
+    ``min(upper_s, relaxation)``. ``min_strategies``: bound only the groupings that use at least that many
+    strategies (2 with each strategy alone priced exactly apart, e.g. by the packer, gives a tighter bound on
+    every grouping: the least of the two); infinity when fewer strategies hold a sequence than that."""
+    check_capacity(lengths, strategies)
+    plans = [st.plan for st in strategies.items]
+    replicas = [replica_specs(st.plan, spec, cost, max_pack_tokens=st.max_len) for st in strategies.items]
+    return relaxation(lengths, plans, replicas, fixed_s=fixed_s, upper_s=upper_s, min_strategies=min_strategies,
+                      time_limit_s=time_limit_s).bound_s
 
 
 # ---------------------------------------------------------------------------------------------- switch volume
@@ -497,6 +459,12 @@ def group_seconds(plan: Plan, spec: ModelSpec, cost: CostTable, lengths: list[in
     return max(assign(lengths, replicas, method="hetu").predicted_s)
 
 
+RELAXED_NODES = 200
+"""Branch-and-bound nodes the planner's relaxation may take (a node count, not a clock: the same on every rank)."""
+RELAXED_TIME_LIMIT_S = 60.0
+"""A backstop only: the node limit ends it first on the benchmarks' steps (up to 2,000 sequences, 20 strategies)."""
+
+
 class GroupPricer:
     """Predicted seconds of a group of sequences under each strategy, with the strategies' replica specs built
     once: ``exact`` runs the packer (Hydraulis's two-stage assignment), ``estimate`` is its certified lower bound
@@ -504,6 +472,7 @@ class GroupPricer:
     program's many candidate groups."""
 
     def __init__(self, strategies: Strategies, spec: ModelSpec, cost: CostTable) -> None:
+        self._strategies = strategies
         self._replicas = [replica_specs(s.plan, spec, cost, max_pack_tokens=s.max_len) for s in strategies.items]
         self._packed: dict[int, tuple[list[int], Assignment]] = {}  # per strategy, exact's last lengths and packing
 
@@ -525,6 +494,24 @@ class GroupPricer:
     def bound(self, k: int, lengths: list[int]) -> float:
         """The packer's certified lower bound (hetu_ext.data.packing_bound): never above :meth:`exact`."""
         return lower_bound_s(np.asarray(lengths, dtype=np.int64), self._replicas[k]) if lengths else 0.0
+
+    def relaxed(self, lengths: Sequence[int], fixed_s: Sequence[float], *, upper_s: float | None = None,
+                node_limit: int = RELAXED_NODES) -> list[Group] | None:
+        """The grouping of :func:`hetu_ext.plan.grouping_relaxation.relaxation` (``fixed_s[k]``: what a used
+        strategy adds; ``upper_s``: a known grouping's price), stopped after ``node_limit`` branch-and-bound nodes
+        (deterministic: every rank gets the same groups); None when it found none or a group breaks HotSPa's
+        rules (a sequence longer than its strategy takes, fewer sequences than pipelines)."""
+        plans = [st.plan for st in self._strategies.items]
+        out = relaxation(lengths, plans, self._replicas, fixed_s=fixed_s, upper_s=upper_s, node_limit=node_limit,
+                         time_limit_s=RELAXED_TIME_LIMIT_S)
+        if not out.groups:
+            return None
+        groups = [Group(strategy=k, indices=tuple(sorted(ix))) for k, ix in sorted(out.groups.items())]
+        for g in groups:
+            st = self._strategies.items[g.strategy]
+            if len(g.indices) < len(st.plan.pipelines) or max(lengths[i] for i in g.indices) > st.max_len:
+                return None
+        return groups
 
     def exact(self, k: int, lengths: list[int]) -> float:
         """The packer's slowest replica (seconds); the packing is kept for :meth:`packed`."""

@@ -1,0 +1,222 @@
+"""The mixed-integer relaxation of HotSPa's grouping problem (pure: numpy and scipy's HiGHS, no torch).
+
+A grouping puts every sequence of a step into the group of one strategy; each used strategy k trains its group in
+``T_k`` (the packer's 1F1B time of its slowest pipeline) and adds a fixed ``F_k`` (all-reduce, switch); the step
+takes ``sum over used k of (T_k + F_k)``. A group under strategy k holds at least one sequence per pipeline of k
+(HotSPa's rule). This module bounds that sum from below over every grouping (:func:`relaxation`'s dual bound) and
+offers the relaxation's own grouping as a planner's candidate (its primal solution, priced exactly by the caller).
+
+Per pipeline r of k holding sequence i (``s`` tokens; stage j costs ``a_j Q + b_j S + c_j`` per microbatch):
+
+* ``w_ir = sum_j g_j (a_j s^2 + b_j s)`` (g_j: stage j's ranks): rank-seconds the sequence costs on r, whatever
+  pack it is in (a pack's time on stage j is at least its sequences' sum);
+* ``tau_ir = max_j (a_j s^2 + b_j s + c_j)``: the least time of any microbatch holding it, on the slowest stage;
+* ``nu_ir = min_j (a_j s^2 + b_j s)``: what it adds to any pack's time.
+
+Rows, each a consequence of the packer's model ``T_r = sum over packs t(p) + (pp_r - 1) max_p t(p)``,
+``t(p) = max_j (a_j Q_p + b_j S_p + c_j)``, and ``T_k = max_r T_r``:
+
+1. *work*: ``G T_k >= sum_r G_r T_r >= sum over i in k's group of w_i (1 + (pp - 1) tau_i / U)`` (G: the world's
+   ranks, G_r: pipeline r's). The fill term: ``G_r max_{i on r} tau_i >= sum_{i on r} w_i tau_i / U`` because the
+   largest tau is at least any weighted mean of them and ``sum_{i on r} w_i <= G_r T_r <= G_r U``, which holds for
+   every grouping whose step takes at most ``U`` (``upper_s``; the bound is then ``min(U, relaxation)``, a bound on
+   every grouping). Without ``U``: the fill of the pipeline holding the group's longest sequence only.
+2. *alone*: ``T_k >= pp_r tau_ir`` for every member i (its microbatch's fill and drain plus its own pass).
+3. *pairs*: with more members than k has pipelines, two of the ``d + 1`` largest (by nu) share a pipeline, so
+   ``T_k >= pp nu_(d) + nu_(d+1)`` (the d-th and (d+1)-th largest nu in the group; the pair's larger one pays the
+   fill). Encoded with thresholds ``theta_1 > theta_2 > ...``: binaries ``u_l`` (at least d members with nu >=
+   theta_l) and ``v_l`` (at least d + 1), ``T_k >= sum_l (theta_l - theta_{l+1}) (pp u_l + v_l)`` (telescoping:
+   the sum is ``pp theta(u) + theta(v)``, the least thresholds the order statistics reach).
+4. *size*: ``sum_i x_ik >= d_k y_k``.
+
+The longest ``binary`` sequences get a binary assignment per strategy; the rest are gathered into buckets of equal
+holders (cut at every strategy's capacity) whose assignment is fractional (a relaxation of assigning each member
+whole): the program stays small at thousands of sequences. HiGHS's dual bound is returned, so a time limit keeps
+it a bound (its default tolerances, 1e-6 relative, apply).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from hetu_ext.data.packing import ReplicaSpec
+
+
+@dataclass(frozen=True)
+class Relaxed:
+    bound_s: float
+    """HiGHS's dual bound: no grouping (of total at most ``upper_s``, when given) is cheaper."""
+    groups: dict[int, list[int]] | None
+    """The program's grouping (strategy -> indices into the lengths), buckets rounded to their largest share; None
+    when HiGHS found no feasible point within its limits."""
+
+
+def f_over_u(c: float, pp: int, upper_s: float) -> float:
+    """``f(U) / U`` for ``f(W) = W + 2 sqrt((pp - 1) c W) + (pp - 1) c``: a pipeline whose work priced on one stage
+    is W (``sum_p (a Q_p + b S_p)``) over M microbatches takes at least ``W + c M + (pp - 1)(W / M + c)`` (the
+    largest microbatch is at least the mean), at least f(W) over every M; f is concave with f(0) >= 0, so
+    ``f(W) >= W f(U) / U`` for every ``W <= U``."""
+    return 1.0 + 2.0 * np.sqrt((pp - 1) * c / upper_s) + (pp - 1) * c / upper_s
+
+
+def _per_sequence(s: np.ndarray, plans, replicas: Sequence[Sequence[ReplicaSpec]], world: int,
+                  upper_s: float | None):
+    """(work, plain, fill, alone, nu, pp, pipelines): sequences x strategies (inf where no pipeline holds it)
+    and per strategy; work and plain in seconds over the world (rank-seconds / G, row 1: with every pipeline's
+    fill through ``upper_s``, and without), fill the longest sequence's fill and drain term."""
+    n, K = s.size, len(plans)
+    work, plain, fill, alone, nu = (np.full((n, K), np.inf) for _ in range(5))
+    pp = np.ones(K, dtype=np.int64)
+    pipelines = np.zeros(K, dtype=np.int64)
+    for k, (plan, reps) in enumerate(zip(plans, replicas)):
+        pipelines[k] = len(reps)
+        for pipeline, rep in zip(plan.pipelines, reps):
+            per_stage = np.array([c.a * s * s + c.b * s for c in rep.stage_costs])  # stages x n
+            ranks = np.array([len(stage.ranks) for stage in pipeline.stages], dtype=np.float64)
+            w = ranks @ per_stage
+            tau = np.max(per_stage + np.array([[c.c] for c in rep.stage_costs]), axis=0)
+            held = s <= rep.token_capacity
+            pp[k] = max(pp[k], rep.pp)
+            if upper_s:  # row 1 with every pipeline's fill: the larger of two arguments, per sequence
+                rho = np.array([f_over_u(c.c, rep.pp, upper_s) for c in rep.stage_costs])
+                w_fill = np.maximum(w * (1 + (rep.pp - 1) * tau / upper_s), (ranks * rho) @ per_stage)
+            else:
+                w_fill = w
+            for out, value in ((work, w_fill), (plain, w), (fill, (rep.pp - 1) * w), (alone, rep.pp * tau),
+                               (nu, per_stage.min(axis=0))):
+                out[:, k] = np.where(held, np.minimum(out[:, k], value), out[:, k])
+    return work / world, plain / world, fill / world, alone, nu, pp, pipelines
+
+
+def relaxation(lengths: Sequence[int], plans, replicas: Sequence[Sequence[ReplicaSpec]], *,
+               fixed_s: Sequence[float] | None = None, upper_s: float | None = None, min_strategies: int = 1,
+               binary: int | None = None, buckets: int = 48, thresholds: int = 12, time_limit_s: float = 120.0,
+               node_limit: int | None = None) -> Relaxed:
+    """The relaxation (module docstring) over strategies given by their ``plans`` and the packer's ``replicas``
+    (one ReplicaSpec per pipeline, capacities included). ``binary``: how many of the longest sequences get binary
+    assignments (default ``2 x most pipelines + 16``, what the pair rows look at); ``node_limit`` (deterministic)
+    or ``time_limit_s`` stop HiGHS early (the dual bound stays a bound). ``min_strategies``: only groupings using
+    at least that many strategies (``inf`` when fewer hold a sequence)."""
+    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.sparse import coo_matrix
+
+    s = np.asarray(lengths, dtype=np.float64)
+    n, K = s.size, len(plans)
+    world = max(plan.world_size for plan in plans)
+    fixed = np.zeros(K) if fixed_s is None else np.asarray(fixed_s, dtype=np.float64)
+    work, plain, fill, alone, nu, pp, pipelines = _per_sequence(s, plans, replicas, world, upper_s)
+    held = np.isfinite(work)
+    if not held.any(axis=1).all():
+        raise ValueError("grouping relaxation: a sequence no strategy holds")
+
+    # units: the `binary` longest sequences alone, the rest in buckets of equal holders
+    order = np.argsort(-s, kind="stable")
+    top = int(min(n, binary if binary is not None else 2 * pipelines.max() + 16))
+    units: list[np.ndarray] = [order[i:i + 1] for i in range(top)]
+    rest = order[top:]
+    if rest.size:
+        caps = sorted({r.token_capacity for reps in replicas for r in reps})
+        cls = np.searchsorted(caps, s[rest], side="left")
+        for c in np.unique(cls):
+            members = rest[cls == c]
+            for part in np.array_split(members, min(members.size, max(1, buckets * members.size // rest.size))):
+                units.append(part)
+    U = len(units)
+    count = np.array([u.size for u in units], dtype=np.float64)
+    uwork = np.array([work[u].sum(axis=0) for u in units])  # units x K (inf where not held)
+    uplain = np.array([plain[u].sum(axis=0) for u in units])
+    ufill = np.array([fill[u].max(axis=0) for u in units])
+    ualone = np.array([alone[u].max(axis=0) for u in units])
+    unu = np.array([nu[u].min(axis=0) for u in units])  # a bucket's members each reach at least this
+    pairs = np.argwhere(np.isfinite(uwork))  # (unit, strategy)
+    m = len(pairs)
+    ui, uk = pairs[:, 0], pairs[:, 1]
+    is_binary = ui < top
+
+    # variables: x (m), y (K), z (K: fill without U), T (K), then the threshold binaries
+    X, Y, Z, T = 0, m, m + K, m + 2 * K
+    rows, cols, vals, lo, hi = [], [], [], [], []
+    cost = [np.zeros(m), fixed, np.zeros(K), np.ones(K)]
+    integral = [is_binary.astype(np.float64), np.ones(K), np.zeros(K), np.zeros(K)]
+    nv = m + 3 * K
+    nrow = 0
+
+    def add(r, c, v, low, high):
+        nonlocal nrow
+        r = np.asarray(r)
+        rows.append(r + nrow)
+        cols.append(np.asarray(c))
+        vals.append(np.asarray(v, dtype=np.float64))
+        lo.append(np.atleast_1d(np.asarray(low, dtype=np.float64)))
+        hi.append(np.atleast_1d(np.asarray(high, dtype=np.float64)))
+        nrow += int(r.max()) + 1 if r.size else 0
+
+    x = np.arange(m)
+    one = np.ones(m)
+    add(ui, X + x, one, np.ones(U), np.ones(U))                                   # each unit once
+    add(np.r_[x, x], np.r_[X + x, Y + uk], np.r_[one, -one], np.full(m, -np.inf), np.zeros(m))   # x <= y
+    add(np.r_[x, x], np.r_[X + x, Z + uk], np.r_[ufill[ui, uk], -one], np.full(m, -np.inf), np.zeros(m))
+    ks = np.arange(K)
+    add(np.r_[uk, ks, ks], np.r_[X + x, Z + ks, T + ks], np.r_[uplain[ui, uk], np.ones(K), -np.ones(K)],
+        np.full(K, -np.inf), np.zeros(K))                                           # row 1, the longest's fill
+    if upper_s is not None:
+        add(np.r_[uk, ks], np.r_[X + x, T + ks], np.r_[uwork[ui, uk], -np.ones(K)], np.full(K, -np.inf),
+            np.zeros(K))                                                            # row 1, every pipeline's
+    b = np.flatnonzero(is_binary)
+    add(np.r_[np.arange(b.size), np.arange(b.size)], np.r_[X + b, T + uk[b]], np.r_[ualone[ui[b], uk[b]],
+        -np.ones(b.size)], np.full(b.size, -np.inf), np.zeros(b.size))          # row 2 (bucket rows dropped)
+    add(np.r_[uk, ks], np.r_[X + x, Y + ks], np.r_[count[ui], -pipelines.astype(np.float64)], np.zeros(K),
+        np.full(K, np.inf))                                                        # row 4
+    extra = 0
+    for k in range(K):                                                             # row 3
+        d = int(pipelines[k])
+        mine = np.flatnonzero(uk == k)
+        if count[ui[mine]].sum() <= d:
+            continue
+        ranked = np.sort(np.repeat(unu[ui[mine], k], count[ui[mine]].astype(np.int64)))[::-1]
+        ranks = np.unique(np.linspace(d - 1, min(ranked.size - 1, 2 * d + 8), thresholds).round().astype(int))
+        theta = np.r_[np.unique(ranked[ranks])[::-1], 0.0]
+        tele_c, tele_v = [T + k], [-1.0]
+        for level, delta in zip(theta[:-1], theta[:-1] - theta[1:]):
+            reach = mine[unu[ui[mine], k] >= level]  # units each of whose members has nu >= level
+            for need, weight in ((d, pp[k]), (d + 1, 1)):
+                v = nv + extra
+                extra += 1
+                add(np.zeros(reach.size + 1, dtype=np.int64), np.r_[X + reach, v],
+                    np.r_[count[ui[reach]], -float(n)], -np.inf, need - 1)
+                tele_c.append(v)
+                tele_v.append(weight * delta)
+        add(np.zeros(len(tele_c), dtype=np.int64), tele_c, tele_v, -np.inf, 0.0)
+    nv += extra
+    c = np.concatenate(cost + [np.zeros(extra)])
+    integrality = np.concatenate(integral + [np.ones(extra)])
+    upper = np.concatenate([np.ones(m + K), np.full(2 * K, np.inf), np.ones(extra)])
+    A = coo_matrix((np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))), shape=(nrow, nv)).tocsr()
+    constraints = [LinearConstraint(A, np.concatenate(lo), np.concatenate(hi))]
+    if min_strategies > 1:
+        if len(set(uk.tolist())) < min_strategies:
+            return Relaxed(bound_s=float("inf"), groups=None)
+        pick = np.zeros(nv)
+        pick[Y:Z] = 1.0
+        constraints.append(LinearConstraint(pick[None, :], min_strategies, np.inf))
+    options = {"time_limit": time_limit_s, "mip_rel_gap": 1e-6}
+    if node_limit is not None:
+        options["node_limit"] = node_limit
+    res = milp(c, constraints=constraints, integrality=integrality, bounds=Bounds(np.zeros(nv), upper),
+               options=options)
+    bound = getattr(res, "mip_dual_bound", None)
+    if bound is None or not np.isfinite(bound):
+        raise RuntimeError(f"grouping relaxation: HiGHS returned no bound ({res.message})")
+    if upper_s is not None:
+        bound = min(bound, upper_s)
+    groups = None
+    if res.x is not None:
+        share = np.full((U, K), -1.0)  # -1: not held
+        share[ui, uk] = res.x[X:X + m]
+        groups = {}
+        for u, members in enumerate(units):
+            groups.setdefault(int(share[u].argmax()), []).extend(int(i) for i in members)
+    return Relaxed(bound_s=float(bound), groups=groups)
