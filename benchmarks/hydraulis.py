@@ -144,6 +144,7 @@ def predicted_row(name: str, spec: ModelSpec, gpus: int, cost: CostTable, pieces
     dynamic, chosen, select_ms, pack_ms, select_cpu_ms = [], [], [], [], []
     bound_dynamic, bound_ms, bound_cpu_ms = [], [], []
     exact = {k: [] for k in range(len(items))}
+    uppers: list[float | None] = []
     longest = max(max(b) for b in batches)
     for b in batches:
         start, cpu = time.perf_counter(), time.process_time()  # first: the bounds of these lengths not yet cached
@@ -161,13 +162,17 @@ def predicted_row(name: str, spec: ModelSpec, gpus: int, cost: CostTable, pieces
         dynamic.append(t + home_sync)
         chosen.append(items[k].name)
         bound_dynamic.append(selector.exact(kb, b) + selector.switch_s[kb] + home_sync)
+        known = []  # the candidates' compute times on this batch: the bound needs none above the least
         for j, s in enumerate(items):
             if s.max_len >= longest and len(s.plan.pipelines) <= len(b):
-                exact[j].append(selector.exact(j, b) + sync_seconds(s.plan, spec, bandwidth=bandwidth))
+                known.append(selector.exact(j, b))
+                exact[j].append(known[-1] + sync_seconds(s.plan, spec, bandwidth=bandwidth))
+        uppers.append(min(known, default=None))
     static = min((float(np.mean(v)), items[j].name) for j, v in exact.items() if len(v) == len(batches))
     pool = shape_pool(spec, cost, world_size=gpus, max_len=max_len, prune=False)
     # the candidates' home is fixed and its all-reduce is paid every step: on top of any one plan's compute
-    bound = float(np.mean([one_plan_bound_s(b, pool, gpus) for b in batches])) + home_sync
+    bound = float(np.mean([one_plan_bound_s(b, pool, gpus, upper_s=u) for b, u in zip(batches, uppers)])) \
+        + home_sync
     row = {"model": name, "gpus": gpus, "max_len": max_len, "lengths": None,
            **megatron_best(spec, gpus, cost, batches, max_len=max_len, bandwidth=bandwidth),
            "static_hetero_s": static[0], "static_hetero": static[1], "dynamic_s": float(np.mean(dynamic)),

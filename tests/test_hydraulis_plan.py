@@ -181,6 +181,11 @@ def test_one_plan_bound_is_below_every_candidate_and_binds_when_only_the_whole_c
             exact = [sel.exact(j, batch) for j in able]
             assert exact and all(bound <= t * (1 + 1e-9) for t in exact)
             assert bound >= 0.5 * min(exact), "the bound should not be trivially loose"
+            # with the candidates' best as the known price U (every pipelined replica's fill counted), and with
+            # U above it: still below every candidate, and never looser than without U
+            for upper in (min(exact), max(exact)):
+                tighter = one_plan_bound_s(batch, pool, gpus, upper_s=upper)
+                assert tighter <= min(exact) * (1 + 1e-9) and tighter >= min(bound, upper) * (1 - 1e-9)
             holders = [s for s in pool if s.capacity >= max(batch)]
             if all(s.gpus == gpus for s in holders):  # the plan is one replica of all the GPUs
                 forced_seen += 1

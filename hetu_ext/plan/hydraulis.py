@@ -46,6 +46,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hetu_ext.data.cost import CostTable, LengthCost
+from .grouping_relaxation import f_over_u
 from .hotspa import Strategies, Strategy, check_capacity
 from hetu_ext.data.lengths import split_long
 from hetu_ext.data.packing import Assignment, assign
@@ -510,7 +511,8 @@ class Selector:
         return k, t, self._packed.get(k)
 
 
-def one_plan_bound_s(lengths: Sequence[int], pool: Sequence[Shape], world_size: int) -> float:
+def one_plan_bound_s(lengths: Sequence[int], pool: Sequence[Shape], world_size: int, *,
+                     upper_s: float | None = None) -> float:
     """A lower bound on the compute seconds of every plan over ``world_size`` GPUs whose replicas are shapes of
     ``pool`` (pass the unpruned pool, ``shape_pool(..., prune=False)``) training ``lengths`` in one step: what
     one-plan-per-step selection can reach at best, gradient all-reduce and switches left out.
@@ -527,6 +529,13 @@ def one_plan_bound_s(lengths: Sequence[int], pool: Sequence[Shape], world_size: 
     shape that trains it alone within T, and G T must cover the least GPU-seconds over those
     (hetu_ext.plan.lobra.least_step_s).
 
+    ``upper_s``: the compute time of a plan already known (e.g. the best candidate's, packed): plans slower than it
+    need no bound, and on a pipelined shape (pp > 1) each sequence's work then carries its share of every
+    replica's fill and drain, the larger of ``1 + (pp - 1) tau / U`` (tau: its microbatch's slowest stage; the
+    largest microbatch is at least the work-weighted mean of its sequences' tau, and a replica's work is at most
+    its GPUs x U) and ``f(U) / U`` (hetu_ext.plan.grouping_relaxation.f_over_u: the per-microbatch overhead
+    against the fill); the result is ``min(upper_s, that bound)``.
+
     ValueError when no shape holds the longest sequence."""
     if not len(lengths):
         return 0.0
@@ -541,11 +550,19 @@ def one_plan_bound_s(lengths: Sequence[int], pool: Sequence[Shape], world_size: 
                          f"{int(caps.max(initial=0))})")
     allowed = holders if (gpus[holders] >= world_size).all() else np.ones_like(holders)
     work = gpus[None, :] * (coef[None, :, 0] * L * L + coef[None, :, 1] * L)
+    if upper_s is not None:
+        for k, shape in enumerate(pool):
+            stages = shape.replica.stage_costs
+            if len(stages) > 1:
+                tau = np.max([c.a * L[:, 0] ** 2 + c.b * L[:, 0] + c.c for c in stages], axis=0)
+                rho = min(f_over_u(c.c, len(stages), upper_s) for c in stages)
+                work[:, k] *= np.maximum(1 + (len(stages) - 1) * tau / upper_s, rho)
     ok = (caps[None, :] >= L) & allowed[None, :]
     work = np.where(ok, work, np.inf)
     solo = np.stack([sum(c.a * L[:, 0] ** 2 + c.b * L[:, 0] + c.c for c in s.replica.stage_costs) for s in pool],
                     axis=1)
-    return least_step_s(work, np.where(ok, solo, np.inf), world_size)
+    bound = least_step_s(work, np.where(ok, solo, np.inf), world_size)
+    return bound if upper_s is None else min(bound, upper_s)
 
 
 # ------------------------------------------------------------------------------------------- planning CLI
