@@ -16,11 +16,14 @@ Per pipeline r of k holding sequence i (``s`` tokens; stage j costs ``a_j Q + b_
 Rows, each a consequence of the packer's model ``T_r = sum over packs t(p) + (pp_r - 1) max_p t(p)``,
 ``t(p) = max_j (a_j Q_p + b_j S_p + c_j)``, and ``T_k = max_r T_r``:
 
-1. *work*: ``G T_k >= sum_r G_r T_r >= sum over i in k's group of w_i (1 + (pp - 1) tau_i / U)`` (G: the world's
-   ranks, G_r: pipeline r's). The fill term: ``G_r max_{i on r} tau_i >= sum_{i on r} w_i tau_i / U`` because the
-   largest tau is at least any weighted mean of them and ``sum_{i on r} w_i <= G_r T_r <= G_r U``, which holds for
-   every grouping whose step takes at most ``U`` (``upper_s``; the bound is then ``min(U, relaxation)``, a bound on
-   every grouping). Without ``U``: the fill of the pipeline holding the group's longest sequence only.
+1. *work*: ``G T_k >= sum_r G_r T_r`` (G: the world's ranks, G_r: pipeline r's), and ``G_r T_r`` is at least its
+   sequences' ``w`` plus ``(pp - 1) G_r max_{i on r} tau_i``: (a) the pipeline holding the group's longest
+   sequence pays its fill and drain, ``(pp - 1) w`` of it; (b) given ``U`` (``upper_s``), every pipeline's:
+   ``G_r max_{i on r} tau_i >= sum_{i on r} w_i tau_i / U`` (the largest tau is at least any weighted mean of
+   them, and ``sum_{i on r} w_i <= G_r T_r <= G_r U``), so each sequence carries ``w_i (1 + (pp - 1) tau_i / U)``,
+   or its stages' ``(a_j s^2 + b_j s)`` scaled by :func:`f_over_u` (the per-microbatch overhead against the fill),
+   whichever is larger. (b) holds for every grouping whose step takes at most ``U``; the bound is then
+   ``min(U, relaxation)``, a bound on every grouping.
 2. *alone*: ``T_k >= pp_r tau_ir`` for every member i (its microbatch's fill and drain plus its own pass).
 3. *pairs*: with more members than k has pipelines, two of the ``d + 1`` largest (by nu) share a pipeline, so
    ``T_k >= pp nu_(d) + nu_(d+1)`` (the d-th and (d+1)-th largest nu in the group; the pair's larger one pays the
@@ -28,6 +31,10 @@ Rows, each a consequence of the packer's model ``T_r = sum over packs t(p) + (pp
    theta_l) and ``v_l`` (at least d + 1), ``T_k >= sum_l (theta_l - theta_{l+1}) (pp u_l + v_l)`` (telescoping:
    the sum is ``pp theta(u) + theta(v)``, the least thresholds the order statistics reach).
 4. *size*: ``sum_i x_ik >= d_k y_k``.
+5. *pipelines* (k's pipelines identical, ``2 <= d <= explicit_pipelines``): the ``3 d + 8`` longest sequences k
+   holds, each in k's group, go to one pipeline p each (binary; the r-th longest only to pipelines ``<= r``,
+   which identical pipelines allow without loss), ``T_k >= sum_{on p} nu + (pp - 1) max_{on p} tau``: a few long
+   sequences on few pipelines cannot be spread as the work row spreads them.
 
 The longest ``binary`` sequences get a binary assignment per strategy; the rest are gathered into buckets of equal
 holders (cut at every strategy's capacity) whose assignment is fractional (a relaxation of assigning each member
@@ -93,13 +100,15 @@ def _per_sequence(s: np.ndarray, plans, replicas: Sequence[Sequence[ReplicaSpec]
 
 def relaxation(lengths: Sequence[int], plans, replicas: Sequence[Sequence[ReplicaSpec]], *,
                fixed_s: Sequence[float] | None = None, upper_s: float | None = None, min_strategies: int = 1,
-               binary: int | None = None, buckets: int = 48, thresholds: int = 12, time_limit_s: float = 120.0,
-               node_limit: int | None = None) -> Relaxed:
+               binary: int | None = None, buckets: int = 48, thresholds: int = 12, explicit_pipelines: int = 8,
+               time_limit_s: float = 120.0, node_limit: int | None = None) -> Relaxed:
     """The relaxation (module docstring) over strategies given by their ``plans`` and the packer's ``replicas``
     (one ReplicaSpec per pipeline, capacities included). ``binary``: how many of the longest sequences get binary
-    assignments (default ``2 x most pipelines + 16``, what the pair rows look at); ``node_limit`` (deterministic)
-    or ``time_limit_s`` stop HiGHS early (the dual bound stays a bound). ``min_strategies``: only groupings using
-    at least that many strategies (``inf`` when fewer hold a sequence)."""
+    assignments (default ``2 x most pipelines + 16``, what the pair rows look at); ``thresholds``: levels of the
+    pair rows per strategy; ``explicit_pipelines``: the most pipelines a strategy may have for row 5 (0: none);
+    ``node_limit`` (deterministic) or ``time_limit_s`` stop HiGHS early (the dual bound stays a bound).
+    ``min_strategies``: only groupings using at least that many strategies (``inf`` when fewer hold a
+    sequence)."""
     from scipy.optimize import Bounds, LinearConstraint, milp
     from scipy.sparse import coo_matrix
 
@@ -108,6 +117,9 @@ def relaxation(lengths: Sequence[int], plans, replicas: Sequence[Sequence[Replic
     world = max(plan.world_size for plan in plans)
     fixed = np.zeros(K) if fixed_s is None else np.asarray(fixed_s, dtype=np.float64)
     work, plain, fill, alone, nu, pp, pipelines = _per_sequence(s, plans, replicas, world, upper_s)
+    identical = [all(r == reps[0] for r in reps) and len({tuple(len(st.ranks) for st in pl.stages)
+                                                           for pl in plan.pipelines}) == 1
+                 for plan, reps in zip(plans, replicas)]
     held = np.isfinite(work)
     if not held.any(axis=1).all():
         raise ValueError("grouping relaxation: a sequence no strategy holds")
@@ -190,10 +202,35 @@ def relaxation(lengths: Sequence[int], plans, replicas: Sequence[Sequence[Replic
                 tele_c.append(v)
                 tele_v.append(weight * delta)
         add(np.zeros(len(tele_c), dtype=np.int64), tele_c, tele_v, -np.inf, 0.0)
+    ext_int = [1.0] * extra  # the extra variables' integrality and upper bounds (the threshold binaries so far)
+    ext_up = [1.0] * extra
+    for k in range(K):                                                             # row 5
+        d = int(pipelines[k])
+        if not 2 <= d <= explicit_pipelines or not identical[k]:
+            continue
+        mine = np.flatnonzero((uk == k) & is_binary)[:3 * d + 8]  # pairs of its longest held sequences
+        if mine.size <= d:
+            continue
+        fill0, q0 = nv + extra, nv + extra + d  # d fill variables, then q[r, p] at q0 + r d + p
+        extra += d + mine.size * d
+        ext_int += [0.0] * d + [1.0] * (mine.size * d)
+        ext_up += [np.inf] * d + [1.0 if p <= r else 0.0 for r in range(mine.size) for p in range(d)]  # symmetry
+        nu_r = unu[ui[mine], k]
+        tau_r = ualone[ui[mine], k] / pp[k]
+        r_all = np.arange(mine.size)
+        for p in range(d):  # pipeline p: its sequences' passes, its fill and drain, within T_k
+            add(np.zeros(mine.size + 2, dtype=np.int64), np.r_[q0 + r_all * d + p, fill0 + p, T + k],
+                np.r_[nu_r, pp[k] - 1, -1.0], -np.inf, 0.0)
+            if pp[k] > 1:  # its fill: at least each of its sequences' microbatch
+                add(np.r_[r_all, r_all], np.r_[q0 + r_all * d + p, np.full(mine.size, fill0 + p)],
+                    np.r_[tau_r, -np.ones(mine.size)], np.full(mine.size, -np.inf), np.zeros(mine.size))
+        for r in range(mine.size):  # on one pipeline exactly when in k's group
+            add(np.zeros(d + 1, dtype=np.int64), np.r_[q0 + r * d + np.arange(d), X + mine[r]],
+                np.r_[np.ones(d), -1.0], 0.0, 0.0)
     nv += extra
     c = np.concatenate(cost + [np.zeros(extra)])
-    integrality = np.concatenate(integral + [np.ones(extra)])
-    upper = np.concatenate([np.ones(m + K), np.full(2 * K, np.inf), np.ones(extra)])
+    integrality = np.concatenate(integral + [np.asarray(ext_int)])
+    upper = np.concatenate([np.ones(m + K), np.full(2 * K, np.inf), np.asarray(ext_up)])
     A = coo_matrix((np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))), shape=(nrow, nv)).tocsr()
     constraints = [LinearConstraint(A, np.concatenate(lo), np.concatenate(hi))]
     if min_strategies > 1:

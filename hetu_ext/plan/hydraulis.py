@@ -373,7 +373,8 @@ def candidate_strategies(model: ModelSpec, world_size: int, cost: CostTable, len
                 break
         found.append((j, counts))
     home_counts = {home_k: world_size // pool[home_k].gpus}
-    chosen = [home_counts] + [c for _, c in sorted(found, key=lambda e: -e[0]) if c != home_counts]
+    by_bucket = [c for _, c in sorted(found, key=lambda e: -e[0]) if c != home_counts]
+    chosen = [home_counts] + by_bucket[:1]  # the home, the program's plan for the whole histogram
     if sampled_batches and batch_tokens:  # the program on single global batches drawn from the lengths: plans
         pieces = split_long(np.asarray(lengths, dtype=np.int64).reshape(-1), max_len).length  # fitted to a step
         for batch in sample_batches(pieces, tokens=batch_tokens, count=sampled_batches, seed=seed):
@@ -381,6 +382,10 @@ def candidate_strategies(model: ModelSpec, world_size: int, cost: CostTable, len
             sol = solve(pool, step, world_size)[-1]
             if sol is not None and sol.counts(pool) not in chosen:
                 chosen.append(sol.counts(pool))
+    # then mixes next to those (a step's longest sequences may need a replica more or fewer), then the program's
+    # plans for the histogram without its longest buckets (steps without their longest sequences), until `limit`
+    chosen += [c for c in _neighbours(chosen, pool) if c not in chosen]
+    chosen += [c for c in by_bucket[1:] if c not in chosen]
     items, home_name = [], None
     for counts in chosen:
         if len(items) >= limit:
@@ -401,6 +406,33 @@ def candidate_strategies(model: ModelSpec, world_size: int, cost: CostTable, len
         items.append(Strategy(name=name, plan=plan, max_len=cap))
     items.sort(key=lambda s: (s.max_len, s.name))
     return Strategies(items=tuple(items), home=[s.name for s in items].index(home_name))
+
+
+def _neighbours(chosen: list[dict[int, int]], pool: Sequence[Shape], steps: Sequence[int] = (1, -1, 2, 3)
+                ) -> list[dict[int, int]]:
+    """Mixes next to the program's: ``step`` more replicas of one of a mix's shapes, the GPUs taken from another
+    with fewer GPUs per replica (negative: the other way), larger shapes first. A step's few longest sequences
+    decide how many replicas of the shapes that hold them it needs, and a histogram's program can miss by one or
+    two: on held-out code lengths (7B, 64 GPUs, 16K) 17 TP 2 replicas beside TP 1 ones packed a batch in 9.36 s,
+    18 in 8.81 s. All +1 steps first, then -1, +2, ...; mixes that do not fit are left out."""
+    out: list[dict[int, int]] = []
+    for step in steps:
+        for counts in chosen:
+            shapes = sorted(counts, key=lambda k: (-pool[k].gpus, -pool[k].capacity))
+            for i, big in enumerate(shapes):
+                for small in shapes[i + 1:]:
+                    moved = step * pool[big].gpus
+                    if pool[small].gpus >= pool[big].gpus or moved % pool[small].gpus:
+                        continue
+                    new = dict(counts)
+                    new[big] += step
+                    new[small] -= moved // pool[small].gpus
+                    if new[big] < 0 or new[small] < 0:
+                        continue
+                    new = {k: n for k, n in new.items() if n}
+                    if new and new not in out:
+                        out.append(new)
+    return out
 
 
 # ------------------------------------------------------------------------------------------ per-step selection
