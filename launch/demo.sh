@@ -7,6 +7,7 @@ set -euo pipefail
 NPROC=${1:-4}
 OUT=${2:-runs/demo}
 ITERS=${3:-36}  # steps per run (the straggler appears at step 12; tests run 22)
+UNIFORM_ITERS=${4:-$ITERS}  # steps of run 1 (its pace after step 12 is the straggler's; tests run 16)
 PY=.venv/bin/python
 mkdir -p "$OUT"
 
@@ -32,7 +33,7 @@ run() {
 }
 
 echo "=== run 1: Megatron-core's uniform data-parallel plan, rank 3 becomes 4x slow at step 12 ==="
-run --hetu-runtime megatron --hetu-metrics-file "$OUT/uniform.jsonl" 2>&1 | tee "$OUT/uniform.log" \
+run --hetu-runtime megatron --hetu-metrics-file "$OUT/uniform.jsonl" --train-iters "$UNIFORM_ITERS" 2>&1 | tee "$OUT/uniform.log" \
     | grep -E "iteration|straggler monitor: step"
 echo
 echo "=== run 2: hetu_ext: detect the straggler, re-plan (Malleus), migrate online ==="

@@ -367,3 +367,43 @@ def test_auto_grouping_compares_the_home_after_merging_into_one_group():
     _, split, chosen = _merge_case(("big", {"tp": 2}, 64), {"estimate": (0.1, 0.5, 1.0), "exact": (2.0, 1.0, 1.0)})
     assert sorted(g.strategy for g in split) == [0, 1]
     assert [(g.strategy, sorted(g.indices)) for g in chosen] == [(2, list(range(len(MERGE_LENGTHS))))]
+
+
+def test_moves_priced_exactly_never_raise_the_total_and_keep_the_rules():
+    """_move_exactly (auto_groups' local search): from random valid groupings, the moved grouping keeps every
+    sequence once, every group within its strategy's capacity and pipelines, and is never dearer by the exact
+    price; on most of them it is cheaper (the search does something)."""
+    import numpy as np
+
+    from hetu_ext.data.cost import CostTable, _default_per_tp
+    from hetu_ext.plan import ModelSpec
+    from hetu_ext.plan.hotspa import GroupPricer, Group, _exact_total, _move_exactly, auto_strategies
+
+    spec = ModelSpec(num_layers=32, hidden_size=4096, num_attention_heads=32, ffn_hidden_size=11008,
+                     vocab_size=32000, seq_length=24576, untie_embeddings_and_output_weights=True)
+    strategies = auto_strategies(spec, 4, CostTable(per_tp=_default_per_tp(), device_memory_bytes=80e9))
+    items = strategies.items
+    pricer = GroupPricer(strategies, spec, CostTable(per_tp=_default_per_tp(), device_memory_bytes=80e9))
+    switch = [0.0 if k == strategies.home else 0.05 for k in range(len(items))]
+    rng = np.random.default_rng(5)
+    lengths = np.minimum(rng.lognormal(7.0, 1.3, size=40).astype(int) + 1, strategies.capacity)
+    cheaper = 0
+    for _ in range(6):
+        while True:  # a random grouping over two strategies that follows the rules
+            k1, k2 = rng.choice(len(items), size=2, replace=False)
+            side = rng.random(lengths.size) < 0.5
+            side[lengths > items[k1].max_len] = False
+            groups = [Group(strategy=int(k), indices=tuple(int(i) for i in np.flatnonzero(mask)))
+                      for k, mask in ((k1, side), (k2, ~side))]
+            if all(len(g.indices) >= len(items[g.strategy].plan.pipelines)
+                   and lengths[list(g.indices)].max() <= items[g.strategy].max_len for g in groups):
+                break
+        before = _exact_total(groups, lengths, strategies, pricer.exact, switch)
+        moved = _move_exactly(groups, lengths, strategies, pricer.exact, switch, pricer.slowest, budget=200)
+        after = _exact_total(moved, lengths, strategies, pricer.exact, switch)
+        assert sorted(i for g in moved for i in g.indices) == list(range(lengths.size))
+        assert all(len(g.indices) >= len(items[g.strategy].plan.pipelines)
+                   and lengths[list(g.indices)].max() <= items[g.strategy].max_len for g in moved)
+        assert after <= before * (1 + 1e-12)
+        cheaper += after < before * (1 - 1e-6)
+    assert cheaper >= 3, cheaper

@@ -92,7 +92,8 @@ class SwitchedSteps:
             fixed = [0.0 if k == self.strategies.home else sw for k, sw in enumerate(self.switch_s)]
             return auto_groups(lengths, self.strategies, self._pricer.estimate, self.switch_s,
                                exact=self._pricer.exact,
-                               relaxed=lambda ls, price: self._pricer.relaxed(ls, fixed, upper_s=price))
+                               relaxed=lambda ls, price: self._pricer.relaxed(ls, fixed, upper_s=price),
+                               slowest=self._pricer.slowest)
         k, predicted = select_candidate(lengths, self.strategies, estimate=self._pricer.bound,
                                         exact=self._pricer.exact, switch_s=self.switch_s)
         return [Group(strategy=k, indices=tuple(range(len(lengths))), predicted_s=predicted)]

@@ -57,8 +57,8 @@ class Relaxed:
     bound_s: float
     """HiGHS's dual bound: no grouping (of total at most ``upper_s``, when given) is cheaper."""
     groups: dict[int, list[int]] | None
-    """The program's grouping (strategy -> indices into the lengths), buckets rounded to their largest share; None
-    when HiGHS found no feasible point within its limits."""
+    """The program's grouping (strategy -> indices into the lengths), each bucket's members split by its shares
+    (largest remainders); None when HiGHS found no feasible point within its limits."""
 
 
 def f_over_u(c: float, pp: int, upper_s: float) -> float:
@@ -254,6 +254,14 @@ def relaxation(lengths: Sequence[int], plans, replicas: Sequence[Sequence[Replic
         share = np.full((U, K), -1.0)  # -1: not held
         share[ui, uk] = res.x[X:X + m]
         groups = {}
-        for u, members in enumerate(units):
-            groups.setdefault(int(share[u].argmax()), []).extend(int(i) for i in members)
+        for u, members in enumerate(units):  # a bucket's members split by its shares (largest remainders)
+            p = np.clip(share[u], 0.0, None)
+            quota = p / p.sum() * members.size if p.sum() > 0 else np.eye(K)[int(share[u].argmax())] * members.size
+            take = np.floor(quota + 1e-9).astype(np.int64)
+            for k in np.argsort(-(quota - take), kind="stable")[:members.size - int(take.sum())]:
+                take[k] += 1
+            start = 0
+            for k in np.flatnonzero(take):
+                groups.setdefault(int(k), []).extend(int(i) for i in members[start:start + take[k]])
+                start += int(take[k])
     return Relaxed(bound_s=float(bound), groups=groups)
