@@ -71,6 +71,7 @@ from hotspa import (  # noqa: E402  (benchmarks/hotspa.py)
 
 from hetu_ext.data.cost import CostTable, load_cost_table  # noqa: E402
 from hetu_ext.data.lengths import read_lengths, split_long  # noqa: E402
+from hetu_ext.data.packing_bound import lower_bound_s  # noqa: E402
 from hetu_ext.plan.replicas import replica_specs  # noqa: E402
 from hetu_ext.plan import ModelSpec  # noqa: E402
 from hetu_ext.plan.cost import CostModel  # noqa: E402
@@ -79,6 +80,7 @@ from hetu_ext.plan.hydraulis import (  # noqa: E402
     Selector,
     candidate_strategies,
     flops_cost_table,
+    least_switch_s,
     one_plan_bound_s,
     sample_batches,
     select_candidate,
@@ -171,8 +173,15 @@ def predicted_row(name: str, spec: ModelSpec, gpus: int, cost: CostTable, pieces
     static = min((float(np.mean(v)), items[j].name) for j, v in exact.items() if len(v) == len(batches))
     pool = shape_pool(spec, cost, world_size=gpus, max_len=max_len, prune=False)
     # the candidates' home is fixed and its all-reduce is paid every step: on top of any one plan's compute
-    bound = float(np.mean([one_plan_bound_s(b, pool, gpus, upper_s=u) for b, u in zip(batches, uppers)])) \
-        + home_sync
+    # per batch: the home (its packer's certified bound; a plan of fewer home replicas is no faster), or any other
+    # plan (one_plan_bound_s) plus the least switch to a plan with another shape
+    home_shape = items[strategies.home].plan.pipelines[0]
+    switch_floor = least_switch_s(home_shape.stages[0].tp, home_shape.pp, pool, spec, bandwidth=bandwidth)
+    home = items[strategies.home]
+    home_replicas = replica_specs(home.plan, spec, cost, max_pack_tokens=home.max_len)
+    bound = float(np.mean([min(lower_bound_s(np.asarray(b), home_replicas),
+                               one_plan_bound_s(b, pool, gpus, upper_s=u) + switch_floor)
+                           for b, u in zip(batches, uppers)])) + home_sync
     row = {"model": name, "gpus": gpus, "max_len": max_len, "lengths": None,
            **megatron_best(spec, gpus, cost, batches, max_len=max_len, bandwidth=bandwidth),
            "static_hetero_s": static[0], "static_hetero": static[1], "dynamic_s": float(np.mean(dynamic)),
@@ -277,7 +286,7 @@ def main() -> None:
     parser.add_argument("--emulated-tokens", type=int, default=1024, help="emulated: tokens per global batch")
     parser.add_argument("--repeats", type=int, default=2, help="emulated: runs per method and corpus")
     parser.add_argument("--skip-predicted", action="store_true")
-    parser.add_argument("--limit", type=int, default=16, help="most candidates (the home included; the CLI's default)")
+    parser.add_argument("--limit", type=int, default=24, help="most candidates (the home included; the CLI's default)")
     parser.add_argument("--sampled-batches", type=int, default=16,
                         help="candidates also from the program on this many global batches drawn from the lengths "
                         "(another seed than the evaluated batches')")

@@ -414,7 +414,7 @@ def _merge_exactly(groups: list[Group], s: np.ndarray, strategies: Strategies,
 
 def grouping_bound_s(lengths: Sequence[int], strategies: Strategies, spec: ModelSpec, cost: CostTable, *,
                      fixed_s: Sequence[float] | None = None, time_limit_s: float = 120.0,
-                     min_strategies: int = 1, upper_s: float | None = None, bisections: int = 4) -> float:
+                     min_strategies: int = 1, upper_s: float | None = None, bisections: int = 3) -> float:
     """A lower bound on ``sum over groups (the packer's time of the group under its strategy + fixed_s[k])``
     over every grouping of ``lengths`` into groups under ``strategies`` (any split, contiguous or not; at least
     one sequence per pipeline of a group's strategy), ``fixed_s[k]`` a time every used strategy adds (its

@@ -597,6 +597,27 @@ def one_plan_bound_s(lengths: Sequence[int], pool: Sequence[Shape], world_size: 
     return bound if upper_s is None else min(bound, upper_s)
 
 
+def least_switch_s(home_tp: int, home_pp: int, pool: Sequence[Shape], model: ModelSpec, *, bandwidth: float,
+                   weight_bytes: int = 2, grad_bytes: int = 4) -> float:
+    """A lower bound on the switch (hetu_ext.plan.hotspa.switch_seconds: weights in, gradients back, the slowest
+    rank's) from a uniform home of TP ``home_tp`` x PP ``home_pp`` to any plan with a replica of another shape of
+    ``pool``. A rank of that replica holds ``L / pp`` layers at ``1 / tp`` of each layer's split elements, and
+    held ``L / home_pp`` at ``1 / home_tp`` under the home; the two share at most ``min(L / pp, L / home_pp)``
+    layers at ``min(1 / tp, 1 / home_tp)``, so at least the rest of each comes in: the target's (weights) and, on
+    the way back, the home's (gradients). Layernorms and embeddings left out (>= 0). 0 when no other shape."""
+    split, _ = inventory.layer_params_by_split(model)
+    L = model.num_layers
+    least = float("inf")
+    for shape in pool:
+        if (shape.tp, shape.pp) == (home_tp, home_pp):
+            continue
+        shared = min(L / shape.pp, L / home_pp) * min(1 / shape.tp, 1 / home_tp)
+        into = max(0.0, L / shape.pp / shape.tp - shared)
+        back = max(0.0, L / home_pp / home_tp - shared)
+        least = min(least, (into * weight_bytes + back * grad_bytes) * split / bandwidth)
+    return 0.0 if least == float("inf") else least
+
+
 # ------------------------------------------------------------------------------------------- planning CLI
 
 def replicas_of(strategy: Strategy) -> list[tuple[int, int, int]]:
@@ -647,7 +668,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--batch-tokens", type=int, default=None,
                         help="tokens per global batch (default: 32768 per GPU)")
     parser.add_argument("--batches", type=int, default=4, help="sampled global batches to choose candidates for")
-    parser.add_argument("--limit", type=int, default=16, help="most candidates (the home included)")
+    parser.add_argument("--limit", type=int, default=24, help="most candidates (the home included)")
     parser.add_argument("--sampled-batches", type=int, default=16,
                         help="candidates also from the dynamic program on this many global batches drawn from the "
                         "lengths (plans fitted to one step's mix)")
