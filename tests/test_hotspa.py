@@ -307,6 +307,8 @@ def test_grouping_bound_is_below_every_grouping():
         grouping_bound_s,
     )
     from hetu_ext.plan import ModelSpec
+    from hetu_ext.plan.grouping_relaxation import relaxation
+    from hetu_ext.plan.replicas import replica_specs
 
     spec = ModelSpec(num_layers=32, hidden_size=4096, num_attention_heads=32, ffn_hidden_size=11008,
                      vocab_size=32000, seq_length=24576, untie_embeddings_and_output_weights=True)
@@ -354,6 +356,14 @@ def test_grouping_bound_is_below_every_grouping():
                 tighter = grouping_bound_s(lengths, strategies, spec, cost, fixed_s=fixed, upper_s=upper)
                 assert tighter <= min(tried) * (1 + 1e-6), (tighter, min(tried), upper)
                 assert tighter >= bound * (1 - 1e-6) or tighter == upper, (tighter, bound, upper)
+            # sequences in buckets (fractional shares, each member priced as the bucket's least), even wide ones
+            # (lengths within 2x): still below every grouping tried
+            plans = [st.plan for st in items]
+            replicas = [replica_specs(st.plan, spec, cost, max_pack_tokens=st.max_len) for st in items]
+            for ratio in (1.05, 2.0):
+                bucketed = relaxation(lengths, plans, replicas, fixed_s=fixed, upper_s=float(np.median(tried)),
+                                      binary=0, bucket_ratio=ratio).bound_s
+                assert bucketed <= min(tried) * (1 + 1e-6), (bucketed, min(tried), ratio)
             # the relaxation's own grouping (the planner's second candidate) follows HotSPa's rules
             relaxed = pricer.relaxed(lengths, fixed, upper_s=min(tried))
             if relaxed is not None:

@@ -37,9 +37,11 @@ Rows, each a consequence of the packer's model ``T_r = sum over packs t(p) + (pp
    sequences on few pipelines cannot be spread as the work row spreads them.
 
 The longest ``binary`` sequences get a binary assignment per strategy; the rest are gathered into buckets of equal
-holders (cut at every strategy's capacity) whose assignment is fractional (a relaxation of assigning each member
-whole): the program stays small at thousands of sequences. HiGHS's dual bound is returned, so a time limit keeps
-it a bound (its default tolerances, 1e-6 relative, apply).
+holders (cut at every strategy's capacity) and of lengths within ``bucket_ratio`` of each other, whose share
+``x_uk`` is the fraction of the bucket's members in k's group (any split of them is such a point): each bucket row
+counts its members exactly (rows 3, 4) and prices them at the least member's cost (rows 1; the members in k's group
+cost at least that each). The program stays small at thousands of sequences. HiGHS's dual bound is returned,
+so a time limit keeps it a bound (its default tolerances, 1e-6 relative, apply).
 """
 
 from __future__ import annotations
@@ -100,7 +102,7 @@ def _per_sequence(s: np.ndarray, plans, replicas: Sequence[Sequence[ReplicaSpec]
 
 def relaxation(lengths: Sequence[int], plans, replicas: Sequence[Sequence[ReplicaSpec]], *,
                fixed_s: Sequence[float] | None = None, upper_s: float | None = None, min_strategies: int = 1,
-               binary: int | None = None, buckets: int = 48, thresholds: int = 12, explicit_pipelines: int = 8,
+               binary: int | None = None, bucket_ratio: float = 1.05, thresholds: int = 12, explicit_pipelines: int = 8,
                time_limit_s: float = 120.0, node_limit: int | None = None) -> Relaxed:
     """The relaxation (module docstring) over strategies given by their ``plans`` and the packer's ``replicas``
     (one ReplicaSpec per pipeline, capacities included). ``binary``: how many of the longest sequences get binary
@@ -124,7 +126,9 @@ def relaxation(lengths: Sequence[int], plans, replicas: Sequence[Sequence[Replic
     if not held.any(axis=1).all():
         raise ValueError("grouping relaxation: a sequence no strategy holds")
 
-    # units: the `binary` longest sequences alone, the rest in buckets of equal holders
+    # units: the `binary` longest sequences alone, the rest in buckets of equal holders whose longest member is at
+    # most `bucket_ratio` times their shortest; a bucket's share x is the fraction of its members sent, so each
+    # coefficient is its count times the least member's (the members sent cost at least that much each)
     order = np.argsort(-s, kind="stable")
     top = int(min(n, binary if binary is not None else 2 * pipelines.max() + 16))
     units: list[np.ndarray] = [order[i:i + 1] for i in range(top)]
@@ -133,15 +137,18 @@ def relaxation(lengths: Sequence[int], plans, replicas: Sequence[Sequence[Replic
         caps = sorted({r.token_capacity for reps in replicas for r in reps})
         cls = np.searchsorted(caps, s[rest], side="left")
         for c in np.unique(cls):
-            members = rest[cls == c]
-            for part in np.array_split(members, min(members.size, max(1, buckets * members.size // rest.size))):
-                units.append(part)
+            members = rest[cls == c]  # longest first
+            start = 0
+            for j in range(1, members.size + 1):
+                if j == members.size or s[members[start]] > bucket_ratio * s[members[j]]:
+                    units.append(members[start:j])
+                    start = j
     U = len(units)
     count = np.array([u.size for u in units], dtype=np.float64)
-    uwork = np.array([work[u].sum(axis=0) for u in units])  # units x K (inf where not held)
-    uplain = np.array([plain[u].sum(axis=0) for u in units])
-    ufill = np.array([fill[u].max(axis=0) for u in units])
-    ualone = np.array([alone[u].max(axis=0) for u in units])
+    uwork = np.array([work[u].min(axis=0) for u in units]) * count[:, None]  # units x K (inf where not held)
+    uplain = np.array([plain[u].min(axis=0) for u in units]) * count[:, None]
+    ufill = np.array([fill[u].min(axis=0) for u in units])
+    ualone = np.array([alone[u].max(axis=0) for u in units])  # used for single sequences only
     unu = np.array([nu[u].min(axis=0) for u in units])  # a bucket's members each reach at least this
     pairs = np.argwhere(np.isfinite(uwork))  # (unit, strategy)
     m = len(pairs)
