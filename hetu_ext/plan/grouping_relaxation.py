@@ -35,6 +35,11 @@ Rows, each a consequence of the packer's model ``T_r = sum over packs t(p) + (pp
    holds, each in k's group, go to one pipeline p each (binary; the r-th longest only to pipelines ``<= r``,
    which identical pipelines allow without loss), ``T_k >= sum_{on p} nu + (pp - 1) max_{on p} tau``: a few long
    sequences on few pipelines cannot be spread as the work row spreads them.
+6. *microbatches* (given U; k's pipelines identical, their stages alike, pp > 1): a pipeline whose one-stage work
+   is W over M microbatches takes at least ``W + c M + (pp - 1)(W / M + c)``, at least ``f(W) = W + 2 sqrt((pp -
+   1) c W) + (pp - 1) c`` (:func:`f_over_u`); f rises, so ``T_k >= f(mean W over k's pipelines)``; f is concave, so
+   on each segment of ``[0, U]`` (cut at ``U / 2^7 .. U / 2, U``) its chord lies under it: a binary picks the
+   segment W is in, and ``T_k`` is at least that chord.
 
 The longest ``binary`` sequences get a binary assignment per strategy; the rest are gathered into buckets of equal
 holders (cut at every strategy's capacity) and of lengths within ``bucket_ratio`` of each other, whose share
@@ -234,6 +239,39 @@ def relaxation(lengths: Sequence[int], plans, replicas: Sequence[Sequence[Replic
         for r in range(mine.size):  # on one pipeline exactly when in k's group
             add(np.zeros(d + 1, dtype=np.int64), np.r_[q0 + r * d + np.arange(d), X + mine[r]],
                 np.r_[np.ones(d), -1.0], 0.0, 0.0)
+    for k in range(K):                                                             # row 6
+        reps = replicas[k]
+        stages = reps[0].stage_costs
+        P, d = int(pp[k]), int(pipelines[k])
+        if upper_s is None or P < 2 or not identical[k] or any(c != stages[0] for c in stages) \
+                or len({len(st.ranks) for st in plans[k].pipelines[0].stages}) != 1:
+            continue
+        ranks = sum(len(st.ranks) for st in plans[k].pipelines[0].stages)
+        cj = stages[0].c
+
+        def f(w: float) -> float:
+            return w + 2.0 * np.sqrt((P - 1) * cj * w) + (P - 1) * cj
+
+        points = np.r_[0.0, upper_s * 2.0 ** np.arange(-7, 1)]  # segments [W_l, W_l+1] up to U
+        chords = [(f(a), (f(b) - f(a)) / (b - a)) for a, b in zip(points[:-1], points[1:])]
+        big = max(f0 + slope * (upper_s - a) for (f0, slope), a in zip(chords, points[:-1]))
+        mine = np.flatnonzero(uk == k)
+        scale = world / (d * ranks)  # uplain (rank-seconds / G) -> one stage's seconds per pipeline, on average
+        z0 = nv + extra
+        extra += len(chords)
+        ext_int += [1.0] * len(chords)
+        ext_up += [1.0] * len(chords)
+        zs = z0 + np.arange(len(chords))
+        add(np.zeros(len(chords) + 1, dtype=np.int64), np.r_[zs, Y + k], np.r_[np.ones(len(chords)), -1.0],
+            0.0, 0.0)                                                              # one segment when k is used
+        w_cols, w_vals = X + mine, uplain[ui[mine], k] * scale
+        add(np.zeros(mine.size + len(chords), dtype=np.int64), np.r_[w_cols, zs], np.r_[w_vals, -points[1:]],
+            -np.inf, 0.0)                                                          # W <= the segment's top
+        add(np.zeros(mine.size + len(chords), dtype=np.int64), np.r_[w_cols, zs], np.r_[w_vals, -points[:-1]],
+            0.0, np.inf)                                                           # W >= its bottom
+        for l, ((f0, slope), bottom) in enumerate(zip(chords, points[:-1])):  # T_k >= chord_l(W) - big (1 - z_l)
+            add(np.zeros(mine.size + 2, dtype=np.int64), np.r_[w_cols, T + k, zs[l]],
+                np.r_[slope * w_vals, -1.0, big], -np.inf, big - f0 + slope * bottom)
     nv += extra
     c = np.concatenate(cost + [np.zeros(extra)])
     integrality = np.concatenate(integral + [np.asarray(ext_int)])
