@@ -44,9 +44,10 @@ Rows, each a consequence of the packer's model ``T_r = sum over packs t(p) + (pp
 The longest ``binary`` sequences get a binary assignment per strategy; the rest are gathered into buckets of equal
 holders (cut at every strategy's capacity) and of lengths within ``bucket_ratio`` of each other, whose share
 ``x_uk`` is the fraction of the bucket's members in k's group (any split of them is such a point): each bucket row
-counts its members exactly (rows 3, 4) and prices them at the least member's cost (rows 1; the members in k's group
-cost at least that each). The program stays small at thousands of sequences. HiGHS's dual bound is returned,
-so a time limit keeps it a bound (its default tolerances, 1e-6 relative, apply).
+counts its members exactly (rows 3, 4), and the work of those members is at least both ``x`` times the count times
+the least member's and the bucket's whole work less ``1 - x`` times the count times the largest member's (exact
+when the whole bucket goes one way). The program stays small at thousands of sequences. HiGHS's dual bound is
+returned, so a time limit keeps it a bound (its default tolerances, 1e-6 relative, apply).
 """
 
 from __future__ import annotations
@@ -150,8 +151,12 @@ def relaxation(lengths: Sequence[int], plans, replicas: Sequence[Sequence[Replic
                     start = j
     U = len(units)
     count = np.array([u.size for u in units], dtype=np.float64)
-    uwork = np.array([work[u].min(axis=0) for u in units]) * count[:, None]  # units x K (inf where not held)
-    uplain = np.array([plain[u].min(axis=0) for u in units]) * count[:, None]
+    uwork = np.array([work[u].sum(axis=0) for u in units])  # units x K (inf where not held): all members
+    uplain = np.array([plain[u].sum(axis=0) for u in units])
+    least = {"work": np.array([work[u].min(axis=0) for u in units]) * count[:, None],  # count x the least member
+             "plain": np.array([plain[u].min(axis=0) for u in units]) * count[:, None]}
+    most = {"work": np.array([work[u].max(axis=0) for u in units]) * count[:, None],  # count x the largest
+            "plain": np.array([plain[u].max(axis=0) for u in units]) * count[:, None]}
     ufill = np.array([fill[u].min(axis=0) for u in units])
     ualone = np.array([alone[u].max(axis=0) for u in units])  # used for single sequences only
     unu = np.array([nu[u].min(axis=0) for u in units])  # a bucket's members each reach at least this
@@ -160,12 +165,16 @@ def relaxation(lengths: Sequence[int], plans, replicas: Sequence[Sequence[Replic
     ui, uk = pairs[:, 0], pairs[:, 1]
     is_binary = ui < top
 
-    # variables: x (m), y (K), z (K: fill without U), T (K), then the threshold binaries
+    # variables: x (m), y (K), z (K: fill without U), T (K), E and EP (a bucket's work and plain work in k's group,
+    # one of each per bucket pair), then the threshold binaries and the rows' own
+    bucket = np.flatnonzero(~is_binary)
+    mb = bucket.size
     X, Y, Z, T = 0, m, m + K, m + 2 * K
+    E, EP = m + 3 * K, m + 3 * K + mb
     rows, cols, vals, lo, hi = [], [], [], [], []
-    cost = [np.zeros(m), fixed, np.zeros(K), np.ones(K)]
-    integral = [is_binary.astype(np.float64), np.ones(K), np.zeros(K), np.zeros(K)]
-    nv = m + 3 * K
+    cost = [np.zeros(m), fixed, np.zeros(K), np.ones(K), np.zeros(2 * mb)]
+    integral = [is_binary.astype(np.float64), np.ones(K), np.zeros(K), np.zeros(K), np.zeros(2 * mb)]
+    nv = m + 3 * K + 2 * mb
     nrow = 0
 
     def add(r, c, v, low, high):
@@ -180,16 +189,32 @@ def relaxation(lengths: Sequence[int], plans, replicas: Sequence[Sequence[Replic
 
     x = np.arange(m)
     one = np.ones(m)
+    b = np.flatnonzero(is_binary)
+    j = np.arange(mb)
+    for name, base in (("work", E), ("plain", EP)):  # a share x of a bucket's members costs at least both lines
+        lo_c, hi_c, tot = least[name][ui[bucket], uk[bucket]], most[name][ui[bucket], uk[bucket]], \
+            (uwork if name == "work" else uplain)[ui[bucket], uk[bucket]]
+        add(np.r_[j, j], np.r_[base + j, X + bucket], np.r_[np.ones(mb), -lo_c], np.zeros(mb), np.full(mb, np.inf))
+        add(np.r_[j, j], np.r_[base + j, X + bucket], np.r_[np.ones(mb), -hi_c], tot - hi_c, np.full(mb, np.inf))
+
+    def members(family: str, k_rows, scale=1.0):
+        """(rows, columns, values) of the work of k's group: binary sequences through x, buckets through E / EP."""
+        coef = uwork if family == "work" else uplain
+        base = E if family == "work" else EP
+        return (np.r_[k_rows(b), k_rows(bucket)], np.r_[X + b, base + j],
+                np.r_[coef[ui[b], uk[b]] * scale, np.full(mb, scale)])
+
     add(ui, X + x, one, np.ones(U), np.ones(U))                                   # each unit once
     add(np.r_[x, x], np.r_[X + x, Y + uk], np.r_[one, -one], np.full(m, -np.inf), np.zeros(m))   # x <= y
     add(np.r_[x, x], np.r_[X + x, Z + uk], np.r_[ufill[ui, uk], -one], np.full(m, -np.inf), np.zeros(m))
     ks = np.arange(K)
-    add(np.r_[uk, ks, ks], np.r_[X + x, Z + ks, T + ks], np.r_[uplain[ui, uk], np.ones(K), -np.ones(K)],
+    r_, c_, v_ = members("plain", lambda sel: uk[sel])
+    add(np.r_[r_, ks, ks], np.r_[c_, Z + ks, T + ks], np.r_[v_, np.ones(K), -np.ones(K)],
         np.full(K, -np.inf), np.zeros(K))                                           # row 1, the longest's fill
     if upper_s is not None:
-        add(np.r_[uk, ks], np.r_[X + x, T + ks], np.r_[uwork[ui, uk], -np.ones(K)], np.full(K, -np.inf),
+        r_, c_, v_ = members("work", lambda sel: uk[sel])
+        add(np.r_[r_, ks], np.r_[c_, T + ks], np.r_[v_, -np.ones(K)], np.full(K, -np.inf),
             np.zeros(K))                                                            # row 1, every pipeline's
-    b = np.flatnonzero(is_binary)
     add(np.r_[np.arange(b.size), np.arange(b.size)], np.r_[X + b, T + uk[b]], np.r_[ualone[ui[b], uk[b]],
         -np.ones(b.size)], np.full(b.size, -np.inf), np.zeros(b.size))          # row 2 (bucket rows dropped)
     add(np.r_[uk, ks], np.r_[X + x, Y + ks], np.r_[count[ui], -pipelines.astype(np.float64)], np.zeros(K),
@@ -242,20 +267,19 @@ def relaxation(lengths: Sequence[int], plans, replicas: Sequence[Sequence[Replic
     for k in range(K):                                                             # row 6
         reps = replicas[k]
         stages = reps[0].stage_costs
-        P, d = int(pp[k]), int(pipelines[k])
-        if upper_s is None or P < 2 or not identical[k] or any(c != stages[0] for c in stages) \
+        depth, d = int(pp[k]), int(pipelines[k])
+        if upper_s is None or depth < 2 or not identical[k] or any(c != stages[0] for c in stages) \
                 or len({len(st.ranks) for st in plans[k].pipelines[0].stages}) != 1:
             continue
         ranks = sum(len(st.ranks) for st in plans[k].pipelines[0].stages)
         cj = stages[0].c
 
         def f(w: float) -> float:
-            return w + 2.0 * np.sqrt((P - 1) * cj * w) + (P - 1) * cj
+            return w + 2.0 * np.sqrt((depth - 1) * cj * w) + (depth - 1) * cj
 
         points = np.r_[0.0, upper_s * 2.0 ** np.arange(-7, 1)]  # segments [W_l, W_l+1] up to U
-        chords = [(f(a), (f(b) - f(a)) / (b - a)) for a, b in zip(points[:-1], points[1:])]
-        big = max(f0 + slope * (upper_s - a) for (f0, slope), a in zip(chords, points[:-1]))
-        mine = np.flatnonzero(uk == k)
+        chords = [(f(w0), (f(w1) - f(w0)) / (w1 - w0)) for w0, w1 in zip(points[:-1], points[1:])]
+        big = max(f0 + slope * (upper_s - w0) for (f0, slope), w0 in zip(chords, points[:-1]))
         scale = world / (d * ranks)  # uplain (rank-seconds / G) -> one stage's seconds per pipeline, on average
         z0 = nv + extra
         extra += len(chords)
@@ -264,18 +288,20 @@ def relaxation(lengths: Sequence[int], plans, replicas: Sequence[Sequence[Replic
         zs = z0 + np.arange(len(chords))
         add(np.zeros(len(chords) + 1, dtype=np.int64), np.r_[zs, Y + k], np.r_[np.ones(len(chords)), -1.0],
             0.0, 0.0)                                                              # one segment when k is used
-        w_cols, w_vals = X + mine, uplain[ui[mine], k] * scale
-        add(np.zeros(mine.size + len(chords), dtype=np.int64), np.r_[w_cols, zs], np.r_[w_vals, -points[1:]],
+        _, w_cols, w_vals = members("plain", lambda sel: np.zeros(sel.size, dtype=np.int64), scale)
+        keep = np.r_[uk[b] == k, uk[bucket] == k]
+        w_cols, w_vals = w_cols[keep], w_vals[keep]
+        add(np.zeros(w_cols.size + len(chords), dtype=np.int64), np.r_[w_cols, zs], np.r_[w_vals, -points[1:]],
             -np.inf, 0.0)                                                          # W <= the segment's top
-        add(np.zeros(mine.size + len(chords), dtype=np.int64), np.r_[w_cols, zs], np.r_[w_vals, -points[:-1]],
+        add(np.zeros(w_cols.size + len(chords), dtype=np.int64), np.r_[w_cols, zs], np.r_[w_vals, -points[:-1]],
             0.0, np.inf)                                                           # W >= its bottom
         for l, ((f0, slope), bottom) in enumerate(zip(chords, points[:-1])):  # T_k >= chord_l(W) - big (1 - z_l)
-            add(np.zeros(mine.size + 2, dtype=np.int64), np.r_[w_cols, T + k, zs[l]],
+            add(np.zeros(w_cols.size + 2, dtype=np.int64), np.r_[w_cols, T + k, zs[l]],
                 np.r_[slope * w_vals, -1.0, big], -np.inf, big - f0 + slope * bottom)
     nv += extra
     c = np.concatenate(cost + [np.zeros(extra)])
     integrality = np.concatenate(integral + [np.asarray(ext_int)])
-    upper = np.concatenate([np.ones(m + K), np.full(2 * K, np.inf), np.asarray(ext_up)])
+    upper = np.concatenate([np.ones(m + K), np.full(2 * K + 2 * mb, np.inf), np.asarray(ext_up)])
     A = coo_matrix((np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))), shape=(nrow, nv)).tocsr()
     constraints = [LinearConstraint(A, np.concatenate(lo), np.concatenate(hi))]
     if min_strategies > 1:
