@@ -44,9 +44,9 @@ Rows, each a consequence of the packer's model ``T_r = sum over packs t(p) + (pp
 The longest ``binary`` sequences get a binary assignment per strategy; the rest are gathered into buckets of equal
 holders (cut at every strategy's capacity) and of lengths within ``bucket_ratio`` of each other, whose share
 ``x_uk`` is the fraction of the bucket's members in k's group (any split of them is such a point): each bucket row
-counts its members exactly (rows 3, 4), and the work of those members is at least both ``x`` times the count times
-the least member's and the bucket's whole work less ``1 - x`` times the count times the largest member's (exact
-when the whole bucket goes one way). The program stays small at thousands of sequences. HiGHS's dual bound is
+counts its members exactly (rows 3, 4), and the work of those members is at least that of the cheapest ``x`` count
+members, a convex function of x held from below by its supporting lines at 0, 1/4, 1/2, 3/4 and 1 of the count
+(exact when the whole bucket goes one way). The program stays small at thousands of sequences. HiGHS's dual bound is
 returned, so a time limit keeps it a bound (its default tolerances, 1e-6 relative, apply).
 """
 
@@ -191,11 +191,24 @@ def relaxation(lengths: Sequence[int], plans, replicas: Sequence[Sequence[Replic
     one = np.ones(m)
     b = np.flatnonzero(is_binary)
     j = np.arange(mb)
-    for name, base in (("work", E), ("plain", EP)):  # a share x of a bucket's members costs at least both lines
+    for name, base in (("work", E), ("plain", EP)):  # a share x of a bucket's members costs at least these lines
         lo_c, hi_c, tot = least[name][ui[bucket], uk[bucket]], most[name][ui[bucket], uk[bucket]], \
             (uwork if name == "work" else uplain)[ui[bucket], uk[bucket]]
         add(np.r_[j, j], np.r_[base + j, X + bucket], np.r_[np.ones(mb), -lo_c], np.zeros(mb), np.full(mb, np.inf))
         add(np.r_[j, j], np.r_[base + j, X + bucket], np.r_[np.ones(mb), -hi_c], tot - hi_c, np.full(mb, np.inf))
+        # and the supporting lines of "the cheapest x count members" (convex in x) at a quarter, half, three
+        # quarters of the bucket: S_q + count w_(q+1) (x - q / count), S_q the q cheapest members' sum
+        costs = work if name == "work" else plain
+        for quarter in (1, 2, 3):
+            slope, offset = np.zeros(mb), np.full(mb, -np.inf)
+            for t, pair in enumerate(bucket):
+                u, k = ui[pair], uk[pair]
+                ranked = np.sort(costs[units[u], k])
+                q = ranked.size * quarter // 4
+                if 0 < q < ranked.size:
+                    slope[t] = ranked.size * ranked[q]
+                    offset[t] = ranked[:q].sum() - q * ranked[q]  # E - slope x >= S_q - q w_(q+1)
+            add(np.r_[j, j], np.r_[base + j, X + bucket], np.r_[np.ones(mb), -slope], offset, np.full(mb, np.inf))
 
     def members(family: str, k_rows, scale=1.0):
         """(rows, columns, values) of the work of k's group: binary sequences through x, buckets through E / EP."""
