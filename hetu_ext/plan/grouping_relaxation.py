@@ -109,11 +109,14 @@ def _per_sequence(s: np.ndarray, plans, replicas: Sequence[Sequence[ReplicaSpec]
 def relaxation(lengths: Sequence[int], plans, replicas: Sequence[Sequence[ReplicaSpec]], *,
                fixed_s: Sequence[float] | None = None, upper_s: float | None = None, min_strategies: int = 1,
                binary: int | None = None, bucket_ratio: float = 1.05, thresholds: int = 12, explicit_pipelines: int = 8,
-               time_limit_s: float = 120.0, node_limit: int | None = None) -> Relaxed:
+               microbatch_rows: bool = True, bucket_lines: bool = True, time_limit_s: float = 120.0,
+               node_limit: int | None = None) -> Relaxed:
     """The relaxation (module docstring) over strategies given by their ``plans`` and the packer's ``replicas``
     (one ReplicaSpec per pipeline, capacities included). ``binary``: how many of the longest sequences get binary
     assignments (default ``2 x most pipelines + 16``, what the pair rows look at); ``thresholds``: levels of the
     pair rows per strategy; ``explicit_pipelines``: the most pipelines a strategy may have for row 5 (0: none);
+    ``microbatch_rows``: row 6; ``bucket_lines``: the buckets' supporting lines at 1/4, 1/2, 3/4 (a planner's
+    candidate needs neither: they tighten the bound and slow the search);
     ``node_limit`` (deterministic) or ``time_limit_s`` stop HiGHS early (the dual bound stays a bound).
     ``min_strategies``: only groupings using at least that many strategies (``inf`` when fewer hold a
     sequence)."""
@@ -199,7 +202,7 @@ def relaxation(lengths: Sequence[int], plans, replicas: Sequence[Sequence[Replic
         # and the supporting lines of "the cheapest x count members" (convex in x) at a quarter, half, three
         # quarters of the bucket: S_q + count w_(q+1) (x - q / count), S_q the q cheapest members' sum
         costs = work if name == "work" else plain
-        for quarter in (1, 2, 3):
+        for quarter in (1, 2, 3) if bucket_lines else ():
             slope, offset = np.zeros(mb), np.full(mb, -np.inf)
             for t, pair in enumerate(bucket):
                 u, k = ui[pair], uk[pair]
@@ -281,7 +284,8 @@ def relaxation(lengths: Sequence[int], plans, replicas: Sequence[Sequence[Replic
         reps = replicas[k]
         stages = reps[0].stage_costs
         depth, d = int(pp[k]), int(pipelines[k])
-        if upper_s is None or depth < 2 or not identical[k] or any(c != stages[0] for c in stages) \
+        if not microbatch_rows or upper_s is None or depth < 2 or not identical[k] \
+                or any(c != stages[0] for c in stages) \
                 or len({len(st.ranks) for st in plans[k].pipelines[0].stages}) != 1:
             continue
         ranks = sum(len(st.ranks) for st in plans[k].pipelines[0].stages)
