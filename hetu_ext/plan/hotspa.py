@@ -290,6 +290,24 @@ def auto_groups(lengths: Sequence[int], strategies: Strategies, group_s: Callabl
     return _best_alone(groups, s, strategies, group_s, exact, switch_s, margin=alone_margin)
 
 
+class _Prices:
+    """Memoised exact price of a group (its packer time plus its switch, none for the home), keyed by strategy
+    and sorted indices; ``computed`` counts the prices not found in the memo."""
+
+    def __init__(self, s: np.ndarray, strategies: Strategies, exact, switch_s) -> None:
+        self.s, self.strategies, self.exact, self.switch_s = s, strategies, exact, switch_s
+        self.memo: dict[tuple[int, tuple[int, ...]], float] = {}
+        self.computed = 0
+
+    def __call__(self, strategy: int, indices: Sequence[int]) -> float:
+        key = (strategy, tuple(sorted(indices)))
+        if key not in self.memo:
+            self.computed += 1
+            self.memo[key] = self.exact(strategy, [int(self.s[i]) for i in key[1]]) + \
+                (0.0 if strategy == self.strategies.home else self.switch_s[strategy])
+        return self.memo[key]
+
+
 def _exact_total(groups: list[Group], s: np.ndarray, strategies: Strategies, exact, switch_s) -> float:
     return sum(exact(g.strategy, [int(s[i]) for i in g.indices])
                + (0.0 if g.strategy == strategies.home else switch_s[g.strategy]) for g in groups)
@@ -303,21 +321,12 @@ def _move_exactly(groups: list[Group], s: np.ndarray, strategies: Strategies, ex
     relaxation and the dynamic program both place a few sequences where the packer cannot fit them (e.g. 0.3 s
     more on a pipeline already at the group's pace); the moves also top up a long group's idle pipelines with
     short sequences (16 GPUs, 16K, Wikipedia: 8.82 s -> 8.61 s on one step, 1.3 s of pricing)."""
-    prices: dict[tuple[int, tuple[int, ...]], float] = {}
-
-    def price(strategy: int, indices: tuple[int, ...]) -> float:
-        nonlocal budget
-        key = (strategy, tuple(sorted(indices)))
-        if key not in prices:
-            budget -= 1
-            prices[key] = exact(strategy, [int(s[i]) for i in key[1]]) + \
-                (0.0 if strategy == strategies.home else switch_s[strategy])
-        return prices[key]
+    price = _Prices(s, strategies, exact, switch_s)
 
     groups = list(groups)
     total = sum(price(g.strategy, g.indices) for g in groups)
     moved = True
-    while moved and budget > 0:
+    while moved and price.computed < budget:
         moved = False
         donors = []  # (its slowest pipeline's excess over its mean pipeline, group, members sorted, their positions)
         for a, donor in enumerate(groups):
@@ -333,7 +342,7 @@ def _move_exactly(groups: list[Group], s: np.ndarray, strategies: Strategies, ex
                 if len(rest) < len(strategies.items[donor.strategy].plan.pipelines):
                     continue
                 for b, taker in enumerate(groups):
-                    if b == a or strategies.items[taker.strategy].max_len < s[i] or budget <= 0:
+                    if b == a or strategies.items[taker.strategy].max_len < s[i] or price.computed >= budget:
                         continue
                     grown = taker.indices + (i,)
                     new = total - price(donor.strategy, donor.indices) - price(taker.strategy, taker.indices) \
@@ -343,9 +352,9 @@ def _move_exactly(groups: list[Group], s: np.ndarray, strategies: Strategies, ex
                         groups[b] = Group(strategy=taker.strategy, indices=grown)
                         total, moved = new, True
                         break
-                if moved or budget <= 0:
+                if moved or price.computed >= budget:
                     break
-            if moved or budget <= 0:
+            if moved or price.computed >= budget:
                 break
     return groups
 
@@ -382,14 +391,10 @@ def _merge_exactly(groups: list[Group], s: np.ndarray, strategies: Strategies,
     overheads), which on a few long sequences can favour a group of its own that the exact price does not; the
     home alone is also priced (it is where merging ends when the home takes every sequence)."""
     home = strategies.home
-    prices: dict[tuple[int, tuple[int, ...]], float] = {}
+    prices = _Prices(s, strategies, exact, switch_s)
 
     def price(group: Group) -> float:
-        key = (group.strategy, tuple(sorted(group.indices)))
-        if key not in prices:
-            prices[key] = exact(group.strategy, [int(s[i]) for i in group.indices]) + \
-                (0.0 if group.strategy == home else switch_s[group.strategy])
-        return prices[key]
+        return prices(group.strategy, group.indices)
 
     total = sum(price(g) for g in groups)
     while len(groups) > 1:
