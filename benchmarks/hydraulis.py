@@ -23,10 +23,11 @@ all-reduce (hetu_ext.plan.hydraulis.sync_seconds at ``--bandwidth`` GB/s per GPU
 * ``dynamic_s``: per step, the candidate hetu_ext.plan.hydraulis.Selector chooses (packer's time plus the
   switch of weights and gradients from the home and back, hetu_ext.plan.hotspa.switch_seconds at
   ``--bandwidth``), plus the home's gradient all-reduce;
-* ``one_plan_bound_s`` (``meg/bnd``: ``megatron_s`` over it): hetu_ext.plan.hydraulis.one_plan_bound_s, a
-  certified lower bound on the compute time of any single plan of the pool's shapes per step (what per-step
-  selection among plans can reach at best, all-reduce and switches left out); where ``meg/bnd`` is below a
-  target, no candidate set and no selector meets it under this cost and memory model.
+* ``one_plan_bound_s`` (``bound_s``; ``ceiling``: ``megatron_s`` over it): per step, the lesser of the home's
+  certified packing bound and hetu_ext.plan.hydraulis.one_plan_bound_s, a certified lower bound on the compute
+  plus switch of any single plan of the pool's shapes (each shape's switch floor from the home,
+  hetu_ext.plan.hydraulis.switch_floors_s), plus the home's all-reduce: what per-step selection among plans can
+  reach at best; no candidate set and no selector beats it under this cost and memory model.
 
 Times: ``candidates_s`` (candidate_strategies on the whole length file; ``candidates_cpu_s`` its CPU time),
 ``select_ms`` (one step's choice: the bounds of every candidate holding the longest sequence and the packer on each
@@ -80,11 +81,11 @@ from hetu_ext.plan.hydraulis import (  # noqa: E402
     Selector,
     candidate_strategies,
     flops_cost_table,
-    least_switch_s,
     one_plan_bound_s,
     sample_batches,
     select_candidate,
     shape_pool,
+    switch_floors_s,
     sync_seconds,
 )
 from hetu_ext.plan.lobra import megatron_time_s  # noqa: E402
@@ -174,13 +175,13 @@ def predicted_row(name: str, spec: ModelSpec, gpus: int, cost: CostTable, pieces
     pool = shape_pool(spec, cost, world_size=gpus, max_len=max_len, prune=False)
     # the candidates' home is fixed and its all-reduce is paid every step: on top of any one plan's compute
     # per batch: the home (its packer's certified bound; a plan of fewer home replicas is no faster), or any other
-    # plan (one_plan_bound_s) plus the least switch to a plan with another shape
+    # plan (one_plan_bound_s, its switch included: at least the largest floor of its shapes)
     home_shape = items[strategies.home].plan.pipelines[0]
-    switch_floor = least_switch_s(home_shape.stages[0].tp, home_shape.pp, pool, spec, bandwidth=bandwidth)
+    floors = switch_floors_s(home_shape.stages[0].tp, home_shape.pp, pool, spec, bandwidth=bandwidth)
     home = items[strategies.home]
     home_replicas = replica_specs(home.plan, spec, cost, max_pack_tokens=home.max_len)
     bound = float(np.mean([min(lower_bound_s(np.asarray(b), home_replicas),
-                               one_plan_bound_s(b, pool, gpus, upper_s=u) + switch_floor)
+                               one_plan_bound_s(b, pool, gpus, upper_s=u, switch_s=floors))
                            for b, u in zip(batches, uppers)])) + home_sync
     row = {"model": name, "gpus": gpus, "max_len": max_len, "lengths": None,
            **megatron_best(spec, gpus, cost, batches, max_len=max_len, bandwidth=bandwidth),

@@ -23,6 +23,7 @@ from hetu_ext.plan.hydraulis import (
     select_candidate,
     shape_pool,
     solve,
+    switch_floors_s,
 )
 from hetu_ext.plan.plan import uniform_shape
 
@@ -163,16 +164,20 @@ def test_selection_equals_brute_force_over_the_candidates():
 
 def test_one_plan_bound_is_below_every_candidate_and_binds_when_only_the_whole_cluster_holds_the_longest():
     """one_plan_bound_s (the certified limit of one-plan-per-step selection that benchmarks/hydraulis.py prints)
-    is at most the packer's time of every candidate holding the step's longest sequence, and when only shapes
-    of all the GPUs hold it, it counts those shapes alone."""
+    is at most the packer's time of every candidate holding the step's longest sequence (with the switch floors
+    and whole replicas: at most its time plus its switch), and when only shapes of all the GPUs hold it, it
+    counts those shapes alone."""
     rng = np.random.default_rng(3)
-    forced_seen = 0
+    forced_seen = tightened = 0
     for gpus, seed in ((4, 0), (8, 2), (16, 1)):
         cost = _cost(seed)
         st = candidate_strategies(MODEL, gpus, cost, _lengths(seed, n=2000), max_len=SHORT, limit=8,
                                   batch_tokens=gpus * 8 * 512)
         pool = shape_pool(MODEL, cost, world_size=gpus, max_len=SHORT, prune=False)
         sel = Selector(st, MODEL, cost, bandwidth=1e9)
+        home = st.items[st.home].plan.pipelines[0]
+        floors = switch_floors_s(home.stages[0].tp, home.pp, pool, MODEL, bandwidth=1e9)
+        assert all(f >= 0 for f in floors) and 0.0 in floors
         for _ in range(8):
             n = int(rng.integers(8, 60))
             batch = np.clip(rng.lognormal(3.5, 1.2, n).astype(np.int64), 1, SHORT).tolist()
@@ -186,11 +191,21 @@ def test_one_plan_bound_is_below_every_candidate_and_binds_when_only_the_whole_c
             for upper in (min(exact), max(exact)):
                 tighter = one_plan_bound_s(batch, pool, gpus, upper_s=upper)
                 assert tighter <= min(exact) * (1 + 1e-9) and tighter >= min(bound, upper) * (1 - 1e-9)
+            # with each shape's switch floor from the home, and with whole replicas: compute plus switch stays
+            # below every candidate's, and each step only tightens it
+            with_switch = [t + sel.switch_s[j] for t, j in zip(exact, able)]
+            upper = min(exact)
+            switched = one_plan_bound_s(batch, pool, gpus, upper_s=upper, switch_s=floors)
+            whole = one_plan_bound_s(batch, pool, gpus, upper_s=upper, switch_s=floors, whole_replicas=True)
+            assert min(bound, upper) * (1 - 1e-9) <= switched <= whole * (1 + 1e-9)
+            assert whole <= min(with_switch) * (1 + 1e-9)
+            tightened += whole > switched * (1 + 1e-6)
             holders = [s for s in pool if s.capacity >= max(batch)]
             if all(s.gpus == gpus for s in holders):  # the plan is one replica of all the GPUs
                 forced_seen += 1
                 assert bound == one_plan_bound_s(batch, holders, gpus)
     assert forced_seen, "some batch should need the whole cluster for its longest sequence"
+    assert tightened, "whole replicas should tighten some batch's bound"
 
 
 def test_pricer_hands_on_the_packing_it_priced():
