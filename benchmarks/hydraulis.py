@@ -26,7 +26,7 @@ all-reduce (hetu_ext.plan.hydraulis.sync_seconds at ``--bandwidth`` GB/s per GPU
 * ``one_plan_bound_s`` (``bound_s``; ``ceiling``: ``megatron_s`` over it): per step, the lesser of the home's
   certified packing bound and hetu_ext.plan.hydraulis.one_plan_bound_s, a certified lower bound on the compute
   plus switch of any single plan of the pool's shapes (each shape's switch floor from the home,
-  hetu_ext.plan.hydraulis.switch_floors_s), plus the home's all-reduce: what per-step selection among plans can
+  hetu_ext.plan.hydraulis.switch_floors_s; whole replicas per shape, proven by HiGHS), plus the home's all-reduce: what per-step selection among plans can
   reach at best; no candidate set and no selector beats it under this cost and memory model.
 
 Times: ``candidates_s`` (candidate_strategies on the whole length file; ``candidates_cpu_s`` its CPU time),
@@ -181,7 +181,8 @@ def predicted_row(name: str, spec: ModelSpec, gpus: int, cost: CostTable, pieces
     home = items[strategies.home]
     home_replicas = replica_specs(home.plan, spec, cost, max_pack_tokens=home.max_len)
     bound = float(np.mean([min(lower_bound_s(np.asarray(b), home_replicas),
-                               one_plan_bound_s(b, pool, gpus, upper_s=u, switch_s=floors))
+                               one_plan_bound_s(b, pool, gpus, upper_s=u, switch_s=floors,
+                                                whole_replicas=True))
                            for b, u in zip(batches, uppers)])) + home_sync
     row = {"model": name, "gpus": gpus, "max_len": max_len, "lengths": None,
            **megatron_best(spec, gpus, cost, batches, max_len=max_len, bandwidth=bandwidth),

@@ -17,7 +17,8 @@ Rows, each a consequence of the packer's model ``T_r = sum over packs t(p) + (pp
 ``t(p) = max_j (a_j Q_p + b_j S_p + c_j)``, and ``T_k = max_r T_r``:
 
 1. *work*: ``G T_k >= sum_r G_r T_r`` (G: the world's ranks, G_r: pipeline r's), and ``G_r T_r`` is at least its
-   sequences' ``w`` plus ``(pp - 1) G_r max_{i on r} tau_i``: (a) the pipeline holding the group's longest
+   sequences' ``w``, plus every stage's ``c_j`` per microbatch (``sum_j g_j c_j s / cap_r`` per sequence: at least
+   ``S / cap_r`` microbatches for S tokens), plus ``(pp - 1) G_r max_{i on r} tau_i``: (a) the pipeline holding the group's longest
    sequence pays its fill and drain, ``(pp - 1) w`` of it; (b) given ``U`` (``upper_s``), every pipeline's:
    ``G_r max_{i on r} tau_i >= sum_{i on r} w_i tau_i / U`` (the largest tau is at least any weighted mean of
    them, and ``sum_{i on r} w_i <= G_r T_r <= G_r U``), so each sequence carries ``w_i (1 + (pp - 1) tau_i / U)``,
@@ -92,15 +93,16 @@ def _per_sequence(s: np.ndarray, plans, replicas: Sequence[Sequence[ReplicaSpec]
             per_stage = np.array([c.a * s * s + c.b * s for c in rep.stage_costs])  # stages x n
             ranks = np.array([len(stage.ranks) for stage in pipeline.stages], dtype=np.float64)
             w = ranks @ per_stage
+            packs = ranks @ np.array([c.c for c in rep.stage_costs]) * s / rep.token_capacity  # c per microbatch
             tau = np.max(per_stage + np.array([[c.c] for c in rep.stage_costs]), axis=0)
             held = s <= rep.token_capacity
             pp[k] = max(pp[k], rep.pp)
             if upper_s:  # row 1 with every pipeline's fill: the larger of two arguments, per sequence
                 rho = np.array([f_over_u(c.c, rep.pp, upper_s) for c in rep.stage_costs])
-                w_fill = np.maximum(w * (1 + (rep.pp - 1) * tau / upper_s), (ranks * rho) @ per_stage)
+                w_fill = np.maximum(w * (1 + (rep.pp - 1) * tau / upper_s) + packs, (ranks * rho) @ per_stage)
             else:
-                w_fill = w
-            for out, value in ((work, w_fill), (plain, w), (fill, (rep.pp - 1) * w), (alone, rep.pp * tau),
+                w_fill = w + packs
+            for out, value in ((work, w_fill), (plain, w + packs), (fill, (rep.pp - 1) * w), (alone, rep.pp * tau),
                                (nu, per_stage.min(axis=0))):
                 out[:, k] = np.where(held, np.minimum(out[:, k], value), out[:, k])
     return work / world, plain / world, fill / world, alone, nu, pp, pipelines
