@@ -17,14 +17,14 @@ Rows, each a consequence of the packer's model ``T_r = sum over packs t(p) + (pp
 ``t(p) = max_j (a_j Q_p + b_j S_p + c_j)``, and ``T_k = max_r T_r``:
 
 1. *work*: ``G T_k >= sum_r G_r T_r`` (G: the world's ranks, G_r: pipeline r's), and ``G_r T_r`` is at least its
-   sequences' ``w``, plus every stage's ``c_j`` per microbatch (``sum_j g_j c_j s / cap_r`` per sequence: at least
-   ``S / cap_r`` microbatches for S tokens), plus ``(pp - 1) G_r max_{i on r} tau_i``: (a) the pipeline holding the group's longest
+   sequences' ``w`` plus ``(pp - 1) G_r max_{i on r} tau_i``: (a) the pipeline holding the group's longest
    sequence pays its fill and drain, ``(pp - 1) w`` of it; (b) given ``U`` (``upper_s``), every pipeline's:
    ``G_r max_{i on r} tau_i >= sum_{i on r} w_i tau_i / U`` (the largest tau is at least any weighted mean of
    them, and ``sum_{i on r} w_i <= G_r T_r <= G_r U``), so each sequence carries ``w_i (1 + (pp - 1) tau_i / U)``,
-   or its stages' ``(a_j s^2 + b_j s)`` scaled by :func:`f_over_u` (the per-microbatch overhead against the fill),
-   whichever is larger. (b) holds for every grouping whose step takes at most ``U``; the bound is then
-   ``min(U, relaxation)``, a bound on every grouping.
+   plus every stage's ``c_j`` per microbatch (``sum_j g_j c_j s / cap_r`` per sequence: at least ``S / cap_r``
+   microbatches for S tokens), or its stages' ``(a_j s^2 + b_j s)`` scaled by :func:`f_over_u` (the
+   per-microbatch overhead against the fill), whichever is larger. (b) holds for every grouping whose step takes
+   at most ``U``; the bound is then ``min(U, relaxation)``, a bound on every grouping.
 2. *alone*: ``T_k >= pp_r tau_ir`` for every member i (its microbatch's fill and drain plus its own pass).
 3. *pairs*: with more members than k has pipelines, two of the ``d + 1`` largest (by nu) share a pipeline, so
    ``T_k >= pp nu_(d) + nu_(d+1)`` (the d-th and (d+1)-th largest nu in the group; the pair's larger one pays the
@@ -35,12 +35,16 @@ Rows, each a consequence of the packer's model ``T_r = sum over packs t(p) + (pp
 5. *pipelines* (k's pipelines identical, ``2 <= d <= explicit_pipelines``): the ``3 d + 8`` longest sequences k
    holds, each in k's group, go to one pipeline p each (binary; the r-th longest only to pipelines ``<= r``,
    which identical pipelines allow without loss), ``T_k >= sum_{on p} nu + (pp - 1) max_{on p} tau``: a few long
-   sequences on few pipelines cannot be spread as the work row spreads them.
-6. *microbatches* (given U; k's pipelines identical, their stages alike, pp > 1): a pipeline whose one-stage work
-   is W over M microbatches takes at least ``W + c M + (pp - 1)(W / M + c)``, at least ``f(W) = W + 2 sqrt((pp -
-   1) c W) + (pp - 1) c`` (:func:`f_over_u`); f rises, so ``T_k >= f(mean W over k's pipelines)``; f is concave, so
-   on each segment of ``[0, U]`` (cut at ``U / 2^7 .. U / 2, U``) its chord lies under it: a binary picks the
-   segment W is in, and ``T_k`` is at least that chord.
+   sequences on few pipelines cannot be spread as the work row spreads them. With pp > 1 also row 1 with every
+   pipeline's fill at once: ``d G_r T_k >= sum_r G_r T_r >= sum_i w_i + G_r (pp - 1) sum_p fill_p`` (fill_p:
+   the largest tau of the explicit sequences on p, at most the largest microbatch there), so
+   ``T_k >= sum_i w_i / G + (pp - 1) / d sum_p fill_p``.
+6. *microbatches* (given U; k's pipelines identical, pp > 1, some stage j at least the mean stage in a and in b,
+   stages of equal ranks): a pipeline whose work on stage j is W over M microbatches takes at least ``W + c_j M +
+   (pp - 1)(W / M + c_j)``, at least ``f(W) = W + 2 sqrt((pp - 1) c_j W) + (pp - 1) c_j`` (:func:`f_over_u`); f
+   rises and W is at least the mean stage's work, so ``T_k >= f(mean W over k's pipelines)`` with the mean stage;
+   f is concave, so on each segment of ``[0, U]`` (cut at ``U / 2^7 .. U / 2, U``) its chord lies under it: a
+   binary picks the segment W is in, and ``T_k`` is at least that chord.
 
 The longest ``binary`` sequences get a binary assignment per strategy; the rest are gathered into buckets of equal
 holders (cut at every strategy's capacity) and of lengths within ``bucket_ratio`` of each other, whose share
@@ -102,7 +106,7 @@ def _per_sequence(s: np.ndarray, plans, replicas: Sequence[Sequence[ReplicaSpec]
                 w_fill = np.maximum(w * (1 + (rep.pp - 1) * tau / upper_s) + packs, (ranks * rho) @ per_stage)
             else:
                 w_fill = w + packs
-            for out, value in ((work, w_fill), (plain, w + packs), (fill, (rep.pp - 1) * w), (alone, rep.pp * tau),
+            for out, value in ((work, w_fill), (plain, w), (fill, (rep.pp - 1) * w), (alone, rep.pp * tau),
                                (nu, per_stage.min(axis=0))):
                 out[:, k] = np.where(held, np.minimum(out[:, k], value), out[:, k])
     return work / world, plain / world, fill / world, alone, nu, pp, pipelines
@@ -282,16 +286,25 @@ def relaxation(lengths: Sequence[int], plans, replicas: Sequence[Sequence[Replic
         for r in range(mine.size):  # on one pipeline exactly when in k's group
             add(np.zeros(d + 1, dtype=np.int64), np.r_[q0 + r * d + np.arange(d), X + mine[r]],
                 np.r_[np.ones(d), -1.0], 0.0, 0.0)
+        if pp[k] > 1:  # and every pipeline's fill at once: T_k >= the group's work / G + (pp - 1) / d sum_p fill_p
+            _, w_cols, w_vals = members("plain", lambda sel: np.zeros(sel.size, dtype=np.int64))
+            keep = np.r_[uk[b] == k, uk[bucket] == k]
+            add(np.zeros(int(keep.sum()) + d + 1, dtype=np.int64),
+                np.r_[w_cols[keep], fill0 + np.arange(d), T + k],
+                np.r_[w_vals[keep], np.full(d, (pp[k] - 1) / d), -1.0], -np.inf, 0.0)
     for k in range(K):                                                             # row 6
         reps = replicas[k]
         stages = reps[0].stage_costs
         depth, d = int(pp[k]), int(pipelines[k])
         if not microbatch_rows or upper_s is None or depth < 2 or not identical[k] \
-                or any(c != stages[0] for c in stages) \
                 or len({len(st.ranks) for st in plans[k].pipelines[0].stages}) != 1:
             continue
+        mean_a, mean_b = np.mean([c.a for c in stages]), np.mean([c.b for c in stages])
+        over = [c for c in stages if c.a >= mean_a and c.b >= mean_b]  # its work >= the mean stage's
+        if not over:
+            continue
         ranks = sum(len(st.ranks) for st in plans[k].pipelines[0].stages)
-        cj = stages[0].c
+        cj = max(c.c for c in over)
 
         def f(w: float) -> float:
             return w + 2.0 * np.sqrt((depth - 1) * cj * w) + (depth - 1) * cj
