@@ -51,7 +51,10 @@ holders (cut at every strategy's capacity) and of lengths within ``bucket_ratio`
 ``x_uk`` is the fraction of the bucket's members in k's group (any split of them is such a point): each bucket row
 counts its members exactly (rows 3, 4), and the work of those members is at least that of the cheapest ``x`` count
 members, a convex function of x held from below by its supporting lines at 0, 1/4, 1/2, 3/4 and 1 of the count
-(exact when the whole bucket goes one way). The program stays small at thousands of sequences. HiGHS's dual bound is
+(exact when the whole bucket goes one way). The parts of a split bucket cannot all be its cheapest members: with
+``w_ref`` each member's work on the bucket's first strategy and ``rho_k`` the least ``w_k / w_ref`` over its
+members, the work sent to each k, divided by ``rho_k``, adds up to at least the bucket's ``w_ref``. The program
+stays small at thousands of sequences. HiGHS's dual bound is
 returned, so a time limit keeps it a bound (its default tolerances, 1e-6 relative, apply).
 """
 
@@ -218,6 +221,19 @@ def relaxation(lengths: Sequence[int], plans, replicas: Sequence[Sequence[Replic
                     slope[t] = ranked.size * ranked[q]
                     offset[t] = ranked[:q].sum() - q * ranked[q]  # E - slope x >= S_q - q w_(q+1)
             add(np.r_[j, j], np.r_[base + j, X + bucket], np.r_[np.ones(mb), -slope], offset, np.full(mb, np.inf))
+        # and every member goes somewhere: with w_ref its work on the bucket's first strategy and rho_k the least
+        # w_k / w_ref over its members, sum_k E_k / rho_k >= the bucket's w_ref (one row per bucket)
+        r_, c_, v_, low = [], [], [], []
+        for u in np.unique(ui[bucket]):
+            mine = np.flatnonzero(ui[bucket] == u)
+            ref = costs[units[u], uk[bucket[mine[0]]]]
+            rho = np.array([np.min(costs[units[u], uk[bucket[t]]] / ref) for t in mine])
+            r_.append(np.full(mine.size, len(low)))
+            c_.append(base + mine)
+            v_.append(1.0 / rho)
+            low.append(ref.sum())
+        if low:
+            add(np.concatenate(r_), np.concatenate(c_), np.concatenate(v_), np.array(low), np.full(len(low), np.inf))
 
     def members(family: str, k_rows, scale=1.0):
         """(rows, columns, values) of the work of k's group: binary sequences through x, buckets through E / EP."""
