@@ -82,7 +82,7 @@ SAMPLE = ROOT / "hetu_ext" / "data" / "samples" / "wikipedia_lengths_20k.txt.gz"
 
 
 def predicted_row(spec: ModelSpec, gpus: int, cost: CostTable, batch_list: list[list[int]], *, bandwidth: float,
-                  bound_time_limit_s: float = 20.0) -> dict:
+                  bound_time_limit_s: float = 60.0) -> dict:
     strategies = auto_strategies(spec, gpus, cost, max_pp=8)
     items = strategies.items
     longest = max(max(b) for b in batch_list)
@@ -207,7 +207,7 @@ def main() -> None:
     parser.add_argument("--options", choices=("search", "plain"), default="search",
                         help="search: recomputation (none, full) with sequence parallelism and the distributed "
                         "optimizer, for the static strategies and HotSPa alike; plain: none of them")
-    parser.add_argument("--bound-time-limit", type=float, default=20.0,
+    parser.add_argument("--bound-time-limit", type=float, default=60.0,
                         help="seconds HiGHS may spend on each relaxation of the bound (its dual bound stays a bound)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)

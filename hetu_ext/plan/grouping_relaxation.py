@@ -118,14 +118,16 @@ def _per_sequence(s: np.ndarray, plans, replicas: Sequence[Sequence[ReplicaSpec]
 def relaxation(lengths: Sequence[int], plans, replicas: Sequence[Sequence[ReplicaSpec]], *,
                fixed_s: Sequence[float] | None = None, upper_s: float | None = None, min_strategies: int = 1,
                binary: int | None = None, bucket_ratio: float = 1.05, thresholds: int = 12, explicit_pipelines: int = 8,
-               microbatch_rows: bool = True, bucket_lines: bool = True, time_limit_s: float = 120.0,
+               microbatch_rows: bool = True, bucket_lines: bool = True, bucket_sums: bool = True,
+               time_limit_s: float = 120.0,
                node_limit: int | None = None) -> Relaxed:
     """The relaxation (module docstring) over strategies given by their ``plans`` and the packer's ``replicas``
     (one ReplicaSpec per pipeline, capacities included). ``binary``: how many of the longest sequences get binary
     assignments (default ``2 x most pipelines + 16``, what the pair rows look at); ``thresholds``: levels of the
     pair rows per strategy; ``explicit_pipelines``: the most pipelines a strategy may have for row 5 (0: none);
-    ``microbatch_rows``: row 6; ``bucket_lines``: the buckets' supporting lines at 1/4, 1/2, 3/4 (a planner's
-    candidate needs neither: they tighten the bound and slow the search);
+    ``microbatch_rows``: row 6; ``bucket_lines``: the buckets' supporting lines at 1/4, 1/2, 3/4;
+    ``bucket_sums``: a split bucket's parts add up to its whole (a planner's candidate needs none of the three:
+    they tighten the bound and slow the search);
     ``node_limit`` (deterministic) or ``time_limit_s`` stop HiGHS early (the dual bound stays a bound).
     ``min_strategies``: only groupings using at least that many strategies (``inf`` when fewer hold a
     sequence)."""
@@ -224,7 +226,7 @@ def relaxation(lengths: Sequence[int], plans, replicas: Sequence[Sequence[Replic
         # and every member goes somewhere: with w_ref its work on the bucket's first strategy and rho_k the least
         # w_k / w_ref over its members, sum_k E_k / rho_k >= the bucket's w_ref (one row per bucket)
         r_, c_, v_, low = [], [], [], []
-        for u in np.unique(ui[bucket]):
+        for u in np.unique(ui[bucket]) if bucket_sums else ():
             mine = np.flatnonzero(ui[bucket] == u)
             ref = costs[units[u], uk[bucket[mine[0]]]]
             rho = np.array([np.min(costs[units[u], uk[bucket[t]]] / ref) for t in mine])

@@ -587,15 +587,16 @@ class GroupPricer:
                 node_limit: int = RELAXED_NODES) -> list[Group] | None:
         """The grouping of :func:`hetu_ext.plan.grouping_relaxation.relaxation` (``fixed_s[k]``: what a used
         strategy adds; ``upper_s``: a known grouping's price), stopped after ``node_limit`` branch-and-bound nodes
-        (deterministic: every rank gets the same groups), without rows 5 and 6 and the buckets' extra lines (they
-        tighten the bound but slow the search for a grouping: 16 GPUs at 32K, 200 nodes, 9.29 s with row 5, 9.17 s
-        without; with row 6 and the lines a step's grouping took up to 17.5 s);
+        (deterministic: every rank gets the same groups), without rows 5 and 6 and the buckets' extra lines and
+        sums (they tighten the bound but slow the search for a grouping: 16 GPUs at 32K, 200 nodes, 9.29 s with row
+        5, 9.17 s without; with row 6 and the lines a step's grouping took up to 17.5 s; with the sums the
+        Wikipedia row at 8 GPUs and 16K lost 0.6%);
         None when it found none or a group breaks HotSPa's rules (a sequence longer than its strategy takes, fewer
         sequences than pipelines)."""
         plans = [st.plan for st in self._strategies.items]
         out = relaxation(lengths, plans, self._replicas, fixed_s=fixed_s, upper_s=upper_s, node_limit=node_limit,
                          time_limit_s=RELAXED_TIME_LIMIT_S, explicit_pipelines=0, microbatch_rows=False,
-                         bucket_lines=False)
+                         bucket_lines=False, bucket_sums=False)
         if not out.groups:
             return None
         groups = [Group(strategy=k, indices=tuple(sorted(ix))) for k, ix in sorted(out.groups.items())]
