@@ -26,8 +26,9 @@ all-reduce (hetu_ext.plan.hydraulis.sync_seconds at ``--bandwidth`` GB/s per GPU
 * ``one_plan_bound_s`` (``bound_s``; ``ceiling``: ``megatron_s`` over it): per step, the lesser of the home's
   certified packing bound and hetu_ext.plan.hydraulis.one_plan_bound_s, a certified lower bound on the compute
   plus switch of any single plan of the pool's shapes (each shape's switch floor from the home,
-  hetu_ext.plan.hydraulis.switch_floors_s; whole replicas per shape, proven by HiGHS), plus the home's all-reduce: what per-step selection among plans can
-  reach at best; no candidate set and no selector beats it under this cost and memory model.
+  hetu_ext.plan.hydraulis.switch_floors_s; whole replicas per shape, proven by HiGHS), plus the home's
+  all-reduce: what per-step selection among plans can reach at best; no candidate set and no selector beats it
+  under this cost and memory model.
 
 Times: ``candidates_s`` (candidate_strategies on the whole length file; ``candidates_cpu_s`` its CPU time),
 ``select_ms`` (one step's choice: the bounds of every candidate holding the longest sequence and the packer on each

@@ -54,8 +54,8 @@ members, a convex function of x held from below by its supporting lines at 0, 1/
 (exact when the whole bucket goes one way). The parts of a split bucket cannot all be its cheapest members: with
 ``w_ref`` each member's work on the bucket's first strategy and ``rho_k`` the least ``w_k / w_ref`` over its
 members, the work sent to each k, divided by ``rho_k``, adds up to at least the bucket's ``w_ref``. The program
-stays small at thousands of sequences. HiGHS's dual bound is
-returned, so a time limit keeps it a bound (its default tolerances, 1e-6 relative, apply).
+stays small at thousands of sequences. HiGHS's dual bound is returned, so a time limit keeps it a bound (its
+default tolerances, 1e-6 relative, apply).
 """
 
 from __future__ import annotations
@@ -119,8 +119,7 @@ def relaxation(lengths: Sequence[int], plans, replicas: Sequence[Sequence[Replic
                fixed_s: Sequence[float] | None = None, upper_s: float | None = None, min_strategies: int = 1,
                binary: int | None = None, bucket_ratio: float = 1.05, thresholds: int = 12, explicit_pipelines: int = 8,
                microbatch_rows: bool = True, bucket_lines: bool = True, bucket_sums: bool = True,
-               time_limit_s: float = 120.0,
-               node_limit: int | None = None) -> Relaxed:
+               time_limit_s: float = 120.0, node_limit: int | None = None) -> Relaxed:
     """The relaxation (module docstring) over strategies given by their ``plans`` and the packer's ``replicas``
     (one ReplicaSpec per pipeline, capacities included). ``binary``: how many of the longest sequences get binary
     assignments (default ``2 x most pipelines + 16``, what the pair rows look at); ``thresholds``: levels of the

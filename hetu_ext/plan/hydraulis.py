@@ -548,7 +548,8 @@ def one_plan_bound_s(lengths: Sequence[int], pool: Sequence[Shape], world_size: 
                      whole_replicas: bool = False) -> float:
     """A lower bound on the compute seconds of every plan over ``world_size`` GPUs whose replicas are shapes of
     ``pool`` (pass the unpruned pool, ``shape_pool(..., prune=False)``) training ``lengths`` in one step: what
-    one-plan-per-step selection can reach at best, gradient all-reduce and switches left out.
+    one-plan-per-step selection can reach at best, gradient all-reduce left out (and switches, unless
+    ``switch_s`` is given).
 
     Proof (the packer's cost model): a replica of shape s runs each microbatch in at least any of its stages'
     ``a Q + b S`` (Q, S: the microbatch's squared and plain tokens; the overhead c and the fill and drain are >= 0), so
@@ -577,6 +578,9 @@ def one_plan_bound_s(lengths: Sequence[int], pool: Sequence[Shape], world_size: 
     is at least the least, over every level sigma of them, of sigma plus the bound over the shapes at most sigma
     (with ``upper_s``: ``sigma + min(upper_s, ...)``, as a plan of more compute takes more than that anyway); the
     result then bounds compute plus switch (plans of the home's shape alone: sigma 0).
+
+    ``whole_replicas`` (with ``upper_s``): also :func:`_whole_replica_bound_s`, which counts whole replicas per
+    shape (HiGHS; seconds per bound at 2,000 sequences, so for benchmarks, not per step).
 
     ValueError when no shape holds the longest sequence."""
     if not len(lengths):
