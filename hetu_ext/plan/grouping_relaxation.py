@@ -243,6 +243,12 @@ def relaxation(lengths: Sequence[int], plans, replicas: Sequence[Sequence[Replic
         return (np.r_[k_rows(b), k_rows(bucket)], np.r_[X + b, base + j],
                 np.r_[coef[ui[b], uk[b]] * scale, np.full(mb, scale)])
 
+    def group_work(k: int, scale=1.0):
+        """(columns, values) of the plain work of k's group alone, in one row (rows 5 and 6)."""
+        _, cols_, vals_ = members("plain", lambda sel: np.zeros(sel.size, dtype=np.int64), scale)
+        keep = np.r_[uk[b] == k, uk[bucket] == k]
+        return cols_[keep], vals_[keep]
+
     add(ui, X + x, one, np.ones(U), np.ones(U))                                   # each unit once
     add(np.r_[x, x], np.r_[X + x, Y + uk], np.r_[one, -one], np.full(m, -np.inf), np.zeros(m))   # x <= y
     add(np.r_[x, x], np.r_[X + x, Z + uk], np.r_[ufill[ui, uk], -one], np.full(m, -np.inf), np.zeros(m))
@@ -304,11 +310,9 @@ def relaxation(lengths: Sequence[int], plans, replicas: Sequence[Sequence[Replic
             add(np.zeros(d + 1, dtype=np.int64), np.r_[q0 + r * d + np.arange(d), X + mine[r]],
                 np.r_[np.ones(d), -1.0], 0.0, 0.0)
         if pp[k] > 1:  # and every pipeline's fill at once: T_k >= the group's work / G + (pp - 1) / d sum_p fill_p
-            _, w_cols, w_vals = members("plain", lambda sel: np.zeros(sel.size, dtype=np.int64))
-            keep = np.r_[uk[b] == k, uk[bucket] == k]
-            add(np.zeros(int(keep.sum()) + d + 1, dtype=np.int64),
-                np.r_[w_cols[keep], fill0 + np.arange(d), T + k],
-                np.r_[w_vals[keep], np.full(d, (pp[k] - 1) / d), -1.0], -np.inf, 0.0)
+            w_cols, w_vals = group_work(k)
+            add(np.zeros(w_cols.size + d + 1, dtype=np.int64), np.r_[w_cols, fill0 + np.arange(d), T + k],
+                np.r_[w_vals, np.full(d, (pp[k] - 1) / d), -1.0], -np.inf, 0.0)
     for k in range(K):                                                             # row 6
         reps = replicas[k]
         stages = reps[0].stage_costs
@@ -337,9 +341,7 @@ def relaxation(lengths: Sequence[int], plans, replicas: Sequence[Sequence[Replic
         zs = z0 + np.arange(len(chords))
         add(np.zeros(len(chords) + 1, dtype=np.int64), np.r_[zs, Y + k], np.r_[np.ones(len(chords)), -1.0],
             0.0, 0.0)                                                              # one segment when k is used
-        _, w_cols, w_vals = members("plain", lambda sel: np.zeros(sel.size, dtype=np.int64), scale)
-        keep = np.r_[uk[b] == k, uk[bucket] == k]
-        w_cols, w_vals = w_cols[keep], w_vals[keep]
+        w_cols, w_vals = group_work(k, scale)
         add(np.zeros(w_cols.size + len(chords), dtype=np.int64), np.r_[w_cols, zs], np.r_[w_vals, -points[1:]],
             -np.inf, 0.0)                                                          # W <= the segment's top
         add(np.zeros(w_cols.size + len(chords), dtype=np.int64), np.r_[w_cols, zs], np.r_[w_vals, -points[:-1]],

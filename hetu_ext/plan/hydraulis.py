@@ -670,11 +670,11 @@ def _whole_replica_bound_s(work: np.ndarray, solo: np.ndarray, pool: Sequence[Sh
         if np.unique(i).size < n:
             return False  # a sequence no shape trains alone within t
         m = i.size
-        rows = np.r_[i, n + k, np.full(S, n + S)]
-        cols = np.r_[np.arange(m), np.arange(m), m + np.arange(S)]
-        vals = np.r_[np.ones(m), work[i, k], gpus]
-        cover = coo_matrix((-gpus * t, (n + np.arange(S), m + np.arange(S))), shape=(n + S + 1, m + S))
-        A = coo_matrix((vals, (rows, cols)), shape=(n + S + 1, m + S)) + cover
+        # rows: each sequence once (n), each shape's work within gpus n_s t (S), the GPUs (1)
+        rows = np.r_[i, n + k, n + np.arange(S), np.full(S, n + S)]
+        cols = np.r_[np.arange(m), np.arange(m), m + np.arange(S), m + np.arange(S)]
+        vals = np.r_[np.ones(m), work[i, k], -gpus * t, gpus]
+        A = coo_matrix((vals, (rows, cols)), shape=(n + S + 1, m + S))
         lo = np.r_[np.ones(n), np.full(S, -np.inf), 0.0]
         hi = np.r_[np.ones(n), np.zeros(S), float(world_size)]
         res = milp(np.r_[np.zeros(m), gpus], constraints=[LinearConstraint(A.tocsr(), lo, hi)],
