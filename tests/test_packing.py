@@ -147,6 +147,18 @@ def test_identical_pipelines_within_2_percent_of_the_milp_and_anchored_bound_val
     assert max(a.predicted_s) <= optimum * 1.02
 
 
+def test_few_long_documents_per_replica_are_packed_at_the_bound():
+    """Identical pp = 1 replicas holding few documents each (13 on 4, a HotSPa group of long sequences): LPT alone
+    put 15343, 11141 and 10912 tokens on one replica (5.55 s); with MULTIFIT tried too the slowest replica meets
+    the certified bound (5.19 s: two 16384-token documents), so the packing is optimal."""
+    cost = LengthCost(a=2.7594e-9, b=1.1295e-4, c=3.2e-3)
+    replicas = [ReplicaSpec(stage_costs=(cost,), token_capacity=16384)] * 4
+    lengths = [16384] * 5 + [15343, 11252, 11141, 10912, 2619, 1745, 364, 352]
+    a = assign(lengths, replicas)
+    _check_invariants(a, lengths, replicas)
+    assert max(a.predicted_s) == pytest.approx(a.lower_bound_s, rel=1e-9)
+
+
 def _hetero_plan() -> Plan:
     def stage(ranks, start, stop, j, p):
         return Stage(ranks=tuple(ranks), layer_start=start, layer_stop=stop, has_embedding=j == 0,
