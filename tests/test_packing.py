@@ -159,6 +159,30 @@ def test_few_long_documents_per_replica_are_packed_at_the_bound():
     assert max(a.predicted_s) == pytest.approx(a.lower_bound_s, rel=1e-9)
 
 
+def test_few_documents_per_replica_never_pack_worse_than_lpt_alone():
+    """Where MULTIFIT is tried beside LPT for few documents per replica, both starts are refined and the better
+    kept: on random batches of 1-4 documents per replica (pp 1 and 2, c from 0 to 0.03 s) the result is never
+    slower than LPT refined alone (refining only MULTIFIT's start lost up to 2.3% on 6% of such batches)."""
+    from hetu_ext.data import two_stage
+
+    rng = np.random.default_rng(5)
+    better = 0
+    for _ in range(300):
+        r, pp = int(rng.integers(2, 17)), int(rng.choice([1, 1, 2]))
+        s = np.minimum(np.rint(rng.lognormal(8.5, 1.0, int(rng.integers(r, 4 * r + 1)))).astype(int) + 1, 16384)
+        cost = LengthCost(a=2.76e-9, b=1.13e-4, c=float(rng.choice([0.0, 3.2e-3, 3e-2])))
+        replicas = [ReplicaSpec(stage_costs=(cost.scaled(1 / pp),) * pp, token_capacity=16384)] * r
+        rep = two_stage.ReplicaArrays(replicas, s)
+        shares = two_stage._stage1(s, rep)
+        packed = [two_stage._stage2(s, share, rep, k) for k, share in enumerate(shares)]
+        two_stage._refine(s, rep, shares, packed)
+        lpt = max(t for _, t in packed)
+        got = max(assign(s.tolist(), replicas).predicted_s)
+        assert got <= lpt * (1 + 1e-12)
+        better += got < lpt * (1 - 1e-9)
+    assert better >= 30, "MULTIFIT should win on a good share of such batches"
+
+
 def _hetero_plan() -> Plan:
     def stage(ranks, start, stop, j, p):
         return Stage(ranks=tuple(ranks), layer_start=start, layer_stop=stop, has_embedding=j == 0,

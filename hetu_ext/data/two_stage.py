@@ -76,13 +76,15 @@ def assign_hetu(s: np.ndarray, replicas: Sequence[ReplicaSpec], *, bound_s: floa
 
     With pipelines (some pp > 1), or with few documents per replica (at most ``_FEW``), stage 1 also tries
     level-based first-fit-decreasing (:func:`_stage1_levels`) and keeps whichever of the two gives the lower
-    slowest replica after stage 2; then refines that one. ``bound_s``: a lower bound on the slowest replica
-    (seconds), where the level search starts."""
+    slowest replica after stage 2; then refines that one. With few documents (cheap) both are refined and the
+    better kept, so the result is never worse than LPT's alone (refining may favour either start: on random
+    instances of 1-4 documents per replica, refining only MULTIFIT's lost up to 2.3% against LPT's on 6% of
+    them). ``bound_s``: a lower bound on the slowest replica (seconds), where the level search starts."""
     rep = ReplicaArrays(replicas, s)
     shares = _stage1(s, rep)
     packed = [_stage2(s, share, rep, r) for r, share in enumerate(shares)]
-    levels = np.any(rep.pp > 1) or s.size <= _FEW * len(replicas)
-    if levels and s.size and max(t for _, t in packed) > bound_s * (1 + 1e-3):  # else optimal
+    few = s.size <= _FEW * len(replicas)
+    if (few or np.any(rep.pp > 1)) and s.size and max(t for _, t in packed) > bound_s * (1 + 1e-3):  # else optimal
         other = _stage1_levels(s, rep, max(t for _, t in packed), bound_s)
         if other is not None:
             cutoff = max(t for _, t in packed)
@@ -95,6 +97,12 @@ def assign_hetu(s: np.ndarray, replicas: Sequence[ReplicaSpec], *, bound_s: floa
                 if not packed_other[-1][1] < cutoff:
                     packed_other = None
                     break
+            if packed_other is not None and few:
+                _refine(s, rep, other, packed_other)
+                _refine(s, rep, shares, packed)
+                if max(t for _, t in packed_other) < max(t for _, t in packed):
+                    packed = packed_other
+                return [packs for packs, _ in packed]
             if packed_other is not None:
                 shares, packed = other, packed_other
     _refine(s, rep, shares, packed)
