@@ -42,9 +42,10 @@ if TYPE_CHECKING:
 _WINDOW = 3  # stage 2 tries microbatch counts within this many of the one its convex estimate prefers
 _FEW = 4
 """Documents per replica up to which pp = 1 replicas try MULTIFIT too. LPT's worst case is ``1 + 1/k - 1/(k R)``
-for k documents per replica (Coffman and Sethi, 1976): with few long documents it may put three mid-length ones
-on one replica where MULTIFIT pairs them with short ones (13 documents on 4 replicas: 5.55 s against the optimal
-5.19 s). With many documents LPT is within rounding of the bound, and the level search would only cost time."""
+when the replica finishing last holds k documents (Coffman and Sethi, 1976): with few long documents it may put
+three mid-length ones on one replica where MULTIFIT pairs them with short ones (13 documents on 4 replicas: 5.55 s
+against the optimal 5.19 s). With many documents LPT is within rounding of the bound, and the level search would
+only cost time."""
 
 
 class ReplicaArrays:
