@@ -85,10 +85,10 @@ def assign_hetu(s: np.ndarray, replicas: Sequence[ReplicaSpec], *, bound_s: floa
     shares = _stage1(s, rep)
     packed = [_stage2(s, share, rep, r) for r, share in enumerate(shares)]
     few = s.size <= _FEW * len(replicas)
-    if (few or np.any(rep.pp > 1)) and s.size and max(t for _, t in packed) > bound_s * (1 + 1e-3):  # else optimal
-        other = _stage1_levels(s, rep, max(t for _, t in packed), bound_s)
+    cutoff = max((t for _, t in packed), default=0.0)
+    if (few or np.any(rep.pp > 1)) and s.size and cutoff > bound_s * (1 + 1e-3):  # else optimal
+        other = _stage1_levels(s, rep, cutoff, bound_s)
         if other is not None:
-            cutoff = max(t for _, t in packed)
             packed_other: list[tuple[list[list[int]], float]] | None = []
             for r, share in enumerate(other):  # kept only if every replica beats the cutoff: stop at the first not
                 if _stage2_floor(share, rep, r) * (1 - 1e-9) >= cutoff:
@@ -98,12 +98,11 @@ def assign_hetu(s: np.ndarray, replicas: Sequence[ReplicaSpec], *, bound_s: floa
                 if not packed_other[-1][1] < cutoff:
                     packed_other = None
                     break
-            if packed_other is not None and few:
+            if packed_other is not None and few:  # cheap: refine both starts, keep the better (LPT's on ties)
                 _refine(s, rep, other, packed_other)
                 _refine(s, rep, shares, packed)
-                if max(t for _, t in packed_other) < max(t for _, t in packed):
-                    packed = packed_other
-                return [packs for packs, _ in packed]
+                best = min(packed, packed_other, key=lambda p: max(t for _, t in p))
+                return [packs for packs, _ in best]
             if packed_other is not None:
                 shares, packed = other, packed_other
     _refine(s, rep, shares, packed)
