@@ -114,7 +114,7 @@ def predicted_row(spec: ModelSpec, gpus: int, cost: CostTable, batch_list: list[
         start = time.perf_counter()
         groups = auto_groups(b, home, estimate_s, switch, exact=group_s,
                              relaxed=lambda ls, price: pricer.relaxed(ls, fixed, upper_s=price),
-                             slowest=pricer.slowest)
+                             slowest=pricer.slowest, fill=pricer.fill)
         plan_ms.append((time.perf_counter() - start) * 1e3)
         t = sw = 0.0
         for g in groups:

@@ -10,6 +10,8 @@ mutes a mis-weighting of groups, at lr 1e-3 it moves the third loss by 7.5e-4).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from test_packed_training import HETERO as HETERO_HOME
 from helpers import packed_argv
@@ -369,6 +371,102 @@ def test_grouping_bound_is_below_every_grouping():
             if relaxed is not None:
                 assert sorted(i for g in relaxed for i in g.indices) == list(range(len(lengths)))
                 assert all(holds(g.strategy, [lengths[i] for i in g.indices]) for g in relaxed)
+
+
+def _wikipedia_strategies(gpus: int, max_len: int = 16384):
+    """The HotSPa benchmark's setting: a 7B-shaped model, the A100 cost model with sequence parallelism and the
+    distributed optimizer, every shape auto offers over ``gpus`` GPUs, and a sample batch of real Wikipedia lengths
+    (the package's 20K sample, cut at ``max_len``, 256K tokens per 8 GPUs)."""
+    from hetu_ext.data.lengths import read_lengths, split_long
+    from hetu_ext.plan import ModelSpec
+    from hetu_ext.plan.cost import CostModel
+    from hetu_ext.plan.hotspa import auto_strategies
+    from hetu_ext.plan.hydraulis import flops_cost_table, sample_batches
+    from hetu_ext.plan.options import search_space
+
+    spec = ModelSpec(num_layers=32, hidden_size=4096, num_attention_heads=32, ffn_hidden_size=11008,
+                     vocab_size=32000, seq_length=max_len, untie_embeddings_and_output_weights=True)
+    cost = flops_cost_table(spec, memory_bytes=80e9, options=search_space(("none", "full"))[0], world_size=gpus,
+                            cost=CostModel(intra_node_bytes_per_s=150e9))
+    sample = Path(__file__).resolve().parents[1] / "hetu_ext" / "data" / "samples" / "wikipedia_lengths_20k.txt.gz"
+    pieces = split_long(read_lengths(str(sample)), max_len).length
+    batch = sample_batches(pieces, tokens=256 * 1024 * gpus // 8, count=1, seed=gpus)[0]
+    return spec, cost, auto_strategies(spec, gpus, cost, max_pp=8), [int(x) for x in batch]
+
+
+@pytest.mark.parametrize("gpus,name", [(32, "tp1pp8dp4"), (16, "tp1pp4dp4"), (8, "tp1pp4dp2")])
+def test_anchor_rows_price_the_fills_short_sequences_force(gpus, name):
+    """Row 7 of the grouping relaxation (anchors): a pipelined strategy pays, on every pipeline, the fill and drain
+    that the longest sequence there forces, also for the sequences in buckets (the other rows count the fills of
+    binary sequences only). Under TP 1 x PP 8 x DP 4, TP 1 x PP 4 x DP 4 and TP 1 x PP 4 x DP 2:
+    * groups of equal lengths (3 per pipeline at 0.6 of the capacity, 8 at 0.3), whose packing is plain: the
+      bound is within 1% of the packer's price and not above it, with every sequence in buckets or the longest
+      binary; without the row and with buckets it is more than 5% under (counting each fill twice puts the bound
+      above the price: checked);
+    * real Wikipedia lengths up to 4K tokens: the row raises the bound by at least 0.5%, still under the price."""
+    from hetu_ext.plan.hotspa import GroupPricer
+    from hetu_ext.plan.grouping_relaxation import relaxation
+    from hetu_ext.plan.replicas import replica_specs
+
+    spec, cost, strategies, batch = _wikipedia_strategies(gpus)
+    k = next(i for i, st in enumerate(strategies.items) if st.name == name)
+    strategy = strategies.items[k]
+    pricer = GroupPricer(strategies, spec, cost)
+    replicas = replica_specs(strategy.plan, spec, cost, max_pack_tokens=strategy.max_len)
+    d, capacity = len(replicas), replicas[0].token_capacity
+    for share, per_pipeline in ((0.6, 3), (0.3, 8)):
+        lengths = [int(share * capacity)] * (per_pipeline * d)
+        price = pricer.exact(k, lengths)
+        for binary in (None, 0):
+            bound = relaxation(lengths, [strategy.plan], [replicas], binary=binary).bound_s
+            assert 0.99 * price <= bound <= price * (1 + 1e-6), (bound, price, share, binary)
+        without = relaxation(lengths, [strategy.plan], [replicas], binary=0, anchor_rows=False).bound_s
+        assert without < 0.95 * price, (without, price, share)
+    lengths = [x for x in batch if x <= 4096]
+    price = pricer.exact(k, lengths)
+    bounds = {rows: relaxation(lengths, [strategy.plan], [replicas], upper_s=price, anchor_rows=rows).bound_s
+              for rows in (False, True)}
+    assert bounds[True] <= price * (1 + 1e-6), (bounds, price)
+    assert bounds[True] >= bounds[False] * 1.005, (bounds, price)
+
+
+def test_top_up_rebuilds_a_long_group_around_what_only_it_holds():
+    """_top_up (auto_groups' last search): the long strategy's group holding mid-length sequences as well leaves
+    pipelines idle that short sequences would fill for free. Rebuilt around the sequences only it holds, topped up
+    with short ones, the step is cheaper at the exact price (a real Wikipedia batch on 32 GPUs); and from random
+    valid groupings of it, _top_up is never dearer and keeps HotSPa's rules (each sequence once, within its
+    strategy's length, no fewer sequences than pipelines)."""
+    import numpy as np
+
+    from hetu_ext.plan.hotspa import Group, GroupPricer, _exact_total, _top_up
+
+    spec, cost, strategies, batch = _wikipedia_strategies(32)
+    items = strategies.items
+    pricer = GroupPricer(strategies, spec, cost)
+    s = np.asarray(batch)
+    switch = [0.0 if k == strategies.home else 0.05 for k in range(len(items))]
+    short, long_ = (next(i for i, st in enumerate(items) if st.name == name) for name in ("tp1pp1dp32", "tp2pp1dp16"))
+    cut = np.sort(s)[-40]  # the 40 longest to the long strategy: more than only it holds
+    start = [Group(strategy=long_, indices=tuple(np.flatnonzero(s >= cut))),
+             Group(strategy=short, indices=tuple(np.flatnonzero(s < cut)))]
+    before = _exact_total(start, s, strategies, pricer.exact, switch)
+    after = _top_up(start, s, strategies, pricer.exact, switch, pricer.fill)
+    assert _exact_total(after, s, strategies, pricer.exact, switch) < before * 0.99
+
+    rng = np.random.default_rng(3)
+    for _ in range(3):
+        holders = [[k for k in (short, long_) if items[k].max_len >= x] for x in s]
+        pick = [int(rng.choice(h)) for h in holders]
+        groups = [Group(strategy=k, indices=tuple(i for i, p in enumerate(pick) if p == k)) for k in (short, long_)]
+        if any(len(g.indices) < len(items[g.strategy].plan.pipelines) for g in groups):
+            continue
+        before = _exact_total(groups, s, strategies, pricer.exact, switch)
+        after = _top_up(groups, s, strategies, pricer.exact, switch, pricer.fill)
+        assert _exact_total(after, s, strategies, pricer.exact, switch) <= before * (1 + 1e-12)
+        assert sorted(i for g in after for i in g.indices) == list(range(s.size))
+        for g in after:
+            assert max(s[list(g.indices)]) <= items[g.strategy].max_len
+            assert len(g.indices) >= len(items[g.strategy].plan.pipelines)
 
 
 def test_auto_grouping_compares_the_home_after_merging_into_one_group():

@@ -93,7 +93,7 @@ class SwitchedSteps:
             return auto_groups(lengths, self.strategies, self._pricer.estimate, self.switch_s,
                                exact=self._pricer.exact,
                                relaxed=lambda ls, price: self._pricer.relaxed(ls, fixed, upper_s=price),
-                               slowest=self._pricer.slowest)
+                               slowest=self._pricer.slowest, fill=self._pricer.fill)
         k, predicted = select_candidate(lengths, self.strategies, estimate=self._pricer.bound,
                                         exact=self._pricer.exact, switch_s=self.switch_s)
         return [Group(strategy=k, indices=tuple(range(len(lengths))), predicted_s=predicted)]

@@ -45,6 +45,16 @@ Rows, each a consequence of the packer's model ``T_r = sum over packs t(p) + (pp
    rises and W is at least the mean stage's work, so ``T_k >= f(mean W over k's pipelines)`` with the mean stage;
    f is concave, so on each segment of ``[0, U]`` (cut at ``U / 2^7 .. U / 2, U``) its chord lies under it: a
    binary picks the segment W is in, and ``T_k`` is at least that chord.
+7. *anchors* (k's pipelines identical, pp > 1): pipeline p runs at least its sequences' nu plus ``(pp - 1) A_p``,
+   ``A_p`` the largest tau on p (its longest microbatch is at least any of its sequences'), so as in row 5
+   ``T_k >= sum_i w_i / G + (pp - 1) / d sum_p A_p``. Let ``A_(j)`` be the j-th largest ``A_p`` and ``V(theta)``
+   the nu of k's members whose tau is at least theta. If ``A_(j+1) < theta``, those members sit on at most j
+   pipelines, each running at most ``T_k - (pp - 1) theta`` of nu, so ``V(theta) <= j (T_k - (pp - 1) theta)``;
+   a binary per (theta, j) is forced to 1 when that fails (j = 0: when any member reaches theta), and
+   ``sum_p A_p`` is at least the telescoped thresholds (as in row 3), a chosen j standing for the j' below it
+   (``A_(j'+1) >= A_(j+1)``). Buckets count by their least member's tau and nu, so a group of short sequences
+   pays the fills its longest ones force, which row 5 (binary sequences only) does not see: 32 GPUs at 16K,
+   TP 1 x PP 8 x DP 4 holding 1,155 short sequences, 5.00 s -> 5.15 s (the packer's own bound 5.17 s).
 
 The longest ``binary`` sequences get a binary assignment per strategy; the rest are gathered into buckets of equal
 holders (cut at every strategy's capacity) and of lengths within ``bucket_ratio`` of each other, whose share
@@ -119,13 +129,15 @@ def relaxation(lengths: Sequence[int], plans, replicas: Sequence[Sequence[Replic
                fixed_s: Sequence[float] | None = None, upper_s: float | None = None, min_strategies: int = 1,
                binary: int | None = None, bucket_ratio: float = 1.05, thresholds: int = 12, explicit_pipelines: int = 8,
                microbatch_rows: bool = True, bucket_lines: bool = True, bucket_sums: bool = True,
+               anchor_rows: bool = True, anchor_levels: int = 12,
                time_limit_s: float = 120.0, node_limit: int | None = None) -> Relaxed:
     """The relaxation (module docstring) over strategies given by their ``plans`` and the packer's ``replicas``
     (one ReplicaSpec per pipeline, capacities included). ``binary``: how many of the longest sequences get binary
     assignments (default ``2 x most pipelines + 16``, what the pair rows look at); ``thresholds``: levels of the
     pair rows per strategy; ``explicit_pipelines``: the most pipelines a strategy may have for row 5 (0: none);
-    ``microbatch_rows``: row 6; ``bucket_lines``: the buckets' supporting lines at 1/4, 1/2, 3/4;
-    ``bucket_sums``: a split bucket's parts add up to its whole (a planner's candidate needs none of the three:
+    ``microbatch_rows``: row 6; ``anchor_rows``: row 7 (at ``anchor_levels`` thresholds per strategy);
+    ``bucket_lines``: the buckets' supporting lines at 1/4, 1/2, 3/4;
+    ``bucket_sums``: a split bucket's parts add up to its whole (a planner's candidate needs none of the four:
     they tighten the bound and slow the search);
     ``node_limit`` (deterministic) or ``time_limit_s`` stop HiGHS early (the dual bound stays a bound).
     ``min_strategies``: only groupings using at least that many strategies (``inf`` when fewer hold a
@@ -349,6 +361,38 @@ def relaxation(lengths: Sequence[int], plans, replicas: Sequence[Sequence[Replic
         for l, ((f0, slope), bottom) in enumerate(zip(chords, points[:-1])):  # T_k >= chord_l(W) - big (1 - z_l)
             add(np.zeros(w_cols.size + 2, dtype=np.int64), np.r_[w_cols, T + k, zs[l]],
                 np.r_[slope * w_vals, -1.0, big], -np.inf, big - f0 + slope * bottom)
+    for k in range(K):                                                             # row 7
+        depth, d = int(pp[k]), int(pipelines[k])
+        mine = np.flatnonzero(uk == k)
+        if not anchor_rows or depth < 2 or not identical[k] or mine.size == 0:
+            continue
+        utau = np.array([alone[units[u], k].min() for u in ui[mine]]) / depth  # each member's tau is at least
+        vcoef = count[ui[mine]] * unu[ui[mine], k]  # x of it: at least this much nu (its least member's each)
+        ranked = np.unique(utau)[::-1]
+        picks = np.unique(np.geomspace(1, ranked.size, anchor_levels).round().astype(int) - 1)
+        theta = np.r_[ranked[picks], 0.0]
+        js = sorted({q for q in (0, 1, 2, 3, d // 4, d // 2, (3 * d) // 4, d - 1) if 0 <= q < d})
+        weights = np.diff(np.r_[-1, js])  # A_(j'+1) >= A_(j+1) for every j' in (previous j, j]
+        tele_c, tele_v = [], []
+        for level, delta in zip(theta[:-1], theta[:-1] - theta[1:]):
+            reach = mine[utau >= level]
+            coef = vcoef[utau >= level]
+            for jj, weight in zip(js, weights):
+                v = nv + extra
+                extra += 1
+                ext_int.append(1.0)
+                ext_up.append(1.0)
+                if jj == 0:  # any member reaching the level: some pipeline's fill reaches it
+                    add(np.zeros(reach.size + 1, dtype=np.int64), np.r_[X + reach, v],
+                        np.r_[count[ui[reach]], -float(n)], -np.inf, 0.0)
+                else:  # more nu above the level than j pipelines hold next to such a fill
+                    add(np.zeros(reach.size + 3, dtype=np.int64), np.r_[X + reach, T + k, Y + k, v],
+                        np.r_[coef, -float(jj), jj * (depth - 1) * level, -coef.sum()], -np.inf, 0.0)
+                tele_c.append(v)
+                tele_v.append(weight * delta * (depth - 1) / d)
+        w_cols, w_vals = group_work(k)
+        add(np.zeros(w_cols.size + len(tele_c) + 1, dtype=np.int64), np.r_[w_cols, tele_c, T + k],
+            np.r_[w_vals, tele_v, -1.0], -np.inf, 0.0)
     nv += extra
     c = np.concatenate(cost + [np.zeros(extra)])
     integrality = np.concatenate(integral + [np.asarray(ext_int)])

@@ -229,6 +229,7 @@ def auto_groups(lengths: Sequence[int], strategies: Strategies, group_s: Callabl
                 exact: Callable[[int, list[int]], float] | None = None, alone_margin: float = 0.1,
                 relaxed: Callable[[list[int], float], list[Group] | None] | None = None,
                 slowest: Callable[[int, list[int]], tuple[list[int], float]] | None = None,
+                fill: Callable[[int, list[int], list[int]], list[int] | None] | None = None,
                 moves: int = 1000) -> list[Group]:
     """The grouping minimising ``sum over groups (group_s(strategy, lengths) + switch_s[strategy])`` (switch 0 for
     home): a dynamic program over split points of the sorted lengths (every capacity boundary and ``points``
@@ -242,7 +243,9 @@ def auto_groups(lengths: Sequence[int], strategies: Strategies, group_s: Callabl
     the long sequences' pipelines with short ones; called with the lengths and the exact price to beat), taken
     when its exact price is lower. ``slowest`` (with ``exact``; e.g. :meth:`GroupPricer.slowest`): the sequences
     on a group's slowest pipeline and its excess over the mean pipeline; :func:`_move_exactly` tries moving them
-    to other groups, up to ``moves`` exact prices."""
+    to other groups, up to ``moves`` exact prices. ``fill`` (with ``exact``; e.g. :meth:`GroupPricer.fill`): the
+    grouping is then rebuilt around each group's own sequences, its pipelines topped up with other groups' ones
+    (:func:`_top_up`), taken when its exact price is lower."""
     check_capacity(lengths, strategies)
     s = np.asarray(lengths, dtype=np.int64)
     order = np.argsort(s, kind="stable")
@@ -287,6 +290,8 @@ def auto_groups(lengths: Sequence[int], strategies: Strategies, group_s: Callabl
             other = _move_exactly(other, s, strategies, exact, switch_s, slowest, budget=moves)
         if other and _exact_total(other, s, strategies, exact, switch_s) < price:
             groups = other
+    if fill is not None and len(groups) > 1:
+        groups = _top_up(groups, s, strategies, exact, switch_s, fill)
     return _best_alone(groups, s, strategies, group_s, exact, switch_s, margin=alone_margin)
 
 
@@ -356,6 +361,54 @@ def _move_exactly(groups: list[Group], s: np.ndarray, strategies: Strategies, ex
                     break
             if moved or price.computed >= budget:
                 break
+    return groups
+
+
+def _top_up(groups: list[Group], s: np.ndarray, strategies: Strategies, exact, switch_s, fill) -> list[Group]:
+    """Rebuild around one group at a time, priced by ``exact``: the group keeps its *core* (the sequences no other
+    group's strategy holds; or, as a second try, all of its own) under its strategy or any other that holds them,
+    ``fill`` tops its pipelines up with the longest sequences of the other groups (and its own left out) that fit
+    under its slowest pipeline's level, and what it leaves goes to the other group holding the most sequences
+    that takes it. The first rebuild that lowers the exact total is kept, then the next group. The relaxation
+    prices a group of long sequences as if its pipelines were filled evenly; the packer of those sequences alone
+    leaves pipelines idle that short sequences fill for free (32 GPUs, 16K, Wikipedia: the 9 sequences only
+    TP 2 x DP 16 or wider holds, with 51 short ones under TP 2 x DP 16 at 2.60 s instead of 65 under TP 4 x DP 8,
+    the step 8.36 s -> 8.28 s)."""
+    price = _Prices(s, strategies, exact, switch_s)
+    total = sum(price(g.strategy, g.indices) for g in groups)
+    for a in range(len(groups)):
+        g = groups[a]
+        others = [h for b, h in enumerate(groups) if b != a]
+        longest_other = max(strategies.items[h.strategy].max_len for h in others)
+        own = [i for i in g.indices if s[i] > longest_other]
+        tries = [(k, core) for k in range(len(strategies.items)) for core in (own, list(g.indices))
+                 if core and strategies.items[k].max_len >= s[core].max()
+                 and k not in {h.strategy for h in others}]
+        for k, core in tries:
+            holds = strategies.items[k].max_len
+            spare = [i for i in g.indices if i not in set(core)]
+            pool = [i for h in others for i in h.indices if s[i] <= holds] + spare
+            picked = fill(k, [int(s[i]) for i in core], [int(s[i]) for i in pool])
+            if picked is None:  # (its time is no sum to fill up to a level)
+                continue
+            taken = {pool[p] for p in picked}
+            kept = [[i for i in h.indices if i not in taken] for h in others]
+            for i in spare:
+                if i in taken:
+                    continue
+                takers = [b for b, h in enumerate(others) if strategies.items[h.strategy].max_len >= s[i]]
+                if not takers:
+                    break
+                kept[max(takers, key=lambda b: len(kept[b]))].append(i)
+            else:
+                rebuilt = [Group(strategy=k, indices=tuple(sorted(set(core) | taken)))]
+                rebuilt += [Group(strategy=h.strategy, indices=tuple(sorted(ix))) for h, ix in zip(others, kept)]
+                if all(len(r.indices) >= len(strategies.items[r.strategy].plan.pipelines) for r in rebuilt):
+                    new = sum(price(r.strategy, r.indices) for r in rebuilt)
+                    if new < total * (1 - 1e-9):
+                        total = new
+                        groups = sorted(rebuilt, key=lambda r: r.strategy)
+                        break
     return groups
 
 
@@ -587,16 +640,17 @@ class GroupPricer:
                 node_limit: int = RELAXED_NODES) -> list[Group] | None:
         """The grouping of :func:`hetu_ext.plan.grouping_relaxation.relaxation` (``fixed_s[k]``: what a used
         strategy adds; ``upper_s``: a known grouping's price), stopped after ``node_limit`` branch-and-bound nodes
-        (deterministic: every rank gets the same groups), without rows 5 and 6 and the buckets' extra lines and
+        (deterministic: every rank gets the same groups), without rows 5 to 7 and the buckets' extra lines and
         sums (they tighten the bound but slow the search for a grouping: 16 GPUs at 32K, 200 nodes, 9.29 s with row
         5, 9.17 s without; with row 6 and the lines a step's grouping took up to 17.5 s; with the sums the
-        Wikipedia row at 8 GPUs and 16K lost 0.6%);
+        Wikipedia row at 8 GPUs and 16K lost 0.6%; with row 7 a step of the 32-GPU 16K one took 13.4 s, not 9.5 s,
+        for the same grouping);
         None when it found none or a group breaks HotSPa's rules (a sequence longer than its strategy takes, fewer
         sequences than pipelines)."""
         plans = [st.plan for st in self._strategies.items]
         out = relaxation(lengths, plans, self._replicas, fixed_s=fixed_s, upper_s=upper_s, node_limit=node_limit,
                          time_limit_s=RELAXED_TIME_LIMIT_S, explicit_pipelines=0, microbatch_rows=False,
-                         bucket_lines=False, bucket_sums=False)
+                         anchor_rows=False, bucket_lines=False, bucket_sums=False)
         if not out.groups:
             return None
         groups = [Group(strategy=k, indices=tuple(sorted(ix))) for k, ix in sorted(out.groups.items())]
@@ -605,6 +659,35 @@ class GroupPricer:
             if len(g.indices) < len(st.plan.pipelines) or max(lengths[i] for i in g.indices) > st.max_len:
                 return None
         return groups
+
+    def fill(self, k: int, core: list[int], pool: list[int]) -> list[int] | None:
+        """Positions in ``pool`` (lengths) that top strategy k's pipelines up once the packer has packed ``core``:
+        every pipeline, the least loaded first, takes the longest pool sequences whose time (plus ``c`` for each
+        pack its tokens now need past the capacity) still fits under the slowest pipeline's level. None for
+        pipelined or unlike replicas (their time is not a sum of their sequences')."""
+        replicas = self._replicas[k]
+        first = replicas[0]
+        if first.pp != 1 or any(r != first for r in replicas[1:]):
+            return None
+        out = assign(core, replicas, method="hetu")
+        level = max(out.predicted_s)
+        cost, cap = first.stage_costs[0], first.token_capacity
+        free = sorted((i for i, x in enumerate(pool) if x <= cap), key=lambda i: -pool[i])
+        picked = []
+        for p in np.argsort(out.predicted_s, kind="stable"):
+            load = out.predicted_s[p]
+            tokens = sum(core[i] for mb in out.microbatches[p] for i in mb)
+            left = []
+            for i in free:
+                x = pool[i]
+                more = cost.a * x * x + cost.b * x + cost.c * (-(-(tokens + x) // cap) - -(-tokens // cap))
+                if load + more <= level:
+                    load, tokens = load + more, tokens + x
+                    picked.append(i)
+                else:
+                    left.append(i)
+            free = left
+        return picked
 
     def slowest(self, k: int, lengths: list[int]) -> tuple[list[int], float]:
         """Indices into ``lengths`` of the sequences on the slowest pipeline of the packer's assignment (the one
