@@ -371,9 +371,9 @@ def _top_up(groups: list[Group], s: np.ndarray, strategies: Strategies, exact, s
     under its slowest pipeline's level, and what it leaves goes to the other group holding the most sequences
     that takes it. The first rebuild that lowers the exact total is kept, then the next group. The relaxation
     prices a group of long sequences as if its pipelines were filled evenly; the packer of those sequences alone
-    leaves pipelines idle that short sequences fill for free (32 GPUs, 16K, Wikipedia: the 9 sequences only
-    TP 2 x DP 16 or wider holds, with 51 short ones under TP 2 x DP 16 at 2.60 s instead of 65 under TP 4 x DP 8,
-    the step 8.36 s -> 8.28 s)."""
+    leaves pipelines idle that shorter sequences fill for free (32 GPUs, 16K, Wikipedia: the 9 sequences TP 1
+    cannot hold and 28 others under TP 2 x DP 16 instead of 65 under TP 4 x DP 8, the step 8.358 s -> 8.271 s).
+    Only strategies without pipelines are filled (:meth:`GroupPricer.fill`)."""
     price = _Prices(s, strategies, exact, switch_s)
     total = sum(price(g.strategy, g.indices) for g in groups)
     for a in range(len(groups)):
