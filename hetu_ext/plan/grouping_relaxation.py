@@ -375,8 +375,8 @@ def relaxation(lengths: Sequence[int], plans, replicas: Sequence[Sequence[Replic
         weights = np.diff(np.r_[-1, js])  # A_(j'+1) >= A_(j+1) for every j' in (previous j, j]
         tele_c, tele_v = [], []
         for level, delta in zip(theta[:-1], theta[:-1] - theta[1:]):
-            reach = mine[utau >= level]
-            coef = vcoef[utau >= level]
+            above = utau >= level
+            reach, coef = mine[above], vcoef[above]
             for jj, weight in zip(js, weights):
                 v = nv + extra
                 extra += 1

@@ -381,12 +381,13 @@ def _top_up(groups: list[Group], s: np.ndarray, strategies: Strategies, exact, s
         others = [h for b, h in enumerate(groups) if b != a]
         longest_other = max(strategies.items[h.strategy].max_len for h in others)
         own = [i for i in g.indices if s[i] > longest_other]
+        used = {h.strategy for h in others}
         tries = [(k, core) for k in range(len(strategies.items)) for core in (own, list(g.indices))
-                 if core and strategies.items[k].max_len >= s[core].max()
-                 and k not in {h.strategy for h in others}]
+                 if core and strategies.items[k].max_len >= s[core].max() and k not in used]
         for k, core in tries:
             holds = strategies.items[k].max_len
-            spare = [i for i in g.indices if i not in set(core)]
+            kept_core = set(core)
+            spare = [i for i in g.indices if i not in kept_core]
             pool = [i for h in others for i in h.indices if s[i] <= holds] + spare
             picked = fill(k, [int(s[i]) for i in core], [int(s[i]) for i in pool])
             if picked is None:  # (its time is no sum to fill up to a level)
@@ -401,7 +402,7 @@ def _top_up(groups: list[Group], s: np.ndarray, strategies: Strategies, exact, s
                     break
                 kept[max(takers, key=lambda b: len(kept[b]))].append(i)
             else:
-                rebuilt = [Group(strategy=k, indices=tuple(sorted(set(core) | taken)))]
+                rebuilt = [Group(strategy=k, indices=tuple(sorted(kept_core | taken)))]
                 rebuilt += [Group(strategy=h.strategy, indices=tuple(sorted(ix))) for h, ix in zip(others, kept)]
                 if all(len(r.indices) >= len(strategies.items[r.strategy].plan.pipelines) for r in rebuilt):
                     new = sum(price(r.strategy, r.indices) for r in rebuilt)
@@ -680,7 +681,7 @@ class GroupPricer:
             left = []
             for i in free:
                 x = pool[i]
-                more = cost.a * x * x + cost.b * x + cost.c * (-(-(tokens + x) // cap) - -(-tokens // cap))
+                more = cost.document_s(x) + cost.c * (-(-(tokens + x) // cap) - -(-tokens // cap))
                 if load + more <= level:
                     load, tokens = load + more, tokens + x
                     picked.append(i)
