@@ -129,7 +129,7 @@ def relaxation(lengths: Sequence[int], plans, replicas: Sequence[Sequence[Replic
                fixed_s: Sequence[float] | None = None, upper_s: float | None = None, min_strategies: int = 1,
                binary: int | None = None, bucket_ratio: float = 1.05, thresholds: int = 12, explicit_pipelines: int = 8,
                microbatch_rows: bool = True, bucket_lines: bool = True, bucket_sums: bool = True,
-               anchor_rows: bool = True, anchor_levels: int = 12,
+               anchor_rows: bool = True, anchor_levels: int = 12, pack_rows: int = 3, cutoff: bool = False,
                time_limit_s: float = 120.0, node_limit: int | None = None) -> Relaxed:
     """The relaxation (module docstring) over strategies given by their ``plans`` and the packer's ``replicas``
     (one ReplicaSpec per pipeline, capacities included). ``binary``: how many of the longest sequences get binary
@@ -302,19 +302,37 @@ def relaxation(lengths: Sequence[int], plans, replicas: Sequence[Sequence[Replic
         d = int(pipelines[k])
         if not 2 <= d <= explicit_pipelines or not identical[k]:
             continue
-        mine = np.flatnonzero((uk == k) & is_binary)[:3 * d + 8]  # pairs of its longest held sequences
+        mine = np.flatnonzero((uk == k) & is_binary)[:3 * d + 8]  # its longest held
         if mine.size <= d:
             continue
         fill0, q0 = nv + extra, nv + extra + d  # d fill variables, then q[r, p] at q0 + r d + p
-        extra += d + mine.size * d
-        ext_int += [0.0] * d + [1.0] * (mine.size * d)
+        packs0 = q0 + mine.size * d  # then d pack counts, then d shares of the other members' work
+        rest0 = packs0 + d
+        extra += d + mine.size * d + 2 * d
+        ext_int += [0.0] * d + [1.0] * (mine.size * d) + [1.0] * d + [0.0] * d
         ext_up += [np.inf] * d + [1.0 if p <= r else 0.0 for r in range(mine.size) for p in range(d)]  # symmetry
+        ext_up += [np.inf] * 2 * d
+        even = len({len(st.ranks) for st in plans[k].pipelines[0].stages}) == 1
+        if even:  # the members not placed explicitly run somewhere: at least their mean stage's time, divisible
+            g_cols, g_vals = group_work(k, world / sum(len(st.ranks) for st in plans[k].pipelines[0].stages))
+            keep = ~np.isin(g_cols, X + mine)
+            add(np.zeros(d + keep.sum(), dtype=np.int64), np.r_[rest0 + np.arange(d), g_cols[keep]],
+                np.r_[np.ones(d), -g_vals[keep]], 0.0, np.inf)
         nu_r = unu[ui[mine], k]
         tau_r = ualone[ui[mine], k] / pp[k]
+        tokens = s[np.concatenate([units[u] for u in ui[mine]])]
+        cap = float(replicas[k][0].token_capacity)
+        c_least = min(c.c for c in replicas[k][0].stage_costs)
         r_all = np.arange(mine.size)
-        for p in range(d):  # pipeline p: its sequences' passes, its fill and drain, within T_k
-            add(np.zeros(mine.size + 2, dtype=np.int64), np.r_[q0 + r_all * d + p, fill0 + p, T + k],
-                np.r_[nu_r, pp[k] - 1, -1.0], -np.inf, 0.0)
+        halves = r_all[tokens > cap / 2]
+        for p in range(d):  # pipeline p: its sequences' passes, its packs' overhead, its fill and drain, within T_k
+            add(np.zeros(mine.size + 4, dtype=np.int64),
+                np.r_[q0 + r_all * d + p, packs0 + p, fill0 + p, rest0 + p, T + k],
+                np.r_[nu_r, c_least, pp[k] - 1, 1.0 if even else 0.0, -1.0], -np.inf, 0.0)
+            add(np.zeros(mine.size + 1, dtype=np.int64), np.r_[q0 + r_all * d + p, packs0 + p],
+                np.r_[tokens, -cap], -np.inf, 0.0)                                 # its packs hold its tokens
+            add(np.zeros(halves.size + 1, dtype=np.int64), np.r_[q0 + halves * d + p, packs0 + p],
+                np.r_[np.ones(halves.size), -1.0], -np.inf, 0.0)                   # over half a pack: one each
             if pp[k] > 1:  # its fill: at least each of its sequences' microbatch
                 add(np.r_[r_all, r_all], np.r_[q0 + r_all * d + p, np.full(mine.size, fill0 + p)],
                     np.r_[tau_r, -np.ones(mine.size)], np.full(mine.size, -np.inf), np.zeros(mine.size))
@@ -393,6 +411,25 @@ def relaxation(lengths: Sequence[int], plans, replicas: Sequence[Sequence[Replic
         w_cols, w_vals = group_work(k)
         add(np.zeros(w_cols.size + len(tele_c) + 1, dtype=np.int64), np.r_[w_cols, tele_c, T + k],
             np.r_[w_vals, tele_v, -1.0], -np.inf, 0.0)
+    for k in range(K):                                                             # row 8
+        d = int(pipelines[k])
+        if not pack_rows or upper_s is None or pp[k] != 1 or not identical[k] or not (uk == k).any():
+            continue
+        rep = replicas[k][0]
+        cost_ = rep.stage_costs[0]
+        cap = float(rep.token_capacity)
+        one_pack = cost_.a * cap * cap + cost_.b * cap  # the most any pack of at most cap tokens computes
+        w_cols, w_vals = group_work(k, world / (d * len(plans[k].pipelines[0].stages[0].ranks)))
+        big = 2.0 * upper_s  # above every T_k and W / d of a grouping within U
+        for packs in range(2, pack_rows + 1):  # T_k > (packs - 1) one_pack + packs c  =>  T_k >= W / d + packs c
+            h = nv + extra
+            extra += 1
+            ext_int.append(1.0)
+            ext_up.append(1.0)
+            add(np.zeros(2, dtype=np.int64), np.r_[T + k, h], np.r_[1.0, -big], -np.inf,
+                (packs - 1) * one_pack + packs * cost_.c)
+            add(np.zeros(w_cols.size + 2, dtype=np.int64), np.r_[w_cols, T + k, h], np.r_[w_vals, -1.0, big],
+                -np.inf, big - packs * cost_.c)
     nv += extra
     c = np.concatenate(cost + [np.zeros(extra)])
     integrality = np.concatenate(integral + [np.asarray(ext_int)])
@@ -405,11 +442,15 @@ def relaxation(lengths: Sequence[int], plans, replicas: Sequence[Sequence[Replic
         pick = np.zeros(nv)
         pick[Y:Z] = 1.0
         constraints.append(LinearConstraint(pick[None, :], min_strategies, np.inf))
+    if cutoff and upper_s is not None:  # only groupings within upper_s: when there is none, upper_s is a bound
+        constraints.append(LinearConstraint(c[None, :], -np.inf, upper_s))
     options = {"time_limit": time_limit_s, "mip_rel_gap": 1e-6}
     if node_limit is not None:
         options["node_limit"] = node_limit
     res = milp(c, constraints=constraints, integrality=integrality, bounds=Bounds(np.zeros(nv), upper),
                options=options)
+    if cutoff and upper_s is not None and res.status == 2:
+        return Relaxed(bound_s=float(upper_s), groups=None)
     bound = getattr(res, "mip_dual_bound", None)
     if bound is None or not np.isfinite(bound):
         raise RuntimeError(f"grouping relaxation: HiGHS returned no bound ({res.message})")

@@ -471,9 +471,17 @@ def _merge_exactly(groups: list[Group], s: np.ndarray, strategies: Strategies,
     return sorted(groups, key=lambda g: g.strategy)
 
 
+PAIR_ANCHOR_LEVELS = 48
+"""Thresholds of the anchor rows (row 7) in a two-strategy program of :func:`grouping_bound_s`: the whole program's
+12, spread over every length any strategy holds, leave a pipelined group's longest members between two of them
+(32 GPUs at 16K on Wikipedia: 5.17 s for a TP 1 x PP 8 x DP 4 group whose packer bound is 5.35 s); with two
+strategies, 48 still solve in seconds."""
+
+
 def grouping_bound_s(lengths: Sequence[int], strategies: Strategies, spec: ModelSpec, cost: CostTable, *,
                      fixed_s: Sequence[float] | None = None, time_limit_s: float = 120.0,
-                     min_strategies: int = 1, upper_s: float | None = None, bisections: int = 3) -> float:
+                     min_strategies: int = 1, upper_s: float | None = None, bisections: int = 3,
+                     by_pairs: bool = True) -> float:
     """A lower bound on ``sum over groups (the packer's time of the group under its strategy + fixed_s[k])``
     over every grouping of ``lengths`` into groups under ``strategies`` (any split, contiguous or not; at least
     one sequence per pipeline of a group's strategy), ``fixed_s[k]`` a time every used strategy adds (its
@@ -487,26 +495,45 @@ def grouping_bound_s(lengths: Sequence[int], strategies: Strategies, spec: Model
     (``min(U, relaxation at U)`` is a bound for every U; each halves the interval, each is a HiGHS solve).
     ``min_strategies``: bound only the groupings that use at least that many strategies (2 with each strategy
     alone priced exactly apart, e.g. by the packer, gives a tighter bound on every grouping: the least of the
-    two); infinity when fewer strategies hold a sequence than that."""
+    two); infinity when fewer strategies hold a sequence than that.
+
+    ``by_pairs`` (with ``upper_s`` and ``min_strategies=2``): a grouping of two strategies or more uses exactly
+    two, or at least three, so the least of one program per pair of strategies (only groupings using both; a
+    small program, so the anchor rows get :data:`PAIR_ANCHOR_LEVELS` thresholds) and of the whole program with at
+    least three is a bound too. Each program only asks for groupings within U (none: U bounds them), which
+    HiGHS refutes in a moment for most pairs."""
     check_capacity(lengths, strategies)
     plans = [st.plan for st in strategies.items]
     replicas = [replica_specs(st.plan, spec, cost, max_pack_tokens=st.max_len) for st in strategies.items]
+    fixed = list(fixed_s) if fixed_s is not None else [0.0] * len(plans)
+    every = tuple(range(len(plans)))
+    programs = [(every, min_strategies, {})]
+    if by_pairs and upper_s is not None and min_strategies == 2 and len(plans) > 2:
+        longest = max(lengths, default=0)
+        holds = [max(r.token_capacity for r in reps) >= longest for reps in replicas]
+        rows = {"anchor_levels": PAIR_ANCHOR_LEVELS, "binary": 2 * max(len(reps) for reps in replicas) + 16}
+        programs = [(every, 3, {})] + [((k, q), 2, rows) for k in every for q in every[k + 1:] if holds[k] or holds[q]]
 
-    def bound(upper: float | None) -> float:
-        return relaxation(lengths, plans, replicas, fixed_s=fixed_s, upper_s=upper, min_strategies=min_strategies,
-                          time_limit_s=time_limit_s).bound_s
+    def bound(program, upper: float | None) -> float:
+        keep, least, rows = program
+        return relaxation(lengths, [plans[k] for k in keep], [replicas[k] for k in keep],
+                          fixed_s=[fixed[k] for k in keep], upper_s=upper, min_strategies=least,
+                          time_limit_s=time_limit_s, cutoff=upper is not None and len(programs) > 1, **rows).bound_s
 
-    best = bound(upper_s)
+    values = [bound(program, upper_s) for program in programs]
+    best = min(values)
     if upper_s is None or not np.isfinite(best):
         return best
-    # min(U, relaxation at U) bounds every grouping for any U, and the relaxation only tightens as U falls:
-    # bisect for the largest U the relaxation proves out of reach
+    # min(U, relaxation at U) bounds every grouping for any U, and the relaxation only tightens as U falls (a
+    # program that proves U out of reach proves every lower U too): bisect for the largest U they all prove
+    # out of reach
+    open_ = [p for p, v in zip(programs, values) if v < upper_s * (1 - 1e-9)]
     lo, hi = best, upper_s
     for _ in range(bisections):
         if hi - lo <= 1e-4 * hi:
             break
         mid = (lo + hi) / 2
-        if bound(mid) >= mid * (1 - 1e-9):
+        if all(bound(program, mid) >= mid * (1 - 1e-9) for program in open_):
             lo = best = mid
         else:
             hi = mid
@@ -651,7 +678,7 @@ class GroupPricer:
         plans = [st.plan for st in self._strategies.items]
         out = relaxation(lengths, plans, self._replicas, fixed_s=fixed_s, upper_s=upper_s, node_limit=node_limit,
                          time_limit_s=RELAXED_TIME_LIMIT_S, explicit_pipelines=0, microbatch_rows=False,
-                         anchor_rows=False, bucket_lines=False, bucket_sums=False)
+                         anchor_rows=False, bucket_lines=False, bucket_sums=False, pack_rows=0)
         if not out.groups:
             return None
         groups = [Group(strategy=k, indices=tuple(sorted(ix))) for k, ix in sorted(out.groups.items())]
