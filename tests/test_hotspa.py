@@ -430,6 +430,49 @@ def test_anchor_rows_price_the_fills_short_sequences_force(gpus, name):
     assert bounds[True] >= bounds[False] * 1.005, (bounds, price)
 
 
+@pytest.mark.parametrize("gpus,name", [(8, "tp2pp1dp4"), (32, "tp2pp1dp16")])
+def test_pack_rows_count_the_packs_a_pipeline_needs(gpus, name):
+    """A pipeline without stages (pp = 1) runs its sequences plus ``c`` per pack, and a pack holds at most the
+    capacity. One full-length sequence and one of a tenth on every pipeline: two packs each, the packer's price is
+    the mean work plus 2 c, where the divisible count (c per capacity's worth of tokens) gives 1.1 c.
+    * row 8 (a pipeline holding more work than one full pack computes runs two packs or more): the bound is the
+      price (HiGHS's 1e-6), not above it; without rows 8 and 5 it is at least half a pack's c under;
+    * row 5 (explicit pipelines, up to 8 of them), without row 8: each pipeline's packs hold its tokens, so the
+      same, also when the members it does not place (more than ``3 d + 8``) are spread as divisible work.
+    Counting one pack more in row 8 or in row 5, or leaving out row 5's undivided members or their tokens, fails:
+    checked."""
+    from hetu_ext.plan.hotspa import GroupPricer
+    from hetu_ext.plan.grouping_relaxation import relaxation
+    from hetu_ext.plan.replicas import replica_specs
+
+    spec, cost, strategies, _ = _wikipedia_strategies(gpus)
+    k = next(i for i, st in enumerate(strategies.items) if st.name == name)
+    strategy = strategies.items[k]
+    pricer = GroupPricer(strategies, spec, cost)
+    replicas = replica_specs(strategy.plan, spec, cost, max_pack_tokens=strategy.max_len)
+    d, capacity, c = len(replicas), replicas[0].token_capacity, replicas[0].stage_costs[0].c
+    cases = [[capacity] * d + [capacity // 10] * d]
+    if d <= 8:  # row 5 places the 3 d + 8 longest; the other short ones are its divisible rest
+        cases.append([capacity] * d + [capacity // 20] * (10 * d))
+    for lengths in cases:
+        price = pricer.exact(k, lengths)
+        stage = replicas[0].stage_costs[0]
+        work = sum(stage.a * x * x + stage.b * x for x in lengths) / d
+        assert capacity < sum(lengths) / d < 2 * capacity
+        assert price == pytest.approx(work + 2 * c, rel=1e-9)  # two packs per pipeline, and the packer finds them
+
+        def bound(**rows):
+            return relaxation(lengths, [strategy.plan], [replicas], upper_s=1.02 * price, **rows).bound_s
+
+        rows8 = bound(explicit_pipelines=0)
+        assert price * (1 - 1e-6) <= rows8 <= price * (1 + 1e-6), (rows8, price)
+        divisible = bound(explicit_pipelines=0, pack_rows=0)
+        assert divisible < price - c / 2, (divisible, price, c)
+        if d <= 8:
+            rows5 = bound(pack_rows=0)
+            assert price * (1 - 1e-6) <= rows5 <= price * (1 + 1e-6), (rows5, price)
+
+
 def test_top_up_rebuilds_a_long_group_around_what_only_it_holds():
     """_top_up (auto_groups' last search): the long strategy's group holding mid-length sequences as well leaves
     pipelines idle that short sequences would fill for free. Rebuilt around the sequences only it holds, topped up

@@ -153,7 +153,10 @@ def test_malleus_uses_recomputation_only_when_memory_asks_for_it():
 
 def test_grouping_bound_over_two_or_more_strategies_is_below_every_such_grouping():
     """min_strategies=2 bounds every grouping that uses two strategies (checked against exactly priced contiguous
-    splits over every strategy pair); with the packer's own price of each strategy alone it bounds them all."""
+    splits over every strategy pair); with the packer's own price of each strategy alone it bounds them all. With
+    a known price U (one program per pair and one for three or more strategies), also below random three-way
+    groupings and U, and within 10% of the least of them. (A pair program's cutoff returning more than U, or row
+    7 taking fills of levels no member reaches, fails: checked.)"""
     rng = np.random.default_rng(3)
     spec = ModelSpec(num_layers=8, hidden_size=1024, num_attention_heads=16, ffn_hidden_size=4096,
                      vocab_size=32000, seq_length=4096)
@@ -167,7 +170,7 @@ def test_grouping_bound_over_two_or_more_strategies_is_below_every_such_grouping
     bound2 = grouping_bound_s(lengths, home, spec, cost, fixed_s=fixed, min_strategies=2)
     pricer = GroupPricer(home, spec, cost)
     s = sorted(lengths)
-    priced = 0
+    priced, got_all = 0, []
     for cut in range(5, len(s) - 5, 5):
         for k1, a in enumerate(home.items):
             for k2, b in enumerate(home.items):
@@ -176,9 +179,26 @@ def test_grouping_bound_over_two_or_more_strategies_is_below_every_such_grouping
                     continue
                 got = pricer.exact(k1, s[:cut]) + fixed[k1] + pricer.exact(k2, s[cut:]) + fixed[k2]
                 assert bound2 <= got * (1 + 1e-6)
+                got_all.append(got)
                 priced += 1
     assert priced > 10
     assert grouping_bound_s(lengths, home, spec, cost, fixed_s=fixed) <= bound2 * (1 + 1e-6)
+    # with a known price U: one program per pair of strategies and one for three or more; below every grouping
+    # priced, two strategies or three (random ones), and not vacuous
+    three = []
+    for _ in range(40):
+        ks = rng.choice(len(home.items), 3, replace=False)
+        cuts = sorted(rng.choice(np.arange(5, len(s) - 5), 2, replace=False))
+        parts = [s[:cuts[0]], s[cuts[0]:cuts[1]], s[cuts[1]:]]
+        if all(home.items[k].max_len >= max(p) and len(home.items[k].plan.pipelines) <= len(p)
+               for k, p in zip(ks, parts)):
+            three.append(sum(pricer.exact(int(k), p) + fixed[int(k)] for k, p in zip(ks, parts)))
+    assert len(three) > 5
+    best = min(min(three), min(got_all))
+    for upper in (max(got_all), best, 0.95 * best):
+        paired = grouping_bound_s(lengths, home, spec, cost, fixed_s=fixed, min_strategies=2, upper_s=upper)
+        assert paired <= min(best, upper) * (1 + 1e-6), (paired, best, upper)
+        assert paired >= 0.9 * min(best, upper), (paired, best, upper)
 
 
 @pytest.mark.parametrize("seed", range(20))

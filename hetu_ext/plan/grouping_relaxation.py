@@ -34,8 +34,13 @@ Rows, each a consequence of the packer's model ``T_r = sum over packs t(p) + (pp
 4. *size*: ``sum_i x_ik >= d_k y_k``.
 5. *pipelines* (k's pipelines identical, ``2 <= d <= explicit_pipelines``): the ``3 d + 8`` longest sequences k
    holds, each in k's group, go to one pipeline p each (binary; the r-th longest only to pipelines ``<= r``,
-   which identical pipelines allow without loss), ``T_k >= sum_{on p} nu + (pp - 1) max_{on p} tau``: a few long
-   sequences on few pipelines cannot be spread as the work row spreads them. With pp > 1 also row 1 with every
+   which identical pipelines allow without loss), ``T_k >= sum_{on p} nu + c_min M_p + (pp - 1) max_{on p} tau
+   + R_p``: a few long sequences on few pipelines cannot be spread as the work row spreads them. ``M_p``, an
+   integer, counts p's packs: they hold its tokens (``cap M_p >= sum_{on p} s``) and each sequence over half the
+   capacity needs its own; every pack runs at least the least stage's ``c``. ``R_p >= 0`` is p's share of the
+   members row 5 does not place, ``sum_p R_p >=`` their work on the mean stage (stages of equal ranks only): a
+   pack's time, the max over stages, is at least the mean over stages, and each sequence's mean is at least its
+   nu. With pp > 1 also row 1 with every
    pipeline's fill at once: ``d G_r T_k >= sum_r G_r T_r >= sum_i w_i + G_r (pp - 1) sum_p fill_p`` (fill_p:
    the largest tau of the explicit sequences on p, at most the largest microbatch there), so
    ``T_k >= sum_i w_i / G + (pp - 1) / d sum_p fill_p``.
@@ -49,12 +54,22 @@ Rows, each a consequence of the packer's model ``T_r = sum over packs t(p) + (pp
    ``A_p`` the largest tau on p (its longest microbatch is at least any of its sequences'), so as in row 5
    ``T_k >= sum_i w_i / G + (pp - 1) / d sum_p A_p``. Let ``A_(j)`` be the j-th largest ``A_p`` and ``V(theta)``
    the nu of k's members whose tau is at least theta. If ``A_(j+1) < theta``, those members sit on at most j
-   pipelines, each running at most ``T_k - (pp - 1) theta`` of nu, so ``V(theta) <= j (T_k - (pp - 1) theta)``;
+   pipelines, each running at most ``T_k - (pp - 1) theta`` of nu, so ``V(theta) <= j (T_k - (pp - 1) theta)``
+   when some member reaches theta (with none, V = 0 and no pipeline pays that fill: the level term is taken
+   times the binary of j = 0, which says whether any does; times ``y_k`` instead, as at first, a small group
+   paid fills of levels none of its members reaches, 0.0042 s for a 0.0013 s group, caught by a test);
    a binary per (theta, j) is forced to 1 when that fails (j = 0: when any member reaches theta), and
    ``sum_p A_p`` is at least the telescoped thresholds (as in row 3), a chosen j standing for the j' below it
    (``A_(j'+1) >= A_(j+1)``). Buckets count by their least member's tau and nu, so a group of short sequences
    pays the fills its longest ones force, which row 5 (binary sequences only) does not see: 32 GPUs at 16K,
    TP 1 x PP 8 x DP 4 holding 1,155 short sequences, 5.00 s -> 5.15 s (the packer's own bound 5.17 s).
+8. *packs* (given U; k's pipelines identical, pp = 1): a pack of at most ``cap`` tokens computes at most
+   ``P = a cap^2 + b cap`` (``Q <= S^2``), so a pipeline of fewer than m packs computes at most ``(m - 1) P``
+   and one of m or more at most ``T_k - m c``. If ``T_k >= (m - 1) P + m c``, every pipeline computes at most
+   ``T_k - m c`` and ``T_k >= W / d + m c`` (W: the group's work on its d pipelines); a binary per m picks
+   which side of that level ``T_k`` is (big-M: ``2 U``, above every ``T_k`` and ``W / d`` of a grouping
+   within U). Row 1 counts ``c`` per ``cap`` tokens, divisibly: 1.1 c where a full sequence and a tenth of one
+   on every pipeline run two packs each.
 
 The longest ``binary`` sequences get a binary assignment per strategy; the rest are gathered into buckets of equal
 holders (cut at every strategy's capacity) and of lengths within ``bucket_ratio`` of each other, whose share
@@ -139,6 +154,9 @@ def relaxation(lengths: Sequence[int], plans, replicas: Sequence[Sequence[Replic
     ``bucket_lines``: the buckets' supporting lines at 1/4, 1/2, 3/4;
     ``bucket_sums``: a split bucket's parts add up to its whole (a planner's candidate needs none of the four:
     they tighten the bound and slow the search);
+    ``pack_rows``: row 8 for m = 2 .. pack_rows (0: none);
+    ``cutoff`` (with ``upper_s``): only groupings of total at most U, so HiGHS may refute the program at once
+    (then U is returned, a bound: no grouping within U);
     ``node_limit`` (deterministic) or ``time_limit_s`` stop HiGHS early (the dual bound stays a bound).
     ``min_strategies``: only groupings using at least that many strategies (``inf`` when fewer hold a
     sequence)."""
@@ -325,12 +343,19 @@ def relaxation(lengths: Sequence[int], plans, replicas: Sequence[Sequence[Replic
         c_least = min(c.c for c in replicas[k][0].stage_costs)
         r_all = np.arange(mine.size)
         halves = r_all[tokens > cap / 2]
+        # the rest's tokens: its mean-stage seconds per token are largest at its longest member (a s + b rises)
+        others = np.flatnonzero((uk == k) & ~np.isin(np.arange(m), mine))
+        per_token = 0.0
+        if even and others.size:
+            longest = max(s[units[u]].max() for u in ui[others])
+            stages = replicas[k][0].stage_costs
+            per_token = 1.0 / (np.mean([c.a for c in stages]) * longest + np.mean([c.b for c in stages]))
         for p in range(d):  # pipeline p: its sequences' passes, its packs' overhead, its fill and drain, within T_k
             add(np.zeros(mine.size + 4, dtype=np.int64),
                 np.r_[q0 + r_all * d + p, packs0 + p, fill0 + p, rest0 + p, T + k],
                 np.r_[nu_r, c_least, pp[k] - 1, 1.0 if even else 0.0, -1.0], -np.inf, 0.0)
-            add(np.zeros(mine.size + 1, dtype=np.int64), np.r_[q0 + r_all * d + p, packs0 + p],
-                np.r_[tokens, -cap], -np.inf, 0.0)                                 # its packs hold its tokens
+            add(np.zeros(mine.size + 2, dtype=np.int64), np.r_[q0 + r_all * d + p, rest0 + p, packs0 + p],
+                np.r_[tokens, per_token, -cap], -np.inf, 0.0)                      # its packs hold its tokens
             add(np.zeros(halves.size + 1, dtype=np.int64), np.r_[q0 + halves * d + p, packs0 + p],
                 np.r_[np.ones(halves.size), -1.0], -np.inf, 0.0)                   # over half a pack: one each
             if pp[k] > 1:  # its fill: at least each of its sequences' microbatch
@@ -403,8 +428,10 @@ def relaxation(lengths: Sequence[int], plans, replicas: Sequence[Sequence[Replic
                 if jj == 0:  # any member reaching the level: some pipeline's fill reaches it
                     add(np.zeros(reach.size + 1, dtype=np.int64), np.r_[X + reach, v],
                         np.r_[count[ui[reach]], -float(n)], -np.inf, 0.0)
-                else:  # more nu above the level than j pipelines hold next to such a fill
-                    add(np.zeros(reach.size + 3, dtype=np.int64), np.r_[X + reach, T + k, Y + k, v],
+                    reached = v
+                else:  # more nu above the level than j pipelines hold next to such a fill (when any reaches it:
+                    # with none, V = 0 and no pipeline pays the fill, whatever T_k)
+                    add(np.zeros(reach.size + 3, dtype=np.int64), np.r_[X + reach, T + k, reached, v],
                         np.r_[coef, -float(jj), jj * (depth - 1) * level, -coef.sum()], -np.inf, 0.0)
                 tele_c.append(v)
                 tele_v.append(weight * delta * (depth - 1) / d)

@@ -520,7 +520,11 @@ def grouping_bound_s(lengths: Sequence[int], strategies: Strategies, spec: Model
                           fixed_s=[fixed[k] for k in keep], upper_s=upper, min_strategies=least,
                           time_limit_s=time_limit_s, cutoff=upper is not None and len(programs) > 1, **rows).bound_s
 
-    values = [bound(program, upper_s) for program in programs]
+    try:
+        values = [bound(program, upper_s) for program in programs]
+    except RuntimeError:  # HiGHS bounded one program not at all within its time: the whole one, as without pairs
+        programs = [(every, min_strategies, {})]
+        values = [bound(programs[0], upper_s)]
     best = min(values)
     if upper_s is None or not np.isfinite(best):
         return best
@@ -533,7 +537,11 @@ def grouping_bound_s(lengths: Sequence[int], strategies: Strategies, spec: Model
         if hi - lo <= 1e-4 * hi:
             break
         mid = (lo + hi) / 2
-        if all(bound(program, mid) >= mid * (1 - 1e-9) for program in open_):
+        try:
+            proven = all(bound(program, mid) >= mid * (1 - 1e-9) for program in open_)
+        except RuntimeError:  # no bound within the time: not proven
+            proven = False
+        if proven:
             lo = best = mid
         else:
             hi = mid
