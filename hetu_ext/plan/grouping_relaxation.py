@@ -320,7 +320,7 @@ def relaxation(lengths: Sequence[int], plans, replicas: Sequence[Sequence[Replic
         d = int(pipelines[k])
         if not 2 <= d <= explicit_pipelines or not identical[k]:
             continue
-        mine = np.flatnonzero((uk == k) & is_binary)[:3 * d + 8]  # its longest held
+        mine = np.flatnonzero((uk == k) & is_binary)[:3 * d + 8]  # pairs of its longest held sequences
         if mine.size <= d:
             continue
         fill0, q0 = nv + extra, nv + extra + d  # d fill variables, then q[r, p] at q0 + r d + p
