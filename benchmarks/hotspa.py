@@ -81,10 +81,21 @@ SEQLENS = ROOT.parent / "shared" / "data" / "seqlens" / "wikipedia.txt.gz"
 SAMPLE = ROOT / "hetu_ext" / "data" / "samples" / "wikipedia_lengths_20k.txt.gz"
 
 
-def predicted_row(spec: ModelSpec, gpus: int, cost: CostTable, batch_list: list[list[int]], *, bandwidth: float,
-                  bound_time_limit_s: float = 60.0) -> dict:
-    strategies = auto_strategies(spec, gpus, cost, max_pp=8)
-    items = strategies.items
+@dataclasses.dataclass(frozen=True)
+class Candidates:
+    """What one row offers HotSPa: every uniform shape that fits memory, homed on the static best."""
+
+    home: Strategies
+    static_s: float
+    """The static best's mean time over the batches, its all-reduce included."""
+    switch: list[float]
+    """Per strategy, the switch to it and back from the home (0 for the home)."""
+    allreduce: list[float]
+
+
+def candidates(spec: ModelSpec, gpus: int, cost: CostTable, batch_list: list[list[int]], *,
+               bandwidth: float) -> Candidates:
+    items = auto_strategies(spec, gpus, cost, max_pp=8).items
     longest = max(max(b) for b in batch_list)
     holding = [k for k, s in enumerate(items) if s.max_len >= longest]
     if not holding:
@@ -95,11 +106,18 @@ def predicted_row(spec: ModelSpec, gpus: int, cost: CostTable, batch_list: list[
             + allreduce_seconds(items[k].plan, spec, bandwidth=bandwidth)
 
     static_k = min(holding, key=static_time)
-    static_s = static_time(static_k)
-    home = Strategies(items=items, home=static_k)  # every shape that fits: what --hetu-hotspa auto offers
-    switch = [0.0 if k == static_k else switch_seconds(items[static_k].plan, s.plan, spec, weight_bytes=2,
-                                                       bandwidth=bandwidth) for k, s in enumerate(items)]
-    allreduce = [allreduce_seconds(s.plan, spec, bandwidth=bandwidth) for s in items]
+    return Candidates(home=Strategies(items=items, home=static_k), static_s=static_time(static_k),
+                      switch=[0.0 if k == static_k else switch_seconds(items[static_k].plan, s.plan, spec,
+                                                                      weight_bytes=2, bandwidth=bandwidth)
+                              for k, s in enumerate(items)],
+                      allreduce=[allreduce_seconds(s.plan, spec, bandwidth=bandwidth) for s in items])
+
+
+def predicted_row(spec: ModelSpec, gpus: int, cost: CostTable, batch_list: list[list[int]], *, bandwidth: float,
+                  bound_time_limit_s: float = 60.0) -> dict:
+    row = candidates(spec, gpus, cost, batch_list, bandwidth=bandwidth)
+    home, static_s, switch, allreduce = row.home, row.static_s, row.switch, row.allreduce
+    items, static_k = home.items, home.home  # every shape that fits: what --hetu-hotspa auto offers
     pricer = GroupPricer(home, spec, cost)
 
     def group_s(k, ls):
@@ -133,9 +151,9 @@ def predicted_row(spec: ModelSpec, gpus: int, cost: CostTable, batch_list: list[
                                                   upper_s=known, time_limit_s=bound_time_limit_s)))
     plan_ms = statistics.mean(plan_ms)
     hotspa_s, switch_s = statistics.mean(totals), statistics.mean(switches)
-    return {"gpus": gpus, "max_len": longest, "static_s": static_s, "hotspa_s": hotspa_s, "switch_s": switch_s,
-            "static": items[static_k].name, "hotspa_strategies": sorted(chosen), "grouping_ms": plan_ms,
-            "bound_s": statistics.mean(bounds)}
+    return {"gpus": gpus, "max_len": max(max(b) for b in batch_list), "static_s": static_s, "hotspa_s": hotspa_s,
+            "switch_s": switch_s, "static": items[static_k].name, "hotspa_strategies": sorted(chosen),
+            "grouping_ms": plan_ms, "bound_s": statistics.mean(bounds)}
 
 
 # ----------------------------------------------------------------------------------------------------- emulated
