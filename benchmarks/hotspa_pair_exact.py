@@ -9,7 +9,8 @@ every sequence on one pipeline of one of the two strategies (a binary each), giv
 of packs that holds its tokens (``cap M >= tokens``, and one pack per sequence over half a pack), and minimises
 ``T_1 + T_2``, each ``T`` at least every one of its pipelines' time; both groups hold at least one sequence per
 pipeline (HotSPa's rule). Pipelines of one strategy are interchangeable, so pipeline ``r`` takes sequence ``i``
-only if pipeline ``r - 1`` holds a longer one (orders the pipelines by their longest sequence: no grouping lost).
+only if pipeline ``r - 1`` holds one before it, longest first (orders the pipelines by their first sequence in
+that order: no grouping lost).
 ``M >= tokens / cap`` is weaker than packing, so HiGHS's dual bound bounds every grouping over exactly these two
 strategies; its grouping is then packed exactly, pipeline by pipeline (the fewest packs, by search), and priced by
 the packer's own model (``ReplicaSpec.time_s``): a real grouping and packing. The packer's price of the same two
