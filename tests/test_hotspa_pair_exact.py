@@ -20,10 +20,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def study():
+    """The script as a module; the benchmarks/ folder it puts on sys.path (for its ``from hotspa import``) is taken
+    off again, so no later test imports a benchmark script by a bare name."""
+    path = list(sys.path)
     spec = importlib.util.spec_from_file_location("hotspa_pair_exact", ROOT / "benchmarks" / "hotspa_pair_exact.py")
     module = importlib.util.module_from_spec(spec)
-    sys.modules["hotspa_pair_exact"] = module
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path[:] = path
     return module
 
 
