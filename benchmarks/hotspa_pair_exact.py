@@ -39,10 +39,10 @@ sys.path.insert(0, str(ROOT))
 from hotspa import RECOMPUTE_SEARCHED, candidates  # noqa: E402
 
 from hetu_ext.data.lengths import read_lengths, split_long  # noqa: E402
-from hetu_ext.data.packing import ReplicaSpec, assign  # noqa: E402
+from hetu_ext.data.packing import ReplicaSpec  # noqa: E402
 from hetu_ext.plan import ModelSpec  # noqa: E402
 from hetu_ext.plan.cost import CostModel  # noqa: E402
-from hetu_ext.plan.hotspa import replica_specs  # noqa: E402
+from hetu_ext.plan.hotspa import GroupPricer, replica_specs  # noqa: E402
 from hetu_ext.plan.hydraulis import flops_cost_table, sample_batches  # noqa: E402
 from hetu_ext.plan.options import search_space  # noqa: E402
 
@@ -172,8 +172,8 @@ def main() -> None:
     if any(r.pp != 1 or any(x != r for x in rs) for rs in reps for r in rs[:1]):
         raise SystemExit(f"--strategies: both must have identical pipelines of one stage; got {args.strategies}")
     fixed = [row.allreduce[k] + row.switch[k] for k in pair]
-    static = min(max(assign(batch, replica_specs(it.plan, spec, cost, max_pack_tokens=it.max_len),
-                            method="hetu").predicted_s) + row.allreduce[k] + row.switch[k]
+    pricer = GroupPricer(row.home, spec, cost)  # the packer, as benchmarks/hotspa.py prices groups
+    static = min(pricer.exact(k, batch) + row.allreduce[k] + row.switch[k]
                  for k, it in enumerate(items) if it.max_len >= max(batch) and len(it.plan.pipelines) <= len(batch))
 
     start = time.perf_counter()
@@ -204,7 +204,7 @@ def main() -> None:
             times.append(reps[t][0].time_s(packs, batch))
         exact.append(max(times))
         members = [batch[i] for pipe in group for i in pipe]
-        packer.append(max(assign(members, reps[t], method="hetu").predicted_s))
+        packer.append(pricer.exact(pair[t], members))
         groups.append(sorted(members, reverse=True))
     assert sorted(x for g in groups for x in g) == sorted(batch), "a grouping must hold every sequence once"
     assert all(len(group) >= len(r) for group, r in zip(groups, reps)), "a group holds a sequence per pipeline"
