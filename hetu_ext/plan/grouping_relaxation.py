@@ -340,7 +340,8 @@ def relaxation(lengths: Sequence[int], plans, replicas: Sequence[Sequence[Replic
         tau_r = ualone[ui[mine], k] / pp[k]
         tokens = s[np.concatenate([units[u] for u in ui[mine]])]
         cap = float(replicas[k][0].token_capacity)
-        c_least = min(c.c for c in replicas[k][0].stage_costs)
+        stages = replicas[k][0].stage_costs
+        c_least = min(c.c for c in stages)
         r_all = np.arange(mine.size)
         halves = r_all[tokens > cap / 2]
         # the rest's tokens: its mean-stage seconds per token are largest at its longest member (a s + b rises)
@@ -348,7 +349,6 @@ def relaxation(lengths: Sequence[int], plans, replicas: Sequence[Sequence[Replic
         per_token = 0.0
         if even and others.size:
             longest = max(s[units[u]].max() for u in ui[others])
-            stages = replicas[k][0].stage_costs
             per_token = 1.0 / (np.mean([c.a for c in stages]) * longest + np.mean([c.b for c in stages]))
         for p in range(d):  # pipeline p: its sequences' passes, its packs' overhead, its fill and drain, within T_k
             add(np.zeros(mine.size + 4, dtype=np.int64),
