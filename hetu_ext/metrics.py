@@ -12,6 +12,10 @@ A step record (``"kind": "step"``)::
     device's peak when known, else null), plan_id, ranks (used), and, when measured: compute_ms (per rank, the
     straggler monitor's layer time of the step), slowdowns (per rank), packing ({microbatches, predicted_s}).
 
+An evaluation record (``"kind": "eval"``, ``--eval-iters``): split (``valid`` or ``test``), iteration, final
+(the evaluation after the last step), loss (per-token mean over every token of the evaluation), ppl, eval_iters,
+samples, tokens, seconds; :func:`format_eval_lines` prints it as Megatron-LM's validation block.
+
 An event record (``"kind": "event"``, ``"event"``: detection, replan, migration, checkpoint_save,
 checkpoint_load, ...) carries the iteration and the event's own fields (bytes, seconds, blocking seconds, ...).
 
@@ -21,6 +25,7 @@ Pure: no torch.distributed, no host framework (TensorBoard and wandb are importe
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -82,10 +87,21 @@ class MetricsWriter:
                 self._tb.flush()
             if self._wandb is not None:
                 self._wandb.log(scalars, step=record["iteration"])
+        elif record.get("kind") == "eval":  # Megatron-LM's scalar names: "lm loss validation" (or "... test")
+            scalars = {f"lm loss {_SPLIT_NAMES[record['split']]}": record["loss"]}
+            if self._tb is not None:
+                for key, value in scalars.items():
+                    self._tb.add_scalar(key, value, record["iteration"])
+                self._tb.flush()
+            if self._wandb is not None:
+                self._wandb.log(scalars, step=record["iteration"])
         return record
 
     def step(self, **fields: Any) -> dict[str, Any]:
         return self.write({"kind": "step", **fields})
+
+    def evaluation(self, **fields: Any) -> dict[str, Any]:
+        return self.write({"kind": "eval", **fields})
 
     def event(self, event: str, **fields: Any) -> dict[str, Any]:
         return self.write({"kind": "event", "event": event, **fields})
@@ -103,7 +119,7 @@ class MetricsWriter:
 
 
 def read_records(path: str | Path, kind: str | None = None, event: str | None = None) -> list[dict[str, Any]]:
-    """The records of a metrics file (``kind``: "step" or "event"; ``event``: one event's records)."""
+    """The records of a metrics file (``kind``: "step", "eval" or "event"; ``event``: one event's records)."""
     return [r for r in _lines(path) if (kind is None or r.get("kind") == kind)
             and (event is None or r.get("event") == event)]
 
@@ -123,3 +139,23 @@ def format_log_line(record: dict[str, Any]) -> str:
             f"{record['consumed_samples']:12d} | elapsed time per iteration (ms): {record['step_ms']:.1f} | "
             f"learning rate: {record['lr']:.6E} | global batch size: {record['samples']:5d} | lm loss: "
             f"{record['loss']:.6E} |{norm} tokens/s: {record['tokens_per_s']:.0f} |")
+
+
+_SPLIT_NAMES = {"valid": "validation", "test": "test"}
+
+
+def perplexity(loss: float) -> float:
+    """Megatron-LM's reported perplexity: exp of the mean token loss, capped at exp(20)."""
+    return math.exp(min(20.0, loss))
+
+
+def format_eval_lines(record: dict[str, Any]) -> list[str]:
+    """An evaluation record as Megatron-LM's block (``evaluate_and_print_results``): the line between two lines
+    of dashes one longer than it; the evaluation after the last step says on which split it ran, as
+    Megatron-LM's ``pretrain`` does (its test-set line also starts with "validation")."""
+    prefix = f"iteration {record['iteration']}"
+    if record.get("final"):
+        prefix += f" on {_SPLIT_NAMES[record['split']]} set"
+    line = f" validation loss at {prefix} | lm loss value: {record['loss']:.6E} | lm loss PPL: {record['ppl']:.6E} | "
+    dashes = "-" * (len(line) + 1)
+    return [dashes, line, dashes]

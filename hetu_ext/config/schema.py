@@ -135,6 +135,12 @@ class TrainingConfig:
     adam_eps: float = setting(1e-8, help="Adam epsilon")
     seed: int = setting(1234, help="seed of weights, data order and dropout")
     bf16: bool = setting(False, help="bf16 weights and activations, fp32 master weights")
+    # --- evaluation (issue 45) ---
+    eval_iters: int = setting(0, help="global batches of the validation split each evaluation runs forward only "
+                                      "(Megatron-LM's default is 100; here 0: no evaluation unless asked)")
+    eval_interval: int | None = setting(help="evaluate every N steps (and always after the last); default "
+                                             "(Megatron-LM's): only after the last step")
+    # --- end evaluation ---
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -88,6 +88,17 @@ def build_train_dataset(spec: DataSpec, tokenizer, num_samples: int):
     Collective: call on every rank. Megatron's builder builds the index caches on rank 0, barriers, then the
     other ranks read them.
     """
+    return build_datasets(spec, tokenizer, (num_samples, 0, 0))[0]
+
+
+def build_datasets(spec: DataSpec, tokenizer, num_samples: tuple[int, int, int]) -> tuple:
+    """The train, validation and test datasets of ``--split`` (Megatron-LM's three parts of the documents), each
+    with at least its ``num_samples`` entry of samples; a part the split gives no share is None. Each part's
+    samples depend only on its own documents, size and the seed, so asking for validation samples leaves the
+    training samples unchanged.
+
+    Collective: call on every rank (see :func:`build_train_dataset`).
+    """
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
     from megatron.core.datasets.utils import get_blend_from_list
@@ -99,9 +110,8 @@ def build_train_dataset(spec: DataSpec, tokenizer, num_samples: int):
         eod_mask_loss=False, create_attention_mask=False, path_to_cache=spec.cache_path,
         mid_level_dataset_surplus=0.005)
     cls = MockGPTDataset if spec.mock else GPTDataset
-    train, _, _ = BlendedMegatronDatasetBuilder(
-        cls, [num_samples, 0, 0], lambda: True, config).build()
-    return train
+    train, valid, test = BlendedMegatronDatasetBuilder(cls, list(num_samples), lambda: True, config).build()
+    return train, valid, test
 
 
 def microbatch_iterator(dataset, plan: Plan, pipeline: int, micro_batch_size: int, *, start_iteration: int,

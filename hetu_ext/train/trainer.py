@@ -29,7 +29,7 @@ from hetu_ext.config import (
 )
 from hetu_ext.megatron import checkpointing, host
 from hetu_ext.megatron.activations import report_first_step
-from hetu_ext.megatron.data import DataSpec, build_train_dataset, make_tokenizer
+from hetu_ext.megatron.data import DataSpec, build_datasets, make_tokenizer
 from hetu_ext.megatron.launch_plan import check_launch, save_format
 from hetu_ext.megatron.memory import memory_table
 from hetu_ext.megatron.migrate import migrate
@@ -60,6 +60,7 @@ from hetu_ext.train.step import (
     forward_step,
     run_step,
 )
+from hetu_ext.train.eval import Evaluation, check_evaluation, eval_samples
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +113,8 @@ class Trainer:
     DeepSpeed ZeRO's), given where the command line is read (hetu_ext.cli.train.build_run)."""
     activations_reported: bool = False
     """The first step's activation memory was logged (measured beside the inventory's: activations.py)."""
+    evaluation: Evaluation | None = None
+    """--eval-iters: the validation (and test) split and when to evaluate on it (hetu_ext.train.eval)."""
 
     @property
     def step_kind(self) -> StepKind:
@@ -140,6 +143,9 @@ class Trainer:
         final barrier."""
         cfg = self.config
         train_iters = cfg.training.train_iters
+        if cfg.training.eval_iters and self.evaluation is None:  # a plug-in's trainer that did not build it
+            check_evaluation(cfg)
+            raise ValueError(f"--eval-iters {cfg.training.eval_iters}: this trainer builds no evaluation")
         save_dir, save_interval = cfg.checkpoint.save, cfg.checkpoint.save_interval
         data = None
         window: list[dict] = []  # the step records since the last log line
@@ -182,6 +188,8 @@ class Trainer:
                         log(format_log_line({**window[-1], "step_ms": seconds * 1e3 / len(window),
                                              "tokens_per_s": sum(r["tokens"] for r in window) / seconds}))
                     window = []
+                if self.evaluation is not None and self.evaluation.after_step(self, log, watchdog):
+                    step_start = time.perf_counter()  # evaluating is no step (before the save: Megatron-LM's order)
                 if save_dir and save_interval and self.iteration % save_interval == 0:
                     self._save(save_dir)
             if self.migrations and self.migrations[0][0] == self.iteration:
@@ -198,6 +206,8 @@ class Trainer:
             watchdog.stop()  # the final save and barrier are no steps
         if save_dir and self.placement.active and (not save_interval or self.iteration % save_interval):
             self._save(save_dir)
+        if self.evaluation is not None and self.placement.active:  # after the final save, as Megatron-LM's pretrain
+            self.evaluation.at_end(self, log)
         if isinstance(data, (PackedSteps, SwitchedSteps)):
             data.close()
         if self.plan.unused_ranks:
@@ -435,6 +445,7 @@ def build_trainer(config: RunConfig, *, checkpoint_formats: tuple = ()) -> Train
     if config.lora.tenants:  # a plug-in's run: never train it as a plain one, silently without its tenants
         raise ValueError("--hetu-lora-tenants: LoRA tenants are built by hetu_ext.lora.train.build_lora_trainer "
                          "(hetu_ext.cli.train.build_run chooses it); build_trainer trains the plain model only")
+    check_evaluation(config)
     # the plan is checked against the model before any process group exists
     world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     launch = check_launch(config, world_size)
@@ -463,9 +474,11 @@ def build_trainer(config: RunConfig, *, checkpoint_formats: tuple = ()) -> Train
     data = config.data
     data_spec = DataSpec(mock=data.mock_data, data_path=tuple(data.data_path or ()), split=data.split,
                          seq_length=spec.seq_length, seed=training.seed, cache_path=data.data_cache_path)
-    dataset = None
+    dataset = evaluation = None
     if documents is None:  # every rank, idle ones too: Megatron's builder makes index caches on rank 0, barriers
-        dataset = build_train_dataset(data_spec, tokenizer, training.train_iters * gbs)
+        dataset, valid, test = build_datasets(data_spec, tokenizer, (training.train_iters * gbs,
+                                                                     *eval_samples(training, gbs)))
+        evaluation = Evaluation.of(training, data.split, valid, test)
     where = plan.stage_of(h.rank)
     table = memory_table(placement.model, training.optimizer, training.bf16,
                          f"pipeline {where[0]} stage {where[1]}" if where else "unused", optimizer=placement.optimizer)
@@ -480,7 +493,7 @@ def build_trainer(config: RunConfig, *, checkpoint_formats: tuple = ()) -> Train
                                 optimizer_sharded=runtime == "plan" and config.parallel.use_distributed_optimizer)
     layer_cost = emulated_layer_cost(config.straggler)
     trainer = Trainer(config=config, spec=spec, plan=plan, host=h, placement=placement, scheduler=scheduler,
-                      dataset=dataset, monitor=monitor,
+                      dataset=dataset, monitor=monitor, evaluation=evaluation,
                       numerics=numerics, migrations=migrations, documents=documents, flops_per_token=flops,
                       peak_tflops=peak_tflops(torch.cuda.get_device_name() if h.device.type == "cuda" else None),
                       plan_key=plan_id(plan), layer_cost=layer_cost, checkpoint_formats=tuple(checkpoint_formats),
