@@ -115,6 +115,7 @@ FAST_MODULES = {
     "test_hotspa_pair_exact", "test_malleus_planner", "test_packing", "test_plan", "test_plan_options", "test_reshard",
     "test_sharded_optimizer_layout",
     "test_step_model",
+    "test_recipe_flags",
 }
 """Modules read and found to hold no gold, e2e or fault-injection test (all in ``make test-fast``). Every test
 module must be named here, in MODULE_KINDS or in TEST_KINDS (tests/test_readme.py checks it), so a new module

@@ -10,17 +10,30 @@ into one error line and exit code 2. :func:`parse_run_config` does all of it and
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from hetu_ext.config import RunConfig, build_parser, from_namespace, parse_namespace
+from hetu_ext.config.megatron_flags import accepted_notice, refusal, take_megatron_flags
 
-__all__ = ["build_parser", "parse_run_config", "validate_args"]
+__all__ = ["build_parser", "parse_run_config", "take_megatron_lm_flags", "validate_args"]
+
+
+def take_megatron_lm_flags(argv: list[str], parser: argparse.ArgumentParser) -> tuple[list[str], str | None]:
+    """``argv`` without the Megatron-LM flags the trainer accepts or implies (hetu_ext.config.megatron_flags), and
+    the one notice listing the accepted ones (None: none given). ValueError (one line) for a refused flag."""
+    taken = take_megatron_flags(argv, known={s for a in parser._actions for s in a.option_strings})
+    if taken.refused:
+        raise ValueError(refusal(taken.refused[0]))
+    return taken.argv, accepted_notice(taken.accepted)
 
 
 def parse_run_config(argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None) -> RunConfig:
     """Flags (over the ``--hetu-config`` file) -> checked :class:`RunConfig`; exits 2 on a bad flag, ValueError
-    on a bad value or file."""
-    args = parse_namespace(argv, parser or build_parser())
+    on a bad value or file. Megatron-LM flags that do not change the numbers are taken off first (no notice)."""
+    parser = parser or build_parser()
+    argv, _ = take_megatron_lm_flags(list(sys.argv[1:] if argv is None else argv), parser)
+    args = parse_namespace(argv, parser)
     validate_args(args)
     return from_namespace(args)
 

@@ -31,7 +31,7 @@ from hetu_ext.config import (
 )
 from hetu_ext.plan import PlanError
 
-from .args import validate_args
+from .args import take_megatron_lm_flags, validate_args
 
 PROG = "pretrain_gpt.py"
 LAUNCHER_FLAGS = tuple(f.name for f in dataclasses.fields(LaunchConfig))
@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser(PROG)
     launched = _under_launcher()
     try:
+        argv, accepted = take_megatron_lm_flags(argv, parser)  # Megatron-LM's kernel and perf knobs
         args = parse_namespace(argv, parser)
         validate_args(args)
         config = from_namespace(args)
@@ -74,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for notice in launch_check.notices if os.environ.get("RANK", "0") == "0" else ():  # once per job
         print(f"{PROG}: {notice}", file=sys.stderr)
+    if accepted and os.environ.get("RANK", "0") == "0":  # the ranks it launches get argv without these flags
+        print(f"{PROG}: {accepted}", file=sys.stderr)
     if not launched:
         if world_size > 1:
             return _launch(argv, config)
