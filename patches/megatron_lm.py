@@ -139,6 +139,8 @@ PATCH_POINTS: dict[str, str] = {
     f"{_MT}.arguments:get_device_arch_version": "the device-arch query",
     f"{_MT}.arguments:parse_args": "Megatron-LM's argument parser",
     f"{_MT}.global_vars:get_args": "the parsed arguments",
+    f"{_MT}.training:evaluate": "evaluation (--eval-iters)",
+    f"{_MC}.transformer.torch_norm:WrappedTorchNorm": "the local layer spec's norms",
 }
 """``module:symbol`` -> its role: every symbol of Megatron-LM's training package that hetu_ext patches or hooks."""
 
@@ -231,5 +233,26 @@ def megatron_lm_cpu_patches() -> PatchSet:
               reason="moves the batch with tensor.cuda(non_blocking=True)"),
         Patch(name="arch:get_device_arch_version", target=f"{_MT}.arguments:get_device_arch_version",
               make=_arch_zero, reason="queries the CUDA device's compute capability"),
+        Patch(name="tensor_cuda_identity:evaluate", target=f"{_MT}.training:evaluate", make=_within_cuda_identity,
+              reason="moves the validation loss sums with tensor.cuda()"),
     ]
     return PatchSet("megatron-lm-cpu", patches)
+
+
+def _local_norm_new(original: Any) -> Any:
+    from hetu_ext.megatron.norms import local_norm
+
+    def __new__(cls: type, config: Any, hidden_size: int, eps: float = 1e-5, **_kernel_choices: Any) -> Any:
+        return local_norm(config, hidden_size, eps)
+
+    return staticmethod(__new__)
+
+
+def local_norm_patches() -> PatchSet:
+    """Megatron-core's local spec norms taking ``--apply-layernorm-1p`` and ``--sequence-parallel``
+    (:mod:`hetu_ext.megatron.norms`); its ``WrappedTorchNorm`` asserts against both."""
+    return PatchSet("megatron-local-norms", [
+        Patch(name="local_norm:WrappedTorchNorm", target=f"{_MC}.transformer.torch_norm:WrappedTorchNorm.__new__",
+              make=_local_norm_new, reason="asserts against zero-centred gamma (--apply-layernorm-1p) and "
+                                           "sequence parallelism"),
+    ])

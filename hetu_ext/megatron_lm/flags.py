@@ -28,6 +28,8 @@ from pathlib import Path
 from hetu_ext.config import SECTIONS, FlagParser
 from hetu_ext.config.parse import add_section_flags
 
+from .rehearsal import cpu_rewrite
+
 PROG = "hetu_ext.megatron_lm"
 HETU_PREFIX = "--hetu-"
 
@@ -98,6 +100,8 @@ class Invocation:
     megatron: MegatronFlags
     mode: str
     """``megatron`` (hooks on Megatron-LM's loop) or ``handoff`` (hetu_ext's trainer)."""
+    cpu: bool = False
+    """No CUDA device (or ``--hetu-cpu-patches on``): the recipe is rehearsed on CPU (:mod:`.rehearsal`)."""
     notes: list[str] = field(default_factory=list)
     """What the checks changed (said once on rank 0): e.g. ``--calculate-per-token-loss`` added."""
 
@@ -206,8 +210,24 @@ def parse_invocation(argv: list[str]) -> Invocation:
                              "Megatron-LM's grid cannot hold, builds dense GPT models only; drop "
                              f"{why} to train MoE on Megatron-LM's grid")
         return inv
+    inv.cpu = rehearse_on_cpu(ns.hetu_cpu_patches)
+    if inv.cpu:
+        rewrite = cpu_rewrite(megatron_argv)
+        inv.megatron_argv = rewrite.argv
+        inv.megatron = megatron_flags(rewrite.argv)
+        if rewrite.notice():
+            inv.notes.append(rewrite.notice())
     _check_native(inv)
     return inv
+
+
+def rehearse_on_cpu(setting: str) -> bool:
+    """``--hetu-cpu-patches``: auto (only without a CUDA device), on or off."""
+    if setting != "auto":
+        return setting == "on"
+    import torch
+
+    return not torch.cuda.is_available()
 
 
 def _check_native(inv: Invocation) -> None:
@@ -240,13 +260,6 @@ def _check_native(inv: Invocation) -> None:
             inv.megatron.calculate_per_token_loss = True
             inv.notes.append("--hetu-straggler-interval: added --calculate-per-token-loss (with microbatches "
                              "weighted per data-parallel rank, only a per-token mean keeps the global batch's loss)")
-    argv = inv.megatron_argv
-    local = any(t == "--transformer-impl=local" or (t == "--transformer-impl" and argv[i + 1:i + 2] == ["local"])
-                for i, t in enumerate(argv))
-    if "--sequence-parallel" in m.present and local:
-        raise ValueError("--sequence-parallel with --transformer-impl local: Megatron-core's local layer spec "
-                         "refuses it (its torch norms are not sequence-parallel); use Transformer Engine, or add "
-                         "--hetu-runtime plan to run it on hetu_ext's trainer, whose norms take it")
     _check_packing(inv)
     if ns.hetu_ckpt_keep < 1:
         raise ValueError(f"--hetu-ckpt-keep must be >= 1, got {ns.hetu_ckpt_keep}")
@@ -256,10 +269,6 @@ def _check_native(inv: Invocation) -> None:
             raise ValueError(f"--hetu-ckpt-format hetu has no rule for {HETU_CKPT_UNCOVERED[uncovered[0]]} "
                              f"({uncovered[0]}); use Megatron-LM's own checkpoints (--hetu-ckpt-format auto) or drop "
                              f"{uncovered[0]}")
-        if m.use_distributed_optimizer:
-            raise ValueError("--hetu-ckpt-format hetu cannot save --use-distributed-optimizer's flat ZeRO-1 shards "
-                             "yet; use Megatron-LM's own checkpoints (--hetu-ckpt-format auto) or drop "
-                             "--use-distributed-optimizer")
         if m.load is not None and not Path(m.load).is_dir():
             raise ValueError(f"--load {m.load}: no such directory; give the --save directory of an earlier run")
 

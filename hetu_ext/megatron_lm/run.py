@@ -25,6 +25,9 @@ from .flags import PROG, Invocation, parse_invocation
 
 logger = logging.getLogger(__name__)
 
+SCRIPT_ENV = "HETU_MEGATRON_LM_SCRIPT"
+"""The script's path, for the processes it spawns (:mod:`.spawn_main`)."""
+
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -73,15 +76,15 @@ def prepare(inv: Invocation) -> list:
         sys.path.append(checkout)
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # megatron's unfused paths would torch.compile on CPU
     from hetu_ext.patches.base import PatchError, PatchSet
-    from hetu_ext.patches.megatron_cpu import needs_cpu_patches
     from hetu_ext.patches.megatron_lm import (
         TESTED_TAG,
         check_patch_points,
         import_without_triton,
+        local_norm_patches,
         megatron_lm_cpu_patches,
     )
 
-    cpu = needs_cpu_patches({"auto": None, "on": True, "off": False}[inv.hetu.hetu_cpu_patches])
+    cpu = inv.cpu
     applied = []
     try:
         if cpu:
@@ -90,9 +93,11 @@ def prepare(inv: Invocation) -> list:
 
             enable_cpu_support(True)
             import_without_triton()
-            cpu_flags(inv)
         check_patch_points()
         sets = [megatron_lm_cpu_patches()] if cpu else []
+        if cpu or _local_impl(inv.megatron_argv):
+            sets.append(local_norm_patches())
+        sets.append(spawn_patches(inv))
         hooks = feature_hooks(inv)
         if hooks:
             sets.append(PatchSet("megatron-lm-hooks", hooks))
@@ -114,15 +119,30 @@ def prepare(inv: Invocation) -> list:
     return applied
 
 
-def cpu_flags(inv: Invocation) -> None:
-    """Megatron-LM flags a CPU run needs that a GPU run does not: RoPE's default fused kernel is Transformer
-    Engine's (Megatron-LM refuses it without TE), so a RoPE model gets ``--no-rope-fusion``."""
-    argv = inv.megatron_argv
-    rope = any(t == "--position-embedding-type=rope" or (t == "--position-embedding-type" and i + 1 < len(argv)
-               and argv[i + 1] == "rope") for i, t in enumerate(argv))
-    if rope and "--no-rope-fusion" not in argv:
-        argv.append("--no-rope-fusion")
-        inv.notes.append("CPU: added --no-rope-fusion (the fused RoPE kernel needs Transformer Engine)")
+def spawn_patches(inv: Invocation):
+    """Processes the script spawns re-run it through :mod:`.spawn_main` (the script as a path would import
+    Megatron-LM's training package without the parent's import-time stand-ins)."""
+    from hetu_ext.patches.base import Patch, PatchSet
+
+    def make(original):
+        def get_preparation_data(name):
+            data = original(name)
+            if data.get("init_main_from_path") == str(inv.script):
+                del data["init_main_from_path"]
+                data["init_main_from_name"] = "hetu_ext.megatron_lm.spawn_main"
+            return data
+
+        return get_preparation_data
+
+    os.environ[SCRIPT_ENV] = str(inv.script)
+    return PatchSet("megatron-lm-spawn", [
+        Patch(name="spawn_main:get_preparation_data", target="multiprocessing.spawn:get_preparation_data",
+              make=make, reason="a spawned child re-runs the script, whose imports need the parent's stand-ins")])
+
+
+def _local_impl(argv: list[str]) -> bool:
+    return any(t == "--transformer-impl=local" or (t == "--transformer-impl" and argv[i + 1:i + 2] == ["local"])
+               for i, t in enumerate(argv))
 
 
 def feature_hooks(inv: Invocation) -> list:
