@@ -60,8 +60,8 @@ MIXTRAL = ("--use-mcore-models --disable-bias-linear --seq-length 4096 --max-pos
            "--eval-interval 1000 --eval-iters 10 --save CK --load CK --tensorboard-dir TB --no-load-optim "
            "--no-load-rng").split()
 EXAMPLES = {"llama": LLAMA, "gpt3": GPT3, "mixtral": MIXTRAL}
-NOT_BUILT = {"--apply-layernorm-1p", "--train-samples", "--lr-decay-samples", "--lr-warmup-samples", "--decoupled-lr",
-             "--decoupled-min-lr", "--grad-reduce-in-bf16", "--exit-duration-in-mins"}
+NOT_BUILT = {"--apply-layernorm-1p", "--grad-reduce-in-bf16",
+             "--exit-duration-in-mins"}
 """Flags of the Llama recipe still refused (shrinks as they are built)."""
 
 
@@ -143,3 +143,147 @@ def test_launcher_prints_one_notice(monkeypatch, capsys):
     err = [line for line in capsys.readouterr().err.splitlines() if "accepted" in line]
     assert len(err) == 1 and "--attention-backend auto -> " in err[0] and "--overlap-grad-reduce -> " in err[0]
     assert "--transformer-impl" not in err[0]
+
+
+# --- sample-based schedules (--train-samples --lr-decay-samples --lr-warmup-samples --lr-warmup-fraction) ---
+BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
+        "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "1e-3", "--min-lr", "1e-4", "--mock-data",
+        "--lr-decay-style", "cosine", "--hidden-dropout", "0", "--attention-dropout", "0"]
+
+
+def _config(*flags: str):
+    from hetu_ext.cli.args import parse_run_config
+
+    return parse_run_config([*BASE, *flags])
+
+
+def _megatron_lr(samples: float, *, max_lr: float, min_lr: float, warmup: float, decay: float) -> float:
+    """Megatron-LM's LR after ``samples`` samples (OptimizerParamScheduler.get_lr, cosine, init LR 0), written
+    out here independently of the scheduler the trainer builds."""
+    import math
+
+    if warmup > 0 and samples <= warmup:
+        return max_lr * samples / warmup
+    if samples > decay:
+        return min_lr
+    ratio = (samples - warmup) / (decay - warmup)
+    return min_lr + 0.5 * (math.cos(math.pi * ratio) + 1.0) * (max_lr - min_lr)
+
+
+def _lrs(training, unit: int, steps: int) -> list[float]:
+    """The LR the trainer's scheduler (Megatron-core's, with scheduler_settings) gives after each step."""
+    import torch
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from hetu_ext.megatron.state import scheduler_settings
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
+    sched = OptimizerParamScheduler(opt, init_lr=0.0, **scheduler_settings(training, unit))
+    out = []
+    for _ in range(steps):
+        sched.step(increment=unit)
+        out.append(opt.param_groups[0]["lr"])
+    return out
+
+
+def test_train_samples_sets_the_steps_and_the_schedule_counts_samples():
+    """--train-samples 100 at global batch 8: 12 steps (the partial batch dropped, as Megatron-LM); the LR after
+    each step is Megatron-LM's formula over samples (warmup 20 samples: not a whole number of steps, so an
+    iteration-based stand-in would get it wrong)."""
+    config = _config("--train-samples", "100", "--lr-decay-samples", "90", "--lr-warmup-samples", "20")
+    assert config.training.train_iters == 12
+    want = [_megatron_lr(8 * k, max_lr=1e-3, min_lr=1e-4, warmup=20, decay=90) for k in range(1, 13)]
+    assert _lrs(config.training, 8, 12) == pytest.approx(want, rel=1e-12)
+
+
+def test_sample_schedule_equals_the_iteration_schedule_in_whole_batches():
+    samples = _config("--train-samples", "96", "--lr-decay-samples", "80", "--lr-warmup-samples", "16")
+    iters = _config("--train-iters", "12", "--lr-decay-iters", "10", "--lr-warmup-iters", "2")
+    assert _lrs(samples.training, 8, 12) == _lrs(iters.training, 8, 12)
+
+
+@pytest.mark.parametrize("flags", [["--train-samples", "96"], ["--train-iters", "12"]])
+def test_warmup_fraction_is_a_share_of_the_decay(flags):
+    config = _config(*flags, "--lr-warmup-fraction", "0.25")
+    want = [_megatron_lr(8 * k, max_lr=1e-3, min_lr=1e-4, warmup=24, decay=96) for k in range(1, 13)]
+    assert _lrs(config.training, 8, 12) == pytest.approx(want, rel=1e-12)
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--train-samples", "96", "--train-iters", "12"], "exactly one of --train-iters"),
+    ([], "exactly one of --train-iters"),
+    (["--train-samples", "96", "--lr-decay-iters", "10"], "--lr-decay-samples"),
+    (["--train-iters", "12", "--lr-warmup-samples", "8"], "--lr-warmup-iters"),
+    (["--train-iters", "12", "--lr-warmup-iters", "2", "--lr-warmup-fraction", "0.1"], "give one"),
+    (["--train-samples", "4"], "less than one global batch"),
+    (["--train-iters", "12", "--lr-warmup-fraction", "2"], "[0, 1]"),
+])
+def test_schedule_flags_bad_input_is_one_line(flags, needle):
+    with pytest.raises(ValueError) as err:
+        _config(*flags)
+    assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_train_samples_needs_the_global_batch():
+    from hetu_ext.cli.args import parse_run_config
+
+    argv = [t for t in BASE if t not in ("--global-batch-size", "8")] + ["--train-samples", "96"]
+    with pytest.raises(ValueError, match="needs --global-batch-size"):
+        parse_run_config(argv)
+
+
+def test_printed_config_of_a_sample_run_reproduces_it(tmp_path):
+    """--hetu-print-config writes the samples and a null step count: the file alone parses to the same run."""
+    from hetu_ext.config import to_yaml
+
+    config = _config("--train-samples", "96", "--lr-warmup-samples", "8")
+    path = tmp_path / "run.yaml"
+    path.write_text(to_yaml(config))
+    again = __import__("hetu_ext.cli.args", fromlist=["x"]).parse_run_config(["--hetu-config", str(path)])
+    assert again == config and again.training.train_iters == 12
+
+
+# --- --decoupled-lr / --decoupled-min-lr ---
+def _group_lrs(rank: int, world_size: int, argv: list[str]) -> dict:
+    """Train ``argv`` 3 steps; each parameter's (lr, max_lr, min_lr) of its optimizer group, by parameter name."""
+    from hetu_ext.cli.args import parse_run_config
+    from hetu_ext.cli.train import build_run
+    from hetu_ext.megatron.state import optimizers
+
+    trainer = build_run(parse_run_config(argv))
+    trainer.train(log=lambda line: None)
+    names = {id(p): n for n, p in trainer.model.named_parameters()}
+    out = {}
+    for opt in optimizers(trainer.optimizer):
+        for group in opt.param_groups:
+            for p in group["params"]:
+                main = names.get(id(p))
+                if main is None:  # bf16: the group holds the fp32 master; find its model parameter
+                    continue
+                out[main] = (group["lr"], group["max_lr"], group["min_lr"])
+    return out
+
+
+@pytest.mark.parametrize("runtime", ["megatron", "plan"])
+def test_decoupled_lr_drives_the_embedding_and_output_layer(runtime):
+    """The word embedding and the (untied) output layer follow the decoupled peak and minimum; every other
+    parameter the main schedule. After 3 of 4 steps with cosine decay both are strictly between peak and min, so a
+    group on the wrong schedule shows."""
+    from hetu_ext.testing.multiproc import run_ranks
+
+    argv = [*BASE, "--train-iters", "3", "--lr-decay-iters", "4", "--untie-embeddings-and-output-weights",
+            "--decoupled-lr", "5e-3", "--decoupled-min-lr", "5e-4", "--hetu-runtime", runtime]
+    groups = run_ranks(_group_lrs, 1, argv, timeout=240)[0]
+    want = {"main": _megatron_lr(24, max_lr=1e-3, min_lr=1e-4, warmup=0, decay=32),
+            "decoupled": _megatron_lr(24, max_lr=5e-3, min_lr=5e-4, warmup=0, decay=32)}
+    decoupled = [n for n in groups if "word_embeddings" in n or "output_layer" in n]
+    assert len(decoupled) == 2, sorted(groups)
+    for name, (lr, max_lr, min_lr) in groups.items():
+        kind = "decoupled" if name in decoupled else "main"
+        assert (max_lr, min_lr) == ((5e-3, 5e-4) if kind == "decoupled" else (1e-3, 1e-4)), name
+        assert lr == pytest.approx(want[kind], rel=1e-12), (name, lr, want)
+
+
+def test_decoupled_min_lr_needs_the_decoupled_lr():
+    with pytest.raises(ValueError, match="needs --decoupled-lr"):
+        _config("--train-iters", "2", "--decoupled-min-lr", "1e-5")

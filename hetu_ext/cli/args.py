@@ -68,6 +68,45 @@ def _validate_packing(args: argparse.Namespace) -> None:
                          "(sequences) or --hetu-global-batch-tokens (tokens)")
 
 
+def _validate_schedule(args: argparse.Namespace) -> None:
+    """Iteration- or sample-based training (Megatron-LM's rules), then ``args.train_iters`` set from
+    ``--train-samples`` (samples // global batch, the partial last batch dropped, as Megatron-LM does)."""
+    _positive(args, "train_iters", "train_samples", "lr_decay_iters", "lr_decay_samples")
+    for name in ("lr_warmup_iters", "lr_warmup_samples"):
+        if getattr(args, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if (args.train_iters is None) == (args.train_samples is None):
+        raise ValueError(f"give exactly one of --train-iters (steps) and --train-samples (samples), got "
+                         f"--train-iters {args.train_iters} --train-samples {args.train_samples}")
+    fraction = args.lr_warmup_fraction
+    if fraction is not None and not 0 <= fraction <= 1:
+        raise ValueError(f"--lr-warmup-fraction must be in [0, 1], got {fraction}")
+    if args.train_iters is not None:
+        if args.lr_decay_samples is not None or args.lr_warmup_samples:
+            raise ValueError("--lr-decay-samples / --lr-warmup-samples count samples and go with --train-samples; "
+                             "with --train-iters give --lr-decay-iters / --lr-warmup-iters")
+        if fraction is not None and args.lr_warmup_iters:
+            raise ValueError(f"--lr-warmup-fraction {fraction} and --lr-warmup-iters {args.lr_warmup_iters} both "
+                             "set the warmup; give one")
+        return
+    if args.lr_decay_iters is not None or args.lr_warmup_iters:
+        raise ValueError("--lr-decay-iters / --lr-warmup-iters count steps and go with --train-iters; with "
+                         "--train-samples give --lr-decay-samples / --lr-warmup-samples")
+    if fraction is not None and args.lr_warmup_samples:
+        raise ValueError(f"--lr-warmup-fraction {fraction} and --lr-warmup-samples {args.lr_warmup_samples} both set "
+                         "the warmup; give one")
+    if args.hetu_packing != "off":
+        raise ValueError(f"--train-samples counts fixed-length samples; with --hetu-packing {args.hetu_packing} a "
+                         "step's sequence count varies: give --train-iters")
+    if args.global_batch_size is None:
+        raise ValueError(f"--train-samples {args.train_samples} needs --global-batch-size (steps = samples // "
+                         "global batch size)")
+    if args.train_samples < args.global_batch_size:
+        raise ValueError(f"--train-samples {args.train_samples} is less than one global batch "
+                         f"(--global-batch-size {args.global_batch_size}); give at least that many")
+    args.train_iters = args.train_samples // args.global_batch_size
+
+
 def _validate_files(args: argparse.Namespace) -> None:
     """Every file a flag names exists and parses, before any process group (a missing --data-path gave 114 lines
     of three ranks' tracebacks)."""
@@ -115,16 +154,25 @@ def validate_args(args: argparse.Namespace) -> None:
     """Checks that need no process group; plan-dependent checks happen when the plan is built."""
     _positive(args, "nproc_per_node", "nnodes", "num_layers", "hidden_size", "num_attention_heads", "seq_length",
               "micro_batch_size",
-              "global_batch_size", "train_iters", "tensor_model_parallel_size", "pipeline_model_parallel_size",
-              "log_interval", "save_interval", "lr_decay_iters")
+              "global_batch_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
+              "log_interval", "save_interval")
+    _validate_schedule(args)
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
         raise ValueError("--override-opt_param-scheduler (the flags' LR schedule) and "
                          "--use-checkpoint-opt_param-scheduler (the checkpoint's) contradict each other; give one")
-    if args.lr_warmup_iters < 0:
-        raise ValueError(f"--lr-warmup-iters must be >= 0, got {args.lr_warmup_iters}")
     if args.lr < 0 or args.min_lr < 0 or args.min_lr > args.lr:
         raise ValueError(f"learning rates must satisfy 0 <= --min-lr <= --lr, got --lr {args.lr} --min-lr "
                          f"{args.min_lr}")
+    decoupled, decoupled_min = args.decoupled_lr, args.decoupled_min_lr
+    if decoupled_min is not None and decoupled is None:
+        raise ValueError(f"--decoupled-min-lr {decoupled_min} needs --decoupled-lr (Megatron-core applies the "
+                         "embedding and output layer's minimum LR only with their peak LR); add --decoupled-lr")
+    if decoupled is not None:
+        top, bottom = args.lr if decoupled is None else decoupled, args.min_lr if decoupled_min is None else \
+            decoupled_min
+        if top < 0 or bottom < 0 or bottom > top:
+            raise ValueError(f"the embedding and output layer's learning rates must satisfy 0 <= --decoupled-min-lr "
+                             f"<= --decoupled-lr, got {top} and {bottom} (unset ones default to --lr / --min-lr)")
     if args.hetu_hang_timeout < 0:
         raise ValueError(f"--hetu-hang-timeout must be >= 0 seconds (0: no watchdog), got {args.hetu_hang_timeout}")
     if args.position_embedding_type != "rope" and (args.rotary_base != 10000 or args.rotary_percent != 1.0

@@ -111,12 +111,6 @@ MEGATRON_FLAGS: dict[str, FlagRule] = {
     "--expert-model-parallel-size": FlagRule("refused", _MOE),
     "--expert-tensor-parallel-size": FlagRule("refused", _MOE),
     "--apply-layernorm-1p": FlagRule("refused", "zero-centred norms are not built yet"),
-    "--train-samples": FlagRule("refused", "sample-based schedules are not built yet; give --train-iters"),
-    "--lr-decay-samples": FlagRule("refused", "sample-based schedules are not built yet; give --lr-decay-iters"),
-    "--lr-warmup-samples": FlagRule("refused", "sample-based schedules are not built yet; give --lr-warmup-iters"),
-    "--lr-warmup-fraction": FlagRule("refused", "not built yet; give --lr-warmup-iters"),
-    "--decoupled-lr": FlagRule("refused", "not built yet"),
-    "--decoupled-min-lr": FlagRule("refused", "not built yet"),
     "--grad-reduce-in-bf16": FlagRule("refused", "not built yet"),
     "--exit-duration-in-mins": FlagRule("refused", "not built yet"),
     "--rampup-batch-size": FlagRule("refused", "batch-size ramp-up is not built in hetu_ext's trainer (a plan fixes "

@@ -114,13 +114,25 @@ class TrainingConfig:
 
     micro_batch_size: int = setting(required=True, help="samples per microbatch")
     global_batch_size: int | None = setting(help="default: micro batch size x data-parallel size")
-    train_iters: int = setting(required=True, help="training steps")
+    train_iters: int | None = setting(help="training steps (give this or --train-samples)")
+    train_samples: int | None = setting(help="training samples instead of --train-iters (Megatron-LM's "
+                                             "sample-based training: steps = samples // --global-batch-size; the LR "
+                                             "schedule counts samples)")
     optimizer: str = setting("adam", choices=("adam", "sgd"), help="optimizer")
     lr: float = setting(required=True, help="peak learning rate")
     min_lr: float = setting(0.0, help="learning rate at the end of the decay")
     lr_decay_style: str = setting("linear", choices=LR_DECAY_STYLES, help="decay after warmup")
     lr_decay_iters: int | None = setting(help="default: --train-iters")
     lr_warmup_iters: int = setting(0, help="linear warmup steps")
+    lr_decay_samples: int | None = setting(help="with --train-samples: decay over this many samples (default: "
+                                                "--train-samples)")
+    lr_warmup_samples: int = setting(0, help="with --train-samples: linear warmup over this many samples")
+    lr_warmup_fraction: float | None = setting(help="warmup over this share of the decay (instead of "
+                                                    "--lr-warmup-iters / --lr-warmup-samples)")
+    decoupled_lr: float | None = setting(help="the learning rate of the input embedding and the output layer "
+                                              "(Megatron-LM's; default: --lr)")
+    decoupled_min_lr: float | None = setting(help="the minimum learning rate of the input embedding and the output "
+                                                  "layer (default: --min-lr)")
     weight_decay: float = setting(0.01, help="decoupled weight decay")
     override_opt_param_scheduler: bool = setting(
         False, flag="--override-opt_param-scheduler",
@@ -299,9 +311,13 @@ class RunConfig:
     lora: LoRAConfig = field(default_factory=LoRAConfig)  # LobRA (issue 16)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
-        """The YAML form: ``{section: {key: value}}`` (a file of this reproduces the run)."""
-        return {name: {f.name: _plain(getattr(getattr(self, name), f.name))
-                       for f in dataclasses.fields(SECTIONS[name])} for name in SECTIONS}
+        """The YAML form: ``{section: {key: value}}`` (a file of this reproduces the run). Steps derived from
+        ``--train-samples`` are written as null: the file gives the samples, as the command line did."""
+        out = {name: {f.name: _plain(getattr(getattr(self, name), f.name))
+                      for f in dataclasses.fields(SECTIONS[name])} for name in SECTIONS}
+        if self.training.train_samples is not None:
+            out["training"]["train_iters"] = None
+        return out
 
     def to_flat_dict(self) -> dict[str, Any]:
         """``{flag destination: value}`` (``num_layers``, ``hetu_packing``, ...): the form checkpoint manifests

@@ -155,11 +155,15 @@ def _sequence_parallel_block(layer_spec, config):
 
 def optimizer_config(training: TrainingConfig, numerics: TrainingNumerics, *,
                      use_distributed_optimizer: bool = False):
-    """Megatron's OptimizerConfig from the training settings (Adam or SGD, LR, weight decay, clipping)."""
+    """Megatron's OptimizerConfig from the training settings (Adam or SGD, LR, weight decay, clipping).
+    ``--decoupled-lr/--decoupled-min-lr``: Megatron-core's parameter groups give the parameters marked
+    ``is_embedding_or_output_parameter`` (the word embedding and the output layer) that peak and minimum LR; the
+    scheduler reads each group's own ``max_lr``/``min_lr``."""
     from megatron.core.optimizer import OptimizerConfig
 
     t = training
     return OptimizerConfig(optimizer=t.optimizer, lr=t.lr, min_lr=t.min_lr,
+                           decoupled_lr=t.decoupled_lr, decoupled_min_lr=t.decoupled_min_lr,
                            weight_decay=t.weight_decay, adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2,
                            adam_eps=t.adam_eps, clip_grad=t.clip_grad, bf16=t.bf16,
                            params_dtype=numerics.dtype, use_distributed_optimizer=use_distributed_optimizer)

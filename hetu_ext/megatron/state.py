@@ -211,12 +211,28 @@ def data_settings(trainer) -> dict[str, Any]:
 
 def scheduler_settings(training, unit: int) -> dict[str, Any]:
     """``OptimizerParamScheduler``'s settings from the flags (``training``: the TrainingConfig), steps counted in
-    ``unit`` per iteration (samples, as Megatron-LM counts; 1 with packing)."""
-    decay_iters = training.lr_decay_iters or training.train_iters
+    ``unit`` per iteration (samples, as Megatron-LM counts; 1 with packing).
+
+    Megatron-LM's rules (training.py, get_optimizer_param_scheduler): iteration-based, the decay spans
+    ``--lr-decay-iters`` (default ``--train-iters``) x unit and the warmup ``--lr-warmup-iters`` x unit;
+    sample-based (``--train-samples``), the decay spans ``--lr-decay-samples`` (default ``--train-samples``) and
+    the warmup ``--lr-warmup-samples``; either way ``--lr-warmup-fraction`` makes the warmup that share of the
+    decay. The weight-decay increment spans the decay (iterations; its style is constant, so only the record
+    sees it) or ``--train-samples``."""
+    if training.train_samples is not None:
+        decay_steps = training.lr_decay_samples or training.train_samples
+        warmup_steps = training.lr_warmup_samples
+        wd_steps = training.train_samples
+    else:
+        decay_steps = (training.lr_decay_iters or training.train_iters) * unit
+        warmup_steps = training.lr_warmup_iters * unit
+        wd_steps = decay_steps
+    if training.lr_warmup_fraction is not None:
+        warmup_steps = training.lr_warmup_fraction * decay_steps
     return {"max_lr": float(training.lr), "min_lr": float(training.min_lr),
-            "lr_warmup_steps": training.lr_warmup_iters * unit, "lr_decay_steps": decay_iters * unit,
+            "lr_warmup_steps": warmup_steps, "lr_decay_steps": decay_steps,
             "lr_decay_style": training.lr_decay_style, "start_wd": float(training.weight_decay),
-            "end_wd": float(training.weight_decay), "wd_incr_steps": decay_iters * unit, "wd_incr_style": "constant"}
+            "end_wd": float(training.weight_decay), "wd_incr_steps": wd_steps, "wd_incr_style": "constant"}
 
 
 def schedule_policy(training) -> str:
@@ -248,9 +264,19 @@ def restore_scheduler(trainer, saved: dict[str, Any] | None, where: str) -> None
         changes = {"lr": state["max_lr"], "min_lr": state["min_lr"], "lr_decay_style": state["lr_decay_style"]}
         if state["start_wd"] == state["end_wd"]:
             changes["weight_decay"] = state["start_wd"]
-        for key, name in (("lr_warmup_steps", "lr_warmup_iters"), ("lr_decay_steps", "lr_decay_iters")):
-            if state[key] % unit == 0:
-                changes[name] = state[key] // unit
+        if training.train_samples is not None:  # sample-based: the saved steps are samples
+            warmup, decay = state["lr_warmup_steps"], state["lr_decay_steps"]
+            changes["lr_decay_samples"] = int(decay)
+            if float(warmup).is_integer():
+                changes.update(lr_warmup_samples=int(warmup), lr_warmup_fraction=None)
+            else:  # a fraction's warmup
+                changes.update(lr_warmup_samples=0, lr_warmup_fraction=warmup / decay)
+        else:
+            for key, name in (("lr_warmup_steps", "lr_warmup_iters"), ("lr_decay_steps", "lr_decay_iters")):
+                if state[key] % unit == 0:
+                    changes[name] = state[key] // unit
+                    if key == "lr_warmup_steps":
+                        changes["lr_warmup_fraction"] = None
         trainer.config = dataclasses.replace(trainer.config, training=dataclasses.replace(training, **changes))
     if trainer.scheduler is not None:
         trainer.scheduler.load_state_dict(state)
