@@ -77,6 +77,8 @@ TEST_KINDS: list[tuple[str, str, tuple[str, ...]]] = [
     ("test_readme", r"test_docs_block_runs", ("e2e",)),
     ("test_megatron_lm", r"test_megatron_lm_(hetu_checkpoint|packing_equals)", ("gold",)),
     ("test_megatron_lm_llama", r"test_llama_(resume|packing_on_megatron_lm)", ("gold",)),
+    ("test_megatron_lm_recipe", r"test_llama3_recipe_", ("e2e",)),
+    ("test_megatron_lm_recipe", r"test_llama3_recipe_with_straggler", ("gold",)),
     ("test_packed_training", r"test_packed_training_matches_unpacked_reference", ("gold",)),
     ("test_hf_llama", r"test_(imported_model_gives_transformers_logits|imported_model_runs_under|"
                       r"exported_model_is_the_original|llama31_rope_scaling)", ("gold",)),
@@ -105,6 +107,9 @@ TEST_KINDS: list[tuple[str, str, tuple[str, ...]]] = [
     ("test_deepspeed_cli", r"test_resume_and_hetu_save_through_the_launcher", ("e2e",)),
     ("test_quiet", r"test_deepspeed_run_prints", ("e2e",)),
     ("test_tools_hardening", r"test_elastic_stops_on_a_configuration_error", ("e2e",)),
+    ("test_evaluation", r"test_(validation_loss_is_the_same|evaluations_read|training_is_bit_identical|"
+                        r"evaluation_runs_in_eval_mode|megatron_lm_block)", ("gold",)),
+    ("test_evaluation", r"test_no_validation_split_is_one_line", ("e2e",)),
 ]
 FAST_MODULES = {
     "test_activations", "test_calibrate_fit", "test_ckpt_cli", "test_ckpt_coverage", "test_ckpt_elastic",
