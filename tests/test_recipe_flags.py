@@ -60,7 +60,7 @@ MIXTRAL = ("--use-mcore-models --disable-bias-linear --seq-length 4096 --max-pos
            "--eval-interval 1000 --eval-iters 10 --save CK --load CK --tensorboard-dir TB --no-load-optim "
            "--no-load-rng").split()
 EXAMPLES = {"llama": LLAMA, "gpt3": GPT3, "mixtral": MIXTRAL}
-NOT_BUILT = {"--apply-layernorm-1p", "--grad-reduce-in-bf16",
+NOT_BUILT = {"--grad-reduce-in-bf16",
              "--exit-duration-in-mins"}
 """Flags of the Llama recipe still refused (shrinks as they are built)."""
 
@@ -287,3 +287,91 @@ def test_decoupled_lr_drives_the_embedding_and_output_layer(runtime):
 def test_decoupled_min_lr_needs_the_decoupled_lr():
     with pytest.raises(ValueError, match="needs --decoupled-lr"):
         _config("--train-iters", "2", "--decoupled-min-lr", "1e-5")
+
+
+# --- --apply-layernorm-1p ---
+def _norm_keys(weights: dict) -> list[str]:
+    """The norms' gammas: the parameters the model inventory initialises to ones."""
+    from hetu_ext.model.inventory import init_rule
+
+    return [k for k in weights if init_rule(k) == "ones"]
+
+
+@pytest.mark.parametrize("normalization, ranks, extra", [
+    ("LayerNorm", 1, []),
+    ("RMSNorm", 2, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--qk-layernorm",
+                    "--hetu-runtime", "plan"]),
+])
+def test_layernorm_1p_equals_the_plain_model_with_gamma_plus_one(normalization, ranks, extra):
+    """--apply-layernorm-1p stores each norm weight as gamma - 1 (Megatron's own value, in the gathered weights and
+    so in checkpoints) and trains like the plain model whose gammas are those + 1. Initialised at gamma 1, both
+    start from the same function: the first loss is bit-identical (a stored 1, i.e. gamma 2, would change it), the
+    later ones differ by the rounding of w - u + 1 against (w + 1) - u (relative 1e-5 allows far more than that
+    and far less than a wrong gamma). The second case runs TP 2 with sequence parallelism and q/k norms, where the
+    zero-centred norms must also carry the sequence-parallel mark."""
+    from hetu_ext.cli.runs import train
+    from hetu_ext.testing.multiproc import run_ranks
+
+    argv = [*BASE, "--train-iters", "3", "--normalization", normalization]
+    if "--qk-layernorm" in extra:  # the reference has the same q/k norms, on one rank
+        argv.append("--qk-layernorm")
+        extra = [f for f in extra if f != "--qk-layernorm"]
+    plain = run_ranks(train, 1, argv, timeout=240)[0]
+    one_p = [r for r in run_ranks(train, ranks, [*argv, "--apply-layernorm-1p", *extra],
+                                  timeout=240) if r][0]
+    if ranks == 1:
+        assert one_p["losses"][0] == plain["losses"][0]
+    assert one_p["losses"] == pytest.approx(plain["losses"], rel=1e-5)
+    keys = _norm_keys(plain["weights"])
+    assert any("final_layernorm" in k for k in keys) and any("layer_norm_weight" in k for k in keys), keys
+    for key, tensor in plain["weights"].items():
+        stored = one_p["weights"][key]
+        if key in keys:
+            assert stored.abs().max() < 0.05, key  # near 0: gamma - 1 after 3 small steps
+            assert torch_allclose(stored + 1, tensor), key
+        else:
+            assert torch_allclose(stored, tensor), key
+
+
+def torch_allclose(a, b) -> bool:
+    import torch
+
+    return torch.allclose(a, b, rtol=0, atol=2e-5)
+
+
+# --- --exit-duration-in-mins ---
+def _train_started_early(rank: int, world_size: int, argv: list[str], minutes_ago: float) -> dict:
+    """Train ``argv`` as if the process had started ``minutes_ago`` minutes earlier on rank 1 only (the MAX over
+    ranks must stop rank 0 too)."""
+    import hetu_ext.train.trainer as trainer_module
+    from hetu_ext.cli.runs import train
+
+    if rank == 1:
+        trainer_module.PROCESS_START -= minutes_ago * 60
+    return train(rank, world_size, argv, gather=False)
+
+
+def test_exit_duration_stops_every_rank_after_the_step_and_saves(tmp_path):
+    """Rank 1's clock is past --exit-duration-in-mins 30 from the start: both ranks stop after step 1 (not 4) and
+    the final save holds iteration 1."""
+    from hetu_ext.testing.multiproc import run_ranks
+
+    argv = [*BASE, "--train-iters", "4", "--exit-duration-in-mins", "30", "--save", str(tmp_path / "ck")]
+    out = run_ranks(_train_started_early, 2, argv, 45.0, timeout=240)[0]
+    assert len(out["losses"]) == 1, out["log_lines"]
+    assert any("exiting program after" in line for line in out["log_lines"]), out["log_lines"]
+    assert (tmp_path / "ck" / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+    again = run_ranks(_train_started_early, 2, argv[:-2], 0.0, timeout=240)[0]  # not yet 30 minutes: all 4 steps
+    assert len(again["losses"]) == 4
+
+
+def test_exit_duration_on_a_save_interval_step_saves_once_and_completes(tmp_path):
+    """Stopping at a step of --save-interval: that save is the last one and is complete (not left in the
+    background) when training returns."""
+    from hetu_ext.testing.multiproc import run_ranks
+
+    argv = [*BASE, "--train-iters", "4", "--exit-duration-in-mins", "30", "--save", str(tmp_path / "ck"),
+            "--save-interval", "1"]
+    out = run_ranks(_train_started_early, 2, argv, 45.0, timeout=240)[0]
+    assert len(out["losses"]) == 1
+    assert (tmp_path / "ck" / "latest_checkpointed_iteration.txt").read_text().strip() == "1"

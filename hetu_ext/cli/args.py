@@ -155,7 +155,7 @@ def validate_args(args: argparse.Namespace) -> None:
     _positive(args, "nproc_per_node", "nnodes", "num_layers", "hidden_size", "num_attention_heads", "seq_length",
               "micro_batch_size",
               "global_batch_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
-              "log_interval", "save_interval")
+              "log_interval", "save_interval", "exit_duration_in_mins")
     _validate_schedule(args)
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
         raise ValueError("--override-opt_param-scheduler (the flags' LR schedule) and "

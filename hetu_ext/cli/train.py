@@ -70,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         from hetu_ext.megatron.launch_plan import check_launch
 
         launch_check = check_launch(config, world_size)  # the plan against the model and world size, no group
+        _check_exit_duration(config, launch_check)
     except (PlanError, ValueError, OSError) as exc:
         report_error(PROG, str(exc))
         return 2
@@ -82,6 +83,17 @@ def main(argv: list[str] | None = None) -> int:
             return _launch(argv, config)
         _single_rank_env(config)
     return _train(config)
+
+
+def _check_exit_duration(config: RunConfig, launch_check) -> None:
+    """--exit-duration-in-mins is decided by the used ranks together after a step; ranks a plan leaves idle (now,
+    or after a migration) do not run steps, so they could not follow."""
+    if not config.training.exit_duration_in_mins:
+        return
+    if launch_check.plan.unused_ranks or launch_check.migrations or config.straggler.replan == "online":
+        raise ValueError(f"--exit-duration-in-mins {config.training.exit_duration_in_mins} needs every rank in "
+                         "every step: the plan leaves ranks unused, or --hetu-migrate / --hetu-straggler-replan "
+                         "online may; drop one")
 
 
 def _single_rank_env(config: RunConfig) -> None:

@@ -110,9 +110,7 @@ MEGATRON_FLAGS: dict[str, FlagRule] = {
     "--moe-*": FlagRule("refused", _MOE),
     "--expert-model-parallel-size": FlagRule("refused", _MOE),
     "--expert-tensor-parallel-size": FlagRule("refused", _MOE),
-    "--apply-layernorm-1p": FlagRule("refused", "zero-centred norms are not built yet"),
     "--grad-reduce-in-bf16": FlagRule("refused", "not built yet"),
-    "--exit-duration-in-mins": FlagRule("refused", "not built yet"),
     "--rampup-batch-size": FlagRule("refused", "batch-size ramp-up is not built in hetu_ext's trainer (a plan fixes "
                                                "each pipeline's microbatches); drop it"),
     "--fp16": FlagRule("refused", "fp16 with loss scaling is not built in hetu_ext's trainer; use --bf16"),

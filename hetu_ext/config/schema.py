@@ -65,6 +65,8 @@ class ModelConfig:
     rope_scaling_factor: float = setting(8.0, help="the factor of --use-rope-scaling")
     normalization: str = setting("LayerNorm", choices=("LayerNorm", "RMSNorm"), help="the norm of every layer")
     norm_epsilon: float = setting(1e-5, help="epsilon of the norms")
+    apply_layernorm_1p: bool = setting(False, help="zero-centred norms: each weight is stored as gamma - 1 "
+                                                   "(initialised to 0) and scales by 1 + weight (Megatron-LM's)")
     swiglu: bool = setting(False, help="a gated MLP with SiLU (Llama's SwiGLU); --ffn-hidden-size is each half")
     group_query_attention: bool = setting(False, help="grouped-query attention (with --num-query-groups)")
     num_query_groups: int = setting(1, help="query groups under --group-query-attention; every stage's TP degree "
@@ -147,6 +149,8 @@ class TrainingConfig:
     adam_eps: float = setting(1e-8, help="Adam epsilon")
     seed: int = setting(1234, help="seed of weights, data order and dropout")
     bf16: bool = setting(False, help="bf16 weights and activations, fp32 master weights")
+    exit_duration_in_mins: int | None = setting(help="stop (and save, with --save) after the first step that ends "
+                                                     "this many minutes after the process started (Megatron-LM's)")
     # --- evaluation (issue 45) ---
     eval_iters: int = setting(0, help="global batches of the validation split each evaluation runs forward only "
                                       "(Megatron-LM's default is 100; here 0: no evaluation unless asked)")

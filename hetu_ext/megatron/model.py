@@ -32,6 +32,9 @@ class TrainingNumerics:
     recompute_modules: tuple[str, ...] | None = None
     sequence_parallel: bool = False
     """``--sequence-parallel``: in stages of TP > 1, norms and dropout see 1/TP of the sequence."""
+    zero_centered_gamma: bool = False
+    """``--apply-layernorm-1p``: every norm's weight is stored as gamma - 1 (initialised to 0) and scales by
+    1 + weight (Megatron's ``layernorm_zero_centered_gamma``)."""
 
     @classmethod
     def of(cls, model, training, *, variable_seq_lengths: bool, sequence_parallel: bool = False
@@ -39,7 +42,7 @@ class TrainingNumerics:
         """From the run's model and training settings (hetu_ext.config's ModelConfig and TrainingConfig)."""
         return cls(bf16=training.bf16, hidden_dropout=model.hidden_dropout, attention_dropout=model.attention_dropout,
                    init_method_std=model.init_method_std, variable_seq_lengths=variable_seq_lengths,
-                   sequence_parallel=sequence_parallel,
+                   sequence_parallel=sequence_parallel, zero_centered_gamma=model.apply_layernorm_1p,
                    recompute_granularity=model.recompute_granularity, recompute_method=model.recompute_method,
                    recompute_num_layers=model.recompute_num_layers,
                    recompute_modules=tuple(model.recompute_modules) if model.recompute_modules else None)
@@ -61,6 +64,7 @@ def transformer_config(spec: ModelSpec, numerics: TrainingNumerics, *, tp: int, 
         kv_channels=spec.kv_channels, normalization=spec.normalization, layernorm_epsilon=spec.norm_epsilon,
         gated_linear_unit=spec.swiglu, activation_func=F.silu if spec.swiglu else F.gelu,
         add_bias_linear=spec.add_bias_linear, add_qkv_bias=spec.add_qkv_bias, qk_layernorm=spec.qk_layernorm,
+        layernorm_zero_centered_gamma=numerics.zero_centered_gamma,
         tensor_model_parallel_size=tp, sequence_parallel=numerics.sequence_parallel and tp > 1,
         pipeline_model_parallel_size=pp, pipeline_dtype=numerics.dtype, params_dtype=numerics.dtype,
         bf16=numerics.bf16, hidden_dropout=numerics.hidden_dropout, attention_dropout=numerics.attention_dropout,
@@ -103,8 +107,8 @@ def build_gpt_stage(spec: ModelSpec, config, *, pre_process: bool, post_process:
     layer_spec.submodules.self_attention.submodules.core_attention = PackedDotProductAttention
     if converter is not None:
         layer_spec = converter.layer_spec(layer_spec)
-    if config.sequence_parallel:
-        layer_spec = _sequence_parallel_block(layer_spec, config)
+    if config.sequence_parallel or config.layernorm_zero_centered_gamma:
+        layer_spec = _local_norm_block(layer_spec, config)
     kwargs = {} if pg_collection is None else {"pg_collection": pg_collection}
     model = GPTModel(
         config=config, transformer_layer_spec=layer_spec, vocab_size=spec.padded_vocab_size,
@@ -118,26 +122,29 @@ def build_gpt_stage(spec: ModelSpec, config, *, pre_process: bool, post_process:
     return model
 
 
-class SequenceParallelNorm:
-    """Torch's LayerNorm or RMSNorm (as Megatron's local ``WrappedTorchNorm``, which refuses sequence parallelism)
-    with its parameters marked ``sequence_parallel``: each TP rank sees 1/TP of the sequence, so its gradient is a
-    part, summed over the TP group before any other reduction (Megatron's finalize_model_grads reads the same
-    mark, which Transformer Engine's norms carry on GPU)."""
+class LocalNorm:
+    """The local spec's torch norm (Megatron's ``WrappedTorchNorm`` refuses both settings below) built by
+    :func:`hetu_ext.megatron.norms.local_norm`:
+
+    * ``--sequence-parallel``: its parameters are marked ``sequence_parallel``: each TP rank sees 1/TP of the
+      sequence, so its gradient is a part, summed over the TP group before any other reduction (Megatron's
+      finalize_model_grads reads the same mark, which Transformer Engine's norms carry on GPU);
+    * ``--apply-layernorm-1p``: the zero-centred norm (weight = gamma - 1, scaling by 1 + weight); its weight is
+      marked ``zero_centered_gamma``, so hetu_ext's initialisation stores gamma 1 as 0, Megatron's own value (in
+      checkpoints too)."""
 
     def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_unused):
-        norms = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}
-        if config.normalization not in norms:
-            raise ValueError(f"--sequence-parallel takes --normalization LayerNorm or RMSNorm, got "
-                             f"{config.normalization}")
-        norm = norms[config.normalization](hidden_size, eps=eps)
-        for param in norm.parameters():
-            param.sequence_parallel = config.sequence_parallel
+        from .norms import local_norm
+
+        norm = local_norm(config, hidden_size, eps=eps)
+        if config.layernorm_zero_centered_gamma:
+            norm.weight.zero_centered_gamma = True
         return norm
 
 
-def _sequence_parallel_block(layer_spec, config):
-    """The local spec's layers with :class:`SequenceParallelNorm` for every torch norm (the final one included),
-    as a block spec of the stage's layers."""
+def _local_norm_block(layer_spec, config):
+    """The local spec's layers with :class:`LocalNorm` for every torch norm (the final one included), as a block
+    spec of the stage's layers."""
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
@@ -146,11 +153,11 @@ def _sequence_parallel_block(layer_spec, config):
                         (layer.self_attention.submodules, "q_layernorm"),
                         (layer.self_attention.submodules, "k_layernorm")):
         if getattr(owner, name) is WrappedTorchNorm:
-            setattr(owner, name, SequenceParallelNorm)
+            setattr(owner, name, LocalNorm)
     # a plan's stage model is a one-stage model (pp 1); Megatron's uniform path asks parallel_state
     pp_rank = 0 if config.pipeline_model_parallel_size == 1 else None
     return TransformerBlockSubmodules(layer_specs=[layer_spec] * get_num_layers_to_build(config, pp_rank=pp_rank),
-                                      layer_norm=SequenceParallelNorm)
+                                      layer_norm=LocalNorm)
 
 
 def optimizer_config(training: TrainingConfig, numerics: TrainingNumerics, *,

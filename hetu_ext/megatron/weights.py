@@ -211,6 +211,8 @@ def init_weights(model: torch.nn.Module, *, seed: int, std: float, num_layers: i
             raise HetuExtError(f"{shard.key}: a TP-split parameter lacks tensor_model_parallel=True, so Megatron "
                                "would count one shard in the grad norm; build with perform_initialization=True")
         full = initial_value(shard.key, shard.index, shard.shape, seed=seed, std=std, num_layers=num_layers)
+        if getattr(shard.param, "zero_centered_gamma", False):  # --apply-layernorm-1p: stored as gamma - 1
+            full = full - 1
         shard.data.copy_(full[shard.slices])
         count += shard.data.numel()
     return count

@@ -64,6 +64,10 @@ from hetu_ext.train.eval import Evaluation, check_evaluation, eval_samples
 
 logger = logging.getLogger(__name__)
 
+PROCESS_START = time.time()
+"""When this process started training code (Megatron-LM's ``_TRAIN_START_TIME``): --exit-duration-in-mins counts
+from here."""
+
 
 @dataclass
 class Trainer:
@@ -190,8 +194,15 @@ class Trainer:
                     window = []
                 if self.evaluation is not None and self.evaluation.after_step(self, log, watchdog):
                     step_start = time.perf_counter()  # evaluating is no step (before the save: Megatron-LM's order)
+                exiting = bool(cfg.training.exit_duration_in_mins) and self._time_is_up(log)
+                if exiting:  # --exit-duration-in-mins: the run ends at this step, so its save (the interval's or
+                    # the final one below) is the last one and completes before returning, as Megatron-LM's
+                    cfg = self.config = dataclasses.replace(cfg, training=dataclasses.replace(
+                        cfg.training, train_iters=self.iteration))
                 if save_dir and save_interval and self.iteration % save_interval == 0:
                     self._save(save_dir)
+                if exiting:
+                    break
             if self.migrations and self.migrations[0][0] == self.iteration:
                 replan = self.migrations.pop(0)[1]
             elif cfg.straggler.replan != "online":
@@ -215,6 +226,17 @@ class Trainer:
         if self.metrics is not None:
             self.metrics.close()
         return self.losses
+
+    def _time_is_up(self, log) -> bool:
+        """--exit-duration-in-mins: this process has run longer than the limit on some used rank (a MAX over the
+        used ranks, as Megatron-LM's all-reduce after every step; the plan has no idle rank, build_run checks)."""
+        minutes = (time.time() - PROCESS_START) / 60.0
+        done = torch.tensor([int(minutes > self.config.training.exit_duration_in_mins)], device=self.host.device)
+        dist.all_reduce(done, op=dist.ReduceOp.MAX, group=self.placement.report_group)
+        if done.item() and self.host.rank == self.log_rank:
+            log(f"exiting program after {minutes:.2f} minutes (--exit-duration-in-mins "
+                f"{self.config.training.exit_duration_in_mins}), at iteration {self.iteration}")
+        return bool(done.item())
 
     def _consumed(self, data, samples_per_step: int) -> int:
         if isinstance(data, (PackedSteps, SwitchedSteps)):
