@@ -157,6 +157,9 @@ def validate_args(args: argparse.Namespace) -> None:
               "global_batch_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
               "log_interval", "save_interval", "exit_duration_in_mins")
     _validate_schedule(args)
+    if args.grad_reduce_in_bf16 and not args.bf16:
+        raise ValueError("--grad-reduce-in-bf16 reduces the bf16 model's gradients in bf16; without --bf16 they are "
+                         "fp32: add --bf16 or drop --grad-reduce-in-bf16")
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
         raise ValueError("--override-opt_param-scheduler (the flags' LR schedule) and "
                          "--use-checkpoint-opt_param-scheduler (the checkpoint's) contradict each other; give one")

@@ -103,6 +103,7 @@ MEGATRON_FLAGS: dict[str, FlagRule] = {
     "--fp8-*": FlagRule("accepted", _FP8),
     "--profile*": FlagRule("accepted", _PROFILER),
     "--use-pytorch-profiler": FlagRule("accepted", _PROFILER),
+    "--wandb-exp-name": FlagRule("accepted", "the W&B run keeps W&B's own name (--wandb-project is implemented)"),
     "--tp-comm-overlap": FlagRule("accepted", "TP communication is not overlapped (Transformer Engine's "
                                               "userbuffers)"),
     # --- change the numbers and are not built
@@ -110,7 +111,6 @@ MEGATRON_FLAGS: dict[str, FlagRule] = {
     "--moe-*": FlagRule("refused", _MOE),
     "--expert-model-parallel-size": FlagRule("refused", _MOE),
     "--expert-tensor-parallel-size": FlagRule("refused", _MOE),
-    "--grad-reduce-in-bf16": FlagRule("refused", "not built yet"),
     "--rampup-batch-size": FlagRule("refused", "batch-size ramp-up is not built in hetu_ext's trainer (a plan fixes "
                                                "each pipeline's microbatches); drop it"),
     "--fp16": FlagRule("refused", "fp16 with loss scaling is not built in hetu_ext's trainer; use --bf16"),

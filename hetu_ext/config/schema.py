@@ -149,6 +149,8 @@ class TrainingConfig:
     adam_eps: float = setting(1e-8, help="Adam epsilon")
     seed: int = setting(1234, help="seed of weights, data order and dropout")
     bf16: bool = setting(False, help="bf16 weights and activations, fp32 master weights")
+    grad_reduce_in_bf16: bool = setting(False, help="with --bf16: gradients accumulated and reduced over data "
+                                                    "parallelism in bf16 (default: fp32, as Megatron-LM)")
     exit_duration_in_mins: int | None = setting(help="stop (and save, with --save) after the first step that ends "
                                                      "this many minutes after the process started (Megatron-LM's)")
     # --- evaluation (issue 45) ---

@@ -33,6 +33,9 @@ class TrainingNumerics:
     sequence_parallel: bool = False
     """``--sequence-parallel``: in stages of TP > 1, norms and dropout see 1/TP of the sequence."""
     zero_centered_gamma: bool = False
+    grad_reduce_in_fp32: bool = True
+    """Megatron-LM's default under ``--bf16``: DDP's gradient buffers (accumulation and data-parallel reduction)
+    in fp32; ``--grad-reduce-in-bf16`` sets it False (buffers in the bf16 parameters' dtype)."""
     """``--apply-layernorm-1p``: every norm's weight is stored as gamma - 1 (initialised to 0) and scales by
     1 + weight (Megatron's ``layernorm_zero_centered_gamma``)."""
 
@@ -43,6 +46,7 @@ class TrainingNumerics:
         return cls(bf16=training.bf16, hidden_dropout=model.hidden_dropout, attention_dropout=model.attention_dropout,
                    init_method_std=model.init_method_std, variable_seq_lengths=variable_seq_lengths,
                    sequence_parallel=sequence_parallel, zero_centered_gamma=model.apply_layernorm_1p,
+                   grad_reduce_in_fp32=not training.grad_reduce_in_bf16,
                    recompute_granularity=model.recompute_granularity, recompute_method=model.recompute_method,
                    recompute_num_layers=model.recompute_num_layers,
                    recompute_modules=tuple(model.recompute_modules) if model.recompute_modules else None)

@@ -158,7 +158,8 @@ def build_plan_placement(training: TrainingConfig, spec: ModelSpec, plan: Plan, 
             position = StagePosition(where[1], plan.pipelines[where[0]].pp)
             model.pg_collection = copy.copy(model.pg_collection)
             model.pg_collection.pp = position
-        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False)
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=numerics.grad_reduce_in_fp32,
+                                                   overlap_grad_reduce=False)
         model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model, pg_collection=pgc)
         local = {}
         flat = [b.grad_data for b in model.buffers + model.expert_parallel_buffers]

@@ -30,7 +30,8 @@ def build_megatron_placement(training: TrainingConfig, spec: ModelSpec, plan: Pl
     model.to(h.device)
     init_weights(model, seed=training.seed, std=numerics.init_method_std, num_layers=spec.num_layers)
     model = with_precision(model, config, numerics)
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=numerics.grad_reduce_in_fp32,
+                                               overlap_grad_reduce=False,
                                                use_distributed_optimizer=use_distributed_optimizer)
     model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
     model.broadcast_params()
