@@ -28,6 +28,7 @@ from hetu_ext.checkpoint.schedule import resolve_schedule
 from hetu_ext.plan.batches import global_batch_size
 from hetu_ext.runtime.reshard import Piece
 
+from .distopt_state import distopt_pieces, distributed_optimizers
 from .weights import local_shards
 
 logger = logging.getLogger(__name__)
@@ -93,7 +94,9 @@ def state_pieces(placement, *, moments: set[str] | None = None, step: float | No
     """This rank's parameters, fp32 master weights and optimizer moments as pieces (empty on idle ranks).
 
     Names: ``param/KEY`` (model dtype), ``master/KEY`` (fp32 copy kept by the optimizer under --bf16),
-    ``exp_avg/KEY``, ``exp_avg_sq/KEY``. With ``moments`` given (loading), the optimizer state of every parameter
+    ``exp_avg/KEY``, ``exp_avg_sq/KEY``; under Megatron's DistributedOptimizer (--use-distributed-optimizer) the
+    last three are the boxes of this rank's flat ranges (:mod:`hetu_ext.megatron.distopt_state`). With ``moments``
+    given (loading), the optimizer state of every parameter (of every flat shard, under the DistributedOptimizer)
     is first created with those moments and Adam's ``step``, uninitialised: these pieces are the destinations of
     a load (:func:`hetu_ext.checkpoint.load.load_pieces`), whose reshard fills every element or raises before
     moving anything (a failed load stops the run). Not zero-filling them saves a pass over the moments' memory
@@ -114,6 +117,8 @@ def state_pieces(placement, *, moments: set[str] | None = None, step: float | No
 
 
 def _pieces(placement) -> list[Piece]:
+    if distributed_optimizers(placement.optimizer):  # --- Megatron's DistributedOptimizer: its flat DP ranges
+        return distopt_pieces(placement, local_shards(placement.model, **placement.shard_kwargs))
     sharded = getattr(placement.optimizer, "hetu_sharded", None)
     if sharded is not None:  # --- the plan runtime's sharded optimizer: state of the owned boxes only
         pieces = [Piece(f"param/{s.key}", s.index, tuple((sl.start, sl.stop) for sl in s.slices), s.data.data)

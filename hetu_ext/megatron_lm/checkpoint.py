@@ -90,6 +90,23 @@ def grid(args) -> dict:
             "pp": args.pipeline_model_parallel_size}
 
 
+def _check_loaded(placement: GridPlacement, where: str) -> None:
+    """Under the DistributedOptimizer, the loaded model parameters must be the loaded fp32 masters rounded, as
+    Megatron keeps them (:func:`hetu_ext.megatron.distopt_state.params_match_masters`); every rank raises the same
+    error."""
+    from hetu_ext.megatron.distopt_state import distributed_optimizers, params_match_masters
+    from hetu_ext.megatron.weights import local_shards
+
+    problem = None
+    if distributed_optimizers(placement.optimizer):
+        problem = params_match_masters(placement, local_shards(placement.model))
+    problems: list = [None] * dist.get_world_size()
+    dist.all_gather_object(problems, problem)
+    first = next((p for p in problems if p), None)
+    if first is not None:
+        raise CheckpointError(f"{where}: {first}")
+
+
 class StepStorage(LocalStorage):
     """A checkpoint directory whose tracker reads ``step`` (Megatron-LM's ``--ckpt-step``: load that one)."""
 
@@ -116,8 +133,10 @@ def is_hetu(directory: str, step: int | None = None) -> bool:
 class HetuCheckpoints:
     """The save and load hooks, one object per process (its checkpointer outlives a save)."""
 
-    def __init__(self, *, keep: int, fallback: bool, read: str) -> None:
-        self.keep, self.fallback, self.read = keep, fallback, read
+    def __init__(self, *, keep: int, fallback: bool, read: str, packing: str = "off") -> None:
+        """``packing``: the run's ``--hetu-packing`` method, recorded with the data settings so that hetu_ext's
+        trainer resumes a checkpoint only with the data that continues it (its ``restore`` compares them)."""
+        self.keep, self.fallback, self.read, self.packing = keep, fallback, read, packing
         self.run_id: str | None = None
         self.loaded_from: str | None = None
         self.loaded_run: str | None = None
@@ -159,7 +178,7 @@ class HetuCheckpoints:
                  "consumed_train_samples": margs.consumed_train_samples,
                  "num_floating_point_operations_so_far": num_floating_point_operations_so_far,
                  "data": {"global_batch_size": margs.global_batch_size, "seed": margs.seed,
-                          "seq_length": margs.seq_length, "packing": None}}
+                          "seq_length": margs.seq_length, "packing": self.packing}}
         info = {"consumed_samples": margs.consumed_train_samples, "plan": plan_to_dict(plan),
                 "config": {"megatron_lm": True}, "state": state}
         ckpt.save(iteration=iteration, pieces=state_pieces(placement), rng=rng_state(dist.get_rank()), info=info,
@@ -194,9 +213,15 @@ class HetuCheckpoints:
         report = load_pieces(storage, destinations, fallback=self.fallback, read=self.read)
         manifest = report.manifest
         state = manifest.state
+        _check_loaded(placement, f"{directory} (iteration {manifest.iteration})")
         if opt_param_scheduler is not None and state.get("scheduler") is not None:
             opt_param_scheduler.load_state_dict(state["scheduler"])
-        margs.consumed_train_samples = state.get("consumed_train_samples", 0)
+        # hetu_ext's trainer records the samples in the manifest only (unpacked data: iteration x global batch)
+        consumed = state.get("consumed_train_samples", manifest.consumed_samples)
+        if consumed is None:
+            raise CheckpointError(f"{directory} (iteration {manifest.iteration}) records no consumed samples (a "
+                                  "packed run of hetu_ext's trainer); resume it with hetu_ext's trainer")
+        margs.consumed_train_samples = consumed
         update_num_microbatches(consumed_samples=margs.consumed_train_samples, verbose=True)
         same_grid = state.get("grid") == grid(margs)
         rng = next((r for r in manifest.rng.values() if r.get("rank") == dist.get_rank()), None)
