@@ -110,7 +110,8 @@ def _validate_schedule(args: argparse.Namespace) -> None:
 def _validate_files(args: argparse.Namespace) -> None:
     """Every file a flag names exists and parses, before any process group (a missing --data-path gave 114 lines
     of three ranks' tracebacks)."""
-    if args.load is not None and not Path(args.load).is_dir():
+    # Megatron-LM's recipes give --save DIR --load DIR: the first run finds no DIR yet and starts from scratch
+    if args.load is not None and not Path(args.load).is_dir() and args.load != args.save:
         raise ValueError(f"--load {args.load}: no such directory; give the --save directory of an earlier run (a "
                          "folder without a checkpoint yet starts from scratch), or drop --load")
     for prefix in args.data_path or ():

@@ -200,11 +200,15 @@ def take_megatron_flags(argv: list[str], known: Iterable[str] = ()) -> TakenFlag
 
 
 def accepted_notice(accepted: list[tuple[str, str]]) -> str | None:
-    """The one notice of the accepted flags: each flag as given and what runs instead (None when there are none)."""
+    """The one notice of the accepted flags: each flag as given and what runs instead, flags with the same
+    instead listed together (None when there are none)."""
     if not accepted:
         return None
+    by_note: dict[str, list[str]] = {}
+    for given, instead in accepted:
+        by_note.setdefault(instead, []).append(given)
     return ("Megatron-LM flags that do not change the numbers, accepted (what runs instead): "
-            + "; ".join(f"{given} -> {instead}" for given, instead in accepted))
+            + "; ".join(f"{', '.join(flags)} -> {instead}" for instead, flags in by_note.items()))
 
 
 def refusal(refused: tuple[str, str]) -> str:

@@ -525,7 +525,7 @@ def build_trainer(config: RunConfig, *, checkpoint_formats: tuple = ()) -> Train
         trainer.switching = Switching(launch.strategies, home=placement, build=trainer.build_strategy,
                                       ranks_per_node=config.straggler.gpus_per_node)
     trainer.follow_log_rank()
-    if config.checkpoint.load:
+    if config.checkpoint.load and os.path.isdir(config.checkpoint.load):  # else: --load is --save, not made yet
         trainer.load(config.checkpoint.load)
     if config.checkpoint.save:  # the run's identity; another run's checkpoints there are refused before training
         checkpointing.prepare_save(trainer, config.checkpoint.save)
