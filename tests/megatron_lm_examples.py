@@ -113,3 +113,14 @@ LLAMA_CPU_SIZES = {"--num-layers": "4", "--hidden-size": "64", "--ffn-hidden-siz
                    "--profile-step-start": "2", "--profile-step-end": "3"}
 """The Llama 3 8B recipe at CPU sizes: the issue's (4 layers, hidden 64, ffn 96, 4 heads, 2 query groups,
 kv-channels 16, seq 128, vocab 1000, global batch 8, 96 samples = 12 iterations), evaluation every 4 iterations."""
+
+
+if __name__ == "__main__":  # rewrite docs/megatron-lm.md's flag table from the code's rules
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_megatron_lm_recipe import DOC, TABLE_BEGIN, TABLE_END, example_flag_table
+
+    head, rest = DOC.read_text().split(TABLE_BEGIN, 1)
+    DOC.write_text(f"{head}{TABLE_BEGIN}\n{example_flag_table()}{TABLE_END}{rest.split(TABLE_END, 1)[1]}")

@@ -211,7 +211,10 @@ def test_megatron_lm_patch_point_check_names_symbol_and_tag():
 @pytest.mark.parametrize("flags, needle", [
     (["--hetu-plan", "PLAN", "--num-experts", "4"], "--num-experts"),
     (["--hetu-plan", "PLAN", "--context-parallel-size", "2"], "--context-parallel-size"),
-    (["--hetu-ckpt-format", "hetu", "--use-distributed-optimizer"], "--use-distributed-optimizer"),
+    (["--hetu-ckpt-format", "hetu", "--no-load-optim"], "--no-load-optim"),
+    (["--hetu-ckpt-format", "hetu", "--no-load-rng"], "--no-load-rng"),
+    (["--hetu-ckpt-format", "hetu", "--context-parallel-size", "2"], "--context-parallel-size 2"),
+    (["--hetu-cpu-patches", "on", "--context-parallel-size", "2"], "Transformer Engine"),
     (["--hetu-emulate-slowdown", "step=2:rank=1:x=3"], "--hetu-straggler-interval"),
     (["--hetu-metrics-file", "m.jsonl"], "--hetu-metrics-file"),
     (["--hetu-straggler-interval", "2", "--dataloader-type", "cyclic"], "--dataloader-type"),
@@ -221,7 +224,6 @@ def test_megatron_lm_patch_point_check_names_symbol_and_tag():
     (["--hetu-packing", "balanced", "--micro-batch-size", "2", "--hetu-varlen-mock", LENGTHS],
      "--micro-batch-size"),
     (["--hetu-packing", "balanced"], "--hetu-varlen-mock"),
-    (["--sequence-parallel", "--tensor-model-parallel-size", "2"], "--hetu-runtime plan"),
 ])
 def test_megatron_lm_refuses_unsupported_combinations(tmp_path, capsys, flags, needle):
     plan = tmp_path / "hetero.yaml"

@@ -21,7 +21,9 @@ And pure checks of the rewrite and of the zero-centred norms.
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -33,19 +35,50 @@ from hetu_ext.megatron_lm.rehearsal import CPU_SWITCHES, cpu_rewrite
 
 sys.path.insert(0, str(Path(__file__).parent))
 from megatron_lm_examples import LLAMA3_8B_FP8, LLAMA_CPU_SIZES, resized  # noqa: E402
-from test_megatron_lm import SCRIPT, needs_checkout, step_losses, torchrun  # noqa: E402
+from megatron_lm_examples import EXAMPLES  # noqa: E402
+from test_megatron_lm import needs_checkout, step_losses  # noqa: E402
 
+from hetu_ext.megatron_lm.table import UNCLASSIFIED, flag_rows, markdown_table
+
+ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "megatron-lm.md"
+BLOCK_START = "# Megatron-LM's own Llama 3 8B example"
 VALID = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([0-9.E+-]+) \|")
 BF16_RTOL = 2e-3
 
 
-def recipe(tmp: Path) -> list[str]:
-    return resized(LLAMA3_8B_FP8, LLAMA_CPU_SIZES, {"CACHE": str(tmp / "cache"), "CKPT": str(tmp / "ckpt"),
-                                                    "TB": str(tmp / "tb")})
+def recipe_block() -> str:
+    """The recipe's command block of docs/megatron-lm.md, with the checkout of this machine."""
+    blocks = re.findall(r"^```bash\n(.*?)^```", DOC.read_text(), flags=re.S | re.M)
+    block = next(b for b in blocks if b.startswith(BLOCK_START))
+    return block.replace("../shared/", f"{ROOT.parent}/shared/")
+
+
+def block_argv(block: str, cwd: Path) -> list[str]:
+    """The flags the block gives pretrain_gpt.py, as bash expands them."""
+    head, launch = block.split("\ntorchrun", 1)
+    arrays = re.findall(r"\$\{(\w+)\[@\]\}", launch)
+    proc = subprocess.run(["bash", "-c", head + "\nprintf '%s\\n' " + " ".join(f"${{{a}[@]}}" for a in arrays)],
+                          capture_output=True, text=True, cwd=cwd, check=True)
+    return proc.stdout.splitlines()
+
+
+def run_recipe(cwd: Path, *extra: str) -> str:
+    """The docs' block, run as written (with ``extra`` flags after the recipe's); its output."""
+    script = recipe_block().rstrip() + "".join(f" {flag}" for flag in extra) + "\n"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(cwd), "PYTHONWARNINGS": "ignore",
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=900, env=env, cwd=cwd)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-5000:]
+    return out
 
 
 def validation_losses(log: str) -> dict[int, float]:
     return {int(it): float(v) for it, v in VALID.findall(log)}
+
+
+TABLE_BEGIN, TABLE_END = "<!-- flag table: begin -->", "<!-- flag table: end -->"
 
 
 def test_cpu_rewrite_of_the_llama_recipe():
@@ -97,11 +130,34 @@ def test_zero_centered_norm_is_the_norm_with_gamma_plus_one(normalization):
     torch.testing.assert_close(norm(x), plain(x), rtol=0, atol=1e-6)
 
 
+def test_docs_block_is_the_example_unchanged_but_for_sizes(tmp_path):
+    want = resized(LLAMA3_8B_FP8, LLAMA_CPU_SIZES, {"CKPT": "checkpoints/llama3_8b_fp8",
+                                                    "TB": "tensorboard_logs/llama3_8b_fp8",
+                                                    "CACHE": f"{tmp_path}/benchmark_cache_llama3_8b_fp8"})
+    assert block_argv(recipe_block(), tmp_path) == want
+
+
+def example_flag_table() -> str:
+    return markdown_table(flag_rows([t for argv in EXAMPLES.values() for t in argv]))
+
+
+def test_every_flag_of_the_examples_is_classified_on_each_path():
+    """Acceptance 2: every flag of the three example scripts has a rule on Megatron-LM's loop and in hetu_ext's
+    trainer, and docs/megatron-lm.md shows the generated table (``python tests/megatron_lm_examples.py``
+    rewrites it)."""
+    for script, argv in EXAMPLES.items():
+        rows = flag_rows(argv)
+        assert [r[0] for r in rows if r[2] == UNCLASSIFIED] == [], script
+        assert all(r[1].startswith("Megatron-LM") for r in rows)
+    text = DOC.read_text()
+    table = text.split(TABLE_BEGIN, 1)[1].split(TABLE_END, 1)[0].strip("\n") + "\n"
+    assert table == example_flag_table(), "docs/megatron-lm.md's flag table is stale: python tests/megatron_lm_examples.py"
+
+
 @pytest.fixture(scope="module")
 def plain_recipe(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("recipe")
-    proc = torchrun(tmp, *recipe(tmp), nproc=4, timeout=600)
-    return tmp, proc.stdout + proc.stderr
+    return tmp, run_recipe(tmp)
 
 
 @needs_checkout
@@ -116,7 +172,7 @@ def test_llama3_recipe_unchanged_but_sizes_trains_evaluates_and_saves_on_cpu(pla
     # --sequence-parallel at TP 1: Megatron-LM turns it off (its warning) and goes on
     assert re.search(r"sequence_parallel \.+ False", log), log[:3000]
     for it in (6, 12):  # Megatron-LM's own torch_dist checkpoints (its saver spawns a helper process)
-        assert (tmp / "ckpt" / f"iter_{it:07d}" / "metadata.json").is_file(), log[-3000:]
+        assert (tmp / "checkpoints" / "llama3_8b_fp8" / f"iter_{it:07d}" / "metadata.json").is_file(), log[-3000:]
 
 
 @needs_checkout
@@ -124,10 +180,9 @@ def test_llama3_recipe_with_straggler_weighting_equals_the_plain_run(plain_recip
     tmp, log = plain_recipe
     run = tmp / "weighted"
     run.mkdir()
-    proc = torchrun(run, *recipe(run), "--hetu-straggler-interval", "1", "--hetu-straggler-window", "2",
-                    "--hetu-straggler-threshold", "2.0", "--hetu-emulate-slowdown", "step=1:rank=1:x=6",
-                    "--hetu-emulate-layer-ms", "25", "--save-interval", "1000", nproc=4, timeout=600)
-    out = proc.stdout + proc.stderr
+    out = run_recipe(run, "--hetu-straggler-interval", "1", "--hetu-straggler-window", "2",
+                     "--hetu-straggler-threshold", "2.0", "--hetu-emulate-slowdown", "step=1:rank=1:x=6",
+                     "--hetu-emulate-layer-ms", "25", "--save-interval", "1000")
     moved = re.findall(r"microbatches per data-parallel rank: (\d+), (\d+), (\d+), (\d+)", out)
     assert any(int(r1) < 2 for _, r1, _, _ in moved), out[-3000:]  # rank 1's share of 8 fell below 8/4
     want, got = step_losses(log), step_losses(out)

@@ -37,7 +37,8 @@ SMALL = [(r"--train-iters (\d+)", lambda m: f"--train-iters {max(2, int(m.group(
 SKIPPED = {"make test-fast": "make test-fast is a part of this suite",
            "make demo": "make demo (launch/demo.sh) runs in tests/test_demo.py, its metrics read back",
            "make test": "make test is this suite",
-           "python -m venv": "the install commands are the Makefile's venv target, which make test runs first"}
+           "python -m venv": "the install commands are the Makefile's venv target, which make test runs first",
+           "# Megatron-LM's own Llama 3 8B example": "tests/test_megatron_lm_recipe.py runs it and reads its log"}
 """First words of a block -> why this file does not run it."""
 
 

@@ -81,6 +81,7 @@ class MegatronFlags:
     ckpt_step: int | None = None
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
+    context_parallel_size: int = 1
     mock_data: bool = False
     data_path: list[str] | None = None
     present: list[str] = field(default_factory=list)
@@ -157,6 +158,7 @@ def megatron_flags(argv: list[str]) -> MegatronFlags:
     parser.add_argument("--ckpt-step", type=int)
     parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
     parser.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    parser.add_argument("--context-parallel-size", type=int, default=1)
     parser.add_argument("--mock-data", action="store_true")
     parser.add_argument("--data-path", nargs="*")
     known, _ = parser.parse_known_args(argv)
@@ -260,6 +262,15 @@ def _check_native(inv: Invocation) -> None:
             inv.megatron.calculate_per_token_loss = True
             inv.notes.append("--hetu-straggler-interval: added --calculate-per-token-loss (with microbatches "
                              "weighted per data-parallel rank, only a per-token mean keeps the global batch's loss)")
+    if m.context_parallel_size > 1:
+        uses = [f for f, on in (("--hetu-ckpt-format hetu", inv.hetu_checkpoints),
+                                ("--hetu-straggler-interval", inv.weighting),
+                                ("--hetu-packing", ns.hetu_packing != "off")) if on]
+        if uses or inv.cpu:
+            why = (f"{uses[0]} has no rule for context parallelism yet" if uses else
+                   "on CPU Megatron-core's local layer spec has no context parallelism (it needs Transformer Engine)")
+            raise ValueError(f"--context-parallel-size {m.context_parallel_size}: {why}; give "
+                             "--context-parallel-size 1" + (f" or drop {uses[0]}" if uses else ""))
     _check_packing(inv)
     if ns.hetu_ckpt_keep < 1:
         raise ValueError(f"--hetu-ckpt-keep must be >= 1, got {ns.hetu_ckpt_keep}")
@@ -269,6 +280,11 @@ def _check_native(inv: Invocation) -> None:
             raise ValueError(f"--hetu-ckpt-format hetu has no rule for {HETU_CKPT_UNCOVERED[uncovered[0]]} "
                              f"({uncovered[0]}); use Megatron-LM's own checkpoints (--hetu-ckpt-format auto) or drop "
                              f"{uncovered[0]}")
+        kept = [f for f in ("--no-load-optim", "--no-load-rng", "--finetune") if f in m.present]
+        if kept:
+            raise ValueError(f"{kept[0]} with --hetu-ckpt-format hetu: a hetu --load resumes the saved run (optimizer "
+                             "state resharded, RNG states under the saving grid); drop "
+                             f"{kept[0]}, or load Megatron-LM's own checkpoints with --hetu-ckpt-format auto")
         if m.load is not None and not Path(m.load).is_dir():
             raise ValueError(f"--load {m.load}: no such directory; give the --save directory of an earlier run")
 
