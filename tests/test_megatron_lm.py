@@ -218,6 +218,7 @@ def test_megatron_lm_patch_point_check_names_symbol_and_tag():
     (["--hetu-emulate-slowdown", "step=2:rank=1:x=3"], "--hetu-straggler-interval"),
     (["--hetu-metrics-file", "m.jsonl"], "--hetu-metrics-file"),
     (["--hetu-straggler-interval", "2", "--dataloader-type", "cyclic"], "--dataloader-type"),
+    (["--hetu-straggler-interval", "2", "--rampup-batch-size", "4", "4", "64"], "--rampup-batch-size"),
     (["--hetu-config", "x.yaml"], "--hetu-config"),
     (["--hetu-packing", "balanced", "--hetu-varlen-mock", LENGTHS, "--hetu-straggler-interval", "2"],
      "--hetu-straggler-interval"),
