@@ -72,13 +72,14 @@ MODULE_KINDS: dict[str, tuple[str, ...]] = {
     "test_demo": ("e2e",),
     "test_megatron_lm": ("e2e",),
     "test_megatron_lm_llama": ("e2e",),
+    "test_megatron_lm_distopt": ("e2e", "gold"),
 }
 TEST_KINDS: list[tuple[str, str, tuple[str, ...]]] = [
     ("test_readme", r"test_docs_block_runs", ("e2e",)),
     ("test_megatron_lm", r"test_megatron_lm_(hetu_checkpoint|packing_equals)", ("gold",)),
     ("test_megatron_lm_llama", r"test_llama_(resume|packing_on_megatron_lm)", ("gold",)),
     ("test_megatron_lm_recipe", r"test_llama3_recipe_", ("e2e",)),
-    ("test_megatron_lm_recipe", r"test_llama3_recipe_with_straggler", ("gold",)),
+    ("test_megatron_lm_recipe", r"test_llama3_recipe_(with_straggler|handed_to)", ("gold",)),
     ("test_packed_training", r"test_packed_training_matches_unpacked_reference", ("gold",)),
     ("test_hf_llama", r"test_(imported_model_gives_transformers_logits|imported_model_runs_under|"
                       r"exported_model_is_the_original|llama31_rope_scaling)", ("gold",)),
@@ -108,7 +109,7 @@ TEST_KINDS: list[tuple[str, str, tuple[str, ...]]] = [
     ("test_quiet", r"test_deepspeed_run_prints", ("e2e",)),
     ("test_tools_hardening", r"test_elastic_stops_on_a_configuration_error", ("e2e",)),
     ("test_evaluation", r"test_(validation_loss_is_the_same|evaluations_read|training_is_bit_identical|"
-                        r"evaluation_runs_in_eval_mode|megatron_lm_block)", ("gold",)),
+                        r"evaluation_runs_in_eval_mode|megatron_lm_block|a_resumed_run)", ("gold",)),
     ("test_evaluation", r"test_no_validation_split_is_one_line", ("e2e",)),
 ]
 FAST_MODULES = {

@@ -72,6 +72,22 @@ def test_evaluations_read_different_batches(reference):
     assert all(abs(a - b) > 100 * LOSS_RTOL * b for a, b in zip(losses, losses[1:]))
 
 
+def test_a_resumed_run_evaluates_the_samples_of_the_uninterrupted_one(reference, sample_prefix, tmp_path):
+    """Saved after step 2 and resumed to step 3 (one rank, so bit for bit): the evaluation after the last step
+    reads validation batches [2, 4) as the uninterrupted run's does, because the position is derived from the
+    step (Megatron-LM's consumed_valid_samples), not counted by the process; a count from the resumed process's
+    start would read batches [0, 2) and differ."""
+    schedule = (*EVAL, "--lr-decay-iters", "3")
+    saved = _eval_run(1, gpt_argv(1, 1, sample_prefix, (*schedule, "--train-iters", "2", "--save",
+                                                         str(tmp_path / "ckpt"))), tmp_path / "a.jsonl")
+    resumed = _eval_run(1, gpt_argv(1, 1, sample_prefix, (*schedule, "--load", str(tmp_path / "ckpt"))),
+                        tmp_path / "b.jsonl")
+    assert saved["evals"][0]["loss"] == reference["evals"][0]["loss"]  # after step 2
+    assert [(r["split"], r["iteration"], r["final"]) for r in resumed["evals"]] == [("valid", 3, True),
+                                                                                    ("test", 3, True)]
+    assert [r["loss"] for r in resumed["evals"]] == [r["loss"] for r in reference["evals"][1:]]
+
+
 def test_training_is_bit_identical_with_and_without_evaluation(sample_prefix, tmp_path):
     """TP 2 with dropout 0.1, evaluating after every step: the training losses and the final weights equal, bit
     for bit, those of the run without evaluation. Catches a model left in eval mode (dropout off from step 2),
