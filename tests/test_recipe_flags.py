@@ -404,3 +404,114 @@ def test_grad_reduce_in_bf16_keeps_the_gradient_buffers_in_bf16(extra):
 def test_grad_reduce_in_bf16_needs_bf16():
     with pytest.raises(ValueError, match="add --bf16"):
         _config("--train-iters", "2", "--grad-reduce-in-bf16")
+
+
+# --- file tokenizers: HuggingFaceTokenizer, GPT2BPETokenizer (local files, nothing downloaded) ---
+TEXTS = ["hello world, the quick brown fox jumps over the lazy dog", "def f(x): return x + 1  # it's 42",
+         "Megatron-LM's recipes, unchanged"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_files(tmp_path_factory):
+    """A tiny GPT-2-style byte-level BPE (300 ids, <|endoftext|> among them), made here with the tokenizers
+    library: vocab.json + merges.txt, and the same as a Hugging Face tokenizer directory."""
+    import json
+
+    from tokenizers import ByteLevelBPETokenizer
+
+    out = tmp_path_factory.mktemp("tokenizer")
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(TEXTS * 20, vocab_size=300, min_frequency=1, special_tokens=["<|endoftext|>"])
+    bpe.save_model(str(out))
+    hf = out / "hf"
+    hf.mkdir()
+    bpe._tokenizer.save(str(hf / "tokenizer.json"))
+    (hf / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>",
+                                                          "tokenizer_class": "PreTrainedTokenizerFast"}))
+    return {"vocab": str(out / "vocab.json"), "merges": str(out / "merges.txt"), "hf": str(hf)}
+
+
+def _megatron_gpt2_tokenizer(vocab: str, merges: str):
+    """Megatron-LM's own GPT-2 BPE (megatron/training/tokenizer/gpt2_tokenization.py of the checkout), loaded by
+    path: the reference of GPT2BPETokenizer."""
+    import importlib.util
+    from pathlib import Path
+
+    path = (Path(__file__).resolve().parents[2] / "shared" / "thirdparty" / "Megatron-LM-core_v0.16.1" / "megatron"
+            / "training" / "tokenizer" / "gpt2_tokenization.py")
+    if not path.is_file():
+        pytest.skip(f"no Megatron-LM checkout at {path}")
+    spec = importlib.util.spec_from_file_location("megatron_lm_gpt2_tokenization", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.GPT2Tokenizer(vocab, merges, errors="replace", special_tokens=[], max_len=None)
+
+
+def test_gpt2_bpe_tokenizer_is_megatron_lms(tokenizer_files):
+    from hetu_ext.megatron.tokenizers import open_file_tokenizer
+
+    ours = open_file_tokenizer("GPT2BPETokenizer", vocab_file=tokenizer_files["vocab"],
+                               merge_file=tokenizer_files["merges"])
+    theirs = _megatron_gpt2_tokenizer(tokenizer_files["vocab"], tokenizer_files["merges"])
+    for text in [*TEXTS, "unseen: Zürich ß 東京 \n\n  spaces"]:
+        assert ours.encode(text) == theirs.encode(text), text
+        assert ours.decode(ours.encode(text)) == text
+    assert ours.vocab_size == len(theirs.encoder) == 300 and ours.eod == theirs.encoder["<|endoftext|>"]
+
+
+def test_huggingface_tokenizer_reads_a_local_directory(tokenizer_files):
+    """Megatron-LM's HuggingFaceTokenizer is transformers' AutoTokenizer: ids from the directory's tokenizer.json
+    (read here independently with the tokenizers library), vocabulary len(tokenizer), end of document its EOS."""
+    from tokenizers import Tokenizer
+
+    from hetu_ext.megatron.tokenizers import open_file_tokenizer
+
+    ours = open_file_tokenizer("HuggingFaceTokenizer", tokenizer_model=tokenizer_files["hf"])
+    raw = Tokenizer.from_file(f"{tokenizer_files['hf']}/tokenizer.json")
+    for text in TEXTS:
+        assert ours.encode(text) == raw.encode(text).ids
+    assert ours.vocab_size == raw.get_vocab_size(with_added_tokens=True) == 300
+    assert ours.eod == raw.token_to_id("<|endoftext|>")
+
+
+def test_file_tokenizer_sets_the_vocabulary_and_trains(tokenizer_files):
+    """The launcher reads the files' vocabulary (300 ids, padded to 384 rows); a run trains on it."""
+    from hetu_ext.cli.runs import train
+    from hetu_ext.testing.multiproc import run_ranks
+
+    flags = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", tokenizer_files["vocab"], "--merge-file",
+             tokenizer_files["merges"]]
+    assert _config("--train-iters", "1", *flags).data.vocab_size == 300
+    out = run_ranks(train, 1, [*BASE, "--train-iters", "2", "--tokenizer-type", "HuggingFaceTokenizer",
+                               "--tokenizer-model", tokenizer_files["hf"]], timeout=240)[0]
+    assert out["weights"]["embedding.word_embeddings.weight"].shape[0] == 384 and len(out["losses"]) == 2
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--tokenizer-type", "Llama2Tokenizer", "--tokenizer-model", "x.model"], "HuggingFaceTokenizer"),
+    (["--tokenizer-type", "NullTokenizer", "--vocab-size", "10", "--vocab-file", "v.json"],
+     "read by --tokenizer-type GPT2BPETokenizer"),
+    (["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "/no/such/dir"], "nothing is downloaded"),
+    (["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "/no/vocab.json"], "--vocab-file"),
+])
+def test_tokenizer_bad_input_is_one_line(flags, needle):
+    with pytest.raises(ValueError) as err:
+        _config("--train-iters", "1", *flags)
+    assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_vocab_size_other_than_the_files_is_refused(tokenizer_files):
+    with pytest.raises(ValueError, match="differs from the 300 ids"):
+        _config("--train-iters", "1", "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
+                tokenizer_files["hf"], "--vocab-size", "512")
+
+
+def test_data_cache_path_holds_the_index_caches(tmp_path):
+    """--data-cache-path reaches Megatron-core's dataset builder: the mock dataset's index caches are written
+    there (without it Megatron-core says it cannot save them)."""
+    from hetu_ext.cli.runs import train
+    from hetu_ext.testing.multiproc import run_ranks
+
+    run_ranks(train, 1, [*BASE, "--train-iters", "1", "--split", "949,50,1", "--data-cache-path", str(tmp_path)],
+              False, timeout=240)
+    assert list(tmp_path.rglob("*.npy")), sorted(tmp_path.rglob("*"))

@@ -107,6 +107,33 @@ def _validate_schedule(args: argparse.Namespace) -> None:
     args.train_iters = args.train_samples // args.global_batch_size
 
 
+def _validate_tokenizer(args: argparse.Namespace) -> None:
+    """File tokenizers: their files read now (nothing downloaded), ``args.vocab_size`` set from them; files given to
+    a tokenizer that does not read them, and Llama2Tokenizer, refused."""
+    kind = args.tokenizer_type
+    if kind == "Llama2Tokenizer":
+        raise ValueError("--tokenizer-type Llama2Tokenizer (SentencePiece) is not built in hetu_ext's trainer: "
+                         "convert the model to a Hugging Face tokenizer directory (transformers' "
+                         "LlamaTokenizerFast.save_pretrained) and give --tokenizer-type HuggingFaceTokenizer "
+                         "--tokenizer-model DIR")
+    readers = {"tokenizer_model": "HuggingFaceTokenizer", "vocab_file": "GPT2BPETokenizer",
+               "merge_file": "GPT2BPETokenizer"}
+    for name, reader in readers.items():
+        if getattr(args, name) is not None and kind != reader:
+            raise ValueError(f"--{name.replace('_', '-')} is read by --tokenizer-type {reader}, not {kind}; give "
+                             f"--tokenizer-type {reader} or drop it")
+    if kind not in ("HuggingFaceTokenizer", "GPT2BPETokenizer"):
+        return
+    from hetu_ext.megatron.tokenizers import open_file_tokenizer
+
+    size = open_file_tokenizer(kind, tokenizer_model=args.tokenizer_model, vocab_file=args.vocab_file,
+                               merge_file=args.merge_file).vocab_size
+    if args.vocab_size is not None and args.vocab_size != size:
+        raise ValueError(f"--vocab-size {args.vocab_size} differs from the {size} ids of --tokenizer-type {kind}'s "
+                         "files; drop --vocab-size (it is read from them)")
+    args.vocab_size = size
+
+
 def _validate_files(args: argparse.Namespace) -> None:
     """Every file a flag names exists and parses, before any process group (a missing --data-path gave 114 lines
     of three ranks' tracebacks)."""
@@ -158,6 +185,7 @@ def validate_args(args: argparse.Namespace) -> None:
               "global_batch_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
               "log_interval", "save_interval", "exit_duration_in_mins")
     _validate_schedule(args)
+    _validate_tokenizer(args)
     if args.grad_reduce_in_bf16 and not args.bf16:
         raise ValueError("--grad-reduce-in-bf16 reduces the bf16 model's gradients in bf16; without --bf16 they are "
                          "fp32: add --bf16 or drop --grad-reduce-in-bf16")

@@ -114,12 +114,6 @@ MEGATRON_FLAGS: dict[str, FlagRule] = {
     "--rampup-batch-size": FlagRule("refused", "batch-size ramp-up is not built in hetu_ext's trainer (a plan fixes "
                                                "each pipeline's microbatches); drop it"),
     "--fp16": FlagRule("refused", "fp16 with loss scaling is not built in hetu_ext's trainer; use --bf16"),
-    "--vocab-file": FlagRule("refused", "file tokenizers are not built yet; use --tokenizer-type ByteLevelTokenizer "
-                                        "or NullTokenizer"),
-    "--merge-file": FlagRule("refused", "file tokenizers are not built yet; use --tokenizer-type ByteLevelTokenizer "
-                                        "or NullTokenizer"),
-    "--tokenizer-model": FlagRule("refused", "file tokenizers are not built yet; use --tokenizer-type "
-                                             "ByteLevelTokenizer or NullTokenizer"),
     "--no-load-optim": FlagRule("refused", "hetu_ext's --load always restores the optimizer state (resharded "
                                            "into the plan); drop --no-load-optim"),
     "--no-load-rng": FlagRule("refused", "hetu_ext's --load restores the RNG states when the plan is the one that "

@@ -14,7 +14,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-TOKENIZER_TYPES = ("ByteLevelTokenizer", "NullTokenizer")
+TOKENIZER_TYPES = ("ByteLevelTokenizer", "NullTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer", "Llama2Tokenizer")
 PACKING_METHODS = ("off", "unpacked", "concat", "concat-causal", "ffd", "greedy", "balanced")
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 
@@ -204,8 +204,16 @@ class DataConfig:
     mock_data: bool = setting(False, help="Megatron's MockGPTDataset")
     data_path: tuple[str, ...] | None = setting(nargs="+", path=True, help="indexed dataset prefix(es)")
     split: str = setting("969,30,1", help="train,valid,test weights")
-    tokenizer_type: str = setting("ByteLevelTokenizer", choices=TOKENIZER_TYPES, help="tokenizer")
-    vocab_size: int | None = setting(help="for NullTokenizer")
+    tokenizer_type: str = setting("ByteLevelTokenizer", choices=TOKENIZER_TYPES,
+                                  help="tokenizer; HuggingFaceTokenizer and GPT2BPETokenizer are read from local "
+                                       "files (nothing downloaded); Llama2Tokenizer (SentencePiece) is refused: "
+                                       "convert it to a Hugging Face tokenizer directory")
+    vocab_size: int | None = setting(help="for NullTokenizer; with a file tokenizer, set from its files (a "
+                                          "different value is refused)")
+    tokenizer_model: str | None = setting(path=True, help="HuggingFaceTokenizer: a local directory with "
+                                                          "tokenizer.json and tokenizer_config.json")
+    vocab_file: str | None = setting(path=True, help="GPT2BPETokenizer: GPT-2's vocab.json")
+    merge_file: str | None = setting(path=True, help="GPT2BPETokenizer: GPT-2's merges.txt")
     data_cache_path: str | None = setting(path=True, help="where Megatron's dataset builder caches indexes")
 
 

@@ -27,6 +27,9 @@ class ByteLevelTokenizer:
 
 TOKENIZER_TYPES = ("ByteLevelTokenizer", "NullTokenizer")
 """``--tokenizer-type`` choices: both work offline."""
+FILE_TOKENIZER_TYPES = ("HuggingFaceTokenizer", "GPT2BPETokenizer")
+"""Tokenizers read from local files (hetu_ext.megatron.tokenizers); their vocabulary size is the one the launcher
+read from the files (``--vocab-size`` after the launcher's check)."""
 
 
 def tokenizer_vocab_size(tokenizer_type: str, vocab_size: int | None = None) -> int:
@@ -38,4 +41,9 @@ def tokenizer_vocab_size(tokenizer_type: str, vocab_size: int | None = None) -> 
         if vocab_size is None or vocab_size < 1:
             raise ValueError(f"--tokenizer-type NullTokenizer needs --vocab-size >= 1, got {vocab_size!r}")
         return vocab_size + 1
+    if tokenizer_type in FILE_TOKENIZER_TYPES:
+        if vocab_size is None or vocab_size < 1:
+            raise ValueError(f"--tokenizer-type {tokenizer_type}: the vocabulary size read from its files is "
+                             f"unknown here (got {vocab_size!r}); the launcher sets --vocab-size from them")
+        return vocab_size
     raise ValueError(f"--tokenizer-type must be one of {list(TOKENIZER_TYPES)}, got {tokenizer_type!r}")

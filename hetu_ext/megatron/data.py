@@ -15,19 +15,26 @@ from hetu_ext.plan import Plan
 
 logger = logging.getLogger(__name__)
 
-def make_tokenizer(tokenizer_type: str, vocab_size: int | None = None):
+def make_tokenizer(tokenizer_type: str, vocab_size: int | None = None, files: dict | None = None):
     """A Megatron tokenizer object (``MegatronLegacyTokenizer``) that works offline.
 
     ``ByteLevelTokenizer``: UTF-8 bytes + EOD (hetu_ext.data.tokenizer). ``NullTokenizer``: Megatron-LM's, text is
-    space-separated token ids, needs ``--vocab-size`` (EOD is vocab_size).
+    space-separated token ids, needs ``--vocab-size`` (EOD is vocab_size). ``HuggingFaceTokenizer`` and
+    ``GPT2BPETokenizer`` read ``files`` (``tokenizer_model``, ``vocab_file``, ``merge_file``:
+    hetu_ext.megatron.tokenizers).
     """
     from megatron.core.datasets.megatron_tokenizer import MegatronLegacyTokenizer
 
-    size = tokenizer_vocab_size(tokenizer_type, vocab_size)  # ValueError for a bad type or size
-    if tokenizer_type == "ByteLevelTokenizer":
-        inner = ByteLevelTokenizer()
+    from .tokenizers import FILE_TOKENIZERS, open_file_tokenizer
+
+    if tokenizer_type in FILE_TOKENIZERS:
+        inner = open_file_tokenizer(tokenizer_type, **(files or {}))
+        size, eod, encode, decode = inner.vocab_size, inner.eod, inner.encode, inner.decode
+    elif tokenizer_type == "ByteLevelTokenizer":
+        size, inner = tokenizer_vocab_size(tokenizer_type, vocab_size), ByteLevelTokenizer()
         eod, encode, decode = inner.eod, inner.tokenize, inner.detokenize
     else:  # NullTokenizer
+        size = tokenizer_vocab_size(tokenizer_type, vocab_size)  # ValueError for a bad type or size
         eod = vocab_size
         encode = lambda text: [int(t) for t in text.split()]  # noqa: E731
         decode = lambda ids: " ".join(str(int(i)) for i in ids)  # noqa: E731

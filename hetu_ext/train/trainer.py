@@ -39,6 +39,7 @@ from hetu_ext.megatron.packed_data import PackedSteps, StepData, open_documents
 from hetu_ext.megatron.placement import Placement
 from hetu_ext.megatron.plan_runtime import build_plan_placement
 from hetu_ext.megatron.state import scheduler_settings
+from hetu_ext.megatron.tokenizers import tokenizer_files
 from hetu_ext.megatron.switching import SwitchedSteps, Switching
 from hetu_ext.megatron.uniform_runtime import build_megatron_placement
 from hetu_ext.metrics import MetricsWriter, format_log_line, peak_tflops
@@ -475,7 +476,7 @@ def build_trainer(config: RunConfig, *, checkpoint_formats: tuple = ()) -> Train
     if config.checkpoint.format == "auto":  # the format --save writes on this runtime, decided once
         config = dataclasses.replace(config, checkpoint=dataclasses.replace(
             config.checkpoint, format=save_format(config.checkpoint, config.parallel, runtime)))
-    tokenizer = make_tokenizer(config.data.tokenizer_type, config.data.vocab_size)
+    tokenizer = make_tokenizer(config.data.tokenizer_type, config.data.vocab_size, tokenizer_files(config.data))
     training, packed = config.training, config.packing.method != "off"
     # packed documents are read (and checked) before any process group exists
     documents = open_documents(config.data, config.packing, tokenizer, seed=training.seed) if packed else None
