@@ -174,3 +174,58 @@ def test_distopt_trainer_back_into_megatron_lm_is_bit_exact(saved, trainer_round
     assert [resumed[i] for i in (4, 6)] == [losses[i] for i in (4, 6)]  # as printed (5: derived from two lines)
     assert_close(resumed, losses, [5])
     assert_same_state(state_of(tmp / "back", 6), state_of(tmp / "ref", 6))
+
+
+@pytest.mark.parametrize("shape", [(7,), (3, 4), (2, 3, 5), (4, 1, 3)])
+def test_flat_boxes_tile_every_flat_range(shape):
+    """Every flat range [a, b) of a row-major tensor: the boxes are in order, each the contiguous elements it
+    claims, together exactly the range (each element once), at most 2 (ndim - 1) + 1 of them."""
+    import math
+
+    from hetu_ext.megatron.distopt_state import flat_boxes
+
+    n = math.prod(shape)
+    for a in range(n + 1):
+        for b in range(a, n + 1):
+            boxes = flat_boxes(a, b, shape)
+            seen = torch.zeros(shape, dtype=torch.int64)
+            order = torch.arange(n).reshape(shape)
+            end = a
+            for x, y, box in boxes:
+                region = tuple(slice(lo, hi) for lo, hi in box)
+                assert x == end and torch.equal(order[region].reshape(-1), torch.arange(x, y)), (shape, a, b, box)
+                seen[region] += 1
+                end = y
+            assert end == b and int(seen.sum()) == b - a and bool((seen.reshape(-1)[a:b] == 1).all())
+            assert len(boxes) <= 2 * (len(shape) - 1) + 1
+    with pytest.raises(ValueError, match="not within"):
+        flat_boxes(0, n + 1, shape)
+
+
+def ranges_checked(rank: int, world_size: int, ranges: list[tuple[int, int]]) -> str | None:
+    """check_ranges over 2 ranks for one 10-element parameter; rank r owns ``ranges[r]``; the error, if any."""
+    from hetu_ext.errors import HetuExtError
+    from hetu_ext.megatron.distopt_state import check_ranges
+    from hetu_ext.megatron.weights import LocalShard
+
+    param = torch.zeros(2, 5)
+    shard = LocalShard(key="w", index=(), slices=(slice(0, 2), slice(0, 5)), shape=(2, 5), data=param, param=param)
+    try:
+        check_ranges([shard], [ranges[rank]], None)
+    except HetuExtError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("ranges, ok", [([(0, 6), (6, 10)], True), ([(0, 0), (0, 10)], True),
+                                        ([(0, 6), (5, 10)], False), ([(0, 4), (5, 10)], False),
+                                        ([(0, 6), (6, 9)], False)],
+                         ids=["split", "one_owner", "overlap", "gap", "short"])
+def test_check_ranges_refuses_overlaps_and_gaps(ranges, ok):
+    """The save's coverage check of the optimizer state: the DP ranks' flat ranges must tile the parameter; an
+    overlap (an element saved twice), a gap or a short end is refused on every rank, naming the tensor."""
+    errors = run_ranks(ranges_checked, 2, ranges)
+    if ok:
+        assert errors == [None, None]
+    else:
+        assert all(e is not None and "w[]" in e and "exactly once" in e for e in errors), errors
