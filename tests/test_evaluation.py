@@ -28,6 +28,9 @@ EVAL = ("--split", "80,10,10", "--eval-iters", "2", "--eval-interval", "2")
 HETERO = ("pipelines: [{num_microbatches: 3, stages: [{ranks: [0, 1], layers: [0, 3]}, {ranks: [2], layers: [3, 4]}]},"
           " {num_microbatches: 1, stages: [{ranks: [3], layers: [0, 4]}]}]")
 """TP 2 -> 1 along one pipeline beside a TP-1 replica, 3 microbatches vs 1 (test_plan_runtime's microbatches_3_1)."""
+IDLE = ("pipelines: [{num_microbatches: 2, stages: [{ranks: [0], layers: [0, 2]}, {ranks: [1], layers: [2, 4]}]},"
+        " {num_microbatches: 2, stages: [{ranks: [3], layers: [0, 4]}]}]\nunused_ranks: [2]")
+"""An unused rank between the pipelines: it takes no part in evaluating (and must not hang it)."""
 
 
 def _eval_run(world, argv, metrics):
@@ -42,7 +45,8 @@ def reference(sample_prefix, tmp_path_factory):
     return _eval_run(1, gpt_argv(1, 1, sample_prefix, EVAL), tmp_path_factory.mktemp("eval_ref") / "m.jsonl")
 
 
-LAYOUTS = [("tp2", 2, (2, 1), ()), ("pp2", 2, (1, 2), ()), ("dp2", 2, (1, 1), ()), ("hetero", 4, (1, 1), HETERO)]
+LAYOUTS = [("tp2", 2, (2, 1), ()), ("pp2", 2, (1, 2), ()), ("dp2", 2, (1, 1), ()), ("hetero", 4, (1, 1), HETERO),
+           ("unused_rank", 4, (1, 1), IDLE)]
 
 
 @pytest.mark.parametrize("name,world,shape,plan", LAYOUTS, ids=[x[0] for x in LAYOUTS])
