@@ -225,6 +225,8 @@ _TORCH_SCOPED_MODULES = {
     f"{_MC}.pipeline_parallel.p2p_communication": "shape buffers on the CUDA device; torch.cuda.synchronize()",
     f"{_MC}.pipeline_parallel.schedules": "token counters made with device='cuda'",
     f"{_MC}.optimizer.optimizer": "found_inf and loss scale tensors made with device='cuda'",
+    f"{_MC}.optimizer.grad_scaler": "--fp16: the dynamic loss scaler's scale and hysteresis tensors made with "
+                                    "device='cuda'",
     f"{_MC}.optimizer.clip_grads": "norm buffers made with device='cuda'",
     f"{_MC}.optimizer.distrib_optimizer": "shard buffers on torch.cuda.current_device()",
     f"{_MC}.transformer.utils": "attention masks made with device='cuda'",

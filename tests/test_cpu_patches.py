@@ -41,6 +41,34 @@ def test_apply_then_remove_restores_every_original():
     assert not patches.applied
 
 
+def test_fp16_loss_scaler_and_local_norms_build_on_cpu():
+    """--fp16: Megatron-core's DynamicGradScaler makes its scale with device='cuda' (the gpt3 example's path); the
+    local spec's WrappedTorchNorm asserts against zero-centred gamma and sequence parallelism until patched."""
+    from megatron.core.optimizer.grad_scaler import DynamicGradScaler
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from hetu_ext.megatron.norms import ZeroCenteredRMSNorm
+    from hetu_ext.patches.megatron_lm import local_norm_patches
+
+    patches, norms = megatron_cpu_patches(), local_norm_patches()
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, normalization="RMSNorm",
+                               layernorm_zero_centered_gamma=True, tensor_model_parallel_size=1)
+    with pytest.raises(AssertionError, match="zero_centered_gamma"):
+        WrappedTorchNorm(config, 8)
+    patches.apply()
+    norms.apply()
+    try:
+        scaler = DynamicGradScaler(initial_scale=2.0**16, min_scale=1.0, growth_factor=2.0, backoff_factor=0.5,
+                                   growth_interval=10, hysteresis=2)
+        assert scaler.scale.device.type == "cpu" and scaler.scale.item() == 2.0**16
+        norm = WrappedTorchNorm(config, 8, eps=1e-6)
+        assert isinstance(norm, ZeroCenteredRMSNorm) and torch.equal(norm.weight, torch.zeros(8))
+    finally:
+        norms.remove()
+        patches.remove()
+
+
 def test_double_patching_is_an_error():
     first, second = megatron_cpu_patches(), megatron_cpu_patches()
     first.apply()

@@ -51,11 +51,21 @@ def megatron_loop(flag: str) -> str:
         notes.append("MoE: refused with --hetu-ckpt-format hetu")
     if flag in WITH_HETU_FEATURES:
         notes.append(WITH_HETU_FEATURES[flag])
-    if flag == "--sequence-parallel":
-        notes.append("at TP 1 Megatron-LM turns it off (its notice); on the local spec hetu_ext's norms take it")
-    if flag == "--apply-layernorm-1p":
-        notes.append("on the local spec: hetu_ext's zero-centred torch norms")
+    if flag in LOOP_NOTES:
+        notes.append(LOOP_NOTES[flag])
     return "; ".join(notes)
+
+
+LOOP_NOTES: dict[str, str] = {
+    "--sequence-parallel": "at TP 1 Megatron-LM turns it off (its notice); on the local spec hetu_ext's norms take it",
+    "--apply-layernorm-1p": "on the local spec: hetu_ext's zero-centred torch norms",
+    "--rampup-batch-size": "Megatron-LM core_v0.16.1 itself refuses it with --train-iters ('expected no "
+                           "batch-size rampup for iteration-based training'): examples/gpt3 as written fails there; "
+                           "with --train-samples it runs",
+    "--fp16": "on CPU the dynamic loss scaler is patched onto the CPU",
+    "--eval-iters": "on CPU evaluation's .cuda() calls are patched",
+}
+"""What hetu_ext adds to Megatron-LM's own handling of a flag on its loop (facts measured on CPU)."""
 
 
 def trainer(flag: str, known: set[str] | None = None) -> tuple[str, str]:
