@@ -75,7 +75,10 @@ def _validate_schedule(args: argparse.Namespace) -> None:
     for name in ("lr_warmup_iters", "lr_warmup_samples"):
         if getattr(args, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
-    if (args.train_iters is None) == (args.train_samples is None):
+    if args.train_iters is None and args.train_samples is None:
+        raise ValueError("--train-iters is required: give the flag, or training.train_iters in --hetu-config (or "
+                         "--train-samples N: Megatron-LM's sample-based training)")
+    if args.train_iters is not None and args.train_samples is not None:
         raise ValueError(f"give exactly one of --train-iters (steps) and --train-samples (samples), got "
                          f"--train-iters {args.train_iters} --train-samples {args.train_samples}")
     fraction = args.lr_warmup_fraction
