@@ -80,7 +80,7 @@ def test_a_resumed_run_evaluates_the_samples_of_the_uninterrupted_one(reference,
     """Saved after step 2 and resumed to step 3 (one rank, so bit for bit): the evaluation after the last step
     reads validation batches [2, 4) as the uninterrupted run's does, because the position is derived from the
     step (Megatron-LM's consumed_valid_samples), not counted by the process; a count from the resumed process's
-    start would read batches [0, 2) and differ."""
+    start would read batches [0, 2) and differ (tried). Then --skip-train on the same checkpoint."""
     schedule = (*EVAL, "--lr-decay-iters", "3")
     saved = _eval_run(1, gpt_argv(1, 1, sample_prefix, (*schedule, "--train-iters", "2", "--save",
                                                          str(tmp_path / "ckpt"))), tmp_path / "a.jsonl")
@@ -90,6 +90,17 @@ def test_a_resumed_run_evaluates_the_samples_of_the_uninterrupted_one(reference,
     assert [(r["split"], r["iteration"], r["final"]) for r in resumed["evals"]] == [("valid", 3, True),
                                                                                     ("test", 3, True)]
     assert [r["loss"] for r in resumed["evals"]] == [r["loss"] for r in reference["evals"][1:]]
+    # --skip-train (Megatron-LM's): no step, no save, one evaluation at the loaded step from the split's start,
+    # which is the uninterrupted run's evaluation after step 2
+    skipped = _eval_run(1, gpt_argv(1, 1, sample_prefix, (*schedule, "--load", str(tmp_path / "ckpt"),
+                                                          "--save", str(tmp_path / "again"), "--skip-train")),
+                        tmp_path / "c.jsonl")
+    assert skipped["losses"] == saved["losses"]  # the checkpoint's, none added
+    assert [r.get("event", r["kind"]) for r in skipped["records"]] == ["checkpoint_load", "eval", "eval"]
+    assert [(r["split"], r["iteration"], r["final"]) for r in skipped["evals"]] == [("valid", 2, True),
+                                                                                    ("test", 2, True)]
+    assert skipped["evals"][0]["loss"] == reference["evals"][0]["loss"]
+    assert skipped["evals"][1]["loss"] == saved["evals"][2]["loss"]  # the test split at the same weights
 
 
 def test_training_is_bit_identical_with_and_without_evaluation(sample_prefix, tmp_path):
@@ -145,6 +156,8 @@ MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4
 def test_refusals_name_the_setting():
     base = [*MODEL, "--mock-data", "--eval-iters", "2"]
     check_evaluation(parse_run_config(base))
+    with pytest.raises(ValueError, match="--skip-train only evaluates: give --eval-iters N"):
+        check_evaluation(parse_run_config([*MODEL, "--mock-data", "--skip-train"]))
     with pytest.raises(ValueError, match="--eval-interval must be >= 1"):
         check_evaluation(parse_run_config([*base, "--eval-interval", "0"]))
     with pytest.raises(ValueError, match="--eval-iters must be >= 0"):
@@ -168,6 +181,9 @@ def test_split_sizes_follow_megatron_lm():
     assert eval_samples(config.training, 8) == ((10 // 4 + 1) * 3 * 8, 3 * 8)
     assert eval_samples(parse_run_config([*MODEL, "--mock-data", "--eval-iters", "3"]).training, 8) == (24, 24)
     assert eval_samples(parse_run_config([*MODEL, "--mock-data"]).training, 8) == (0, 0)
+    config = parse_run_config([*MODEL, "--mock-data", "--train-iters", "10", "--eval-iters", "3", "--eval-interval",
+                               "4", "--skip-train"])
+    assert eval_samples(config.training, 8) == (24, 24)  # one evaluation
 
 
 def test_no_validation_split_is_one_line_and_exit_2(sample_prefix):

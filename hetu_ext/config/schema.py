@@ -158,6 +158,8 @@ class TrainingConfig:
                                       "(Megatron-LM's default is 100; here 0: no evaluation unless asked)")
     eval_interval: int | None = setting(help="evaluate every N steps (and always after the last); default "
                                              "(Megatron-LM's): only after the last step")
+    skip_train: bool = setting(False, help="no training: evaluate (validation, then test) at the step of --load "
+                                           "and stop, saving nothing (Megatron-LM's; needs --eval-iters)")
     # --- end evaluation ---
 
 

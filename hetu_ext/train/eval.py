@@ -10,7 +10,9 @@ gives it documents) is evaluated too, as Megatron-LM's ``pretrain`` does.
 Which samples (Megatron-LM's ``consumed_valid_samples``, derived instead of stored): evaluation k (0-based) reads
 validation global batches ``[k N, (k + 1) N)``; the one after step ``i`` (``i % M == 0``) is k = i / M - 1 and
 the final one k = ``train_iters // M``, so a resumed run evaluates the same samples as an uninterrupted one and
-the split needs ``(train_iters // M + 1) N`` global batches. The test split is read from its start.
+the split needs ``(train_iters // M + 1) N`` global batches. The test split is read from its start, and so is
+the validation split under ``--skip-train`` (no training: one evaluation at the step of ``--load``, as
+Megatron-LM's). An early exit (--exit-duration-in-mins) skips the final evaluation, as Megatron-LM's exit does.
 
 What evaluation leaves alone: gradients (``torch.no_grad``, forward-only schedule, no optimizer or scheduler
 step), the training data position (a separate dataset and iterator), the RNG streams (torch's, CUDA's and
@@ -47,6 +49,8 @@ def check_evaluation(config: RunConfig) -> None:
     if training.eval_interval is not None and training.eval_interval < 1:
         raise ValueError(f"--eval-interval must be >= 1 step, got {training.eval_interval}; leave it out to "
                          "evaluate only after the last step")
+    if training.skip_train and not training.eval_iters:
+        raise ValueError("--skip-train only evaluates: give --eval-iters N (Megatron-LM's default 100 is 0 here)")
     if not training.eval_iters:
         return
     packing = config.packing
@@ -65,7 +69,8 @@ def eval_samples(training: TrainingConfig, global_batch: int) -> tuple[int, int]
     """Samples the validation and test splits must hold (Megatron-LM's ``get_train_valid_test_num_samples``)."""
     if not training.eval_iters:
         return 0, 0
-    evaluations = training.train_iters // training.eval_interval + 1 if training.eval_interval else 1
+    evaluations = training.train_iters // training.eval_interval + 1 \
+        if training.eval_interval and not training.skip_train else 1
     return evaluations * training.eval_iters * global_batch, training.eval_iters * global_batch
 
 
@@ -78,6 +83,8 @@ class Evaluation:
     test: object | None
     eval_iters: int
     eval_interval: int | None
+    skip_train: bool = False
+    """--skip-train: the one evaluation reads the validation split from its start."""
 
     @classmethod
     def of(cls, training: TrainingConfig, split: str, valid, test) -> Evaluation | None:
@@ -89,7 +96,8 @@ class Evaluation:
                              f"{split} gives it no documents; give it a share (e.g. --split 98,2,0) or drop "
                              "--eval-iters")
         return cls(valid=valid, test=test if test is not None and len(test) else None,
-                   eval_iters=training.eval_iters, eval_interval=training.eval_interval)
+                   eval_iters=training.eval_iters, eval_interval=training.eval_interval,
+                   skip_train=training.skip_train)
 
     def after_step(self, trainer, log, watchdog=None) -> bool:
         """Evaluate on the validation split if the step just done is a multiple of --eval-interval; whether it
@@ -106,7 +114,7 @@ class Evaluation:
     def at_end(self, trainer, log) -> None:
         """After the last step: the validation split (the batches after the periodic evaluations'), then the
         test split from its start."""
-        done = trainer.iteration // self.eval_interval if self.eval_interval else 0
+        done = trainer.iteration // self.eval_interval if self.eval_interval and not self.skip_train else 0
         self.run(trainer, "valid", self.eval_iters * done, log, final=True)
         if self.test is not None:
             self.run(trainer, "test", 0, log, final=True)

@@ -156,7 +156,7 @@ class Trainer:
         window: list[dict] = []  # the step records since the last log line
         step_start = time.perf_counter()  # a step's time runs from the previous step's end (data and saves included)
         watchdog = _hang_watchdog(cfg.parallel.hang_timeout, self.host.rank)
-        while self.iteration < train_iters:
+        while self.iteration < train_iters and not cfg.training.skip_train:
             placement = self.placement
             replan = None
             if not placement.active:
@@ -216,9 +216,12 @@ class Trainer:
                 window, step_start = [], time.perf_counter()  # migrating is no step
         if watchdog is not None:
             watchdog.stop()  # the final save and barrier are no steps
-        if save_dir and self.placement.active and (not save_interval or self.iteration % save_interval):
+        if save_dir and self.placement.active and (not save_interval or self.iteration % save_interval) \
+                and not cfg.training.skip_train:
             self._save(save_dir)
-        if self.evaluation is not None and self.placement.active:  # after the final save, as Megatron-LM's pretrain
+        # after the final save, as Megatron-LM's pretrain; not after an early exit (Megatron-LM exits before it)
+        if self.evaluation is not None and self.placement.active and (self.iteration >= train_iters
+                                                                      or cfg.training.skip_train):
             self.evaluation.at_end(self, log)
         if isinstance(data, (PackedSteps, SwitchedSteps)):
             data.close()
