@@ -17,6 +17,10 @@ box of the global tensor, and the flat state's elements of it are a view of that
 ``linear_fc1`` (``[gate_r; up_r]`` on each TP rank) is the ``(2, f, h)`` view of its LocalShard, whose row-major
 order is the parameter's, so its flat range maps to boxes of the ``(2, F, h)`` global tensor the same way.
 
+The model's bf16 parameters are whole on every DP rank only after the updated ranges are all-gathered; with
+``--overlap-param-gather`` that happens in the next forward pass, so Megatron-LM gathers them before every save
+(``save_checkpoint_and_time``'s ``force_param_sync``), and ``param/KEY`` is read after it.
+
 Saving and loading are the same pieces: loading creates the torch optimizer's state of every shard first
 (:func:`hetu_ext.megatron.state.state_pieces`) and the reshard engine writes through the views. Every call checks
 over the DP group that the ranks' flat ranges tile each parameter's local tensor exactly once
@@ -34,11 +38,10 @@ import torch
 import torch.distributed as dist
 
 from hetu_ext.errors import HetuExtError
+from hetu_ext.plan.layout import Box
 from hetu_ext.runtime.reshard import Piece
 
 from .weights import LocalShard
-
-Box = tuple[tuple[int, int], ...]
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 """The moments Megatron's DistributedOptimizer keeps (it takes Adam only)."""

@@ -4,14 +4,17 @@ signatures), driven by its own ``--save``, ``--load``, ``--save-interval``, ``--
 ``--ckpt-step`` flags.
 
 What is saved: every rank's parameters, fp32 master weights (``--bf16``) and Adam moments as pieces with global
-offsets (:func:`hetu_ext.megatron.state.state_pieces`: the same names as hetu_ext's trainer writes), Adam's step,
-Megatron-LM's LR scheduler state, ``consumed_train_samples`` and the FLOP count, each rank's RNG states, and the
-grid as a hetu_ext plan. The snapshot is taken at the call; the files are written in the background
-(:class:`hetu_ext.checkpoint.writer.Checkpointer`) while training goes on, except the run's last save, which is
-committed before the call returns. Loading reshards the pieces into the running grid, whatever its TP / PP / DP
-sizes; the LR scheduler goes through Megatron-LM's own ``load_state_dict`` (its override / use-checkpoint rules);
-RNG states are restored when the grid is the one that saved. A ``--load`` directory that holds no hetu checkpoint
-goes to Megatron-LM's own loader (its torch_dist checkpoints keep working).
+offsets (:func:`hetu_ext.megatron.state.state_pieces`: the same names as hetu_ext's trainer writes; under
+``--use-distributed-optimizer`` the masters and moments of each data-parallel rank's flat ranges, as boxes:
+:mod:`hetu_ext.megatron.distopt_state`), Adam's step, Megatron-LM's LR scheduler state, ``consumed_train_samples``
+and the FLOP count, each rank's RNG states, and the grid as a hetu_ext plan. The snapshot is taken at the call; the
+files are written in the background (:class:`hetu_ext.checkpoint.writer.Checkpointer`) while training goes on,
+except the run's last save, which is committed before the call returns. Loading reshards the pieces into the running
+grid, whatever its TP / PP / DP sizes; the LR scheduler goes through Megatron-LM's own ``load_state_dict`` (its
+override / use-checkpoint rules); RNG states are restored when the grid is the one that saved; under the distributed
+optimizer the loaded parameters must be the loaded masters rounded. A checkpoint of hetu_ext's trainer loads the
+same way (its consumed samples come from the manifest). A ``--load`` directory that holds no hetu checkpoint goes to
+Megatron-LM's own loader (its torch_dist checkpoints keep working).
 """
 
 from __future__ import annotations
