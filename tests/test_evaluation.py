@@ -189,3 +189,22 @@ def test_split_sizes_follow_megatron_lm():
 def test_no_validation_split_is_one_line_and_exit_2(sample_prefix):
     proc = run([*MODEL, "--data-path", sample_prefix, "--split", "100,0,0", "--eval-iters", "2"], timeout=180)
     assert_one_error_line(proc, "--split 100,0,0 gives it no documents")
+
+
+def test_eval_records_reach_tensorboard_under_megatron_lms_names(tmp_path):
+    """An eval record's loss is TensorBoard's ``lm loss validation`` (``lm loss test``) at its iteration, read back
+    with tensorboard's own reader; the metrics file keeps the record as written."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from hetu_ext.metrics import MetricsWriter
+
+    writer = MetricsWriter(tmp_path / "m.jsonl", tensorboard_dir=str(tmp_path / "tb"))
+    for split, iteration, loss in (("valid", 2, 5.5), ("valid", 4, 5.25), ("test", 4, 5.0)):
+        writer.evaluation(split=split, iteration=iteration, final=split == "test", loss=loss, ppl=math.exp(loss),
+                          eval_iters=2, samples=16, tokens=512, seconds=0.1)
+    writer.close()
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("lm loss validation")] == [(2, 5.5), (4, 5.25)]
+    assert [(e.step, e.value) for e in events.Scalars("lm loss test")] == [(4, 5.0)]
+    assert [r["loss"] for r in read_records(tmp_path / "m.jsonl", kind="eval")] == [5.5, 5.25, 5.0]
