@@ -128,7 +128,8 @@ class Evaluation:
                                       placement.pipeline_index, training.micro_batch_size,
                                       start_iteration=first_batch, num_iterations=self.eval_iters,
                                       device=trainer.host.device)
-        sums = torch.zeros(2, dtype=torch.float64)  # (loss, tokens) over this rank's microbatches
+        # (loss, tokens) over this rank's microbatches, on the device: NCCL reduces no CPU tensor
+        sums = torch.zeros(2, dtype=torch.float64, device=trainer.host.device)
         with _evaluating(placement.model, trainer.timer), torch.no_grad():
             for _ in range(self.eval_iters):
                 reports = placement.forward_backward(
@@ -138,8 +139,9 @@ class Evaluation:
                     forward_only=True, **placement.schedule_kwargs)
                 if placement.is_last_stage and placement.tp_rank == 0:  # one copy of each pipeline's sums
                     for report in reports:
-                        sums += report["lm loss"].double().cpu()
+                        sums += report["lm loss"].double().to(sums.device)
         dist.all_reduce(sums, group=placement.report_group)
+        sums = sums.cpu()
         loss = float(sums[0] / sums[1])
         if trainer.host.rank == trainer.log_rank:
             samples = self.eval_iters * global_batch_size(trainer.plan, training.micro_batch_size)
