@@ -177,6 +177,38 @@ def test_distopt_trainer_back_into_megatron_lm_is_bit_exact(saved, trainer_round
     assert_same_state(state_of(tmp / "back", 6), state_of(tmp / "ref", 6))
 
 
+def test_distopt_inconsistent_checkpoint_refused_in_one_line(saved, tmp_path):
+    """A checkpoint whose bf16 parameters are not its fp32 masters rounded (one master moved by 1e-2: what a
+    checkpoint mixing two training states holds) is refused after the load, before any step, in one line naming
+    the tensor (one rank: the distributed optimizer over DP 1 owns every element); the checkpoint is otherwise
+    the valid --exit-interval save, rewritten whole by hetu_ext's offline writer."""
+    import os
+    import subprocess
+    import sys
+
+    from hetu_ext.checkpoint.writer import save_offline
+    from hetu_ext.megatron_lm.flags import PROG
+    from hetu_ext.runtime.reshard import Piece
+
+    tmp, _, _ = saved
+    storage = LocalStorage(tmp / "stop")
+    manifest = read_manifest(storage, 3)
+    state = ShardReader(storage, manifest).read_full()
+    state[("master/output_layer.weight", ())][5, 7] += 1e-2
+    pieces = [Piece(name, index, tuple((0, n) for n in t.shape), t) for (name, index), t in state.items()]
+    save_offline(LocalStorage(tmp_path / "bad"), iteration=3, pieces_by_rank=[pieces],
+                 info={"consumed_samples": manifest.consumed_samples, "plan": manifest.plan,
+                       "config": manifest.config, "state": manifest.state})
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path), "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, "-m", "hetu_ext.megatron_lm", str(SCRIPT), *DISTOPT, "--load",
+                           str(tmp_path / "bad")], capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    out = proc.stdout + proc.stderr
+    errors = [line for line in out.splitlines() if line.startswith(f"{PROG}: error:")]
+    assert proc.returncode == 2 and len(errors) == 1, out[-3000:]
+    assert "output_layer.weight" in errors[0] and "not the fp32 masters rounded" in errors[0], errors
+    assert not step_losses(out), out[-3000:]
+
+
 def test_distopt_fp32_dp2_into_tp2(tmp_path):
     """Without --bf16 the DistributedOptimizer steps fp32 parameters in place (no masters: its shards are views of
     the model's buffer): DP 2's ranges loaded under TP 2 continue the run within the fp32 tolerances of the other

@@ -176,9 +176,10 @@ def distopt_pieces(placement, shards: list[LocalShard]) -> list[Piece]:
 
 @torch.no_grad()
 def params_match_masters(placement, shards: list[LocalShard]) -> str | None:
-    """After a load: every model parameter must equal its fp32 master rounded to the model's dtype on the range
-    this rank owns (Megatron keeps them so: after each step it copies the masters into the model). Returns what
-    differs first, or None (collective over the DP groups, as :func:`owned_ranges`)."""
+    """Every model parameter must equal its fp32 master rounded to the model's dtype on the range this rank owns
+    (Megatron keeps them so: after each step it copies the masters into the model, then gathers the ranges), at a
+    save and after a load. Returns the first that does not, or None (collective over the DP groups, as
+    :func:`owned_ranges`)."""
     for owned in owned_ranges(placement.optimizer, shards):
         if owned.master is None:
             continue
@@ -186,7 +187,6 @@ def params_match_masters(placement, shards: list[LocalShard]) -> str | None:
         rounded = owned.master.to(model.dtype)
         if not torch.equal(model, rounded):
             worst = float((model.float() - rounded.float()).abs().max())
-            return (f"{owned.shard.key}{list(owned.shard.index)}: the loaded parameters are not the loaded fp32 "
-                    f"masters rounded to {model.dtype} (max difference {worst:.3e}); its param/ and master/ "
-                    "tensors are of different training states")
+            return (f"{owned.shard.key}{list(owned.shard.index)}: the {model.dtype} parameters are not the fp32 "
+                    f"masters rounded (max difference {worst:.3e})")
     return None

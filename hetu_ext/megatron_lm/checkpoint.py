@@ -93,10 +93,10 @@ def grid(args) -> dict:
             "pp": args.pipeline_model_parallel_size}
 
 
-def _check_loaded(placement: GridPlacement, where: str) -> None:
-    """Under the DistributedOptimizer, the loaded model parameters must be the loaded fp32 masters rounded, as
-    Megatron keeps them (:func:`hetu_ext.megatron.distopt_state.params_match_masters`); every rank raises the same
-    error."""
+def _check_params(placement: GridPlacement, where: str, why: str) -> None:
+    """Under the DistributedOptimizer, the model's bf16 parameters must be its fp32 masters rounded, as Megatron
+    keeps them (:func:`hetu_ext.megatron.distopt_state.params_match_masters`); else every rank raises the same
+    :class:`CheckpointError`, ``why`` saying what it means."""
     from hetu_ext.megatron.distopt_state import distributed_optimizers, params_match_masters
     from hetu_ext.megatron.weights import local_shards
 
@@ -107,7 +107,7 @@ def _check_loaded(placement: GridPlacement, where: str) -> None:
     dist.all_gather_object(problems, problem)
     first = next((p for p in problems if p), None)
     if first is not None:
-        raise CheckpointError(f"{where}: {first}")
+        raise CheckpointError(f"{where}: {first}; {why}")
 
 
 class StepStorage(LocalStorage):
@@ -184,6 +184,9 @@ class HetuCheckpoints:
                           "seq_length": margs.seq_length, "packing": self.packing}}
         info = {"consumed_samples": margs.consumed_train_samples, "plan": plan_to_dict(plan),
                 "config": {"megatron_lm": True}, "state": state}
+        _check_params(placement, f"--save {directory} at iteration {iteration}",
+                      "the updated parameters were not gathered before the save (Megatron-LM's "
+                      "save_checkpoint_and_time does that under --overlap-param-gather)")
         ckpt.save(iteration=iteration, pieces=state_pieces(placement), rng=rng_state(dist.get_rank()), info=info,
                   blocking=last)
         if dist.get_rank() == 0:
@@ -216,7 +219,8 @@ class HetuCheckpoints:
         report = load_pieces(storage, destinations, fallback=self.fallback, read=self.read)
         manifest = report.manifest
         state = manifest.state
-        _check_loaded(placement, f"{directory} (iteration {manifest.iteration})")
+        _check_params(placement, f"{directory} (iteration {manifest.iteration})",
+                      "its param/ and master/ tensors are of different training states")
         if opt_param_scheduler is not None and state.get("scheduler") is not None:
             opt_param_scheduler.load_state_dict(state["scheduler"])
         # hetu_ext's trainer records the samples in the manifest only (unpacked data: iteration x global batch)
