@@ -108,6 +108,8 @@ TEST_KINDS: list[tuple[str, str, tuple[str, ...]]] = [
     ("test_deepspeed_cli", r"test_resume_and_hetu_save_through_the_launcher", ("e2e",)),
     ("test_quiet", r"test_deepspeed_run_prints", ("e2e",)),
     ("test_tools_hardening", r"test_elastic_stops_on_a_configuration_error", ("e2e",)),
+    ("test_recipe_flags", r"test_llama_recipe_hands_off", ("e2e", "gold")),
+    ("test_recipe_flags", r"test_(layernorm_1p_equals|grad_reduce_in_bf16_keeps|decoupled_lr_drives)", ("gold",)),
     ("test_evaluation", r"test_(validation_loss_is_the_same|evaluations_read|training_is_bit_identical|"
                         r"evaluation_runs_in_eval_mode|megatron_lm_block|a_resumed_run)", ("gold",)),
     ("test_evaluation", r"test_no_validation_split_is_one_line", ("e2e",)),
@@ -121,7 +123,6 @@ FAST_MODULES = {
     "test_hotspa_pair_exact", "test_malleus_planner", "test_packing", "test_plan", "test_plan_options", "test_reshard",
     "test_sharded_optimizer_layout",
     "test_step_model",
-    "test_recipe_flags",
 }
 """Modules read and found to hold no gold, e2e or fault-injection test (all in ``make test-fast``). Every test
 module must be named here, in MODULE_KINDS or in TEST_KINDS (tests/test_readme.py checks it), so a new module

@@ -515,3 +515,65 @@ def test_data_cache_path_holds_the_index_caches(tmp_path):
     run_ranks(train, 1, [*BASE, "--train-iters", "1", "--split", "949,50,1", "--data-cache-path", str(tmp_path)],
               False, timeout=240)
     assert list(tmp_path.rglob("*.npy")), sorted(tmp_path.rglob("*"))
+
+
+# --- the Llama 3 recipe handed over to hetu_ext's trainer (e2e) ---
+HETERO_2 = """
+pipelines:
+  - num_microbatches: 5
+    stages:
+      - {ranks: [0], layers: [0, 4]}
+  - num_microbatches: 3
+    stages:
+      - {ranks: [1], layers: [0, 4]}
+"""
+
+
+def _recipe(tmp_path) -> list[str]:
+    """The Llama recipe's flags, 4 steps (32 samples), an evaluation every 2, paths in ``tmp_path``."""
+    swap = {"96": "32", "90": "30", "CACHE": str(tmp_path / "cache"), "CK": str(tmp_path / "ck"),
+            "TB": str(tmp_path / "tb")}
+    flags, prev = [], None
+    for token in LLAMA:
+        value = swap.get(token, token) if prev in ("--train-samples", "--lr-decay-samples", "--data-cache-path",
+                                                    "--save", "--load", "--tensorboard-dir") else token
+        flags.append({"--eval-iters": "1", "--eval-interval": "2"}.get(prev, value) if prev in (
+            "--eval-iters", "--eval-interval") else value)
+        prev = token
+    return flags
+
+
+def test_llama_recipe_hands_off_to_a_heterogeneous_plan_and_equals_one_process(tmp_path):
+    """``torchrun -m hetu_ext.megatron_lm pretrain_gpt.py <the recipe's flags> --hetu-plan`` (pipelines of 5 and
+    3 microbatches) trains through its evaluations with the accepted flags' one notice, and its losses equal one
+    process's run of the same flags through launch/pretrain_gpt.py's parser (bf16: relative 1e-4; dropping
+    --decoupled-lr alone moves the last loss by 7e-3, measured 2026-12-07)."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from hetu_ext.cli.runs import train
+    from hetu_ext.testing.multiproc import run_ranks
+
+    script = Path(__file__).resolve().parents[2] / "shared" / "thirdparty" / "Megatron-LM-core_v0.16.1" / \
+        "pretrain_gpt.py"
+    if not script.is_file():
+        pytest.skip(f"no Megatron-LM checkout at {script.parent}")
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(HETERO_2)
+    flags = _recipe(tmp_path)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend",
+                           "c10d", "--rdzv-endpoint", "localhost:0", "-m", "hetu_ext.megatron_lm", str(script), *flags,
+                           "--hetu-plan", str(plan)], capture_output=True, text=True, timeout=600, env=env,
+                          cwd=tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert len([line for line in out.splitlines() if "accepted (what runs instead)" in line]) == 1, out[-3000:]
+    losses = [float(x) for x in re.findall(r"iteration\s+\d+/\s*4 \|.*?lm loss: ([0-9.E+-]+) \|", out)]
+    assert len(losses) == 4 and out.count("validation loss at iteration") >= 2, out[-3000:]
+    alone = [str(tmp_path / "ck_one") if f == str(tmp_path / "ck") else f for f in flags]  # its own --save/--load
+    reference = run_ranks(train, 1, alone, False, timeout=300)[0]["losses"]
+    assert losses == pytest.approx(reference, rel=1e-4), (losses, reference)
