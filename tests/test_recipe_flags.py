@@ -577,3 +577,18 @@ def test_llama_recipe_hands_off_to_a_heterogeneous_plan_and_equals_one_process(t
     alone = [str(tmp_path / "ck_one") if f == str(tmp_path / "ck") else f for f in flags]  # its own --save/--load
     reference = run_ranks(train, 1, alone, False, timeout=300)[0]["losses"]
     assert losses == pytest.approx(reference, rel=1e-4), (losses, reference)
+
+
+def test_checkpoint_of_the_other_norm_convention_is_refused(tmp_path):
+    """A checkpoint saved with --apply-layernorm-1p holds gamma - 1: loading it into a run without the flag (same
+    tensors, other meaning) is one line naming the flag; with the flag it resumes."""
+    from hetu_ext.cli.runs import train
+    from hetu_ext.testing.multiproc import RankError, run_ranks
+
+    argv = [*BASE, "--train-iters", "1", "--lr-decay-iters", "2", "--apply-layernorm-1p", "--save", str(tmp_path)]
+    run_ranks(train, 1, argv, False, timeout=240)
+    with pytest.raises(RankError, match="saved with --apply-layernorm-1p"):
+        run_ranks(train, 1, [*BASE, "--train-iters", "2", "--load", str(tmp_path)], False, timeout=240)
+    out = run_ranks(train, 1, [*BASE, "--train-iters", "2", "--apply-layernorm-1p", "--load", str(tmp_path)],
+                    False, timeout=240)[0]
+    assert len(out["losses"]) == 2

@@ -112,8 +112,10 @@ MEGATRON_FLAGS: dict[str, FlagRule] = {
     "--expert-model-parallel-size": FlagRule("refused", _MOE),
     "--expert-tensor-parallel-size": FlagRule("refused", _MOE),
     "--rampup-batch-size": FlagRule("refused", "batch-size ramp-up is not built in hetu_ext's trainer (a plan fixes "
-                                               "each pipeline's microbatches); drop it"),
-    "--fp16": FlagRule("refused", "fp16 with loss scaling is not built in hetu_ext's trainer; use --bf16"),
+                                               "each pipeline's microbatches; Megatron-LM itself takes it with "
+                                               "--train-samples only); drop it"),
+    "--fp16": FlagRule("refused", "fp16 with dynamic loss scaling is not built in hetu_ext's trainer (its loss "
+                                  "scale would have to be saved, migrated and skip steps); use --bf16"),
     "--no-load-optim": FlagRule("refused", "hetu_ext's --load always restores the optimizer state (resharded "
                                            "into the plan); drop --no-load-optim"),
     "--no-load-rng": FlagRule("refused", "hetu_ext's --load restores the RNG states when the plan is the one that "

@@ -39,8 +39,8 @@ from hetu_ext.megatron.packed_data import PackedSteps, StepData, open_documents
 from hetu_ext.megatron.placement import Placement
 from hetu_ext.megatron.plan_runtime import build_plan_placement
 from hetu_ext.megatron.state import scheduler_settings
-from hetu_ext.megatron.tokenizers import tokenizer_files
 from hetu_ext.megatron.switching import SwitchedSteps, Switching
+from hetu_ext.megatron.tokenizers import tokenizer_files
 from hetu_ext.megatron.uniform_runtime import build_megatron_placement
 from hetu_ext.metrics import MetricsWriter, format_log_line, peak_tflops
 from hetu_ext.model import inventory
@@ -334,6 +334,7 @@ class Trainer:
     def load(self, directory: str) -> bool:
         """Restore the latest checkpoint under ``directory`` (collective); records a ``checkpoint_load`` event."""
         start = time.perf_counter()
+        check_norm_convention(self.config, directory)
         loaded = checkpointing.load(self, directory)
         if loaded and self.metrics is not None:
             seconds = time.perf_counter() - start
@@ -383,6 +384,28 @@ class Trainer:
         dist.all_reduce(total, group=self.placement.report_group)
         self.overruns = int(total[2])
         return float(total[0] / total[1])
+
+
+def check_norm_convention(config: RunConfig, directory: str) -> None:
+    """--apply-layernorm-1p stores norm weights as gamma - 1: a hetu_ext checkpoint saved under the other convention
+    has the same tensors with other meanings, so loading it is refused (its manifest records the flag; absent in
+    older ones: off). Checkpoints of Megatron-LM's loop record no model flags and are not checked."""
+    from hetu_ext.checkpoint import LocalStorage
+    from hetu_ext.checkpoint.reader import latest_iteration, read_manifest
+
+    storage = LocalStorage(directory)
+    try:
+        iteration = latest_iteration(storage)
+        recorded = read_manifest(storage, iteration).config if iteration is not None else {}
+    except (OSError, ValueError):
+        return  # not a hetu checkpoint, or a damaged one: the loader says which
+    if "num_layers" not in recorded:
+        return
+    saved, now = bool(recorded.get("apply_layernorm_1p", False)), config.model.apply_layernorm_1p
+    if saved != now:
+        raise ValueError(f"--load {directory}: its norm weights were saved {'with' if saved else 'without'} "
+                         f"--apply-layernorm-1p (gamma{' - 1' if saved else ''}), this run is "
+                         f"{'with' if now else 'without'} it; give the same setting as the saved run")
 
 
 def _hang_watchdog(timeout_s: float, rank: int):
