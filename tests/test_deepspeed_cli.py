@@ -38,6 +38,9 @@ def run(args: list[str], timeout: float = 180) -> subprocess.CompletedProcess:
      "--hetu-packing balanced weights microbatches per rank, which needs a ZeRO stage whose backwards only"),
     (["--hetu-plan", "configs/plans/hetero_2pipes.yaml"], "--hetu-plan is a feature of launch/pretrain_gpt.py"),
     (["--hetu-ckpt-format", "torch_dist", "--save", "x"], "--hetu-ckpt-format torch_dist is a feature of"),
+    (["--eval-iters", "2", "--eval-interval", "1"], "--eval-iters is a feature of launch/pretrain_gpt.py"),
+    (["--decoupled-lr", "1e-3"], "--decoupled-lr is a feature of launch/pretrain_gpt.py"),
+    (["--exit-duration-in-mins", "5"], "--exit-duration-in-mins is a feature of launch/pretrain_gpt.py"),
     (["--load", "/nonexistent/ckpt"], "--load /nonexistent/ckpt: no such directory"),
 ])
 def test_bad_flags_exit_2_with_one_line(args, needle):

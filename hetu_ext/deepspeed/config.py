@@ -116,6 +116,10 @@ def check_supported(config: RunConfig) -> None:
                "--hetu-straggler-replan online": config.straggler.replan == "online",
                "--hetu-ckpt-format torch_dist": config.checkpoint.format == "torch_dist",
                "--hetu-emulate-cost": config.straggler.emulate_cost}
+    t = config.training
+    refused.update({"--eval-iters": t.eval_iters, "--skip-train": t.skip_train, "--decoupled-lr": t.decoupled_lr,
+                    "--decoupled-min-lr": t.decoupled_min_lr, "--grad-reduce-in-bf16": t.grad_reduce_in_bf16,
+                    "--exit-duration-in-mins": t.exit_duration_in_mins})
     for flag, value in refused.items():
         if value:
             raise ValueError(f"{flag} is a feature of launch/pretrain_gpt.py; the DeepSpeed path shards with ZeRO "
