@@ -15,17 +15,21 @@ forked ranks): the uninterrupted run (hetu checkpoints at 3 and 6), the same run
 on a heterogeneous plan (a TP 2 + PP 2 pipeline beside a one-rank pipeline) loading it, and Megatron-LM at DP 4
 loading the trainer's save; in fp32 (no masters), a DP 2 run and its resume under TP 2, on 2 ranks.
 
-Tolerances: where the layout is the same (a save and its round trip through the trainer back to DP 4) every loss
-as printed and every saved tensor are bit-exact. Under another layout, bf16's roundings differ (products and sums of
-bf16 activations in other shapes and orders, 2^-8 relative each): test_ckpt_resume's BF16_LOSS_RTOL, 1e-4.
-Measured: TP 2 x DP 2 2.5e-6, PP 2 x DP 2 0 (as printed), the trainer's plan 2.2e-6. Negative controls, measured
-with the trainer: Adam's moments lost on load (zeros) moved steps 5-6 by 2.6e-3 and 3.5e-3, exp_avg alone by
-3e-3; fp32 masters lost (taken from the bf16 parameters) by only 1.1e-5, under the tolerance: the bit-exact
-round trip is what catches that, and every load checks that the parameters are the masters rounded.
+Every run evaluates 2 validation batches every 3 iterations; a resumed run's validation loss at iteration 6 is
+compared with the uninterrupted run's like its training losses. Tolerances: where the layout is the same (a save and
+its round trip through the trainer back to DP 4) every loss as printed and every saved tensor are bit-exact. Under
+another layout, bf16's roundings differ (products and sums of bf16 activations in other shapes and orders, 2^-8
+relative each): test_ckpt_resume's BF16_LOSS_RTOL, 1e-4. Measured: TP 2 x DP 2 2.5e-6, PP 2 x DP 2 0 (as printed),
+the trainer's plan 2.2e-6. Negative controls, measured with the trainer: Adam's moments lost on load (zeros) moved
+steps 5-6 by 2.6e-3 and 3.5e-3, exp_avg alone by 3e-3; fp32 masters lost (taken from the bf16 parameters) by only
+1.1e-5, under the tolerance: the bit-exact round trip is what catches that (masters taken from the parameters pass
+the check every load makes, that the parameters are the masters rounded).
 """
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -43,11 +47,18 @@ pytestmark = needs_checkout
 BF16_LOSS_RTOL = 1e-4
 """test_ckpt_resume's tolerance for bf16 under another layout (the module docstring has the measurements)."""
 
-DISTOPT = [*with_flags(LLAMA, vocab_size="1023"), "--bf16", "--use-distributed-optimizer", "--overlap-grad-reduce",
+DISTOPT = [*with_flags(LLAMA, vocab_size="1023", eval_iters="2", eval_interval="3"), "--bf16", "--use-distributed-optimizer", "--overlap-grad-reduce",
            "--overlap-param-gather", "--ddp-bucket-size", "20000", "--calculate-per-token-loss",
            "--no-masked-softmax-fusion", "--hetu-ckpt-format", "hetu"]
-"""--no-masked-softmax-fusion: bf16 softmax would call Megatron's CUDA kernel (the entry point is to turn it off on
+"""Evaluation every 3 iterations on 2 validation batches (Megatron-LM's ``validation loss at iteration N`` lines).
+--no-masked-softmax-fusion: bf16 softmax would call Megatron's CUDA kernel (the entry point is to turn it off on
 CPU by itself: issue 45, point 3)."""
+VALID = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([0-9.E+-]+) \|")
+
+
+def validation_losses(log: str) -> dict[int, float]:
+    """Iteration -> validation loss, from Megatron-LM's (and hetu_ext's trainer's) evaluation lines."""
+    return {int(it): float(v) for it, v in VALID.findall(log)}
 
 HETERO = """
 pipelines:
@@ -79,23 +90,36 @@ def assert_losses_within(got: dict[int, float], want: dict[int, float], steps) -
         assert abs(got[step] - want[step]) <= BF16_LOSS_RTOL * abs(want[step]), (step, got, want)
 
 
+@dataclass(frozen=True)
+class Saved:
+    tmp: Path
+    losses: dict[int, float]
+    """The uninterrupted run's training losses by iteration."""
+    valid: dict[int, float]
+    """Its validation losses (iterations 3 and 6)."""
+    stopped_log: str
+    """The log of the run stopped by --exit-interval 3."""
+
+
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory):
+def saved(tmp_path_factory) -> Saved:
     """The uninterrupted DP 4 run (hetu checkpoints at 3 and 6) and the same run stopped by --exit-interval 3."""
     tmp = tmp_path_factory.mktemp("distopt")
     ref = torchrun(tmp, *DISTOPT, "--save", str(tmp / "ref"), "--save-interval", "3", nproc=4)
     stop = torchrun(tmp, *DISTOPT, "--save", str(tmp / "stop"), "--save-interval", "3", "--exit-interval", "3",
                     nproc=4)
-    return tmp, step_losses(ref.stdout + ref.stderr), step_losses(stop.stdout + stop.stderr)
+    log = ref.stdout + ref.stderr
+    return Saved(tmp, step_losses(log), validation_losses(log), stop.stdout + stop.stderr)
 
 
 def test_distopt_exit_save_is_the_uninterrupted_state(saved):
     """The --exit-interval save (committed before the job exits) holds every parameter, fp32 master and Adam
     moment of the global tensors, equal bit for bit to the uninterrupted run's save of the same iteration; the DP
     ranks' flat ranges were saved as boxes that end inside rows (the layout this module is about)."""
-    tmp, losses, stopped = saved
+    tmp, losses, stopped = saved.tmp, saved.losses, step_losses(saved.stopped_log)
     assert sorted(losses) == [1, 2, 3, 4, 5, 6] and sorted(stopped) == [1, 2, 3]
     assert [stopped[i] for i in (1, 3)] == [losses[i] for i in (1, 3)]
+    assert sorted(saved.valid) == [3, 6] and validation_losses(saved.stopped_log) == {3: saved.valid[3]}
     assert not (tmp / "stop" / "iter_0000006").exists()
     state = state_of(tmp / "stop", 3)
     assert_same_state(state, state_of(tmp / "ref", 3))
@@ -113,67 +137,73 @@ def test_distopt_exit_save_is_the_uninterrupted_state(saved):
                          ids=["tp2_dp2", "pp2_dp2"])
 def test_distopt_resume_other_layout(saved, layout):
     """DP 4's flat ranges loaded into TP 2 x DP 2 and PP 2 x DP 2, whose DistributedOptimizers own other ranges
-    of other tensors: steps 4-6 continue the uninterrupted run."""
-    tmp, losses, _ = saved
-    proc = torchrun(tmp, *DISTOPT, "--load", str(tmp / "stop"), *layout, nproc=4)
+    of other tensors: steps 4-6 and the validation loss at 6 continue the uninterrupted run."""
+    proc = torchrun(saved.tmp, *DISTOPT, "--load", str(saved.tmp / "stop"), *layout, nproc=4)
     out = proc.stdout + proc.stderr
     assert "loaded hetu checkpoint" in out, out[-3000:]
     resumed = step_losses(out)
     assert sorted(resumed) == [4, 5, 6], out[-3000:]
-    assert_losses_within(resumed, losses, [4, 5, 6])
+    assert_losses_within(resumed, saved.losses, [4, 5, 6])
+    assert_losses_within(validation_losses(out), saved.valid, [6])
 
 
-def trainer_loads_saves_trains(rank: int, world_size: int, argv: list[str], out: str) -> list[float] | None:
+def trainer_loads_saves_trains(rank: int, world_size: int, argv: list[str], out: str
+                               ) -> tuple[list[float], str] | None:
     """A rank of hetu_ext's trainer: load ``--load``'s checkpoint into the plan, save it again to ``out`` at once
-    (committed before returning), then train to ``--train-iters``; the losses on the reporting rank."""
+    (committed before returning), then train to ``--train-iters``; on the reporting rank the losses of the steps
+    it ran and its log (Megatron-LM's lines, each iteration's own loss)."""
     from hetu_ext.cli.args import parse_run_config
     from hetu_ext.cli.train import build_run
     from hetu_ext.megatron.checkpointing import save_hetu
 
     trainer = build_run(parse_run_config(argv))
     save_hetu(trainer, out, blocking=True)
-    losses = trainer.train(log=lambda line: None)
-    return losses if rank == trainer.log_rank else None
+    lines: list[str] = []
+    losses = trainer.train(log=lines.append)
+    return (losses, "\n".join(lines)) if rank == trainer.log_rank else None
 
 
 @pytest.fixture(scope="module")
 def trainer_round(saved):
     """The --exit-interval save loaded by hetu_ext's trainer (the command line handed over as ``-m
     hetu_ext.megatron_lm ... --hetu-plan`` hands it; its sharded optimizer on the plan runtime), saved again at
-    iteration 3 and trained to 6."""
+    iteration 3 and trained to 6; its log."""
     from hetu_ext.megatron_lm.flags import parse_invocation
     from hetu_ext.megatron_lm.handoff import translate
 
-    tmp, _, _ = saved
+    tmp = saved.tmp
     plan = tmp / "hetero.yaml"
     plan.write_text(HETERO)
     flags = list(DISTOPT)
     del flags[flags.index("--ddp-bucket-size"):flags.index("--ddp-bucket-size") + 2]  # Megatron-LM's DDP buckets
     argv = translate(parse_invocation([str(SCRIPT), *flags, "--hetu-plan", str(plan), "--load", str(tmp / "stop")]))
     results = run_ranks(trainer_loads_saves_trains, 4, argv, str(tmp / "trainer"), timeout=300)
-    losses = next(r for r in results if r is not None)
-    return tmp, dict(zip([4, 5, 6], losses))
+    return next(r for r in results if r is not None)
 
 
 def test_distopt_megatron_lm_into_trainer_hetero_plan(saved, trainer_round):
     """Megatron-LM's DP 4 flat shards into the trainer's plan: nothing lost (its own save of what it loaded is the
-    checkpoint bit for bit, optimizer state included), and its steps 4-6 continue Megatron-LM's run."""
-    tmp, losses, _ = saved
-    _, trained = trainer_round
-    assert_same_state(state_of(tmp / "trainer", 3), state_of(tmp / "stop", 3))
-    assert_losses_within(trained, losses, [4, 5, 6])
+    checkpoint bit for bit, optimizer state included), and its steps 4-6 and validation at 6 continue
+    Megatron-LM's run."""
+    assert_same_state(state_of(saved.tmp / "trainer", 3), state_of(saved.tmp / "stop", 3))
+    losses, log = trainer_round
+    assert len(losses) == 3, log[-3000:]
+    assert_losses_within(dict(zip([4, 5, 6], losses)), saved.losses, [4, 5, 6])
+    assert_losses_within(validation_losses(log), saved.valid, [6])
 
 
 def test_distopt_trainer_back_into_megatron_lm_is_bit_exact(saved, trainer_round):
     """The trainer's save back into Megatron-LM's DP 4 DistributedOptimizer: steps 4-6 and the final parameters,
-    masters and moments equal the uninterrupted run's bit for bit (the same layout as the run that saved)."""
-    tmp, losses, _ = saved
+    masters and moments and the validation loss equal the uninterrupted run's bit for bit (the same layout as the
+    run that saved)."""
+    tmp, losses = saved.tmp, saved.losses
     proc = torchrun(tmp, *DISTOPT, "--load", str(tmp / "trainer"), "--save", str(tmp / "back"), "--save-interval",
                     "3", nproc=4)
     resumed = step_losses(proc.stdout + proc.stderr)
     assert sorted(resumed) == [4, 5, 6]
     assert [resumed[i] for i in (4, 6)] == [losses[i] for i in (4, 6)]  # as printed (5: derived from two lines)
     assert_close(resumed, losses, [5])
+    assert validation_losses(proc.stdout + proc.stderr) == {6: saved.valid[6]}
     assert_same_state(state_of(tmp / "back", 6), state_of(tmp / "ref", 6))
 
 
@@ -190,8 +220,7 @@ def test_distopt_inconsistent_checkpoint_refused_in_one_line(saved, tmp_path):
     from hetu_ext.megatron_lm.flags import PROG
     from hetu_ext.runtime.reshard import Piece
 
-    tmp, _, _ = saved
-    storage = LocalStorage(tmp / "stop")
+    storage = LocalStorage(saved.tmp / "stop")
     manifest = read_manifest(storage, 3)
     state = ShardReader(storage, manifest).read_full()
     state[("master/output_layer.weight", ())][5, 7] += 1e-2
