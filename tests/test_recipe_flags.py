@@ -592,3 +592,13 @@ def test_checkpoint_of_the_other_norm_convention_is_refused(tmp_path):
     out = run_ranks(train, 1, [*BASE, "--train-iters", "2", "--apply-layernorm-1p", "--load", str(tmp_path)],
                     False, timeout=240)[0]
     assert len(out["losses"]) == 2
+
+
+def test_print_config_says_which_flags_it_leaves_out(capsys):
+    """--hetu-print-config writes no accepted flag into the file; the notice says so on stderr."""
+    import hetu_ext.cli.train as train
+
+    argv = [*BASE, "--train-iters", "2", "--manual-gc", "--hetu-print-config"]
+    assert train.main(argv) == 0
+    out, err = capsys.readouterr()
+    assert "manual" not in out and "--manual-gc -> " in err

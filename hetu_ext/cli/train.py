@@ -55,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
         report_error(PROG, str(exc))
         return 2
     if args.hetu_print_config:
+        if accepted:  # the file holds no such flag: say so (stderr, so the YAML stays clean)
+            print(f"{PROG}: {accepted}", file=sys.stderr)
         print(to_yaml(config), end="")
         return 0
     launch = config.launch
