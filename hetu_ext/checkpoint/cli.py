@@ -147,6 +147,10 @@ def run(args: argparse.Namespace, formats: Sequence[ForeignCheckpoints] = ()) ->
                        optimizer_step=manifest.state.get("optimizer_step"))
         return [f"wrote a dist_checkpointing checkpoint ({count} tensors, iteration {iteration}) to "
                 f"{args.output}"], None
+    if args.to in ("hf-gpt2", "hf-llama") and manifest.config.get("apply_layernorm_1p"):
+        raise CheckpointError(f"{args.path}: trained with --apply-layernorm-1p (norm weights stored as gamma - 1, "
+                              "Megatron's layout); converting it to Hugging Face is not built: convert --to "
+                              "torch_dist or safetensors keeps Megatron's layout")
     if args.to == "hf-gpt2":
         from .hf import write_gpt2
 
