@@ -103,4 +103,11 @@ def report_first_step(trainer):
     logger.info("[Rank %d] (after %d iterations) activation memory (MB) | measured peak: %.2f | predicted: %.2f "
                 "(inventory: the stage's layers, %d microbatches in flight, recompute %s, sequence parallel %s)",
                 trainer.host.rank, trainer.iteration, meter.peak / MB, predicted / MB, in_flight,
-                numerics.recompute_granularity or "none", "on" if numerics.sequence_parallel else "off")
+                numerics.recompute_granularity or "none", "on" if numerics.sequence_parallel and _stage_tp(
+                    trainer.plan, trainer.host.rank) > 1 else "off")
+
+
+def _stage_tp(plan: Plan, rank: int) -> int:
+    """The TP degree of ``rank``'s stage (sequence parallelism acts only where it is > 1)."""
+    pipeline_index, stage_index = plan.stage_of(rank)
+    return plan.pipelines[pipeline_index].stages[stage_index].tp
