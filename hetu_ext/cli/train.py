@@ -73,6 +73,9 @@ def main(argv: list[str] | None = None) -> int:
 
         launch_check = check_launch(config, world_size)  # the plan against the model and world size, no group
         _check_exit_duration(config, launch_check)
+        from hetu_ext.train.eval import check_evaluation
+
+        check_evaluation(config)  # --eval-iters / --skip-train refusals (LoRA's trainer too), before any rank
     except (PlanError, ValueError, OSError) as exc:
         report_error(PROG, str(exc))
         return 2
