@@ -7,14 +7,15 @@ What is saved: every rank's parameters, fp32 master weights (``--bf16``) and Ada
 offsets (:func:`hetu_ext.megatron.state.state_pieces`: the same names as hetu_ext's trainer writes; under
 ``--use-distributed-optimizer`` the masters and moments of each data-parallel rank's flat ranges, as boxes:
 :mod:`hetu_ext.megatron.distopt_state`), Adam's step, Megatron-LM's LR scheduler state, ``consumed_train_samples``
-and the FLOP count, each rank's RNG states, and the grid as a hetu_ext plan. The snapshot is taken at the call; the
-files are written in the background (:class:`hetu_ext.checkpoint.writer.Checkpointer`) while training goes on,
-except the run's last save, which is committed before the call returns. Loading reshards the pieces into the running
-grid, whatever its TP / PP / DP sizes; the LR scheduler goes through Megatron-LM's own ``load_state_dict`` (its
-override / use-checkpoint rules); RNG states are restored when the grid is the one that saved; under the distributed
-optimizer the loaded parameters must be the loaded masters rounded. A checkpoint of hetu_ext's trainer loads the
-same way (its consumed samples come from the manifest). A ``--load`` directory that holds no hetu checkpoint goes to
-Megatron-LM's own loader (its torch_dist checkpoints keep working).
+(and the validation position) and the FLOP count, each rank's RNG states, and the grid as a hetu_ext plan. The
+snapshot is taken at the call; the files are written in the background
+(:class:`hetu_ext.checkpoint.writer.Checkpointer`) while training goes on, except the run's last save, which is
+committed before the call returns. Loading reshards the pieces into the running grid, whatever its TP / PP / DP
+sizes; the LR scheduler goes through Megatron-LM's own ``load_state_dict`` (its override / use-checkpoint rules);
+RNG states are restored when the grid is the one that saved; under the distributed optimizer the loaded parameters
+must be the loaded masters rounded. A checkpoint of hetu_ext's trainer loads the same way (its consumed samples come
+from the manifest). A ``--load`` directory that holds no hetu checkpoint goes to Megatron-LM's own loader (its
+torch_dist checkpoints keep working).
 """
 
 from __future__ import annotations
@@ -179,6 +180,8 @@ class HetuCheckpoints:
                  "scheduler": opt_param_scheduler.state_dict() if opt_param_scheduler is not None else None,
                  "optimizer_step": optimizer_step(placement),
                  "consumed_train_samples": margs.consumed_train_samples,
+                 "skipped_train_samples": getattr(margs, "skipped_train_samples", 0),
+                 "consumed_valid_samples": getattr(margs, "consumed_valid_samples", 0),
                  "num_floating_point_operations_so_far": num_floating_point_operations_so_far,
                  "data": {"global_batch_size": margs.global_batch_size, "seed": margs.seed,
                           "seq_length": margs.seq_length, "packing": self.packing}}
@@ -230,6 +233,10 @@ class HetuCheckpoints:
                                   "packed run of hetu_ext's trainer); resume it with hetu_ext's trainer")
         margs.consumed_train_samples = consumed
         update_num_microbatches(consumed_samples=margs.consumed_train_samples, verbose=True)
+        # as Megatron-LM's own load: the validation position too (else a sample-based run, --train-samples, would
+        # evaluate from the validation split's start again; 0 lets an iteration-based run derive it)
+        margs.skipped_train_samples = state.get("skipped_train_samples", 0)
+        margs.consumed_valid_samples = state.get("consumed_valid_samples", 0)
         same_grid = state.get("grid") == grid(margs)
         rng = next((r for r in manifest.rng.values() if r.get("rank") == dist.get_rank()), None)
         if same_grid and rng is not None:
