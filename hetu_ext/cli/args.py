@@ -84,6 +84,8 @@ def _validate_schedule(args: argparse.Namespace) -> None:
     fraction = args.lr_warmup_fraction
     if fraction is not None and not 0 <= fraction <= 1:
         raise ValueError(f"--lr-warmup-fraction must be in [0, 1], got {fraction}")
+    if args.rampup_batch_size is not None:
+        _validate_rampup(args)
     if args.train_iters is not None:
         if args.lr_decay_samples is not None or args.lr_warmup_samples:
             raise ValueError("--lr-decay-samples / --lr-warmup-samples count samples and go with --train-samples; "
@@ -104,10 +106,53 @@ def _validate_schedule(args: argparse.Namespace) -> None:
     if args.global_batch_size is None:
         raise ValueError(f"--train-samples {args.train_samples} needs --global-batch-size (steps = samples // "
                          "global batch size)")
+    if args.rampup_batch_size is not None:  # Megatron-LM's update_train_iters: the ramp's steps, then whole batches
+        from hetu_ext.plan.batches import BatchRamp
+
+        start, increment, samples = args.rampup_batch_size
+        args.train_iters = BatchRamp(start=start, increment=increment, samples=samples,
+                                     global_batch=args.global_batch_size).train_iters(args.train_samples)
+        return
     if args.train_samples < args.global_batch_size:
         raise ValueError(f"--train-samples {args.train_samples} is less than one global batch "
                          f"(--global-batch-size {args.global_batch_size}); give at least that many")
     args.train_iters = args.train_samples // args.global_batch_size
+
+
+_RAMPUP_REFUSED = (("hetu_straggler_interval", "straggler weighting re-plans each rank's microbatches"),
+                   ("hetu_migrate", "a migration changes the plan the ramp's microbatches are shared by"),
+                   ("hetu_lora_tenants", "LoRA tenants take their own batches"),
+                   ("hetu_hotspa", "HotSPa's steps are packed documents"),
+                   ("hetu_strategies", "Hydraulis' steps are packed documents"))
+
+
+def _validate_rampup(args: argparse.Namespace) -> None:
+    """--rampup-batch-size START INCREMENT SAMPLES (Megatron-LM's rules; ``args.rampup_batch_size`` made ints)."""
+    given = " ".join(str(v) for v in args.rampup_batch_size)
+    flag = f"--rampup-batch-size {given}"
+    try:
+        start, increment, samples = (int(v) for v in args.rampup_batch_size)
+    except ValueError:
+        raise ValueError(f"{flag}: give three integers START INCREMENT SAMPLES") from None
+    args.rampup_batch_size = [start, increment, samples]
+    if args.train_iters is not None:
+        raise ValueError(f"{flag} goes with --train-samples, not --train-iters (Megatron-LM: 'expected no "
+                         "batch-size rampup for iteration-based training'): give --train-samples N")
+    for name, why in _RAMPUP_REFUSED:
+        if getattr(args, name):
+            raise ValueError(f"{flag} cannot go with --{name.replace('_', '-')} ({why}); drop one of them")
+    if args.hetu_packing != "off":
+        raise ValueError(f"{flag} cannot go with --hetu-packing {args.hetu_packing} (a packed step's sequence "
+                         "count varies); drop one of them")
+    if min(start, increment, samples) < 1:
+        raise ValueError(f"{flag}: START, INCREMENT and SAMPLES must be >= 1")
+    gbs, mbs = args.global_batch_size, args.micro_batch_size
+    if gbs is None or start >= gbs or (gbs - start) % increment:
+        raise ValueError(f"{flag}: START must be less than --global-batch-size ({gbs}) and the difference a "
+                         "multiple of INCREMENT (Megatron-LM's rule)")
+    if start % mbs or increment % mbs:
+        raise ValueError(f"{flag}: every step's global batch must be whole microbatches, so START and INCREMENT "
+                         f"must be multiples of --micro-batch-size {mbs}")
 
 
 def _validate_tokenizer(args: argparse.Namespace) -> None:

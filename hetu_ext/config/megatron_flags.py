@@ -111,9 +111,6 @@ MEGATRON_FLAGS: dict[str, FlagRule] = {
     "--moe-*": FlagRule("refused", _MOE),
     "--expert-model-parallel-size": FlagRule("refused", _MOE),
     "--expert-tensor-parallel-size": FlagRule("refused", _MOE),
-    "--rampup-batch-size": FlagRule("refused", "batch-size ramp-up is not built in hetu_ext's trainer (a plan fixes "
-                                               "each pipeline's microbatches; Megatron-LM itself takes it with "
-                                               "--train-samples only); drop it"),
     "--fp16": FlagRule("refused", "fp16 with dynamic loss scaling is not built in hetu_ext's trainer (its loss "
                                   "scale would have to be saved, migrated and skip steps); use --bf16"),
     "--no-load-optim": FlagRule("refused", "hetu_ext's --load always restores the optimizer state (resharded "

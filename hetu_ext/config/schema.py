@@ -120,6 +120,12 @@ class TrainingConfig:
     train_samples: int | None = setting(help="training samples instead of --train-iters (Megatron-LM's "
                                              "sample-based training: steps = samples // --global-batch-size; the LR "
                                              "schedule counts samples)")
+    rampup_batch_size: tuple[int, ...] | None = setting(
+        nargs=3,
+        help="START INCREMENT SAMPLES: Megatron-LM's batch-size ramp-up (with --train-samples): the global "
+             "batch starts at START and grows by INCREMENT every SAMPLES / ((--global-batch-size - START) / "
+             "INCREMENT) consumed samples up to --global-batch-size; each step's microbatches are shared "
+             "among the pipelines in proportion to the plan's counts")
     optimizer: str = setting("adam", choices=("adam", "sgd"), help="optimizer")
     lr: float = setting(required=True, help="peak learning rate")
     min_lr: float = setting(0.0, help="learning rate at the end of the decay")

@@ -119,7 +119,7 @@ def check_supported(config: RunConfig) -> None:
     t = config.training
     refused.update({"--eval-iters": t.eval_iters, "--skip-train": t.skip_train, "--decoupled-lr": t.decoupled_lr,
                     "--decoupled-min-lr": t.decoupled_min_lr, "--grad-reduce-in-bf16": t.grad_reduce_in_bf16,
-                    "--exit-duration-in-mins": t.exit_duration_in_mins})
+                    "--exit-duration-in-mins": t.exit_duration_in_mins, "--rampup-batch-size": t.rampup_batch_size})
     for flag, value in refused.items():
         if value:
             raise ValueError(f"{flag} is a feature of launch/pretrain_gpt.py; the DeepSpeed path shards with ZeRO "

@@ -163,7 +163,10 @@ def save_hetu(trainer, directory: str, *, blocking: bool) -> Checkpointer:
     placement = trainer.placement
     state = run_state(trainer)
     packed = state["data"]["packing"] not in (None, "off")
-    info = {"consumed_samples": None if packed else trainer.iteration * state["data"]["global_batch_size"],
+    ramp = getattr(trainer, "ramp", None)
+    consumed = trainer.iteration * state["data"]["global_batch_size"] if ramp is None else \
+        ramp.consumed(trainer.iteration)
+    info = {"consumed_samples": None if packed else consumed,
             "plan": plan_to_dict(trainer.plan), "config": _json_safe(trainer.config.to_flat_dict()),
             "state": _json_safe(state)}
     ckpt = _checkpointer(trainer, directory)

@@ -122,10 +122,11 @@ def build_datasets(spec: DataSpec, tokenizer, num_samples: tuple[int, int, int])
 
 
 def microbatch_iterator(dataset, plan: Plan, pipeline: int, micro_batch_size: int, *, start_iteration: int,
-                        num_iterations: int, device: torch.device) -> Iterator[dict[str, torch.Tensor]]:
-    """Yield this pipeline's microbatches, iteration after iteration, each a dict of [b, s] tensors."""
+                        num_iterations: int, device: torch.device, ramp=None) -> Iterator[dict[str, torch.Tensor]]:
+    """Yield this pipeline's microbatches, iteration after iteration, each a dict of [b, s] tensors (``ramp``: a
+    :class:`~hetu_ext.plan.batches.BatchRamp`, --rampup-batch-size's global batches)."""
     for iteration in range(start_iteration, start_iteration + num_iterations):
-        for ids in microbatch_samples(plan, pipeline, iteration, micro_batch_size):
+        for ids in microbatch_samples(plan, pipeline, iteration, micro_batch_size, ramp):
             samples = [dataset[i] for i in ids]
             yield {key: torch.stack([s[key] for s in samples]).to(device)
                    for key in ("tokens", "labels", "loss_mask", "position_ids")}

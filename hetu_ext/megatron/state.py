@@ -211,7 +211,8 @@ def data_settings(trainer) -> dict[str, Any]:
     return {"global_batch_size": global_batch_size(trainer.plan, cfg.training.micro_batch_size),
             "seed": cfg.training.seed, "seq_length": cfg.model.seq_length, "split": cfg.data.split,
             "mock_data": bool(cfg.data.mock_data), "packing": cfg.packing.method,
-            "global_batch_tokens": cfg.packing.global_batch_tokens}
+            "global_batch_tokens": cfg.packing.global_batch_tokens,
+            "rampup_batch_size": list(cfg.training.rampup_batch_size or []) or None}
 
 
 def scheduler_settings(training, unit: int) -> dict[str, Any]:
@@ -260,8 +261,10 @@ def restore_scheduler(trainer, saved: dict[str, Any] | None, where: str) -> None
     training = trainer.config.training
     unit = scheduler_unit(training, trainer.config.packing, trainer.plan)
     if saved is None:
-        if trainer.scheduler is not None:
-            trainer.scheduler.step(increment=trainer.iteration * unit)
+        if trainer.scheduler is not None:  # --rampup-batch-size: the samples consumed so far
+            ramp = getattr(trainer, "ramp", None)
+            trainer.scheduler.step(increment=trainer.iteration * unit if ramp is None
+                                   else ramp.consumed(trainer.iteration))
         return
     policy = schedule_policy(training)
     state = resolve_schedule(saved, scheduler_settings(training, unit), policy=policy, unit=unit, where=where)

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from hetu_ext.megatron.data import microbatch_iterator
 from hetu_ext.megatron.packed_data import PackedSteps, build_packed_steps
 from hetu_ext.megatron.switching import SwitchedSteps, local_loss, predicted_switch_s
-from hetu_ext.plan.batches import global_batch_size, scheduler_unit
+from hetu_ext.plan.batches import global_batch_size, scheduler_unit, step_microbatches
 from hetu_ext.runtime.straggler import factor_at, parse_schedule
 
 
@@ -126,13 +126,16 @@ class MicrobatchSteps(StepKind):
         return microbatch_iterator(trainer.dataset, trainer.plan, trainer.placement.pipeline_index,
                                    training.micro_batch_size, start_iteration=trainer.iteration,
                                    num_iterations=training.train_iters - trainer.iteration,
-                                   device=trainer.host.device)
+                                   device=trainer.host.device, ramp=trainer.ramp)
 
     def prepare(self, trainer, data) -> StepWork:
-        training, placement = trainer.config.training, trainer.placement
-        samples = global_batch_size(trainer.plan, training.micro_batch_size)
-        return StepWork(microbatches=data, num_microbatches=trainer.plan.pipelines[placement.pipeline_index]
-                        .num_microbatches, samples=samples, tokens=samples * trainer.spec.seq_length)
+        training, placement, ramp = trainer.config.training, trainer.placement, trainer.ramp
+        # --rampup-batch-size: this step's global batch, shared among the pipelines (plan/batches.py)
+        samples = global_batch_size(trainer.plan, training.micro_batch_size) if ramp is None else \
+            ramp.batch(trainer.iteration)
+        counts = step_microbatches(trainer.plan, ramp, trainer.iteration, training.micro_batch_size)
+        return StepWork(microbatches=data, num_microbatches=counts[placement.pipeline_index], samples=samples,
+                        tokens=samples * trainer.spec.seq_length)
 
 
 class PackedDocumentSteps(StepKind):
@@ -243,8 +246,9 @@ def run_step(trainer, kind: StepKind, data, log) -> StepResult:
     reports = kind.execute(trainer, work)
     grad_norm = kind.optimizer_step(trainer, work)
     increment = kind.scheduler_increment
-    if increment is None:
-        increment = scheduler_unit(trainer.config.training, trainer.config.packing, trainer.plan)
+    if increment is None:  # with --rampup-batch-size the step's global batch, as Megatron-LM's train_step
+        increment = scheduler_unit(trainer.config.training, trainer.config.packing, trainer.plan) \
+            if trainer.ramp is None else work.samples
     trainer.scheduler.step(increment=increment)
     trainer.iteration += 1
     loss = kind.loss(trainer, work, reports)

@@ -50,7 +50,7 @@ from hetu_ext.plan import (
     format_plan,
     plan_to_dict,
 )
-from hetu_ext.plan.batches import global_batch_size, scheduler_unit
+from hetu_ext.plan.batches import BatchRamp, batch_ramp, check_ramp, global_batch_size, scheduler_unit
 from hetu_ext.plan.straggler_policy import StragglerPolicy
 from hetu_ext.runtime.straggler import CostFn, LayerTimer, parse_schedule
 from hetu_ext.train.step import (
@@ -120,6 +120,8 @@ class Trainer:
     """The first step's activation memory was logged (measured beside the inventory's: activations.py)."""
     evaluation: Evaluation | None = None
     """--eval-iters: the validation (and test) split and when to evaluate on it (hetu_ext.train.eval)."""
+    ramp: BatchRamp | None = None
+    """--rampup-batch-size: each step's global batch; the data position is the samples consumed before a step."""
 
     @property
     def step_kind(self) -> StepKind:
@@ -245,6 +247,8 @@ class Trainer:
     def _consumed(self, data, samples_per_step: int) -> int:
         if isinstance(data, (PackedSteps, SwitchedSteps)):
             return data.consumed(self.iteration)
+        if self.ramp is not None:
+            return self.ramp.consumed(self.iteration)
         return self.iteration * samples_per_step
 
     def _open_data(self):
@@ -499,6 +503,8 @@ def build_trainer(config: RunConfig, *, checkpoint_formats: tuple = ()) -> Train
     world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     launch = check_launch(config, world_size)
     spec, plan, migrations, runtime = launch.spec, launch.plan, launch.migrations, launch.runtime
+    ramp = batch_ramp(config.training)
+    check_ramp(plan, ramp, config.training.micro_batch_size)
     if config.checkpoint.format == "auto":  # the format --save writes on this runtime, decided once
         config = dataclasses.replace(config, checkpoint=dataclasses.replace(
             config.checkpoint, format=save_format(config.checkpoint, config.parallel, runtime)))
@@ -525,7 +531,8 @@ def build_trainer(config: RunConfig, *, checkpoint_formats: tuple = ()) -> Train
                          seq_length=spec.seq_length, seed=training.seed, cache_path=data.data_cache_path)
     dataset = evaluation = None
     if documents is None:  # every rank, idle ones too: Megatron's builder makes index caches on rank 0, barriers
-        dataset, valid, test = build_datasets(data_spec, tokenizer, (training.train_iters * gbs,
+        train_samples = training.train_iters * gbs if ramp is None else ramp.consumed(training.train_iters)
+        dataset, valid, test = build_datasets(data_spec, tokenizer, (train_samples,
                                                                      *eval_samples(training, gbs)))
         evaluation = Evaluation.of(training, data.split, valid, test)
     where = plan.stage_of(h.rank)
@@ -542,7 +549,7 @@ def build_trainer(config: RunConfig, *, checkpoint_formats: tuple = ()) -> Train
                                 optimizer_sharded=runtime == "plan" and config.parallel.use_distributed_optimizer)
     layer_cost = emulated_layer_cost(config.straggler)
     trainer = Trainer(config=config, spec=spec, plan=plan, host=h, placement=placement, scheduler=scheduler,
-                      dataset=dataset, monitor=monitor, evaluation=evaluation,
+                      dataset=dataset, monitor=monitor, evaluation=evaluation, ramp=ramp,
                       numerics=numerics, migrations=migrations, documents=documents, flops_per_token=flops,
                       peak_tflops=peak_tflops(torch.cuda.get_device_name() if h.device.type == "cuda" else None),
                       plan_key=plan_id(plan), layer_cost=layer_cost, checkpoint_formats=tuple(checkpoint_formats),
