@@ -17,8 +17,9 @@ setup(
     install_requires=["numpy", "pyyaml>=6", "safetensors>=0.4"],
     extras_require={
         "cpu": [TORCH],
-        "megatron": [TORCH, "megatron-core==0.16.1"],
-        "megatron-lm": [TORCH, "megatron-core==0.16.1", "six"],  # a user's Megatron-LM checkout imports six
+        # sentencepiece: --tokenizer-type Llama2Tokenizer (a SentencePiece model file), as Megatron-LM reads it
+        "megatron": [TORCH, "megatron-core==0.16.1", "sentencepiece"],
+        "megatron-lm": [TORCH, "megatron-core==0.16.1", "six", "sentencepiece"],  # a Megatron-LM checkout imports six
         "deepspeed": [TORCH, "deepspeed==0.19.8"],
         # scipy: HiGHS MILP references in tests; tensorboard: the metrics test reads the event files back
         "dev": ["pytest>=8", "pytest-timeout", "scipy>=1.9", "tensorboard>=2.14"],

@@ -488,7 +488,7 @@ def test_file_tokenizer_sets_the_vocabulary_and_trains(tokenizer_files):
 
 
 @pytest.mark.parametrize("flags, needle", [
-    (["--tokenizer-type", "Llama2Tokenizer", "--tokenizer-model", "x.model"], "HuggingFaceTokenizer"),
+    (["--tokenizer-type", "Llama2Tokenizer", "--tokenizer-model", "x.model"], "a local SentencePiece model"),
     (["--tokenizer-type", "NullTokenizer", "--vocab-size", "10", "--vocab-file", "v.json"],
      "read by --tokenizer-type GPT2BPETokenizer"),
     (["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "/no/such/dir"], "nothing is downloaded"),

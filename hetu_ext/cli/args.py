@@ -157,20 +157,12 @@ def _validate_rampup(args: argparse.Namespace) -> None:
 
 def _validate_tokenizer(args: argparse.Namespace) -> None:
     """File tokenizers: their files read now (nothing downloaded), ``args.vocab_size`` set from them; files given to
-    a tokenizer that does not read them, and Llama2Tokenizer, refused."""
+    a tokenizer that does not read them refused."""
+    from hetu_ext.data.tokenizer import FILE_TOKENIZER_TYPES, TOKENIZER_FILES, check_tokenizer_files
+
     kind = args.tokenizer_type
-    if kind == "Llama2Tokenizer":
-        raise ValueError("--tokenizer-type Llama2Tokenizer (SentencePiece) is not built in hetu_ext's trainer: "
-                         "convert the model to a Hugging Face tokenizer directory (transformers' "
-                         "LlamaTokenizerFast.save_pretrained) and give --tokenizer-type HuggingFaceTokenizer "
-                         "--tokenizer-model DIR")
-    readers = {"tokenizer_model": "HuggingFaceTokenizer", "vocab_file": "GPT2BPETokenizer",
-               "merge_file": "GPT2BPETokenizer"}
-    for name, reader in readers.items():
-        if getattr(args, name) is not None and kind != reader:
-            raise ValueError(f"--{name.replace('_', '-')} is read by --tokenizer-type {reader}, not {kind}; give "
-                             f"--tokenizer-type {reader} or drop it")
-    if kind not in ("HuggingFaceTokenizer", "GPT2BPETokenizer"):
+    check_tokenizer_files(kind, {name: getattr(args, name) for name in TOKENIZER_FILES})
+    if kind not in FILE_TOKENIZER_TYPES:
         return
     from hetu_ext.megatron.tokenizers import open_file_tokenizer
 

@@ -213,13 +213,13 @@ class DataConfig:
     data_path: tuple[str, ...] | None = setting(nargs="+", path=True, help="indexed dataset prefix(es)")
     split: str = setting("969,30,1", help="train,valid,test weights")
     tokenizer_type: str = setting("ByteLevelTokenizer", choices=TOKENIZER_TYPES,
-                                  help="tokenizer; HuggingFaceTokenizer and GPT2BPETokenizer are read from local "
-                                       "files (nothing downloaded); Llama2Tokenizer (SentencePiece) is refused: "
-                                       "convert it to a Hugging Face tokenizer directory")
+                                  help="tokenizer; HuggingFaceTokenizer, GPT2BPETokenizer and Llama2Tokenizer "
+                                       "(SentencePiece) are read from local files (nothing downloaded)")
     vocab_size: int | None = setting(help="for NullTokenizer; with a file tokenizer, set from its files (a "
                                           "different value is refused)")
     tokenizer_model: str | None = setting(path=True, help="HuggingFaceTokenizer: a local directory with "
-                                                          "tokenizer.json and tokenizer_config.json")
+                                                          "tokenizer.json and tokenizer_config.json; "
+                                                          "Llama2Tokenizer: a SentencePiece model file")
     vocab_file: str | None = setting(path=True, help="GPT2BPETokenizer: GPT-2's vocab.json")
     merge_file: str | None = setting(path=True, help="GPT2BPETokenizer: GPT-2's merges.txt")
     data_cache_path: str | None = setting(path=True, help="where Megatron's dataset builder caches indexes")

@@ -27,9 +27,23 @@ class ByteLevelTokenizer:
 
 TOKENIZER_TYPES = ("ByteLevelTokenizer", "NullTokenizer")
 """``--tokenizer-type`` choices: both work offline."""
-FILE_TOKENIZER_TYPES = ("HuggingFaceTokenizer", "GPT2BPETokenizer")
+FILE_TOKENIZER_TYPES = ("HuggingFaceTokenizer", "GPT2BPETokenizer", "Llama2Tokenizer")
 """Tokenizers read from local files (hetu_ext.megatron.tokenizers); their vocabulary size is the one the launcher
 read from the files (``--vocab-size`` after the launcher's check)."""
+TOKENIZER_FILES: dict[str, tuple[str, ...]] = {"tokenizer_model": ("HuggingFaceTokenizer", "Llama2Tokenizer"),
+                                               "vocab_file": ("GPT2BPETokenizer",),
+                                               "merge_file": ("GPT2BPETokenizer",)}
+"""Each tokenizer file setting and the ``--tokenizer-type`` values that read it (as Megatron-LM's)."""
+
+
+def check_tokenizer_files(tokenizer_type: str, files: dict[str, str | None]) -> None:
+    """ValueError (one line) for a file given to a tokenizer that does not read it (``files``: setting name ->
+    path or None, the keys of :data:`TOKENIZER_FILES`); a missing file is the tokenizer's own check."""
+    for name, path in files.items():
+        readers = TOKENIZER_FILES[name]
+        if path is not None and tokenizer_type not in readers:
+            raise ValueError(f"--{name.replace('_', '-')} is read by --tokenizer-type {' or '.join(readers)}, not "
+                             f"{tokenizer_type}; give --tokenizer-type {readers[0]} or drop it")
 
 
 def tokenizer_vocab_size(tokenizer_type: str, vocab_size: int | None = None) -> int:

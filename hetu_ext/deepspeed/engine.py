@@ -267,6 +267,7 @@ def build(config: RunConfig, zero: ZeroConfig) -> DeepSpeedGPT:
 
     from hetu_ext.megatron import host
     from hetu_ext.megatron.data import DataSpec, build_train_dataset, make_tokenizer
+    from hetu_ext.megatron.tokenizers import tokenizer_files
     from hetu_ext.megatron.launch_plan import model_spec
     from hetu_ext.megatron.model import (
         TrainingNumerics,
@@ -283,7 +284,7 @@ def build(config: RunConfig, zero: ZeroConfig) -> DeepSpeedGPT:
     if config.training.optimizer != "adam" or tp != 1 or pp != 1:
         raise ValueError("the DeepSpeed path trains Adam with TP 1 and PP 1 (ZeRO shards over data parallel "
                          f"ranks); got --optimizer {config.training.optimizer} TP {tp} PP {pp}: drop those flags")
-    tokenizer = make_tokenizer(config.data.tokenizer_type, config.data.vocab_size)
+    tokenizer = make_tokenizer(config.data.tokenizer_type, config.data.vocab_size, tokenizer_files(config.data))
     spec = model_spec(config.model, tokenizer.vocab_size)
     h = host.init_distributed(force_cpu=not torch.cuda.is_available(),
                               timeout_minutes=parallel.distributed_timeout_minutes,

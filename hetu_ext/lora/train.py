@@ -32,6 +32,7 @@ from hetu_ext.megatron.model import TrainingNumerics, optimizer_config
 from hetu_ext.megatron.plan_runtime import build_plan_placement
 from hetu_ext.train.step import StepKind, StepWork
 from hetu_ext.megatron.switching import Switching
+from hetu_ext.megatron.tokenizers import tokenizer_files
 from hetu_ext.train.trainer import Trainer, emulated_layer_cost, make_scheduler, plan_id, straggler_monitor
 from hetu_ext.model import inventory
 from hetu_ext.runtime.straggler import LayerTimer
@@ -178,7 +179,7 @@ def build_lora_trainer(config: RunConfig) -> LoRATrainer:
     world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     launch = check_launch(config, world_size)
     spec, plan = launch.spec, launch.plan
-    tokenizer = make_tokenizer(config.data.tokenizer_type, config.data.vocab_size)
+    tokenizer = make_tokenizer(config.data.tokenizer_type, config.data.vocab_size, tokenizer_files(config.data))
     training = config.training
     corpus = TenantCorpus(tenants, vocab_size=tokenizer.vocab_size, seed=training.seed)  # checked before groups
     force = {"auto": None, "on": True, "off": False}[config.parallel.cpu_patches]

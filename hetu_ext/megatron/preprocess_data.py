@@ -5,6 +5,10 @@
 
 writes ``data/docs_text_document.bin`` and ``.idx`` (one document per jsonl line), the prefix to pass as
 ``--data-path data/docs_text_document``. Files are written under temporary names and renamed only when complete.
+A user's own tokenizer is read from local files with Megatron-LM's flags: ``--tokenizer-type Llama2Tokenizer
+--tokenizer-model tokenizer.model`` (each document is BOS, its pieces, then EOS with --append-eod, as Megatron-LM's
+tools/preprocess_data.py writes it), ``--tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR``,
+``--tokenizer-type GPT2BPETokenizer --vocab-file vocab.json --merge-file merges.txt``; train with the same flags.
 """
 
 from __future__ import annotations
@@ -17,19 +21,21 @@ from pathlib import Path
 
 import numpy as np
 
-from hetu_ext.data.tokenizer import TOKENIZER_TYPES
+from hetu_ext.data.tokenizer import FILE_TOKENIZER_TYPES, TOKENIZER_FILES, TOKENIZER_TYPES, check_tokenizer_files
 from hetu_ext.hostlog import quiet_host_frameworks
 
 from .data import make_tokenizer
 
 
 def preprocess(input_path: str, output_prefix: str, *, tokenizer_type: str = "ByteLevelTokenizer",
-               json_key: str = "text", append_eod: bool = True, vocab_size: int | None = None) -> tuple[str, int]:
-    """Tokenize every line's ``json_key`` into one document; return (dataset prefix, document count)."""
+               json_key: str = "text", append_eod: bool = True, vocab_size: int | None = None,
+               files: dict[str, str | None] | None = None) -> tuple[str, int]:
+    """Tokenize every line's ``json_key`` into one document; return (dataset prefix, document count). ``files``:
+    a file tokenizer's ``tokenizer_model`` / ``vocab_file`` / ``merge_file``."""
     import torch
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder, get_bin_path, get_idx_path
 
-    tokenizer = make_tokenizer(tokenizer_type, vocab_size)
+    tokenizer = make_tokenizer(tokenizer_type, vocab_size, files)
     prefix = f"{output_prefix}_{json_key}_document"
     Path(prefix).parent.mkdir(parents=True, exist_ok=True)
     tmp = f"{prefix}.tmp{os.getpid()}"
@@ -67,8 +73,13 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--input", required=True, help="jsonl file, one document per line")
     parser.add_argument("--output-prefix", required=True)
-    parser.add_argument("--tokenizer-type", default="ByteLevelTokenizer", choices=TOKENIZER_TYPES)
+    parser.add_argument("--tokenizer-type", default="ByteLevelTokenizer",
+                        choices=TOKENIZER_TYPES + FILE_TOKENIZER_TYPES)
     parser.add_argument("--vocab-size", type=int, default=None, help="for NullTokenizer")
+    parser.add_argument("--tokenizer-model", default=None,
+                        help="Llama2Tokenizer: a SentencePiece model file; HuggingFaceTokenizer: a local directory")
+    parser.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: vocab.json")
+    parser.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: merges.txt")
     parser.add_argument("--json-keys", nargs="+", default=["text"])
     parser.add_argument("--append-eod", action="store_true")
     parser.add_argument("--workers", type=int, default=1, help="accepted for Megatron-LM compatibility")
@@ -76,10 +87,13 @@ def main(argv: list[str] | None = None) -> int:
     quiet_host_frameworks()
     if not Path(args.input).is_file():
         parser.error(f"--input {args.input!r} does not exist; give a jsonl file")
+    files = {name: getattr(args, name) for name in TOKENIZER_FILES}
     try:
+        check_tokenizer_files(args.tokenizer_type, files)
         for key in args.json_keys:
             prefix, count = preprocess(args.input, args.output_prefix, tokenizer_type=args.tokenizer_type,
-                                       json_key=key, append_eod=args.append_eod, vocab_size=args.vocab_size)
+                                       json_key=key, append_eod=args.append_eod, vocab_size=args.vocab_size,
+                                       files=files)
             print(f"wrote {count} documents to {prefix}.bin/.idx (use --data-path {prefix})")
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

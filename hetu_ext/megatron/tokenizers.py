@@ -9,9 +9,13 @@
   the end of document ``<|endoftext|>``, no special token added to a text. Built here on the ``tokenizers``
   library's byte-level BPE (GPT-2's pre-tokenisation pattern and byte map); tests/test_recipe_flags.py checks its
   ids against Megatron-LM's own ``gpt2_tokenization.py`` from the checkout.
-
-``Llama2Tokenizer`` (SentencePiece) is refused by the launcher: convert its model to a Hugging Face tokenizer
-directory and use ``HuggingFaceTokenizer``.
+* ``--tokenizer-type Llama2Tokenizer --tokenizer-model FILE.model``: a SentencePiece model, as Megatron-LM's
+  ``_Llama2Tokenizer``: the vocabulary is the model's piece count (no special token added to it), the end of
+  document its EOS piece, and a text's ids are its pieces after the BOS id (Megatron-LM's ``tokenize`` for text
+  completion: ``bos=True, eos=False``), so a document that ``preprocess_data --append-eod`` writes is
+  ``[BOS] pieces [EOS]`` as Megatron-LM's tools/preprocess_data.py writes it. Its pad id is not used: Megatron-LM's
+  has none and Megatron-core's datasets pad with -1 (the loss masked there). tests/test_tokenizers.py checks the
+  ids against Megatron-LM's own class from the checkout.
 """
 
 from __future__ import annotations
@@ -20,8 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-FILE_TOKENIZERS = ("HuggingFaceTokenizer", "GPT2BPETokenizer")
-"""``--tokenizer-type`` values read from files."""
+from hetu_ext.data.tokenizer import FILE_TOKENIZER_TYPES as FILE_TOKENIZERS
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,8 @@ def open_file_tokenizer(tokenizer_type: str, *, tokenizer_model: str | None = No
         return _huggingface(tokenizer_model)
     if tokenizer_type == "GPT2BPETokenizer":
         return _gpt2_bpe(vocab_file, merge_file)
+    if tokenizer_type == "Llama2Tokenizer":
+        return _llama2(tokenizer_model)
     raise ValueError(f"--tokenizer-type {tokenizer_type} is not read from files (file tokenizers: "
                      f"{', '.join(FILE_TOKENIZERS)})")
 
@@ -85,3 +90,31 @@ def _gpt2_bpe(vocab_file: str | None, merge_file: str | None) -> FileTokenizer:
     return FileTokenizer(name="GPT2BPETokenizer", encode=lambda text: list(bpe.encode(text).ids),
                          decode=lambda ids: bpe.decode([int(i) for i in ids]), vocab_size=len(vocab),
                          eod=vocab["<|endoftext|>"])
+
+
+def _llama2(model_file: str | None) -> FileTokenizer:
+    if model_file is None or not Path(model_file).is_file():
+        raise ValueError(f"--tokenizer-type Llama2Tokenizer needs --tokenizer-model FILE, a local SentencePiece "
+                         f"model (tokenizer.model; nothing is downloaded); got {model_file!r}")
+    try:
+        import sentencepiece
+    except ImportError:
+        raise ValueError("--tokenizer-type Llama2Tokenizer reads its model with the sentencepiece package, which is "
+                         "not installed: pip install sentencepiece (or hetu_ext[megatron])") from None
+    try:
+        sp = sentencepiece.SentencePieceProcessor(model_file=str(model_file))
+    except (OSError, RuntimeError) as exc:
+        raise ValueError(f"--tokenizer-model {model_file}: not a SentencePiece model "
+                         f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from exc
+    bos, eos = sp.bos_id(), sp.eos_id()
+    for name, value in (("BOS", bos), ("EOS", eos)):
+        if value < 0:  # Megatron-LM's class would put -1 into every document
+            raise ValueError(f"--tokenizer-model {model_file}: the SentencePiece model has no {name} piece "
+                             f"({name.lower()}_id -1), which Megatron-LM's Llama2Tokenizer puts into every document; "
+                             f"train it with {name.lower()}_id set")
+
+    def encode(text: str) -> list[int]:
+        return [bos, *sp.encode(text)]
+
+    return FileTokenizer(name="Llama2Tokenizer", encode=encode, decode=lambda ids: sp.decode_ids([int(i) for i in ids]),
+                         vocab_size=sp.get_piece_size(), eod=eos)
