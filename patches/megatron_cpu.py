@@ -269,6 +269,9 @@ def megatron_cpu_patches() -> PatchSet:
               target=f"{_MC}.models.common.language_module.language_module:LanguageModule."
                      "setup_embeddings_and_output_layer",
               make=_with_tensor_cuda_identity, reason="moves the tied embedding with weight.data.cuda()"),
+        Patch(name="tensor_cuda_identity:DynamicGradScaler.load_state_dict",
+              target=f"{_MC}.optimizer.grad_scaler:DynamicGradScaler.load_state_dict",
+              make=_with_tensor_cuda_identity, reason="--fp16 resume: moves the saved loss scale with .cuda()"),
     ]
     return PatchSet("megatron-cpu", patches)
 

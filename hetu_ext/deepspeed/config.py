@@ -13,8 +13,27 @@ from hetu_ext.config import RunConfig
 ZERO_STAGES = (0, 1, 2, 3)
 
 
+FP16_REFUSAL = ("--fp16 is not supported on the DeepSpeed path: Megatron-LM's dynamic loss scaling is not mapped to "
+                "DeepSpeed's fp16 config (nor its scaler state to hetu checkpoints); use --bf16 with --zero-stage "
+                "1, 2 or 3")
+
+
+class _Refused(argparse.Action):
+    """A flag that changes the numbers and is not built here: refused by name with the reason (one line, exit 2),
+    not left to argparse's "unrecognized arguments"."""
+
+    def __init__(self, option_strings: list[str], dest: str, message: str = "", **kwargs) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=f"refused: {message}",
+                         **kwargs)
+        self.message = message
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        parser.error(self.message)
+
+
 def add_deepspeed_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("deepspeed")
+    g.add_argument("--fp16", action=_Refused, message=FP16_REFUSAL)
     g.add_argument("--zero-stage", type=int, choices=ZERO_STAGES, default=2,
                    help="ZeRO stage (default 2; 0: DeepSpeed without ZeRO, fp32 only)")
     g.add_argument("--deepspeed-config", default=None,

@@ -7,7 +7,9 @@ What is saved: every rank's parameters, fp32 master weights (``--bf16``) and Ada
 offsets (:func:`hetu_ext.megatron.state.state_pieces`: the same names as hetu_ext's trainer writes; under
 ``--use-distributed-optimizer`` the masters and moments of each data-parallel rank's flat ranges, as boxes:
 :mod:`hetu_ext.megatron.distopt_state`), Adam's step, Megatron-LM's LR scheduler state, ``consumed_train_samples``
-(and the validation position) and the FLOP count, each rank's RNG states, and the grid as a hetu_ext plan. The
+(and the validation position) and the FLOP count, each rank's RNG states, the ``--fp16`` loss scaler's state
+(scale, growth and hysteresis trackers: without it a resume would restart at ``--initial-loss-scale``, skip other
+steps and differ), and the grid as a hetu_ext plan. The
 snapshot is taken at the call; the files are written in the background
 (:class:`hetu_ext.checkpoint.writer.Checkpointer`) while training goes on, except the run's last save, which is
 committed before the call returns. Loading reshards the pieces into the running grid, whatever its TP / PP / DP
@@ -27,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from hetu_ext.checkpoint import LocalStorage
@@ -79,6 +82,44 @@ class GridPlacement:
     optimizer: Any
     active: bool = True
     shard_kwargs: dict = field(default_factory=dict)
+
+
+def _grad_scalers(optimizer: Any) -> list:
+    """The loss scalers of Megatron-LM's optimizer: one per part of a ``ChainedOptimizer`` under ``--fp16``
+    (``DynamicGradScaler``, or ``ConstantGradScaler`` under ``--loss-scale``); none under ``--bf16`` or fp32."""
+    if optimizer is None:
+        return []
+    parts = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    return [s for s in (getattr(p, "grad_scaler", None) for p in parts) if s is not None]
+
+
+def scaler_state(optimizer: Any) -> list[dict] | None:
+    """Each loss scaler's state as JSON (the scale as a float: a float32 value is exact in a double)."""
+    scalers = _grad_scalers(optimizer)
+    if not scalers:
+        return None
+    return [{**{k: int(v) for k, v in s.state_dict().items() if k != "scale"}, "scale": float(s.scale.item())}
+            for s in scalers]
+
+
+def restore_scaler_state(optimizer: Any, saved: list[dict] | None, where: str) -> None:
+    """Load :func:`scaler_state`'s record into the optimizer's loss scalers (Megatron-core's own
+    ``load_state_dict``). A checkpoint of a run without ``--fp16`` starts the scaler at ``--initial-loss-scale``,
+    as Megatron-LM's own loader does (said on rank 0)."""
+    scalers = _grad_scalers(optimizer)
+    if not scalers:
+        return
+    if not saved:
+        if dist.get_rank() == 0:
+            logger.warning("%s holds no loss scaler state (saved without --fp16): the loss scale starts at "
+                           "--initial-loss-scale", where)
+        return
+    if len(saved) != len(scalers):
+        raise CheckpointError(f"{where} holds {len(saved)} loss scaler state(s), this run's optimizer has "
+                              f"{len(scalers)}; resume with the optimizer options that saved it")
+    for scaler, record in zip(scalers, saved):
+        scale = torch.tensor([record["scale"]], dtype=torch.float, device=scaler.scale.device)
+        scaler.load_state_dict({**record, "scale": scale})
 
 
 def _placement(model: list, optimizer: Any) -> GridPlacement:
@@ -178,7 +219,7 @@ class HetuCheckpoints:
         state = {"iteration": iteration, "grid": grid(margs), "vocab_size": _vocab_size(),
                  "padded_vocab_size": margs.padded_vocab_size,
                  "scheduler": opt_param_scheduler.state_dict() if opt_param_scheduler is not None else None,
-                 "optimizer_step": optimizer_step(placement),
+                 "optimizer_step": optimizer_step(placement), "grad_scaler": scaler_state(optimizer),
                  "consumed_train_samples": margs.consumed_train_samples,
                  "skipped_train_samples": getattr(margs, "skipped_train_samples", 0),
                  "consumed_valid_samples": getattr(margs, "consumed_valid_samples", 0),
@@ -226,6 +267,7 @@ class HetuCheckpoints:
                       "its param/ and master/ tensors are of different training states")
         if opt_param_scheduler is not None and state.get("scheduler") is not None:
             opt_param_scheduler.load_state_dict(state["scheduler"])
+        restore_scaler_state(optimizer, state.get("grad_scaler"), f"{directory} (iteration {manifest.iteration})")
         # hetu_ext's trainer records the samples in the manifest only (unpacked data: iteration x global batch)
         consumed = state.get("consumed_train_samples", manifest.consumed_samples)
         if consumed is None:

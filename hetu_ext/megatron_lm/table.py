@@ -62,7 +62,8 @@ LOOP_NOTES: dict[str, str] = {
     "--rampup-batch-size": "Megatron-LM core_v0.16.1 itself refuses it with --train-iters ('expected no "
                            "batch-size rampup for iteration-based training'): examples/gpt3 as written fails there; "
                            "with --train-samples it runs",
-    "--fp16": "on CPU the dynamic loss scaler is patched onto the CPU",
+    "--fp16": "on CPU the dynamic loss scaler is patched onto the CPU; --hetu-ckpt-format hetu saves and restores "
+              "its state (scale, growth and hysteresis trackers)",
     "--eval-iters": "on CPU evaluation's .cuda() calls are patched",
 }
 """What hetu_ext adds to Megatron-LM's own handling of a flag on its loop (facts measured on CPU)."""
