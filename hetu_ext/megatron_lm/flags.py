@@ -57,6 +57,7 @@ HETU_CKPT_UNCOVERED = {
     "--experimental-attention-variant": "experimental attention variants",
     "--spec": "a custom layer spec",
     "--fp8-format": "Transformer Engine's FP8 scaling state",
+    "--use-precision-aware-optimizer": "the precision-aware optimizer's own masters and scaled moments",
     "--num-layers-per-virtual-pipeline-stage": "virtual pipeline model chunks",
     "--num-virtual-stages-per-pipeline-rank": "virtual pipeline model chunks",
 }
@@ -285,7 +286,8 @@ def _check_native(inv: Invocation) -> None:
             raise ValueError(f"{kept[0]} with --hetu-ckpt-format hetu: a hetu --load resumes the saved run (optimizer "
                              "state resharded, RNG states under the saving grid); drop "
                              f"{kept[0]}, or load Megatron-LM's own checkpoints with --hetu-ckpt-format auto")
-        if m.load is not None and not Path(m.load).is_dir():
+        # Megatron-LM's recipes give --save DIR --load DIR: the first run finds no DIR yet and starts from scratch
+        if m.load is not None and not Path(m.load).is_dir() and m.load != m.save:
             raise ValueError(f"--load {m.load}: no such directory; give the --save directory of an earlier run")
 
 

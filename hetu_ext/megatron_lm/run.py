@@ -153,7 +153,7 @@ def feature_hooks(inv: Invocation) -> list:
 
         ns = inv.hetu
         hooks += HetuCheckpoints(keep=ns.hetu_ckpt_keep, fallback=ns.hetu_ckpt_fallback,
-                                 read=ns.hetu_ckpt_read).patches()
+                                 read=ns.hetu_ckpt_read, packing=ns.hetu_packing).patches()
     if inv.weighting:
         from hetu_ext.plan.straggler_policy import StragglerPolicy
 
