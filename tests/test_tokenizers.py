@@ -251,6 +251,29 @@ def test_mixtral_tokenizer_flags_train_through_the_launcher(llama2_model, llama2
     assert len(losses) == 3 and abs(losses[0] - 5.3) < 0.3, out[-3000:]
 
 
+def test_mixtral_tokenizer_flags_train_on_megatron_lms_loop(llama2_model, llama2_dataset, tmp_path):
+    """The same flags on Megatron-LM's own loop (``torchrun -m hetu_ext.megatron_lm pretrain_gpt.py``, 1 rank): its
+    own _Llama2Tokenizer reads the model (sentencepiece, from the megatron-lm extra) and pads its 200 ids to 256,
+    and it trains on the data preprocess_data wrote."""
+    import re
+
+    script = CHECKOUT / "pretrain_gpt.py"
+    if not script.is_file():
+        pytest.skip(f"no Megatron-LM checkout at {CHECKOUT}")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "TMPDIR": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--rdzv-backend",
+                           "c10d", "--rdzv-endpoint", "localhost:0", "-m", "hetu_ext.megatron_lm", str(script),
+                           *MODEL, "--train-iters", "2", "--eval-iters", "0", "--eval-interval", "1000",
+                           "--transformer-impl", "local", "--no-gradient-accumulation-fusion",
+                           "--no-persist-layer-norm", "--distributed-backend", "gloo", "--tokenizer-type",
+                           "Llama2Tokenizer", "--tokenizer-model", llama2_model, "--data-path", llama2_dataset,
+                           "--split", "90,8,2"], capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "padded vocab (size: 200) with 56 dummy tokens (new size: 256)" in out, out[-3000:]
+    assert len(re.findall(r"iteration\s+\d+/\s*2 \|.*?lm loss: ([0-9.E+-]+) \|", out)) == 2, out[-3000:]
+
+
 def deepspeed_body(rank: int, world: int, argv: list[str]) -> dict:
     """The DeepSpeed path (hetu_ext.deepspeed.engine.build) from the flags: its embedding rows and losses."""
     from hetu_ext.cli.args import build_parser, validate_args
