@@ -63,3 +63,46 @@ def test_fp16_refused_by_name_on_the_deepspeed_path(capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert "--fp16 is not supported on the DeepSpeed path" in err[-1], err
+
+
+def test_fp16_scaler_state_round_trips_through_json(monkeypatch):
+    """The record the hetu checkpoint keeps (:func:`scaler_state`) restores Megatron-core's DynamicGradScaler
+    exactly (scale, growth and hysteresis trackers), for each part of a ChainedOptimizer; a record of another
+    number of scalers is refused, and a run without --fp16 has nothing to save. Catches a scale rounded on its way
+    through JSON and trackers left at their initial values."""
+    import json
+    from types import SimpleNamespace
+
+    import torch
+
+    from hetu_ext.checkpoint import CheckpointError
+    from hetu_ext.megatron_lm import checkpoint as ckpt
+
+    from hetu_ext.megatron.host import enable_cpu_support
+
+    enable_cpu_support()  # on CPU: DynamicGradScaler.load_state_dict moves the scale with .cuda()
+    monkeypatch.setattr(ckpt.dist, "get_rank", lambda: 0)
+    from megatron.core.optimizer.grad_scaler import DynamicGradScaler
+
+    def scaler(initial: float) -> DynamicGradScaler:
+        s = DynamicGradScaler.__new__(DynamicGradScaler)  # its __init__ makes the scale on CUDA
+        s._scale, s.min_scale, s.growth_factor, s.backoff_factor = torch.tensor([initial]), 1.0, 2.0, 0.5
+        s.growth_interval, s.hysteresis, s._growth_tracker, s._hysteresis_tracker = 3, 2, 0, 2
+        return s
+
+    saved = SimpleNamespace(chained_optimizers=[SimpleNamespace(grad_scaler=scaler(2.0**32 * 0.75)),
+                                                SimpleNamespace(grad_scaler=scaler(3.0))])
+    for found_inf in (False, True, False):
+        saved.chained_optimizers[0].grad_scaler.update(found_inf)
+    record = json.loads(json.dumps(ckpt.scaler_state(saved)))
+    fresh = SimpleNamespace(chained_optimizers=[SimpleNamespace(grad_scaler=scaler(1.0)),
+                                                SimpleNamespace(grad_scaler=scaler(1.0))])
+    ckpt.restore_scaler_state(fresh, record, "test")
+    for a, b in zip(saved.chained_optimizers, fresh.chained_optimizers):
+        assert a.grad_scaler.scale.item() == b.grad_scaler.scale.item()
+        assert a.grad_scaler.state_dict()["growth_tracker"] == b.grad_scaler.state_dict()["growth_tracker"]
+        assert a.grad_scaler.state_dict()["hysteresis_tracker"] == b.grad_scaler.state_dict()["hysteresis_tracker"]
+    assert record[0]["hysteresis_tracker"] == 1 and record[0]["growth_tracker"] == 1
+    with pytest.raises(CheckpointError, match="1 loss scaler state"):
+        ckpt.restore_scaler_state(fresh, record[:1], "test")
+    assert ckpt.scaler_state(SimpleNamespace(grad_scaler=None)) is None

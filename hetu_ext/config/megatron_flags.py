@@ -112,7 +112,9 @@ MEGATRON_FLAGS: dict[str, FlagRule] = {
     "--expert-model-parallel-size": FlagRule("refused", _MOE),
     "--expert-tensor-parallel-size": FlagRule("refused", _MOE),
     "--fp16": FlagRule("refused", "fp16 with dynamic loss scaling is not built in hetu_ext's trainer (its loss "
-                                  "scale would have to be saved, migrated and skip steps); use --bf16"),
+                                  "scale would have to be saved, migrated and skip steps); use --bf16, or "
+                                  "Megatron-LM's own loop (-m hetu_ext.megatron_lm without --hetu-plan), where "
+                                  "--fp16 runs and hetu checkpoints keep the loss scale"),
     "--no-load-optim": FlagRule("refused", "hetu_ext's --load always restores the optimizer state (resharded "
                                            "into the plan); drop --no-load-optim"),
     "--no-load-rng": FlagRule("refused", "hetu_ext's --load restores the RNG states when the plan is the one that "
