@@ -191,6 +191,13 @@ def test_no_validation_split_is_one_line_and_exit_2(sample_prefix):
     assert_one_error_line(proc, "--split 100,0,0 gives it no documents")
 
 
+def test_a_split_part_without_documents_is_one_line_not_a_hang(sample_prefix):
+    """The Mixtral example's --split 99990,8,2 on a 79-document dataset leaves validation no document; Megatron-core's
+    builder would count its epochs forever."""
+    proc = run([*MODEL, "--data-path", sample_prefix, "--split", "99990,8,2", "--eval-iters", "2"], timeout=180)
+    assert_one_error_line(proc, "the validation part of")
+
+
 def test_eval_records_reach_tensorboard_under_megatron_lms_names(tmp_path):
     """An eval record's loss is TensorBoard's ``lm loss validation`` (``lm loss test``) at its iteration, read back
     with tensorboard's own reader; the metrics file keeps the record as written."""

@@ -117,8 +117,26 @@ def build_datasets(spec: DataSpec, tokenizer, num_samples: tuple[int, int, int])
         eod_mask_loss=False, create_attention_mask=False, path_to_cache=spec.cache_path,
         mid_level_dataset_surplus=0.005)
     cls = MockGPTDataset if spec.mock else GPTDataset
+    if not spec.mock:
+        _check_split_parts(config, num_samples)
     train, valid, test = BlendedMegatronDatasetBuilder(cls, list(num_samples), lambda: True, config).build()
     return train, valid, test
+
+
+def _check_split_parts(config, num_samples: tuple[int, int, int]) -> None:
+    """Refuse a part of ``--split`` that is asked for samples but holds no document of a dataset (Megatron-core's
+    builder would loop forever counting its epochs): Megatron's own rule, ``round(bound * documents)``, per
+    prefix."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    for prefix in config.blend[0]:
+        documents = len(IndexedDataset(prefix, mmap=True))
+        for name, want, bounds in zip(("training", "validation", "test"), num_samples, config.split_matrix):
+            if want and bounds is not None and round(bounds[1] * documents) <= round(bounds[0] * documents):
+                raise ValueError(f"--split {config.split}: the {name} part of {prefix} ({documents} documents) "
+                                 f"holds no document, and {want} {name} samples are asked of it; give it a larger "
+                                 "share (e.g. --split 98,1,1), more documents, or ask for no such samples "
+                                 "(--eval-iters 0)")
 
 
 def microbatch_iterator(dataset, plan: Plan, pipeline: int, micro_batch_size: int, *, start_iteration: int,
