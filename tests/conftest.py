@@ -115,7 +115,7 @@ TEST_KINDS: list[tuple[str, str, tuple[str, ...]]] = [
     ("test_evaluation", r"test_(validation_loss_is_the_same|evaluations_read|training_is_bit_identical|"
                         r"evaluation_runs_in_eval_mode|megatron_lm_block|a_resumed_run)", ("gold",)),
     ("test_evaluation", r"test_(no_validation_split_is_one_line|a_split_part_without)", ("e2e",)),
-    ("test_rampup", r"test_(heterogeneous_plan_with_a_ramp|resume_mid_ramp)", ("gold",)),
+    ("test_rampup", r"test_(heterogeneous_plan_with_a_ramp|resume_mid_ramp|uniform_grid_with_uneven)", ("gold",)),
     ("test_rampup", r"test_hand_off_ramps", ("e2e", "gold")),
 ]
 FAST_MODULES = {

@@ -316,3 +316,18 @@ def test_hand_off_ramps_as_megatron_lms_own_loop(tmp_path):
     losses = [float(m[1]) for line in handoff if (m := re.search(r"\| lm loss: (\S+) \|", line))]
     reference = run_ranks(train, 1, MEGATRON_LM, False, timeout=300)[0]["losses"]
     assert losses == pytest.approx(reference, rel=2e-6)
+
+
+@pytest.mark.parametrize("world,extra", [(2, ()), (4, ("--tensor-model-parallel-size", "2"))],
+                         ids=["dp2", "tp2_dp2"])
+def test_uniform_grid_with_uneven_shares_equals_one_process(world, extra, sample_prefix, one_process):
+    """Megatron's own grid (the uniform runtime): the ramp 3, 4, 6, 8, 8 at DP 2 gives the data-parallel ranks
+    2/1, 2/2, 3/3, 4/4 microbatches (a share Megatron-LM would refuse, here exact: the loss is normalised by the
+    global batch's tokens); equal to one process within the plan runtime's tolerances."""
+    argv = _ramp_argv(sample_prefix, "3", "1", "10", "30")
+    reference = one_process(argv)
+    result = next(r for r in run_ranks(train, world, argv + list(extra), timeout=240) if r is not None)
+    assert [(c, b) for c, b, _ in _log_fields(reference["log_lines"])] == \
+        [(3, 3), (7, 4), (13, 6), (21, 8), (29, 8)]
+    loss_diff, weight_diff = compare(result, reference)
+    assert loss_diff <= LOSS_RTOL and weight_diff <= WEIGHT_ATOL
