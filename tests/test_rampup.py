@@ -228,7 +228,10 @@ def _samples_of(batches: list[int]) -> dict[int, list[int]]:
 
 
 def test_heterogeneous_plan_with_a_ramp_equals_one_process(sample_prefix, tmp_path):
-    argv = _ramp_argv(sample_prefix, "4", "2", "8", "34")
+    """With evaluations after steps 2 and 4 and at the end (--global-batch-size samples each, as Megatron-LM's
+    evaluate): the same validation losses."""
+    argv = _ramp_argv(sample_prefix, "4", "2", "8", "34", ("--split", "80,20,0", "--eval-iters", "1",
+                                                          "--eval-interval", "2"))
     batches = [4, 6, 8, 8, 8]
     reference, ref_samples = _run_recording(1, argv, tmp_path / "one")
     plan = tmp_path / "plan.yaml"
@@ -238,6 +241,9 @@ def test_heterogeneous_plan_with_a_ramp_equals_one_process(sample_prefix, tmp_pa
     _check_steps(reference["log_lines"], batches)
     _check_steps(result["log_lines"], batches)
     assert samples == ref_samples == _samples_of(batches)
+    pattern = r"validation loss at .* value: (\S+) \|"
+    valid = [[float(m[1]) for line in r["log_lines"] if (m := re.search(pattern, line))] for r in (result, reference)]
+    assert len(valid[1]) == 3 and valid[0] == pytest.approx(valid[1], rel=LOSS_RTOL)
     loss_diff, weight_diff = compare(result, reference)
     print(f"ramp 4 -> 8 on a 6/2 plan: loss rel diff {loss_diff:.2e}, weight abs diff {weight_diff:.2e}")
     assert loss_diff <= LOSS_RTOL and weight_diff <= WEIGHT_ATOL
