@@ -245,3 +245,20 @@ def test_megatron_lm_unknown_hetu_flag_suggests(tmp_path, capsys):
     assert exit_.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "did you mean --hetu-straggler-interval" in err[0], err
+
+
+@needs_checkout
+def test_megatron_lm_checkpoint_of_another_model_is_one_line(reference):
+    """A's checkpoint (hidden 64) loaded by a model of hidden 32 (every tensor a corner of a saved one): refused on
+    every rank, one line on rank 0, before any tensor moves."""
+    tmp, _ = reference
+    flags = [*COMMON, "--calculate-per-token-loss", "--load", str(tmp / "ckpt"), "--hetu-ckpt-format", "hetu"]
+    flags[flags.index("--hidden-size") + 1] = "32"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp), "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend",
+                           "c10d", "--rdzv-endpoint", "localhost:0", "-m", "hetu_ext.megatron_lm", str(SCRIPT),
+                           *flags], capture_output=True, text=True, timeout=300, env=env, cwd=tmp)
+    out = proc.stdout + proc.stderr
+    errors = [line for line in out.splitlines() if line.startswith(f"{PROG}: error:")]
+    assert proc.returncode != 0 and len(errors) == 1, out[-3000:]
+    assert "was saved from another model" in errors[0] and "[1024, 64] there and [1024, 32]" in errors[0], errors

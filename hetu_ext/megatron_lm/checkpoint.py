@@ -40,6 +40,7 @@ from hetu_ext.checkpoint.reader import latest_iteration
 from hetu_ext.checkpoint.writer import Checkpointer, SaveConfig, checkpoint_name
 from hetu_ext.checkpoint import CheckpointError
 from hetu_ext.megatron.state import MOMENTS, optimizer_step, rng_state, set_rng_state, state_pieces
+from hetu_ext.megatron.weights import local_shards
 from hetu_ext.megatron.vocab import VOCAB_KEYS, check_vocab, narrow_to_vocab, padding_logit_mask
 from hetu_ext.patches.base import Patch
 from hetu_ext.plan import plan_to_dict, uniform_plan
@@ -71,6 +72,24 @@ def _vocab_rows(manifest: Manifest, pieces: list, *, where: str, padded: int) ->
                               "and it does not record its real vocabulary size; resume it under the "
                               "--tensor-model-parallel-size that saved it")
     return narrow_to_vocab(pieces, vocab_size=vocab, moments=MOMENTS)
+
+
+def _check_shapes(manifest: Manifest, placement, *, where: str) -> None:
+    """Every parameter this rank holds has the global shape the checkpoint stores (the vocabulary's rows may
+    differ: padding, :func:`_vocab_rows`). A smaller model would otherwise load a corner of each saved tensor."""
+    stored = manifest.tensor_map()
+    for shard in local_shards(placement.model, **placement.shard_kwargs):
+        record = stored.get((f"param/{shard.key}", shard.index))
+        if record is None:
+            continue  # named by the load's own check ("has no tensor ...")
+        saved, model = tuple(record.shape), tuple(shard.shape)
+        if shard.key in VOCAB_KEYS:
+            saved, model = saved[1:], model[1:]
+        if saved != model:
+            raise CheckpointError(f"{where} was saved from another model: {shard.key}{list(shard.index)} is "
+                                  f"{list(record.shape)} there and {list(shard.shape)} in this one (compare "
+                                  "--hidden-size, --ffn-hidden-size, --num-attention-heads, --num-query-groups, "
+                                  "--kv-channels); load a checkpoint of this model")
 
 
 @dataclass
@@ -227,7 +246,9 @@ class HetuCheckpoints:
                  "data": {"global_batch_size": margs.global_batch_size, "seed": margs.seed,
                           "seq_length": margs.seq_length, "packing": self.packing}}
         info = {"consumed_samples": margs.consumed_train_samples, "plan": plan_to_dict(plan),
-                "config": {"megatron_lm": True}, "state": state}
+                "config": {"megatron_lm": True, "num_layers": margs.num_layers,
+                           "apply_layernorm_1p": bool(getattr(margs, "apply_layernorm_1p", False))},
+                "state": state}
         _check_params(placement, f"--save {directory} at iteration {iteration}",
                       "the updated parameters were not gathered before the save (Megatron-LM's "
                       "save_checkpoint_and_time does that under --overlap-param-gather)")
@@ -256,9 +277,10 @@ class HetuCheckpoints:
             saved_step = manifest.state.get("optimizer_step")
             moments = {m for m in MOMENTS if m in kinds} if saved_step is not None and optimizer is not None \
                 else None
+            where = f"{directory} (iteration {manifest.iteration})"
+            _check_shapes(manifest, placement, where=where)
             pieces = state_pieces(placement, moments=moments, step=saved_step)
-            return _vocab_rows(manifest, pieces, where=f"{directory} (iteration {manifest.iteration})",
-                               padded=margs.padded_vocab_size)
+            return _vocab_rows(manifest, pieces, where=where, padded=margs.padded_vocab_size)
 
         report = load_pieces(storage, destinations, fallback=self.fallback, read=self.read)
         manifest = report.manifest
