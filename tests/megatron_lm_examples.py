@@ -83,15 +83,6 @@ EXAMPLES = {"examples/llama/train_llama3_8b_h100_fp8.sh": LLAMA3_8B_FP8 + LLAMA_
             "examples/mixtral/train_mixtral_8x7b_distributed.sh": MIXTRAL_8X7B}
 
 
-def flags_of(argv: list[str]) -> list[str]:
-    """The distinct ``--flags`` of an argv, in order."""
-    seen: dict[str, None] = {}
-    for token in argv:
-        if token.startswith("--"):
-            seen.setdefault(token.split("=", 1)[0], None)
-    return list(seen)
-
-
 def resized(argv: list[str], sizes: dict[str, str], paths: dict[str, str]) -> list[str]:
     """``argv`` with only the values of the flags in ``sizes`` replaced (and the path placeholders in ``paths``):
     the recipe "unchanged but for sizes"."""

@@ -134,7 +134,8 @@ def rule_of(flag: str) -> FlagRule | None:
     return None
 
 
-def _value_of(argv: list[str], flag: str) -> str | None:
+def flag_value(argv: list[str], flag: str) -> str | None:
+    """The value ``flag`` has in ``argv`` (``--flag v`` or ``--flag=v``; "" for a switch), None when absent."""
     for i, token in enumerate(argv):
         name, eq, inline = token.partition("=")
         if name == flag:
@@ -152,7 +153,7 @@ def resolve(flag: str, values: list[str], argv: list[str]) -> tuple[str, str] | 
     if rule.values is not None:
         holds = " ".join(values) in rule.values
     if rule.requires is not None:
-        holds = holds and _value_of(argv, rule.requires[0]) == rule.requires[1]
+        holds = holds and flag_value(argv, rule.requires[0]) == rule.requires[1]
     return (rule.kind, rule.note) if holds else rule.otherwise
 
 

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hetu_ext.config.megatron_flags import flag_value
+
 CPU_SWITCHES: dict[str, str] = {
     "--transformer-impl": "local",
     "--no-gradient-accumulation-fusion": "",
@@ -111,8 +113,7 @@ def cpu_rewrite(argv: list[str], *, uses_pytorch_profiler: bool | None = None) -
             continue
         out.append(argv[i])
         i += 1
-    rope = any(t == "--position-embedding-type=rope" or (t == "--position-embedding-type" and i + 1 < len(out)
-               and out[i + 1] == "rope") for i, t in enumerate(out))
+    rope = flag_value(out, "--position-embedding-type") == "rope"
     added = []
     for flag, want in CPU_SWITCHES.items():
         if flag in seen or (flag == "--no-rope-fusion" and not rope):

@@ -19,6 +19,7 @@ import sys
 
 from hetu_ext.checkpoint.manifest import CheckpointError
 from hetu_ext.config import report_error
+from hetu_ext.config.megatron_flags import flag_value
 from hetu_ext.errors import HetuExtError
 
 from .flags import PROG, Invocation, parse_invocation
@@ -95,7 +96,7 @@ def prepare(inv: Invocation) -> list:
             import_without_triton()
         check_patch_points()
         sets = [megatron_lm_cpu_patches()] if cpu else []
-        if cpu or _local_impl(inv.megatron_argv):
+        if cpu or flag_value(inv.megatron_argv, "--transformer-impl") == "local":
             sets.append(local_norm_patches())
         sets.append(spawn_patches(inv))
         hooks = feature_hooks(inv)
@@ -138,11 +139,6 @@ def spawn_patches(inv: Invocation):
     return PatchSet("megatron-lm-spawn", [
         Patch(name="spawn_main:get_preparation_data", target="multiprocessing.spawn:get_preparation_data",
               make=make, reason="a spawned child re-runs the script, whose imports need the parent's stand-ins")])
-
-
-def _local_impl(argv: list[str]) -> bool:
-    return any(t == "--transformer-impl=local" or (t == "--transformer-impl" and argv[i + 1:i + 2] == ["local"])
-               for i, t in enumerate(argv))
 
 
 def feature_hooks(inv: Invocation) -> list:
