@@ -10,6 +10,21 @@ SAMPLE = ROOT / "hetu_ext" / "data" / "samples" / "python_reference.jsonl"
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
+LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(autouse=True)
+def _launcher_env_restored():
+    """A test that runs one rank in pytest's own process (a CLI's ``main``) gives it torchrun's variables; the
+    next test's subprocesses must not inherit them (they would think torchrun launched them)."""
+    before = {key: os.environ.get(key) for key in LAUNCHER_ENV}
+    yield
+    for key, value in before.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
 
 @pytest.fixture(scope="session")
 def sample_prefix(tmp_path_factory) -> str:

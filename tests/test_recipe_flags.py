@@ -8,6 +8,9 @@ issue; examples/gpt3/train_gpt3_175b_distributed.sh; examples/mixtral/train_mixt
 
 from __future__ import annotations
 
+import os
+import time
+
 import pytest
 
 from hetu_ext.cli.args import take_megatron_lm_flags
@@ -346,6 +349,27 @@ def _train_started_early(rank: int, world_size: int, argv: list[str], minutes_ag
     if rank == 1:
         trainer_module.PROCESS_START -= minutes_ago * 60
     return train(rank, world_size, argv, gather=False)
+
+
+def test_a_forked_process_counts_from_its_own_start():
+    """The test harness forks ranks from a server that imported the trainer long before (CI's run of stop 44 saw a
+    rank stop after one step of a run 40 minutes into the suite): a forked process's clock starts at the fork."""
+    import hetu_ext.train.trainer as trainer_module
+
+    saved = trainer_module.PROCESS_START
+    trainer_module.PROCESS_START -= 3600.0
+    try:
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: report its own age in seconds, then leave without pytest's teardown
+            os.write(write, str(time.time() - trainer_module.PROCESS_START).encode())
+            os._exit(0)
+        os.close(write)
+        age = float(os.read(read, 64).decode())
+        os.waitpid(pid, 0)
+    finally:
+        trainer_module.PROCESS_START = saved
+    assert 0.0 <= age < 60.0
 
 
 def test_exit_duration_stops_every_rank_after_the_step_and_saves(tmp_path):

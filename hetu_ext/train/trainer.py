@@ -70,6 +70,16 @@ PROCESS_START = time.time()
 from here."""
 
 
+def _restart_clock_in_child() -> None:
+    """A forked process is a new process: a fork server that imported this module long before (the test harness's
+    preload) must not hand its children its own start time."""
+    global PROCESS_START
+    PROCESS_START = time.time()
+
+
+os.register_at_fork(after_in_child=_restart_clock_in_child)
+
+
 @dataclass
 class Trainer:
     """The state of one rank's training: its placement under the plan, LR scheduler and data."""
