@@ -13,7 +13,7 @@ setup(
     packages=find_packages(include=["hetu_ext", "hetu_ext.*"]) + ["hetu_ext.patches"],
     package_dir={"hetu_ext.patches": "patches"},
     package_data={"hetu_ext": ["data/samples/*", "diffusion/toy_model/*", "diffusion/toy_model/*/*",
-                               "plan/devices/*.yaml"]},
+                               "plan/cost/devices/*.yaml"]},
     install_requires=["numpy", "pyyaml>=6", "safetensors>=0.4"],
     extras_require={
         "cpu": [TORCH],

@@ -178,7 +178,7 @@ def needed_per_host(held: list[tuple[str, list[tuple]]]) -> int:
     from collections import defaultdict
 
     from hetu_ext.checkpoint.selection import extent, intersect, numel
-    from hetu_ext.plan.layout import split_box
+    from hetu_ext.plan.core.layout import split_box
 
     boxes: dict[tuple, list] = defaultdict(list)
     for host, pieces in held:

@@ -4,7 +4,7 @@ other half.
     python benchmarks/cost_model_holdout.py [--table benchmarks/published/narayanan2021.csv]
 
 The knobs: the level of the A100 GEMM efficiency curve (a factor k on the shipped curve) and
-``hetu_ext.plan.step_model.ELEMENTWISE_TRAFFIC`` (e). For each split (odd / even rows, small / large models), the
+``hetu_ext.plan.cost.step_model.ELEMENTWISE_TRAFFIC`` (e). For each split (odd / even rows, small / large models), the
 grid k in 0.80 .. 1.20, e in 0.5 .. 5.0 is searched for the smallest largest |error| on the fitting half, and the
 largest |error| on the other half is printed. Pure and fast (a few seconds). Prints a table, ends with one JSON line.
 """
@@ -18,9 +18,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from hetu_ext.plan import predict as cli  # noqa: E402
-from hetu_ext.plan import step_model  # noqa: E402
-from hetu_ext.plan.devices import load_device  # noqa: E402
+from hetu_ext.plan.cost import predict as cli  # noqa: E402
+from hetu_ext.plan.cost import step_model  # noqa: E402
+from hetu_ext.plan.cost.devices import load_device  # noqa: E402
 
 SPLITS = {"odd rows -> even rows": ([0, 2, 4, 6, 8], [1, 3, 5, 7, 9]),
           "even rows -> odd rows": ([1, 3, 5, 7, 9], [0, 2, 4, 6, 8]),

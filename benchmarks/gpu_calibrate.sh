@@ -7,7 +7,7 @@
 #      writes $OUT/device_measured.yaml, a device profile with the measured curve (--device for plan predict).
 #   2. layer table (python -m hetu_ext.cli.calibrate, <= 150 s): one Megatron-core layer of the 7B shape the
 #      benchmarks use (hidden 4096, 32 heads, ffn 11008) on packs of 512 .. 8192 tokens, fitted to
-#      a s^2 + b s + c; TP 2/4/8 derived from it by python -m hetu_ext.plan.calibration (one GPU measures TP 1
+#      a s^2 + b s + c; TP 2/4/8 derived from it by python -m hetu_ext.plan.cost.calibration (one GPU measures TP 1
 #      only): $OUT/layer_cost.yaml. Note: that module builds the layer in fp32 (no --bf16 option yet), so the
 #      table prices an fp32 layer; the kernels of step 1 are bf16.
 #   3. re-priced benchmarks (<= 50 s each, predicted parts only): benchmarks/hotspa.py, hydraulis.py, lobra.py with
@@ -83,7 +83,7 @@ step layer_table 150 "$PYTHON" -m hetu_ext.cli.calibrate --out "$OUT/layer_cost_
     --hidden-size 4096 --num-attention-heads 32 --ffn-hidden-size 11008 \
     --seq-lengths 512,1024,2048,3072,4096,6144,8192 --repeats 3
 if [[ -f "$OUT/layer_cost_tp1.yaml" ]]; then
-    step layer_table_tp 30 "$PYTHON" -m hetu_ext.plan.calibration --table "$OUT/layer_cost_tp1.yaml" \
+    step layer_table_tp 30 "$PYTHON" -m hetu_ext.plan.cost.calibration --table "$OUT/layer_cost_tp1.yaml" \
         --out "$OUT/layer_cost.yaml" --device "$PROFILE" --hidden-size 4096 --num-attention-heads 32 \
         --ffn-hidden-size 11008 --tp 2,4,8
 fi

@@ -28,7 +28,7 @@ import torch
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from hetu_ext.plan.devices import DEVICES_DIR  # noqa: E402
+from hetu_ext.plan.cost.devices import DEVICES_DIR  # noqa: E402
 
 
 def _timer(device: torch.device):

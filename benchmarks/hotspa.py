@@ -61,9 +61,9 @@ from hetu_ext.plan.hotspa import (  # noqa: E402
 from hetu_ext.data.lengths import read_lengths, split_long  # noqa: E402
 from hetu_ext.metrics import read_records  # noqa: E402
 from hetu_ext.plan import ModelSpec  # noqa: E402
-from hetu_ext.plan.cost import CostModel  # noqa: E402
+from hetu_ext.plan.cost.stage import CostModel  # noqa: E402
 from hetu_ext.plan.hydraulis import flops_cost_table, sample_batches  # noqa: E402
-from hetu_ext.plan.options import PLAIN, search_space  # noqa: E402
+from hetu_ext.plan.core.options import PLAIN, search_space  # noqa: E402
 
 RECOMPUTE_SEARCHED = ("none", "full")
 """Selective recomputation is left out of the packer benchmarks' search: with FlashAttention (their memory model)

@@ -41,10 +41,10 @@ from hotspa import RECOMPUTE_SEARCHED, candidates  # noqa: E402
 from hetu_ext.data.lengths import read_lengths, split_long  # noqa: E402
 from hetu_ext.data.packing import ReplicaSpec  # noqa: E402
 from hetu_ext.plan import ModelSpec  # noqa: E402
-from hetu_ext.plan.cost import CostModel  # noqa: E402
+from hetu_ext.plan.cost.stage import CostModel  # noqa: E402
 from hetu_ext.plan.hotspa import GroupPricer, replica_specs  # noqa: E402
 from hetu_ext.plan.hydraulis import flops_cost_table, sample_batches  # noqa: E402
-from hetu_ext.plan.options import search_space  # noqa: E402
+from hetu_ext.plan.core.options import search_space  # noqa: E402
 
 HELD_OUT = ROOT / "results" / "code_lengths_site_packages_2026-12-06.txt.gz"
 

@@ -74,9 +74,9 @@ from hotspa import (  # noqa: E402  (benchmarks/hotspa.py)
 from hetu_ext.data.cost import CostTable, load_cost_table  # noqa: E402
 from hetu_ext.data.lengths import read_lengths, split_long  # noqa: E402
 from hetu_ext.data.packing_bound import lower_bound_s  # noqa: E402
-from hetu_ext.plan.replicas import replica_specs  # noqa: E402
+from hetu_ext.plan.core.replicas import replica_specs  # noqa: E402
 from hetu_ext.plan import ModelSpec  # noqa: E402
-from hetu_ext.plan.cost import CostModel  # noqa: E402
+from hetu_ext.plan.cost.stage import CostModel  # noqa: E402
 from hetu_ext.plan.hydraulis import (  # noqa: E402
     MAX_PP,
     Selector,
@@ -90,8 +90,8 @@ from hetu_ext.plan.hydraulis import (  # noqa: E402
     sync_seconds,
 )
 from hetu_ext.plan.lobra import megatron_time_s  # noqa: E402
-from hetu_ext.plan.options import PLAIN, Options, search_space  # noqa: E402
-from hetu_ext.plan.plan import uniform_plan  # noqa: E402
+from hetu_ext.plan.core.options import PLAIN, Options, search_space  # noqa: E402
+from hetu_ext.plan.core.plan import uniform_plan  # noqa: E402
 
 MODELS = {
     "7B": {"num_layers": 32, "hidden_size": 4096, "num_attention_heads": 32, "ffn_hidden_size": 11008},

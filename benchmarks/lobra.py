@@ -2,8 +2,8 @@
 
     python benchmarks/lobra.py [--steps 8] [--part all|predicted|emulated] [--emulated-steps 6] [--cost-model YAML]
 
-**Predicted** (pure planner, hetu_ext/plan/lobra.py): a LLaMA-7B-shaped model (Hetu's LobRA scripts: 32 layers,
-hidden 4096, ffn 11008, 32 heads), 16K max length, A100-class 80 GB GPUs (hetu_ext.plan.cost's FLOP / all-reduce
+**Predicted** (pure planner, hetu_ext/plan/lobra/__init__.py): a LLaMA-7B-shaped model (Hetu's LobRA scripts: 32 layers,
+hidden 4096, ffn 11008, 32 heads), 16K max length, A100-class 80 GB GPUs (hetu_ext.plan.cost.stage's FLOP / all-reduce
 model, frozen bf16 base), 8 GPUs per node, at 16 / 32 / 64 GPUs with 4 / 6 / 8 tenants of 64 sequences per step.
 The tenants' length distributions are SYNTHETIC: each tenant draws from the real Wikipedia lengths
 (../shared/data/seqlens/wikipedia.txt.gz; the shipped 20K sample when absent) multiplied by its own scale factor
@@ -68,7 +68,7 @@ def predicted(steps: int, cost_model: str | None = None, lengths: str | None = N
         strategy_pool,
         work_bound_gpu_s,
     )
-    from hetu_ext.plan.options import PLAIN, search_space
+    from hetu_ext.plan.core.options import PLAIN, search_space
 
     source = Path(lengths) if lengths else WIKIPEDIA if WIKIPEDIA.is_file() else SHIPPED
     wiki = read_lengths(source)

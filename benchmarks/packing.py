@@ -7,7 +7,7 @@ random order (as a shuffled dataset reads them), documents longer than the max p
 at most that length (hetu_ext.data.lengths.split_long). Global batch g: consecutive pieces within a token budget
 of ``replicas x --tokens-per-replica x max_len`` (default 2 packs' worth per replica, so 64 replicas at 4K packs
 are a 512K-token global batch). Replicas: Megatron's uniform plan (TP 1, ``--pp`` stages of a 32-layer model)
-turned into ReplicaSpecs by hetu_ext.plan.replicas.replica_specs; per-layer costs from ``--cost`` (default: the
+turned into ReplicaSpecs by hetu_ext.plan.core.replicas.replica_specs; per-layer costs from ``--cost`` (default: the
 built-in A100 FLOP model of hetu_ext.data.cost, 4096-wide layer). Methods: ``megatron`` (the same tokens
 concatenated and cut every max_len, per-document attention, packs dealt in order), ``ffd``, ``greedy`` (DeepSpeed
 style, by tokens), ``hetu`` (two-stage). For each (max_len, replicas, method), over ``--steps`` global batches:
@@ -36,9 +36,9 @@ import numpy as np
 from hetu_ext.data.cost import CostTable, load_cost_table
 from hetu_ext.data.lengths import LognormalLengths, batch_bounds, concat_split, read_lengths, split_long
 from hetu_ext.data.packing import METHODS, assign
-from hetu_ext.plan.replicas import replica_specs
+from hetu_ext.plan.core.replicas import replica_specs
 from hetu_ext.model.spec import ModelSpec
-from hetu_ext.plan.plan import uniform_plan
+from hetu_ext.plan.core.plan import uniform_plan
 
 NUM_LAYERS = 32
 

@@ -92,11 +92,11 @@ def predicted(args: argparse.Namespace, cost_path: str) -> dict[tuple[str, str],
     The microbatches are the trainer's own (PackedSteps.plan_step on the same corpus, seed and token budget);
     ``megatron_causal`` prices a pack as one span (its causal attention covers the whole pack)."""
     from hetu_ext.data.cost import load_cost_table
-    from hetu_ext.plan.replicas import replica_specs
+    from hetu_ext.plan.core.replicas import replica_specs
     from hetu_ext.data.sequences import GlobalBatches, SequenceTable
     from hetu_ext.megatron.packed_data import PackedSteps
     from hetu_ext.model.spec import ModelSpec
-    from hetu_ext.plan.plan import uniform_plan
+    from hetu_ext.plan.core.plan import uniform_plan
 
     docs = _documents(str(args.lengths))
     table = SequenceTable.from_documents(docs.token_counts, args.max_len)

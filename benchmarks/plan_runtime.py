@@ -10,14 +10,14 @@ iteration; the table shows each repetition and the ratio of medians.
 Part 2 (acceptance: minimum gradient bytes): for each heterogeneous plan of the gold test, the bytes each rank
 hands to all-reduces in one step (measured in GradSync, counted as a ring moves them, 2 (n-1)/n per byte) beside
 the minimum for the plan: every element reduced once per lane over exactly the ranks that hold it
-(plan/layout.py's ReductionLayout.send_bytes), and beside what a plain all-reduce of each rank's whole gradient
+(plan/core/layout.py's ReductionLayout.send_bytes), and beside what a plain all-reduce of each rank's whole gradient
 over all ranks holding any of its tensors would send.
 
 Part 3 (acceptance: the sharded optimizer within 10% of Megatron's): the same uniform TP2 x DP2 job with
 --use-distributed-optimizer, Megatron's DistributedOptimizer on its uniform runtime against the plan runtime's
 sharded optimizer, interleaved as in part 1. Part 2 also runs every plan with the flag: the bytes each rank hands
 to the reduce-scatter of gradients and the all-gather of weights (fp32) in one step, beside the minimum for
-reduce-scatter + all-gather over each holder set (plan/optimizer_shards.py's exchange_bytes: (n-1) x ceil(B/n)
+reduce-scatter + all-gather over each holder set (plan/core/optimizer_shards.py's exchange_bytes: (n-1) x ceil(B/n)
 per collective with a ring).
 
     python benchmarks/plan_runtime.py --parts 2,3   # a subset

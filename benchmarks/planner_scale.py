@@ -30,12 +30,12 @@ import statistics
 import time
 from collections.abc import Sequence
 
-from hetu_ext.plan.cluster import Cluster
-from hetu_ext.plan.cost import CostModel, load_tp_efficiency, stage_cost, with_measured_tp
+from hetu_ext.plan.core.cluster import Cluster
+from hetu_ext.plan.cost.stage import CostModel, load_tp_efficiency, stage_cost, with_measured_tp
 from hetu_ext.plan.malleus import microbatch_bound_s, plan_malleus, predict, predict_uniform, work_bound_s
-from hetu_ext.plan.options import PLAIN, Options, search_space
+from hetu_ext.plan.core.options import PLAIN, Options, search_space
 from hetu_ext.model.spec import ModelSpec
-from hetu_ext.plan.plan import uniform_plan
+from hetu_ext.plan.core.plan import uniform_plan
 
 SPEC = ModelSpec(num_layers=32, hidden_size=4096, num_attention_heads=32, vocab_size=50257, seq_length=4096)
 SLOWDOWNS = (1.5, 2.0, 3.0, 5.0, 12.5)

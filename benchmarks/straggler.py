@@ -93,8 +93,8 @@ def main() -> None:
     from hetu_ext.megatron.preprocess_data import preprocess
     from hetu_ext.metrics import read_records
     from hetu_ext.plan import ModelSpec, dump_plan
-    from hetu_ext.plan.cluster import Cluster
-    from hetu_ext.plan.cost import CostModel, layer_forward_flops
+    from hetu_ext.plan.core.cluster import Cluster
+    from hetu_ext.plan.cost.stage import CostModel, layer_forward_flops
     from hetu_ext.plan.malleus import plan_malleus, predict
     from hetu_ext.testing.multiproc import run_ranks
     from hetu_ext.cli.runs import train

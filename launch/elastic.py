@@ -56,7 +56,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def plan_for(argv: list[str], world_size: int, gpus_per_node: int) -> str:
     """A Malleus plan (YAML) of the model in ``argv`` over ``world_size`` healthy ranks."""
     from hetu_ext.plan import dump_plan
-    from hetu_ext.plan.cluster import Cluster
+    from hetu_ext.plan.core.cluster import Cluster
     from hetu_ext.plan.malleus import plan_malleus
 
     spec, micro_batch, num_microbatches = plan_inputs(argv)  # the across-nodes agreement plans from the same

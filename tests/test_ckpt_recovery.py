@@ -55,7 +55,7 @@ def _malleus_plan(argv: list[str], world: int) -> str:
     from hetu_ext.megatron.data import make_tokenizer
     from hetu_ext.megatron.launch_plan import model_spec
     from hetu_ext.plan import dump_plan
-    from hetu_ext.plan.cluster import Cluster
+    from hetu_ext.plan.core.cluster import Cluster
     from hetu_ext.plan.malleus import plan_malleus
 
     config = parse_run_config(argv)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from conftest import SAMPLE
 
-from hetu_ext.plan.batches import microbatch_samples
+from hetu_ext.plan.core.batches import microbatch_samples
 from hetu_ext.data.tokenizer import ByteLevelTokenizer
 from hetu_ext.plan import Pipeline, Plan, Stage, uniform_plan
 

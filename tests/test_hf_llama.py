@@ -110,7 +110,7 @@ def _plan_logits_body(rank: int, world: int, hf_dir: str, hetu_dir: str, tokens:
     from hetu_ext.megatron.model import TrainingNumerics
     from hetu_ext.megatron.plan_runtime import build_plan_placement
     from hetu_ext.megatron.state import state_pieces
-    from hetu_ext.plan.io import plan_from_dict
+    from hetu_ext.plan.core.io import plan_from_dict
 
     host = init_distributed(force_cpu=True)
     spec = spec_from_hf(read_config(hf_dir), seq_length=SEQ)

@@ -309,8 +309,8 @@ def test_grouping_bound_is_below_every_grouping():
         grouping_bound_s,
     )
     from hetu_ext.plan import ModelSpec
-    from hetu_ext.plan.grouping_relaxation import relaxation
-    from hetu_ext.plan.replicas import replica_specs
+    from hetu_ext.plan.hotspa.relaxation import relaxation
+    from hetu_ext.plan.core.replicas import replica_specs
 
     spec = ModelSpec(num_layers=32, hidden_size=4096, num_attention_heads=32, ffn_hidden_size=11008,
                      vocab_size=32000, seq_length=24576, untie_embeddings_and_output_weights=True)
@@ -379,10 +379,10 @@ def _wikipedia_strategies(gpus: int, max_len: int = 16384):
     (the package's 20K sample, cut at ``max_len``, 256K tokens per 8 GPUs)."""
     from hetu_ext.data.lengths import read_lengths, split_long
     from hetu_ext.plan import ModelSpec
-    from hetu_ext.plan.cost import CostModel
+    from hetu_ext.plan.cost.stage import CostModel
     from hetu_ext.plan.hotspa import auto_strategies
     from hetu_ext.plan.hydraulis import flops_cost_table, sample_batches
-    from hetu_ext.plan.options import search_space
+    from hetu_ext.plan.core.options import search_space
 
     spec = ModelSpec(num_layers=32, hidden_size=4096, num_attention_heads=32, ffn_hidden_size=11008,
                      vocab_size=32000, seq_length=max_len, untie_embeddings_and_output_weights=True)
@@ -405,8 +405,8 @@ def test_anchor_rows_price_the_fills_short_sequences_force(gpus, name):
       above the price: checked);
     * real Wikipedia lengths up to 4K tokens: the row raises the bound by at least 0.5%, still under the price."""
     from hetu_ext.plan.hotspa import GroupPricer
-    from hetu_ext.plan.grouping_relaxation import relaxation
-    from hetu_ext.plan.replicas import replica_specs
+    from hetu_ext.plan.hotspa.relaxation import relaxation
+    from hetu_ext.plan.core.replicas import replica_specs
 
     spec, cost, strategies, batch = _wikipedia_strategies(gpus)
     k = next(i for i, st in enumerate(strategies.items) if st.name == name)
@@ -442,8 +442,8 @@ def test_pack_rows_count_the_packs_a_pipeline_needs(gpus, name):
     Counting one pack more in row 8 or in row 5, or leaving out row 5's undivided members or their tokens, fails:
     checked."""
     from hetu_ext.plan.hotspa import GroupPricer
-    from hetu_ext.plan.grouping_relaxation import relaxation
-    from hetu_ext.plan.replicas import replica_specs
+    from hetu_ext.plan.hotspa.relaxation import relaxation
+    from hetu_ext.plan.core.replicas import replica_specs
 
     spec, cost, strategies, _ = _wikipedia_strategies(gpus)
     k = next(i for i, st in enumerate(strategies.items) if st.name == name)

@@ -1,4 +1,4 @@
-"""Hydraulis's planning side (pure, hetu_ext/plan/hydraulis.py): the dynamic program over (GPUs, longest
+"""Hydraulis's planning side (pure, hetu_ext/plan/hydraulis/__init__.py): the dynamic program over (GPUs, longest
 sequence) equals exhaustive search on small clusters, per-step selection equals brute force over the candidates,
 the candidates are valid plans over the same ranks with the homogeneous home, and the planning CLI writes a
 strategies file HotSPa's loader reads back (bad input: one line, exit 2)."""
@@ -25,7 +25,7 @@ from hetu_ext.plan.hydraulis import (
     solve,
     switch_floors_s,
 )
-from hetu_ext.plan.plan import uniform_shape
+from hetu_ext.plan.core.plan import uniform_shape
 
 MODEL = ModelSpec(num_layers=8, hidden_size=64, num_attention_heads=8, ffn_hidden_size=128, vocab_size=256,
                   seq_length=512)
@@ -213,7 +213,7 @@ def test_pricer_hands_on_the_packing_it_priced():
     (GroupPricer.packed): the same as packing again, and None for other lengths or other replicas."""
     from hetu_ext.plan.hotspa import GroupPricer
     from hetu_ext.data.packing import assign
-    from hetu_ext.plan.replicas import replica_specs
+    from hetu_ext.plan.core.replicas import replica_specs
 
     st = candidate_strategies(MODEL, 8, _cost(2), _lengths(2, n=2000), max_len=SHORT, batch_tokens=32 * 512)
     pricer = GroupPricer(st, MODEL, _cost(2))

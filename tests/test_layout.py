@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from hetu_ext.plan import load_plan
-from hetu_ext.plan.layout import ShardInfo, in_place_lanes, reduction_layout
-from hetu_ext.plan.plan import neighbours
+from hetu_ext.plan.core.layout import ShardInfo, in_place_lanes, reduction_layout
+from hetu_ext.plan.core.plan import neighbours
 
 
 def shard(rank, stage, tp_index, box, key="w", offset=0):

@@ -8,11 +8,11 @@ import random
 
 import pytest
 
-from hetu_ext.plan.cluster import Cluster
-from hetu_ext.plan.cost import CostModel, stage_cost
+from hetu_ext.plan.core.cluster import Cluster
+from hetu_ext.plan.cost.stage import CostModel, stage_cost
 from hetu_ext.plan.malleus import plan_malleus, predict, predict_uniform, split_layers, split_microbatches
 from hetu_ext.model.spec import ModelSpec
-from hetu_ext.plan.simulate import one_f_one_b, pipeline_time_closed_form
+from hetu_ext.plan.cost.simulate import one_f_one_b, pipeline_time_closed_form
 
 SPEC = ModelSpec(num_layers=24, hidden_size=2048, num_attention_heads=16, vocab_size=50257, seq_length=2048)
 

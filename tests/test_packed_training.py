@@ -72,7 +72,7 @@ def _packed_steps(method: str, *, documents: int, seed: int):
 
     from hetu_ext.data.cost import CostTable
     from hetu_ext.data.lengths import parse_length_spec
-    from hetu_ext.plan.replicas import replica_specs
+    from hetu_ext.plan.core.replicas import replica_specs
     from hetu_ext.data.sequences import GlobalBatches, SequenceTable
     from hetu_ext.megatron.packed_data import PackedSteps, SyntheticDocuments
     from hetu_ext.plan import ModelSpec, uniform_plan

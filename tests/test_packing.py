@@ -25,10 +25,10 @@ from hetu_ext.data.lengths import (
     split_long,
 )
 from hetu_ext.data.packing import METHODS, ReplicaSpec, assign
-from hetu_ext.plan.replicas import replica_specs
+from hetu_ext.plan.core.replicas import replica_specs
 from hetu_ext.data.packing_bound import lower_bound_s, may_fit_within
 from hetu_ext.model.spec import ModelSpec
-from hetu_ext.plan.plan import Pipeline, Plan, Stage, uniform_plan
+from hetu_ext.plan.core.plan import Pipeline, Plan, Stage, uniform_plan
 
 LAYER = LengthCost(a=1.6e-10, b=8e-6, c=1e-4)
 WIKI_LIKE = LognormalLengths(min_seq_len=8, max_seq_len=200_000, mean_seq_len=1014, lognormal_sigma=1.26)
@@ -315,7 +315,7 @@ def test_measured_tp_efficiency_round_trip_and_cost_model(tmp_path):
     planner's cost model, which then drops the all-reduce term for the measured degree (it is in the measurement)."""
     from hetu_ext.data.calibrate import main as calibrate_main
     from hetu_ext.data.calibrate import tp_efficiency
-    from hetu_ext.plan.cost import CostModel, load_tp_efficiency, stage_cost, with_measured_tp
+    from hetu_ext.plan.cost.stage import CostModel, load_tp_efficiency, stage_cost, with_measured_tp
 
     table = CostTable(per_tp={1: LengthCost(a=0.0, b=1e-5, c=0.0), 2: LengthCost(a=0.0, b=0.625e-5, c=0.0)},
                       device="test")

@@ -1,4 +1,4 @@
-"""The planners' training options (hetu_ext.plan.options): sequence parallelism never costs, recomputation trades
+"""The planners' training options (hetu_ext.plan.core.options): sequence parallelism never costs, recomputation trades
 time for memory in every planner's cost model, Malleus's pruned search over the options equals pricing each
 option set alone, and the new certified bounds stay below what the planners reach (pure)."""
 
@@ -12,8 +12,8 @@ import pytest
 from hetu_ext.plan.hotspa import GroupPricer, Strategies, auto_strategies, grouping_bound_s
 from hetu_ext.model import inventory
 from hetu_ext.model.spec import ModelSpec
-from hetu_ext.plan.cluster import Cluster
-from hetu_ext.plan.cost import CostModel, stage_cost
+from hetu_ext.plan.core.cluster import Cluster
+from hetu_ext.plan.cost.stage import CostModel, stage_cost
 from hetu_ext.plan.hydraulis import flops_cost_table
 from hetu_ext.plan.lobra import (
     TenantLengths,
@@ -26,7 +26,7 @@ from hetu_ext.plan.lobra import (
     work_bound_gpu_s,
 )
 from hetu_ext.plan.malleus import microbatch_bound_s, plan_malleus, predict, predict_uniform, work_bound_s
-from hetu_ext.plan.options import PLAIN, Options, search_space
+from hetu_ext.plan.core.options import PLAIN, Options, search_space
 
 SPEC = ModelSpec(num_layers=8, hidden_size=1024, num_attention_heads=16, ffn_hidden_size=4096, vocab_size=32000,
                  seq_length=4096)

@@ -23,7 +23,7 @@ from helpers import LOSS_RTOL, WEIGHT_ATOL, compare, gpt_argv
 
 from hetu_ext.cli.runs import train
 from hetu_ext.plan import Pipeline, Plan, Stage
-from hetu_ext.plan.batches import BatchRamp, split_microbatches
+from hetu_ext.plan.core.batches import BatchRamp, split_microbatches
 from hetu_ext.testing.multiproc import run_ranks
 
 # (START, INCREMENT, SAMPLES, global batch, micro batch, data-parallel size, --train-samples)
@@ -78,7 +78,7 @@ def test_lr_equals_megatron_lms_schedule_over_each_steps_batch():
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     from hetu_ext.megatron.state import scheduler_settings
-    from hetu_ext.plan.batches import batch_ramp
+    from hetu_ext.plan.core.batches import batch_ramp
 
     config = _config("--train-samples", "70", "--rampup-batch-size", "2", "2", "12", "--lr-decay-style", "cosine",
                      "--min-lr", "1e-4", "--lr-warmup-samples", "10", "--lr-decay-samples", "60")

@@ -9,7 +9,7 @@ by no rank, a TP copy's gradient added twice, a norm counting an element twice, 
 moves step-2 losses by >1e-3 or fails gather_weights' bit-identity check of every copy.
 
 In the same launch, per rank: the optimizer bytes actually allocated (moments; no masters in fp32) equal the
-assignment's figure (plan/optimizer_shards.py) and the memory table's, and are <= 1.05 x the even share (each
+assignment's figure (plan/core/optimizer_shards.py) and the memory table's, and are <= 1.05 x the even share (each
 element held divided by its number of holders); the bytes handed to collectives in a step equal the minimum
 for reduce-scatter + all-gather over each holder set (ring: (n-1) x ceil(B/n) per collective).
 """

@@ -1,4 +1,4 @@
-"""plan/optimizer_shards.py, pure (no process group): every element owned exactly once, by one of its holders, in
+"""plan/core/optimizer_shards.py, pure (no process group): every element owned exactly once, by one of its holders, in
 equal parts; ranges cut back into boxes exactly; the bytes figure is (n-1) x part per collective."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import math
 
 import torch
 
-from hetu_ext.plan.layout import ShardInfo
-from hetu_ext.plan.optimizer_shards import flat_boxes, optimizer_shards
+from hetu_ext.plan.core.layout import ShardInfo
+from hetu_ext.plan.core.optimizer_shards import flat_boxes, optimizer_shards
 
 
 def test_flat_boxes_cover_a_flat_range_exactly():
@@ -56,8 +56,8 @@ def test_malleus_finds_plans_that_fit_only_with_a_sharded_optimizer():
     stage cannot hold all 32 layers, so Malleus needs 2 stages per pipeline; sharded over the 4 pipelines that
     hold each layer, the optimizer state is a quarter, the whole model fits a TP-4 group and the plan without
     pipeline bubbles is chosen (predicted faster)."""
-    from hetu_ext.plan.cluster import Cluster
-    from hetu_ext.plan.cost import CostModel, stage_cost
+    from hetu_ext.plan.core.cluster import Cluster
+    from hetu_ext.plan.cost.stage import CostModel, stage_cost
     from hetu_ext.plan.malleus import plan_malleus
     from hetu_ext.model.spec import ModelSpec
 

@@ -8,7 +8,7 @@ import pytest
 
 from hetu_ext.model import inventory as inv
 from hetu_ext.model.spec import ModelSpec
-from hetu_ext.plan.cost import CostModel, stage_cost
+from hetu_ext.plan.cost.stage import CostModel, stage_cost
 
 GPT = ModelSpec(num_layers=4, hidden_size=1024, num_attention_heads=16, seq_length=2048, vocab_size=51200)
 LLAMA = ModelSpec(num_layers=4, hidden_size=1024, num_attention_heads=16, num_query_groups=4, ffn_hidden_size=2816,
@@ -76,9 +76,9 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from hetu_ext.plan import predict as cli  # noqa: E402
-from hetu_ext.plan import step_model as sm  # noqa: E402
-from hetu_ext.plan.devices import load_device, shipped_devices  # noqa: E402
+from hetu_ext.plan.cost import predict as cli  # noqa: E402
+from hetu_ext.plan.cost import step_model as sm  # noqa: E402
+from hetu_ext.plan.cost.devices import load_device, shipped_devices  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TABLE = ROOT / "benchmarks" / "published" / "narayanan2021.csv"
@@ -156,7 +156,7 @@ def test_device_profiles_load_and_refuse_unknown_keys(tmp_path):
     for name in ("a100-80gb-sxm", "H100-SXM", "h200"):
         d = load_device(name)
         assert d.peak_flops > 1e14 and 0 < d.efficiency(4096) <= 1 and d.memory_bytes > 7e10
-    text = (ROOT / "hetu_ext/plan/devices/a100-80gb-sxm.yaml").read_text()
+    text = (ROOT / "hetu_ext/plan/cost/devices/a100-80gb-sxm.yaml").read_text()
     bad = tmp_path / "mine.yaml"
     bad.write_text(text.replace("hbm_bytes_per_s", "hbm_bytes_per_sec"))
     with pytest.raises(ValueError, match="unknown key 'hbm_bytes_per_sec'.*did you mean 'hbm_bytes_per_s'"):
@@ -186,10 +186,10 @@ def test_predict_cli_prints_the_table_and_refuses_bad_input_in_one_line(capsys):
 
 def test_a_one_gpu_layer_table_is_extended_to_the_tp_degrees_planners_search():
     """benchmarks/gpu_calibrate.sh measures TP 1 on one GPU; the planners' benchmarks price only the degrees their
-    table holds, so TP 2/4/8 are derived (hetu_ext.plan.calibration): measured entries kept, attention divided by
+    table holds, so TP 2/4/8 are derived (hetu_ext.plan.cost.calibration): measured entries kept, attention divided by
     t, per-token time smaller than TP 1's but more than 1/t of it (the TP all-reduces, smaller GEMMs)."""
     from hetu_ext.data.cost import load_cost_table
-    from hetu_ext.plan.calibration import extend_by_tp
+    from hetu_ext.plan.cost.calibration import extend_by_tp
 
     measured = load_cost_table(ROOT / "configs" / "calibration" / "cpu.yaml")
     spec = ModelSpec(num_layers=1, hidden_size=256, num_attention_heads=8, ffn_hidden_size=1024)
@@ -222,7 +222,7 @@ def test_a_measured_layer_table_in_the_profile_replaces_the_flop_model(tmp_path)
     at the TP degrees it holds); other shapes and degrees keep the FLOP model."""
     (tmp_path / "layer.yaml").write_text(
         "device: test\nper_tp:\n  1: {a: 1.0e-9, b: 1.0e-5, c: 0.001}\n")
-    text = (ROOT / "hetu_ext/plan/devices/a100-80gb-sxm.yaml").read_text()
+    text = (ROOT / "hetu_ext/plan/cost/devices/a100-80gb-sxm.yaml").read_text()
     (tmp_path / "dev.yaml").write_text(text + "calibrate: {table: layer.yaml, hidden_size: 1024, "
                                        "num_attention_heads: 16, ffn_hidden_size: 4096}\n")
     measured = load_device(tmp_path / "dev.yaml")

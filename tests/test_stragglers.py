@@ -11,7 +11,7 @@ import torch
 from helpers import gpt_argv
 
 from hetu_ext.plan import ModelSpec, uniform_plan
-from hetu_ext.plan.straggler_policy import (
+from hetu_ext.plan.malleus.straggler_policy import (
     SlowdownEstimator,
     StragglerDetector,
     StragglerPolicy,

@@ -109,7 +109,7 @@ def monitor_body(rank: int, world: int, log_interval: int) -> list[str] | None:
     """Two ranks' monitor on a fixed pace: rank 1 takes 3x rank 0's seconds for the same FLOPs from step 5."""
     from hetu_ext.megatron.monitor import StragglerMonitor
     from hetu_ext.plan import ModelSpec, uniform_plan
-    from hetu_ext.plan.straggler_policy import StragglerPolicy
+    from hetu_ext.plan.malleus.straggler_policy import StragglerPolicy
 
     monitor = StragglerMonitor(rank=rank, plan=uniform_plan(world_size=2, num_layers=2),
                                spec=ModelSpec(num_layers=2, hidden_size=8, num_attention_heads=2, seq_length=8),

@@ -1,7 +1,7 @@
 """Who writes and who reads which shard (pure: no torch, no process group).
 
 * :func:`assign_writes`: every rank holds boxes of global tensors, replicas overlap. Each tensor is cut into
-  cells (the grid of all holders' box boundaries, ``plan.layout.split_box``); every cell is given to exactly one
+  cells (the grid of all holders' box boundaries, ``plan.core.layout.split_box``); every cell is given to exactly one
   holder, the one with the fewest bytes to write so far, so each unique element is written once and the writing
   is spread over the replicas.
 * :func:`assign_reads`: every stored shard is read by exactly one rank, one that needs the most of it (ties: the
@@ -15,7 +15,7 @@ import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 
-from hetu_ext.plan.layout import Box, split_box
+from hetu_ext.plan.core.layout import Box, split_box
 
 TensorId = tuple[str, tuple[int, ...]]
 """(name, layer index) of a global tensor."""

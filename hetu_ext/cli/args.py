@@ -107,7 +107,7 @@ def _validate_schedule(args: argparse.Namespace) -> None:
         raise ValueError(f"--train-samples {args.train_samples} needs --global-batch-size (steps = samples // "
                          "global batch size)")
     if args.rampup_batch_size is not None:  # Megatron-LM's update_train_iters: the ramp's steps, then whole batches
-        from hetu_ext.plan.batches import BatchRamp
+        from hetu_ext.plan.core.batches import BatchRamp
 
         start, increment, samples = args.rampup_batch_size
         args.train_iters = BatchRamp(start=start, increment=increment, samples=samples,

@@ -19,7 +19,7 @@ scores the local spec keeps at that length); fixed memory: parameters x (weight 
 
 ``--tp-efficiency-out FILE`` also writes each measured degree's efficiency ``T_1 / (t T_t)`` at the longest length
 (hetu_ext.data.calibrate.save_tp_efficiency), the file the Malleus planner's cost model reads
-(hetu_ext.plan.cost.load_tp_efficiency); the same from a stored table: ``python -m hetu_ext.data.calibrate``.
+(hetu_ext.plan.cost.stage.load_tp_efficiency); the same from a stored table: ``python -m hetu_ext.data.calibrate``.
 
 Torch and megatron are imported only to measure (the ``--help`` and argument errors stay fast).
 """

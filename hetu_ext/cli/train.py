@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         from hetu_ext.train.eval import check_evaluation
 
         check_evaluation(config)  # --eval-iters / --skip-train refusals (LoRA's trainer too), before any rank
-        from hetu_ext.plan.batches import batch_ramp, check_ramp
+        from hetu_ext.plan.core.batches import batch_ramp, check_ramp
 
         check_ramp(launch_check.plan, batch_ramp(config.training), config.training.micro_batch_size)
     except (PlanError, ValueError, OSError) as exc:

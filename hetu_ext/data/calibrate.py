@@ -86,7 +86,7 @@ def tp_efficiency(table: CostTable, tokens: int) -> dict[int, float]:
 
 
 def save_tp_efficiency(table: CostTable, tokens: int, path: str | Path, source: str = "") -> dict[int, float]:
-    """Write :func:`tp_efficiency` as the file :func:`hetu_ext.plan.cost.load_tp_efficiency` reads."""
+    """Write :func:`tp_efficiency` as the file :func:`hetu_ext.plan.cost.stage.load_tp_efficiency` reads."""
     eff = tp_efficiency(table, tokens)
     note = (f"T_1 / (t T_t) of one layer at {tokens} tokens, from the fitted cost table {source or '(given)'}; "
             f"all-reduces included; {table.note}")

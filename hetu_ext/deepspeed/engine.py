@@ -121,7 +121,7 @@ class DeepSpeedGPT:
 
     def _batches(self, plan, rank: int) -> list[dict[str, torch.Tensor]]:
         """This rank's microbatches of the next step under ``plan`` (global batch g: samples [gB, (g + 1)B))."""
-        from hetu_ext.plan.batches import microbatch_samples
+        from hetu_ext.plan.core.batches import microbatch_samples
 
         out = []
         for ids in microbatch_samples(plan, rank, self.iteration, self.config.training.micro_batch_size):
@@ -342,7 +342,7 @@ def _packer(config: RunConfig, spec, plan, h, tokenizer, gbs: int) -> Callable[[
 
 
 def _weighting(config: RunConfig, zero: ZeroConfig, h, total: int):
-    from hetu_ext.plan.straggler_policy import StragglerPolicy
+    from hetu_ext.plan.malleus.straggler_policy import StragglerPolicy
     from hetu_ext.runtime.straggler import parse_schedule
 
     from .weighting import MicrobatchWeighting

@@ -12,7 +12,7 @@ all-reduce of token counts per step), times the world size (DeepSpeed averages o
 the single-process one on the same global batch for any split of it.
 
 Speeds: the same parts as the Megatron path's monitor (hetu_ext/runtime/straggler.py times each transformer layer,
-emulates slowdowns and exchanges timings; hetu_ext/plan/straggler_policy.py detects with hysteresis). A rank's
+emulates slowdowns and exchanges timings; hetu_ext/plan/malleus/straggler_policy.py detects with hysteresis). A rank's
 work per step is its microbatch count (every microbatch has the same shape here), and on a change the counts are
 Malleus's split of the global batch's microbatches over one-stage pipelines (:func:`weighted_counts`, pure):
 the slowest rank's ``count x slowdown`` is minimised, every rank keeping at least one microbatch.
@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from hetu_ext.plan import Plan
-from hetu_ext.plan.plan import Pipeline, Stage
+from hetu_ext.plan.core.plan import Pipeline, Stage
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ class MicrobatchWeighting:
     interval: int
     """Exchange timings every this many steps (0: counts stay as given)."""
     policy: object
-    """A :class:`hetu_ext.plan.straggler_policy.StragglerPolicy`."""
+    """A :class:`hetu_ext.plan.malleus.straggler_policy.StragglerPolicy`."""
     events: list = field(default_factory=list)
     """Emulated slowdowns (hetu_ext.runtime.straggler.parse_schedule)."""
     nominal_s: float | None = None
@@ -98,7 +98,7 @@ class MicrobatchWeighting:
     _samples: list[tuple[float, float]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        from hetu_ext.plan.straggler_policy import StragglerDetector
+        from hetu_ext.plan.malleus.straggler_policy import StragglerDetector
         from hetu_ext.runtime.straggler import LayerTimer
 
         self.detector = StragglerDetector(policy=self.policy)

@@ -20,7 +20,7 @@ import json
 from dataclasses import dataclass, replace
 
 from hetu_ext.plan import ModelSpec, Plan, plan_from_dict, plan_to_dict, uniform_plan
-from hetu_ext.plan.cluster import Cluster
+from hetu_ext.plan.core.cluster import Cluster
 from hetu_ext.plan.malleus import plan_malleus
 
 ABSENT_SLOWDOWNS = (1e3, 1e6)

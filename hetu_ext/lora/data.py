@@ -17,7 +17,7 @@ from hetu_ext.data.lengths import budget_end
 from hetu_ext.data.sequences import SequenceTable
 from hetu_ext.megatron.packed_data import IndexedDocuments, PackedSteps, varlen_mock_documents
 from hetu_ext.plan import ModelSpec, Plan
-from hetu_ext.plan.replicas import replica_specs
+from hetu_ext.plan.core.replicas import replica_specs
 
 
 class TenantStream:

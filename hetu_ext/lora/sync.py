@@ -4,7 +4,7 @@ After backward (Megatron's ``finalize_model_grads_func`` seam):
 
 1. the replicated factors whose gradient is a partial sum over a stage's TP ranks (column A, row B; see
    hetu_ext.lora.layers) are all-reduced over the stage's TP group;
-2. every adapter element is summed over the stages holding it (hetu_ext.plan.layout's cells and lanes over the
+2. every adapter element is summed over the stages holding it (hetu_ext.plan.core.layout's cells and lanes over the
    adapters' own shards, hetu_ext.runtime.grad_sync): the frozen base has no gradient and is not reduced;
 3. no division: the loss is already each tenant's token mean over the global batch (hetu_ext.lora.train).
 
@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 
 from hetu_ext.errors import HetuExtError
-from hetu_ext.plan.layout import ShardInfo, reduction_layout
-from hetu_ext.plan.optimizer_shards import optimizer_shards
+from hetu_ext.plan.core.layout import ShardInfo, reduction_layout
+from hetu_ext.plan.core.optimizer_shards import optimizer_shards
 from hetu_ext.runtime.groups import add_lane_groups
 from hetu_ext.runtime.grad_sync import GradSync, LocalTensor
 from hetu_ext.runtime.sharded_optimizer import ShardedGradSync
@@ -130,7 +130,7 @@ def attach_sync(placement, plan, tenants: tuple[str, ...], rank: int, *, sharded
     """Build the adapters' reduction for this rank (collective over the world: every rank calls it) and make it
     the stage's finalize_model_grads_func. ``sharded_optimizer`` (Megatron's OptimizerConfig, for
     --use-distributed-optimizer; the placement was then built without an optimizer): each adapter element's Adam
-    state on one of its holders (hetu_ext.plan.optimizer_shards over the adapters' own boxes), gradients
+    state on one of its holders (hetu_ext.plan.core.optimizer_shards over the adapters' own boxes), gradients
     reduce-scattered to their owners, Megatron's optimizer over the owned boxes (megatron/sharded_optimizer.py),
     the updated boxes all-gathered after the step; this becomes the placement's optimizer."""
     where = plan.stage_of(rank)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from hetu_ext.plan.batches import microbatch_samples
+from hetu_ext.plan.core.batches import microbatch_samples
 from hetu_ext.data.tokenizer import ByteLevelTokenizer, tokenizer_vocab_size
 from hetu_ext.plan import Plan
 
@@ -142,7 +142,7 @@ def _check_split_parts(config, num_samples: tuple[int, int, int]) -> None:
 def microbatch_iterator(dataset, plan: Plan, pipeline: int, micro_batch_size: int, *, start_iteration: int,
                         num_iterations: int, device: torch.device, ramp=None) -> Iterator[dict[str, torch.Tensor]]:
     """Yield this pipeline's microbatches, iteration after iteration, each a dict of [b, s] tensors (``ramp``: a
-    :class:`~hetu_ext.plan.batches.BatchRamp`, --rampup-batch-size's global batches)."""
+    :class:`~hetu_ext.plan.core.batches.BatchRamp`, --rampup-batch-size's global batches)."""
     for iteration in range(start_iteration, start_iteration + num_iterations):
         for ids in microbatch_samples(plan, pipeline, iteration, micro_batch_size, ramp):
             samples = [dataset[i] for i in ids]

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from hetu_ext.errors import HetuExtError
-from hetu_ext.plan.layout import Box
+from hetu_ext.plan.core.layout import Box
 from hetu_ext.runtime.reshard import Piece
 
 from .weights import LocalShard

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from hetu_ext.config import CheckpointConfig, PackingConfig, ParallelConfig, RunConfig, TrainingConfig
 from hetu_ext.config.spec import model_spec
-from hetu_ext.plan.batches import global_batch_size
+from hetu_ext.plan.core.batches import global_batch_size
 from hetu_ext.data.tokenizer import tokenizer_vocab_size
 from hetu_ext.plan import ModelSpec, Plan, PlanError, load_plan, uniform_plan, uniform_shape
 

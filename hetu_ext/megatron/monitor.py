@@ -18,7 +18,7 @@ by the next plan. Until an idle rank has a full window of probes it keeps the sl
 
 The monitor composes parts that each do one job: hetu_ext/runtime/straggler.py times the layers
 (:class:`LayerTimer`), emulates slowdowns (:func:`factor_at`, :func:`onset_latency`) and exchanges the timings
-(:func:`exchange_timings`, the only collective); hetu_ext/plan/straggler_policy.py detects with hysteresis
+(:func:`exchange_timings`, the only collective); hetu_ext/plan/malleus/straggler_policy.py detects with hysteresis
 (:class:`StragglerDetector`) and re-plans (:func:`replan`), both pure. What stays here: the work a step's
 timings are divided by, the idle rank's probe of a Megatron-core layer, the log lines, the metrics events and
 the plan file.
@@ -34,8 +34,8 @@ import torch
 
 from hetu_ext.plan import ModelSpec, Plan, dump_plan, format_plan, plan_to_dict
 from hetu_ext.model import inventory
-from hetu_ext.plan.cost import layer_forward_flops
-from hetu_ext.plan.straggler_policy import StragglerDetector, StragglerPolicy, replan
+from hetu_ext.plan.cost.stage import layer_forward_flops
+from hetu_ext.plan.malleus.straggler_policy import StragglerDetector, StragglerPolicy, replan
 from hetu_ext.runtime.straggler import CostFn, LayerTimer, SlowdownEvent, exchange_timings, factor_at, onset_latency
 
 

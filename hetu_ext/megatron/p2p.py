@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
-from hetu_ext.plan.plan import Neighbours
+from hetu_ext.plan.core.plan import Neighbours
 
 
 class StagePosition:

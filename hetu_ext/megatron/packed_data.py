@@ -36,7 +36,7 @@ from hetu_ext.config import DataConfig, PackingConfig
 from hetu_ext.data.cost import CostTable, load_cost_table
 from hetu_ext.data.lengths import concat_split, parse_length_spec
 from hetu_ext.data.packing import Assignment, ReplicaSpec, assign
-from hetu_ext.plan.replicas import replica_specs
+from hetu_ext.plan.core.replicas import replica_specs
 from hetu_ext.data.sequences import GlobalBatches, SequenceTable
 from hetu_ext.plan import ModelSpec, Plan
 

@@ -23,9 +23,9 @@ import torch.distributed as dist
 
 from hetu_ext.config import TrainingConfig
 from hetu_ext.plan import ModelSpec, Plan, PlanError
-from hetu_ext.plan.layout import ShardInfo, in_place_lanes, reduction_layout
-from hetu_ext.plan.optimizer_shards import optimizer_shards
-from hetu_ext.plan.plan import neighbours
+from hetu_ext.plan.core.layout import ShardInfo, in_place_lanes, reduction_layout
+from hetu_ext.plan.core.optimizer_shards import optimizer_shards
+from hetu_ext.plan.core.plan import neighbours
 from hetu_ext.runtime.grad_sync import GradSync, LocalTensor
 from hetu_ext.runtime.groups import PlanGroups, add_lane_groups, build_groups
 from hetu_ext.runtime.sharded_optimizer import ShardedGradSync

@@ -1,7 +1,7 @@
 """``--use-distributed-optimizer`` on the plan runtime: Megatron's own optimizer over the boxes this rank owns.
 
 Megatron's DistributedOptimizer shards over one uniform data-parallel group; under a heterogeneous plan each
-element's holders differ (plan/optimizer_shards.py). We keep Megatron's optimizer classes and math
+element's holders differ (plan/core/optimizer_shards.py). We keep Megatron's optimizer classes and math
 (``FP32Optimizer``, or ``Float16OptimizerWithFloat16Params`` under --bf16: clipping by the global norm, Adam or
 SGD, fp32 masters) and only change what they are given: for every box this rank owns, a parameter that is a
 *view* of the model's parameter (``main_grad`` a view of DDP's gradient buffer), in the parameter groups

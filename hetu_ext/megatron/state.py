@@ -25,7 +25,7 @@ import torch
 
 from hetu_ext.checkpoint import CheckpointError
 from hetu_ext.checkpoint.schedule import resolve_schedule
-from hetu_ext.plan.batches import global_batch_size
+from hetu_ext.plan.core.batches import global_batch_size
 from hetu_ext.runtime.reshard import Piece
 
 from .distopt_state import distopt_pieces, distributed_optimizers
@@ -256,7 +256,7 @@ def restore_scheduler(trainer, saved: dict[str, Any] | None, where: str) -> None
     is raised everywhere at once. Without a saved schedule the flags' schedule is replayed to the iteration.
     With --use-checkpoint-opt_param-scheduler the run's training config takes the checkpoint's schedule, so a
     scheduler built later from it (a migration) agrees."""
-    from hetu_ext.plan.batches import scheduler_unit
+    from hetu_ext.plan.core.batches import scheduler_unit
 
     training = trainer.config.training
     unit = scheduler_unit(training, trainer.config.packing, trainer.plan)

@@ -151,7 +151,7 @@ def feature_hooks(inv: Invocation) -> list:
         hooks += HetuCheckpoints(keep=ns.hetu_ckpt_keep, fallback=ns.hetu_ckpt_fallback,
                                  read=ns.hetu_ckpt_read, packing=ns.hetu_packing).patches()
     if inv.weighting:
-        from hetu_ext.plan.straggler_policy import StragglerPolicy
+        from hetu_ext.plan.malleus.straggler_policy import StragglerPolicy
 
         from .weighting import StragglerWeighting
 

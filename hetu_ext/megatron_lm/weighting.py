@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from hetu_ext.patches.base import Patch
 from hetu_ext.plan.malleus import split_microbatches
-from hetu_ext.plan.straggler_policy import StragglerDetector, StragglerPolicy
+from hetu_ext.plan.malleus.straggler_policy import StragglerDetector, StragglerPolicy
 from hetu_ext.runtime.straggler import LayerTimer, exchange_timings, factor_at, onset_latency, parse_schedule
 
 TRAINING = "megatron.training.training"

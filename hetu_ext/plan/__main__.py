@@ -14,12 +14,12 @@ from pathlib import Path
 
 from hetu_ext.data.tokenizer import TOKENIZER_TYPES, tokenizer_vocab_size
 
-from .cluster import Cluster
-from .cost import CostModel
-from .io import dump_plan, format_plan, load_plan
-from .malleus import plan_malleus
+from hetu_ext.plan.core.cluster import Cluster
+from hetu_ext.plan.cost.stage import CostModel
+from hetu_ext.plan.core.io import dump_plan, format_plan, load_plan
+from hetu_ext.plan.malleus import plan_malleus
 from hetu_ext.model.spec import ModelSpec
-from .plan import PlanError
+from hetu_ext.plan.core.plan import PlanError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,20 +45,20 @@ def main(argv: list[str] | None = None) -> int:
     mal.add_argument("--use-distributed-optimizer", action="store_true",
                      help="the run shards optimizer state over each element's holders: plan with that memory")
     # --- LobRA (issue 16): deployment of heterogeneous replicas for tenants' LoRA fine-tuning ---
-    from . import lobra
+    from hetu_ext.plan import lobra
 
     lobra.add_arguments(sub.add_parser("lobra", help="choose replicas (TP x PP each) for many tenants' LoRA "
                                                      "fine-tuning and write the plan (YAML) for --hetu-plan"))
     # --- end LobRA ---
     # --- Hydraulis (issue 15): candidate heterogeneous strategies, chosen per step ---
-    from . import hydraulis
+    from hetu_ext.plan import hydraulis
 
     hydraulis.add_arguments(sub.add_parser("hydraulis", help="candidate heterogeneous strategies from a length "
                                                              "file, which one each sampled batch would train "
                                                              "under, and a strategies YAML"))
     # --- end Hydraulis ---
     # --- step-time model (issue 35) ---
-    from . import predict
+    from hetu_ext.plan.cost import predict
 
     predict.add_arguments(sub.add_parser("predict", help="step time, TFLOP/s per GPU, MFU and memory per GPU of a "
                                                          "Megatron-LM run, or --table CSV against published runs"))
@@ -160,7 +160,7 @@ def _malleus(args, parser) -> int:
 
 
 def _lobra(args) -> int:  # --- LobRA (issue 16) ---
-    from .lobra import run
+    from hetu_ext.plan.lobra import run
 
     try:
         plan, report = run(args)
@@ -177,7 +177,7 @@ def _lobra(args) -> int:  # --- LobRA (issue 16) ---
 
 
 def _hydraulis(args) -> int:  # --- Hydraulis (issue 15) ---
-    from .hydraulis import run, strategies_yaml
+    from hetu_ext.plan.hydraulis import run, strategies_yaml
 
     try:
         strategies, report, _ = run(args)

@@ -1,4 +1,4 @@
-"""Gradient synchronisation for any plan: each cell all-reduced over its lane (see plan/layout.py).
+"""Gradient synchronisation for any plan: each cell all-reduced over its lane (see plan/core/layout.py).
 
 Works on the ``main_grad`` buffers of Megatron's DistributedDataParallel, after its own (single-rank) reduction
 and before the optimizer. All lane buffers are packed before any reduction so that a rank sitting in several
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from hetu_ext.plan.layout import Box, Cell, ReductionLayout
+from hetu_ext.plan.core.layout import Box, Cell, ReductionLayout
 
 from .groups import PlanGroups
 
@@ -50,7 +50,7 @@ class GradSync:
     flat_buffers: list[torch.Tensor] = field(default_factory=list)
     """The contiguous buffers holding every local gradient (DDP's grad_data)."""
     in_place: set[tuple[int, ...]] = field(default_factory=set)
-    """Lanes whose members reduce ``flat_buffers`` as they are (plan.layout.in_place_lanes): no packing."""
+    """Lanes whose members reduce ``flat_buffers`` as they are (plan.core.layout.in_place_lanes): no packing."""
     bytes_sent: int = 0
     """Bytes this rank handed to all-reduces in the last step, counted as a ring moves them: 2 (n-1)/n each."""
     _lanes: list = field(default_factory=list, init=False)

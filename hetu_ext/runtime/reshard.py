@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from hetu_ext.errors import HetuExtError
-from hetu_ext.plan.layout import Box, split_box
+from hetu_ext.plan.core.layout import Box, split_box
 
 
 @dataclass(frozen=True)

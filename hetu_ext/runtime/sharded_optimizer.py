@@ -1,6 +1,6 @@
 """The sharded optimizer's communication for any plan: reduce-scatter gradients to owners, all-gather weights.
 
-Executes plan/optimizer_shards.py's layout for one rank, on the ``main_grad`` buffers of Megatron's
+Executes plan/core/optimizer_shards.py's layout for one rank, on the ``main_grad`` buffers of Megatron's
 DistributedDataParallel (after its own single-rank reduction) and on the model's parameters (after the owners'
 optimizer step). Holder sets run in one global order on every rank, so blocking collectives over overlapping
 groups cannot deadlock. Duck-types :class:`~hetu_ext.runtime.grad_sync.GradSync` (``reduce``, ``owned_grads``,
@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from hetu_ext.plan.layout import Box, Cell
-from hetu_ext.plan.optimizer_shards import HolderSet, OptimizerShards
+from hetu_ext.plan.core.layout import Box, Cell
+from hetu_ext.plan.core.optimizer_shards import HolderSet, OptimizerShards
 
 from .grad_sync import LocalTensor
 from .groups import PlanGroups

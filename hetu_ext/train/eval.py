@@ -37,7 +37,7 @@ import torch.distributed as dist
 from hetu_ext.config import RunConfig, TrainingConfig
 from hetu_ext.megatron.data import microbatch_iterator
 from hetu_ext.metrics import format_eval_lines, perplexity
-from hetu_ext.plan.batches import global_batch_size
+from hetu_ext.plan.core.batches import global_batch_size
 from hetu_ext.train.step import forward_step
 
 

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from hetu_ext.megatron.data import microbatch_iterator
 from hetu_ext.megatron.packed_data import PackedSteps, build_packed_steps
 from hetu_ext.megatron.switching import SwitchedSteps, local_loss, predicted_switch_s
-from hetu_ext.plan.batches import global_batch_size, scheduler_unit, step_microbatches
+from hetu_ext.plan.core.batches import global_batch_size, scheduler_unit, step_microbatches
 from hetu_ext.runtime.straggler import factor_at, parse_schedule
 
 
@@ -130,7 +130,7 @@ class MicrobatchSteps(StepKind):
 
     def prepare(self, trainer, data) -> StepWork:
         training, placement, ramp = trainer.config.training, trainer.placement, trainer.ramp
-        # --rampup-batch-size: this step's global batch, shared among the pipelines (plan/batches.py)
+        # --rampup-batch-size: this step's global batch, shared among the pipelines (plan/core/batches.py)
         samples = global_batch_size(trainer.plan, training.micro_batch_size) if ramp is None else \
             ramp.batch(trainer.iteration)
         counts = step_microbatches(trainer.plan, ramp, trainer.iteration, training.micro_batch_size)

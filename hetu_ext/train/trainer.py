@@ -50,8 +50,8 @@ from hetu_ext.plan import (
     format_plan,
     plan_to_dict,
 )
-from hetu_ext.plan.batches import BatchRamp, batch_ramp, check_ramp, global_batch_size, scheduler_unit
-from hetu_ext.plan.straggler_policy import StragglerPolicy
+from hetu_ext.plan.core.batches import BatchRamp, batch_ramp, check_ramp, global_batch_size, scheduler_unit
+from hetu_ext.plan.malleus.straggler_policy import StragglerPolicy
 from hetu_ext.runtime.straggler import CostFn, LayerTimer, parse_schedule
 from hetu_ext.train.step import (
     MicrobatchSteps,

@@ -1,7 +1,7 @@
 """Sharded optimizer state for any plan (pure): every element's fp32 master and moments on exactly one holder.
 
 Megatron's distributed optimizer (ZeRO-1) cuts one flat buffer over one uniform data-parallel group. Under a
-heterogeneous plan the ranks holding an element differ from tensor to tensor and from cell to cell (plan/layout.py's
+heterogeneous plan the ranks holding an element differ from tensor to tensor and from cell to cell (plan/core/layout.py's
 cells), so we do it per **holder set**: all the cells held by exactly the same ranks (every copy: replicas in each
 pipeline, TP copies of replicated tensors, the tied output layer) are laid end to end, each cell flattened
 row-major in a canonical order, and that flat run of B elements is cut into n = |holders| equal parts of
@@ -23,7 +23,7 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass
 
-from .layout import Box, Cell, ShardInfo, split_box
+from hetu_ext.plan.core.layout import Box, Cell, ShardInfo, split_box
 
 
 def _contains(box: Box, cell: Box) -> bool:

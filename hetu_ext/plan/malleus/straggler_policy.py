@@ -25,11 +25,11 @@ from collections import defaultdict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from .cluster import Cluster
-from .cost import CostModel
-from .malleus import PlannedStep, plan_malleus
+from hetu_ext.plan.core.cluster import Cluster
+from hetu_ext.plan.cost.stage import CostModel
+from hetu_ext.plan.malleus import PlannedStep, plan_malleus
 from hetu_ext.model.spec import ModelSpec
-from .plan import Plan
+from hetu_ext.plan.core.plan import Plan
 
 
 @dataclass(kw_only=True)

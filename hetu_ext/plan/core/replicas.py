@@ -10,7 +10,7 @@ from hetu_ext.data.cost import CostTable
 from hetu_ext.data.packing import ReplicaSpec
 from hetu_ext.model.spec import ModelSpec
 
-from .plan import Plan
+from hetu_ext.plan.core.plan import Plan
 
 
 def replica_specs(plan: Plan, model: ModelSpec, cost: CostTable, *, slowdowns: Mapping[int, float] | None = None,

@@ -40,10 +40,10 @@ from hetu_ext.keys import check_keys, read_yaml
 from hetu_ext.model import inventory
 from hetu_ext.model.spec import ModelSpec
 
-from .grouping_relaxation import relaxation
-from .io import load_plan
-from .plan import Plan, PlanError, uniform_plan, validate_plan
-from .replicas import replica_specs
+from hetu_ext.plan.hotspa.relaxation import relaxation
+from hetu_ext.plan.core.io import load_plan
+from hetu_ext.plan.core.plan import Plan, PlanError, uniform_plan, validate_plan
+from hetu_ext.plan.core.replicas import replica_specs
 
 _FILE_KEYS = {"home", "home_first", "strategies"}
 _STRATEGY_KEYS = {"name", "plan", "tp", "pp", "dp", "max_len"}
@@ -486,7 +486,7 @@ def grouping_bound_s(lengths: Sequence[int], strategies: Strategies, spec: Model
     over every grouping of ``lengths`` into groups under ``strategies`` (any split, contiguous or not; at least
     one sequence per pipeline of a group's strategy), ``fixed_s[k]`` a time every used strategy adds (its
     all-reduce, its switch; default 0): what HotSPa can reach at best under the packer's cost model. The
-    mixed-integer relaxation of :mod:`hetu_ext.plan.grouping_relaxation` (its docstring has the proof), solved by
+    mixed-integer relaxation of :mod:`hetu_ext.plan.hotspa.relaxation` (its docstring has the proof), solved by
     scipy's HiGHS; its dual bound is returned, so a time limit keeps it a bound.
 
     ``upper_s``: the price of a grouping already known (e.g. the best strategy alone); groupings dearer than it
@@ -673,7 +673,7 @@ class GroupPricer:
 
     def relaxed(self, lengths: Sequence[int], fixed_s: Sequence[float], *, upper_s: float | None = None,
                 node_limit: int = RELAXED_NODES) -> list[Group] | None:
-        """The grouping of :func:`hetu_ext.plan.grouping_relaxation.relaxation` (``fixed_s[k]``: what a used
+        """The grouping of :func:`hetu_ext.plan.hotspa.relaxation.relaxation` (``fixed_s[k]``: what a used
         strategy adds; ``upper_s``: a known grouping's price), stopped after ``node_limit`` branch-and-bound nodes
         (deterministic: every rank gets the same groups), without rows 5 to 7 and the buckets' extra lines and
         sums (they tighten the bound but slow the search for a grouping: 16 GPUs at 32K, 200 nodes, 9.29 s with row

@@ -1,5 +1,5 @@
 """``python -m hetu_ext.plan predict``: one run's step time, TFLOP/s per GPU, MFU and memory per GPU from the step
-model (:mod:`hetu_ext.plan.step_model`), or, with ``--table CSV``, the model against a table of published runs.
+model (:mod:`hetu_ext.plan.cost.step_model`), or, with ``--table CSV``, the model against a table of published runs.
 
 Model and layout flags carry Megatron-LM's names. The table's columns (one run per row; ``0|1`` for booleans)::
 
@@ -23,7 +23,7 @@ from pathlib import Path
 from hetu_ext.model.spec import ModelSpec
 
 from . import step_model
-from .devices import Device, load_device, shipped_devices
+from hetu_ext.plan.cost.devices import Device, load_device, shipped_devices
 
 COLUMNS = ("source", "model", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
            "ffn_hidden_size", "swiglu", "vocab_size", "seq_length", "tp", "pp", "dp", "micro_batch_size",
@@ -241,7 +241,7 @@ def _table(args: argparse.Namespace) -> int:
                         step_model.predict(spec, par, device)))
     head = (f"{'model':<12} {'TP':>3} {'PP':>3} {'DP':>4} {'mbs':>4} {'gbs':>5} {'recomp':>7} {'published':>9} "
             f"{'predicted':>9} {'error':>7} {'memory GiB':>10}")
-    print(f"TFLOP/s per GPU (recomputation counted), predicted by hetu_ext.plan.step_model against {args.table}")
+    print(f"TFLOP/s per GPU (recomputation counted), predicted by hetu_ext.plan.cost.step_model against {args.table}")
     print(head)
     out = []
     for model, spec, par, device, published, r in results:

@@ -26,7 +26,7 @@ optimizer reduce-scatter + the bf16 parameter all-gather), overlapped with the l
 gather with the first forward) when ``overlap_grad_reduce``; then Adam (:data:`OPTIMIZER_BYTES_PER_PARAM` of
 memory traffic per element the rank updates).
 
-Memory per GPU (the largest stage): :func:`hetu_ext.plan.cost.stage_cost`'s weights + fp32 gradients + Adam
+Memory per GPU (the largest stage): :func:`hetu_ext.plan.cost.stage.stage_cost`'s weights + fp32 gradients + Adam
 (divided by dp under the distributed optimizer) + activations for the microbatches the stage holds in flight
 (1F1B: ``min(pp - j, m)``; interleaved: Megatron's warm-up count), plus the last stage's fp32 logits and their
 gradient, plus :data:`RESERVED_BYTES`.
@@ -43,8 +43,8 @@ from dataclasses import dataclass, field
 from hetu_ext.model import inventory
 from hetu_ext.model.spec import ModelSpec
 
-from .cost import CostModel, stage_cost
-from .devices import Device
+from hetu_ext.plan.cost.stage import CostModel, stage_cost
+from hetu_ext.plan.cost.devices import Device
 
 ELEMENTWISE_TRAFFIC = 2.0
 """Bytes the memory-bound kernels of a layer's forward read and write, per byte the layer keeps for backward."""
@@ -305,7 +305,7 @@ def predict(spec: ModelSpec, par: Parallel, device: Device) -> Prediction:
 
 def planner_cost_model(spec: ModelSpec, device: Device, *, micro_batch: int = 1,
                        tp_degrees: tuple[int, ...] = (1, 2, 4, 8), **overrides) -> CostModel:
-    """A :class:`~hetu_ext.plan.cost.CostModel` for the planners' ``stage_cost`` that reproduces this model's
+    """A :class:`~hetu_ext.plan.cost.stage.CostModel` for the planners' ``stage_cost`` that reproduces this model's
     layer compute on ``device`` for ``spec`` (``micro_batch`` sequences of ``spec.seq_length``): ``flops_per_s``
     is the layer's FLOPs over its TP-1 forward seconds (GEMMs, attention, memory-bound kernels), ``tp_efficiency``
     the step model's TP-t forward against t-fold speed-up, the TP all-reduces at the profile's NVLink bus

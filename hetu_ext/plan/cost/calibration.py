@@ -3,7 +3,7 @@
 ``python -m hetu_ext.cli.calibrate`` on one GPU measures TP 1 only: ``t_1(s) = a s^2 + b s + c`` seconds for one
 layer's forward + backward on a document of ``s`` tokens. The planners' benchmarks (HotSPa, Hydraulis, LobRA) search
 TP 1..8, and price only the degrees their ``--cost-model`` table holds. :func:`extend_by_tp` adds TP ``t`` entries
-from the measured ones and the step model's ratios (:mod:`hetu_ext.plan.step_model`, one device profile):
+from the measured ones and the step model's ratios (:mod:`hetu_ext.plan.cost.step_model`, one device profile):
 
 * ``a_t = a_1 x attention(t) / attention(1)``: the attention core's time at ``1 / t`` of the heads;
 * ``b_t = b_1 x rest(t) / rest(1) + comm``: GEMMs and memory-bound kernels per token at TP ``t`` relative to TP
@@ -15,7 +15,7 @@ from the measured ones and the step model's ratios (:mod:`hetu_ext.plan.step_mod
 Measured degrees are kept as they are. The derived entries carry the model's assumptions; a table measured on
 ``t`` GPUs (``--tp 1,2,4,8``) replaces them.
 
-    python -m hetu_ext.plan.calibration --table layer.yaml --out layer_tp.yaml --device h100-sxm \\
+    python -m hetu_ext.plan.cost.calibration --table layer.yaml --out layer_tp.yaml --device h100-sxm \\
         --hidden-size 4096 --num-attention-heads 32 --ffn-hidden-size 11008 [--tp 2,4,8]
 """
 
@@ -30,7 +30,7 @@ from hetu_ext.model import inventory
 from hetu_ext.model.spec import ModelSpec
 
 from . import step_model
-from .devices import Device, load_device
+from hetu_ext.plan.cost.devices import Device, load_device
 
 REFERENCE_TOKENS = 4096
 """Tokens of the microbatch at which the per-token ratio of GEMMs and kernels is taken."""
@@ -67,12 +67,12 @@ def extend_by_tp(table: CostTable, spec: ModelSpec, device: Device, tps: tuple[i
                 spec, tp=tp, attention_scores=False) / act1,
             memory_fixed_bytes=base.memory_fixed_bytes * inventory.layer_params(spec, tp=tp) / params1)
     derived = sorted(set(per_tp) - set(table.per_tp))
-    note = f"{table.note}; TP {derived} derived from TP 1 by hetu_ext.plan.calibration ({device.name} profile)"
+    note = f"{table.note}; TP {derived} derived from TP 1 by hetu_ext.plan.cost.calibration ({device.name} profile)"
     return dataclasses.replace(table, per_tp=dict(sorted(per_tp.items())), note=note.lstrip("; "))
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hetu_ext.plan.calibration", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m hetu_ext.plan.cost.calibration", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--table", required=True, help="a cost table with a TP 1 entry (YAML)")
     parser.add_argument("--out", required=True)

@@ -23,7 +23,7 @@ import yaml
 
 from hetu_ext.keys import check_keys, read_yaml
 
-from .plan import Pipeline, Plan, PlanError, Stage
+from hetu_ext.plan.core.plan import Pipeline, Plan, PlanError, Stage
 
 _PLAN_KEYS = {"pipelines", "unused_ranks"}
 _PIPELINE_KEYS = {"stages", "num_microbatches"}

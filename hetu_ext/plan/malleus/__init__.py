@@ -28,13 +28,13 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .cluster import Cluster
-from .cost import CostModel, stage_cost
-from .options import PLAIN, Options
+from hetu_ext.plan.core.cluster import Cluster
+from hetu_ext.plan.cost.stage import CostModel, stage_cost
+from hetu_ext.plan.core.options import PLAIN, Options
 from hetu_ext.model import inventory
 from hetu_ext.model.spec import ModelSpec
-from .plan import Pipeline, Plan, Stage, uniform_plan
-from .simulate import one_f_one_b, pipeline_time_closed_form
+from hetu_ext.plan.core.plan import Pipeline, Plan, Stage, uniform_plan
+from hetu_ext.plan.cost.simulate import one_f_one_b, pipeline_time_closed_form
 
 _BISECT_STEPS = 64  # halvings: enough to reach float resolution of any level below 1e19 x the lowest
 
@@ -219,7 +219,7 @@ def plan_malleus(cluster: Cluster, spec: ModelSpec, *, micro_batch: int, num_mic
                  keep_tolerance: float = 0.02, options: Sequence[Options] | None = None) -> PlannedStep:
     """The best plan over the templates; ValueError naming what would fit if no template fits in memory.
 
-    ``options``: the option sets searched with each template (hetu_ext.plan.options.search_space: recomputation,
+    ``options``: the option sets searched with each template (hetu_ext.plan.core.options.search_space: recomputation,
     sequence parallelism, distributed optimizer), lightest first; a heavier set is priced only when the lighter
     ones did not fit or a stage's memory bound their layer split (otherwise it cannot be faster: recomputation
     only adds time, the others only add memory). Default: the running job's (no recomputation, no sequence

@@ -27,7 +27,7 @@ layout by hetu_ext.megatron.switching (one length group per step).
    slowest stage: the work spread over the replicas, a microbatch overhead per pack, the pipeline's fill and
    drain of its longest microbatch. Vectorised over (i, n); O(B^2 K D) for B buckets, K shapes, D replicas.
 4. *Candidates*: for every bucket ``j`` that may hold a step's longest sequence, the solution ``T[N][j]``
-   (Hydraulis's candidate for that longest sequence), laid out as a :class:`~hetu_ext.plan.plan.Plan` (larger
+   (Hydraulis's candidate for that longest sequence), laid out as a :class:`~hetu_ext.plan.core.plan.Plan` (larger
    TP first, TP groups inside nodes; ranks left over are unused); duplicates dropped; the home first: the
    homogeneous plan (Megatron's grid of the shape that holds ``max_len`` at the lowest ``cost_k`` on the whole
    histogram), then the others, those answering the longest buckets first, ``limit`` in all.
@@ -46,21 +46,21 @@ from dataclasses import dataclass
 import numpy as np
 
 from hetu_ext.data.cost import CostTable, LengthCost
-from .grouping_relaxation import f_over_u
-from .hotspa import Strategies, Strategy, check_capacity
+from hetu_ext.plan.hotspa.relaxation import f_over_u
+from hetu_ext.plan.hotspa import Strategies, Strategy, check_capacity
 from hetu_ext.data.lengths import split_long
 from hetu_ext.data.packing import Assignment, assign
-from .replicas import replica_specs
+from hetu_ext.plan.core.replicas import replica_specs
 from hetu_ext.data.packing_bound import lower_bound_s, may_fit_within
 
 from hetu_ext.model import inventory
 
-from .cost import CostModel
-from .options import PLAIN, Options
-from .lobra import Deployment, deployment_plan, least_step_s
-from .lobra import Strategy as Shape
+from hetu_ext.plan.cost.stage import CostModel
+from hetu_ext.plan.core.options import PLAIN, Options
+from hetu_ext.plan.lobra import Deployment, deployment_plan, least_step_s
+from hetu_ext.plan.lobra import Strategy as Shape
 from hetu_ext.model.spec import ModelSpec
-from .plan import Plan, PlanError, uniform_plan, validate_plan
+from hetu_ext.plan.core.plan import Plan, PlanError, uniform_plan, validate_plan
 
 MAX_PP = 16
 """Deepest pipeline a pool shape may have."""
@@ -71,7 +71,7 @@ MAX_PP = 16
 def flops_cost_table(spec: ModelSpec, *, memory_bytes: float, tp_degrees: Sequence[int] = (1, 2, 4, 8),
                      cost: CostModel | None = None, options: Options = PLAIN,
                      world_size: int | None = None) -> CostTable:
-    """Per-layer costs of training ``spec`` from hetu_ext.plan.cost's device constants (an A100-class GPU by
+    """Per-layer costs of training ``spec`` from hetu_ext.plan.cost.stage's device constants (an A100-class GPU by
     default), for the planning CLI and benchmarks when no measured table is given: per token
     3 x the inventory's matmul FLOPs (forward + backward; GPT: ``2 (4 h^2 + 2 h f)``) at ``flops_per_s x tp x
     efficiency`` plus the 4 TP all-reduces of ``h`` values (ring ``2 (t-1)/t``, intra-node link); per squared
@@ -80,7 +80,7 @@ def flops_cost_table(spec: ModelSpec, *, memory_bytes: float, tp_degrees: Sequen
     sequence parallelism), weights, gradients and Adam state ``dtype + grad + optimizer_state`` bytes per
     parameter a rank holds (split tensors divided by TP).
 
-    ``options`` (hetu_ext.plan.options): recomputation adds the inventory's recomputed FLOPs (``full``: the whole
+    ``options`` (hetu_ext.plan.core.options): recomputation adds the inventory's recomputed FLOPs (``full``: the whole
     forward and its 2 forward all-reduces again; ``selective``: the attention core) and keeps the inventory's
     activations for it (``full``: the layer input; the one layer recomputing at a time holds its whole activations
     for a microbatch of up to ``spec.seq_length`` tokens: that much is taken off the device memory, at the
@@ -476,7 +476,7 @@ def select_candidate(lengths: Sequence[int], strategies: Strategies, *, estimate
 
 class Selector:
     """Per-step choice among ``strategies`` with prices built once: each candidate's replicas
-    (hetu_ext.plan.replicas.replica_specs, straggler ``slowdowns`` included), the packer's certified lower bound
+    (hetu_ext.plan.core.replicas.replica_specs, straggler ``slowdowns`` included), the packer's certified lower bound
     (hetu_ext.data.packing_bound.lower_bound_s) as the estimate, the two-stage packer (``assign``, ``hetu``) as the
     exact price, and each candidate's switch from the home and back (hetu_ext.plan.hotspa.switch_seconds:
     weights in at ``weight_bytes``, fp32 gradients out, ``bandwidth`` bytes/s per GPU; 0 for the home)."""
@@ -567,7 +567,7 @@ def one_plan_bound_s(lengths: Sequence[int], pool: Sequence[Shape], world_size: 
     need no bound, and on a pipelined shape (pp > 1) each sequence's work then carries its share of every
     replica's fill and drain, the larger of ``1 + (pp - 1) tau / U`` (tau: its microbatch's slowest stage; the
     largest microbatch is at least the work-weighted mean of its sequences' tau, and a replica's work is at most
-    its GPUs x U) and ``f(U) / U`` (hetu_ext.plan.grouping_relaxation.f_over_u: the per-microbatch overhead
+    its GPUs x U) and ``f(U) / U`` (hetu_ext.plan.hotspa.relaxation.f_over_u: the per-microbatch overhead
     against the fill); the result is ``min(upper_s, that bound)``. Every shape's microbatches also pay its least
     per-microbatch constant c, at least ``S / capacity`` of them for S tokens (a replica's time is at least the sum
     of its microbatches' times, each at least ``a Q + b S + c`` on any stage), so each sequence adds
@@ -734,7 +734,7 @@ def strategies_yaml(strategies: Strategies, plan_file: Callable[[int], str]) -> 
     (``plan_file(k)``; the caller writes the returned plans there)."""
     import yaml
 
-    from .plan import uniform_shape
+    from hetu_ext.plan.core.plan import uniform_shape
 
     out, files = [], {}
     for k, s in enumerate(strategies.items):

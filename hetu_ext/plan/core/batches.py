@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from hetu_ext.config import PackingConfig, TrainingConfig
 
-from .plan import Plan
+from hetu_ext.plan.core.plan import Plan
 
 
 def global_batch_size(plan: Plan, micro_batch_size: int) -> int:

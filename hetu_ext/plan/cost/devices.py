@@ -1,6 +1,6 @@
 """Device profiles (pure): what one GPU type computes and moves, read from YAML, for the step-time model.
 
-A profile is a YAML file (the shipped ones: ``hetu_ext/plan/devices/{a100-80gb-sxm,h100-sxm,h200}.yaml``; a user's:
+A profile is a YAML file (the shipped ones: ``hetu_ext/plan/cost/devices/{a100-80gb-sxm,h100-sxm,h200}.yaml``; a user's:
 any path). Keys (unknown ones are refused, naming the key and the closest allowed one)::
 
     name: A100-80GB-SXM

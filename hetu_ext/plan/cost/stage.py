@@ -19,7 +19,7 @@ attention scores materialised) x dtype / 2, times the microbatches a stage holds
 
 Recomputation and sequence parallelism (stage_cost's ``recompute``, ``sequence_parallel``): the recomputed FLOPs
 and activations are the inventory's (:func:`hetu_ext.model.inventory.layer_recompute_flops`,
-``activation_bytes_per_token``); the full step-time model with device profiles is :mod:`hetu_ext.plan.step_model`.
+``activation_bytes_per_token``); the full step-time model with device profiles is :mod:`hetu_ext.plan.cost.step_model`.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ the tenants' length distributions and per-step shares, the planner chooses a *de
 for each strategy (TP x PP), minimising the expected step time, as LobRA does:
 
 1. **Strategy pool.** Every (tp, pp) with tp <= GPUs per node and pp dividing the layers; each strategy's
-   per-layer time comes from the FLOP / all-reduce model of hetu_ext.plan.cost (as a ``a s^2 + b s + c``
+   per-layer time comes from the FLOP / all-reduce model of hetu_ext.plan.cost.stage (as a ``a s^2 + b s + c``
    LengthCost) and its token capacity from memory: frozen bf16 base weights (no gradients, no optimizer state:
    adapters are negligible) plus FlashAttention-style activations (34 h bytes per token and layer, divided by
    tp) for the microbatches 1F1B keeps in flight. Per TP degree only the fewest pipeline stages that fit, and the
@@ -37,11 +37,11 @@ from hetu_ext.data.cost import CostTable, LengthCost, load_cost_table
 from hetu_ext.data.lengths import concat_split
 from hetu_ext.data.packing import ReplicaSpec, assign
 
-from .cost import CostModel
-from .options import PLAIN, Options
+from hetu_ext.plan.cost.stage import CostModel
+from hetu_ext.plan.core.options import PLAIN, Options
 from hetu_ext.model import inventory
 from hetu_ext.model.spec import ModelSpec
-from .plan import Pipeline, Plan, Stage
+from hetu_ext.plan.core.plan import Pipeline, Plan, Stage
 
 DEGREES = (1, 2, 4, 8, 16)
 MIN_CAPACITY = 1024
@@ -463,7 +463,7 @@ def deployment_plan(deployment: Deployment, *, num_layers: int, gpus_per_node: i
 
 
 def lobra_cost_model(**overrides) -> CostModel:
-    """hetu_ext.plan.cost's A100-class defaults (bf16 weights), fields overridable."""
+    """hetu_ext.plan.cost.stage's A100-class defaults (bf16 weights), fields overridable."""
     return dataclasses.replace(CostModel(), **overrides)
 
 

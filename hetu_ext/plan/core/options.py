@@ -4,7 +4,7 @@ parallelism and the distributed optimizer, Megatron-LM's ``--recompute-granulari
 
 They are job-wide flags in Megatron-LM, so a plan is chosen together with one set of them, and every baseline a
 planner is compared with searches the same sets. What each costs under the project's models
-(hetu_ext.plan.cost.stage_cost, hetu_ext.plan.hydraulis.flops_cost_table):
+(hetu_ext.plan.cost.stage.stage_cost, hetu_ext.plan.hydraulis.flops_cost_table):
 
 * recomputation trades time for memory: ``selective`` recomputes the attention core (its FLOPs) and keeps no
   ``s x s`` scores, ``full`` runs each layer's forward again in its backward and keeps only its input; a planner

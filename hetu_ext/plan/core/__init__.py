@@ -1,0 +1,1 @@
+"""The plan itself: stages, pipelines, layouts of tensors over ranks, batches, replicas, the cluster."""
