@@ -117,7 +117,7 @@ def test_tp_rule_names_query_groups():
 def test_planner_figures_are_the_inventorys():
     """The cost models' per-layer FLOPs, parameters and activations come from the inventory: equal figures."""
     import hetu_ext.plan.cost.stage as cost
-    import hetu_ext.plan.hotspa as hotspa
+    import hetu_ext.plan.hotspa.switch_cost as hotspa
     import hetu_ext.plan.hydraulis as hydraulis
     import hetu_ext.plan.lobra as lobra
 

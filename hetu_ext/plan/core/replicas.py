@@ -5,12 +5,33 @@ algorithms (:mod:`hetu_ext.data.packing`) know replicas only, never plans."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from hetu_ext.data.cost import CostTable
 from hetu_ext.data.packing import ReplicaSpec
 from hetu_ext.model.spec import ModelSpec
 
 from hetu_ext.plan.core.plan import Plan
+
+
+@dataclass(frozen=True)
+class ReplicaShape:
+    """One replica shape: ``tp`` x ``pp`` GPUs, what one microbatch may hold, its per-stage cost (the pools of
+    LobRA's deployments and Hydraulis's candidates)."""
+
+    tp: int
+    pp: int
+    capacity: int
+    """Most tokens of one microbatch (memory bound)."""
+    replica: ReplicaSpec
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp
+
+    @property
+    def name(self) -> str:
+        return f"TP{self.tp}PP{self.pp}"
 
 
 def replica_specs(plan: Plan, model: ModelSpec, cost: CostTable, *, slowdowns: Mapping[int, float] | None = None,
