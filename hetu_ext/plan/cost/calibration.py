@@ -21,7 +21,6 @@ Measured degrees are kept as they are. The derived entries carry the model's ass
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 
@@ -72,15 +71,9 @@ def extend_by_tp(table: CostTable, spec: ModelSpec, device: Device, tps: tuple[i
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hetu_ext.plan.cost.calibration", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--table", required=True, help="a cost table with a TP 1 entry (YAML)")
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--device", required=True, help="a shipped profile name or a profile YAML")
-    parser.add_argument("--hidden-size", type=int, required=True)
-    parser.add_argument("--num-attention-heads", type=int, required=True)
-    parser.add_argument("--ffn-hidden-size", type=int, default=None)
-    parser.add_argument("--tp", default="2,4,8", help="comma-separated TP degrees to add")
+    from hetu_ext.plan.cli import calibration_parser
+
+    parser = calibration_parser()
     args = parser.parse_args(argv)
     try:
         spec = ModelSpec(num_layers=1, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,

@@ -23,50 +23,13 @@ from pathlib import Path
 from hetu_ext.model.spec import ModelSpec
 
 from . import step_model
-from hetu_ext.plan.cost.devices import Device, load_device, shipped_devices
+from hetu_ext.plan.cost.devices import Device, load_device
 
 COLUMNS = ("source", "model", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
            "ffn_hidden_size", "swiglu", "vocab_size", "seq_length", "tp", "pp", "dp", "micro_batch_size",
            "global_batch_size", "recompute", "sequence_parallel", "distributed_optimizer", "device", "tflops_per_gpu")
 OPTIONAL = ("num_layers_per_virtual_pipeline_stage", "overlap_grad_reduce", "use_flash_attn")
 DEFAULT_DEVICE = "a100-80gb-sxm"
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    m = parser.add_argument_group("model (Megatron-LM's flags)")
-    for flag in ("--num-layers", "--hidden-size", "--num-attention-heads"):
-        m.add_argument(flag, type=int, default=None)
-    m.add_argument("--num-query-groups", type=int, default=None, help="with --group-query-attention")
-    m.add_argument("--group-query-attention", action="store_true")
-    m.add_argument("--ffn-hidden-size", type=int, default=None, help="default: 4 x hidden size")
-    m.add_argument("--kv-channels", type=int, default=None)
-    m.add_argument("--swiglu", action="store_true")
-    m.add_argument("--normalization", default="LayerNorm", choices=("LayerNorm", "RMSNorm"))
-    m.add_argument("--position-embedding-type", default="learned_absolute",
-                   choices=("learned_absolute", "rope", "none"))
-    m.add_argument("--disable-bias-linear", action="store_true")
-    m.add_argument("--untie-embeddings-and-output-weights", action="store_true")
-    m.add_argument("--seq-length", type=int, default=2048)
-    m.add_argument("--vocab-size", type=int, default=51200, help="the tokenizer's vocabulary, before padding")
-    m.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
-    r = parser.add_argument_group("layout and training")
-    r.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    r.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    r.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
-    r.add_argument("--gpus", type=int, default=None, help="GPUs in all (default: TP x PP, one replica)")
-    r.add_argument("--micro-batch-size", type=int, default=1)
-    r.add_argument("--global-batch-size", type=int, default=None, help="default: micro batch x data parallel")
-    r.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
-    r.add_argument("--recompute-method", choices=("uniform", "block"), default=None,
-                   help="full recomputation: uniform (every layer, one at a time) is what the model prices")
-    r.add_argument("--sequence-parallel", action="store_true")
-    r.add_argument("--use-distributed-optimizer", action="store_true")
-    r.add_argument("--overlap-grad-reduce", action="store_true",
-                   help="overlap the gradient reduction (and, distributed optimizer, the parameter gather)")
-    r.add_argument("--use-flash-attn", action="store_true", help="causal attention, no materialised scores")
-    r.add_argument("--device", default=None,
-                   help=f"a shipped profile ({', '.join(shipped_devices())}; default {DEFAULT_DEVICE}) or a YAML file")
-    parser.add_argument("--table", default=None, metavar="CSV", help="compare against a table of published runs")
 
 
 def run(args: argparse.Namespace) -> int:
