@@ -139,6 +139,6 @@ def test_planner_figures_are_the_inventorys():
         assert lora.memory_per_token_bytes == inv.activation_bytes_per_token(spec, tp=2, attention_scores=False)
         assert lora.memory_fixed_bytes == inv.layer_params(spec, tp=2) * default.dtype_bytes
         split, replicated = inv.layer_params_by_split(spec)
-        parts = hotspa._parts(spec)
+        parts = hotspa._part_sizes(spec)
         assert (parts["split"], parts["replicated"]) == (split, replicated)
 

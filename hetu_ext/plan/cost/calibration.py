@@ -35,7 +35,7 @@ REFERENCE_TOKENS = 4096
 """Tokens of the microbatch at which the per-token ratio of GEMMs and kernels is taken."""
 
 
-def _parts(spec: ModelSpec, device: Device, tp: int) -> tuple[float, float, float]:
+def _tp_parts(spec: ModelSpec, device: Device, tp: int) -> tuple[float, float, float]:
     """(attention-core seconds per squared token, other compute seconds per token, TP comm seconds per token) of
     one layer's forward + backward at TP ``tp`` (FlashAttention-style causal kernel, no recomputation)."""
     s = REFERENCE_TOKENS
@@ -51,7 +51,7 @@ def _parts(spec: ModelSpec, device: Device, tp: int) -> tuple[float, float, floa
 def extend_by_tp(table: CostTable, spec: ModelSpec, device: Device, tps: tuple[int, ...] = (2, 4, 8)) -> CostTable:
     """``table`` with an entry for each degree of ``tps`` it lacks, derived from its TP 1 entry (above)."""
     base = table.for_tp(1)
-    a1, b1, _ = _parts(spec, device, 1)
+    a1, b1, _ = _tp_parts(spec, device, 1)
     per_tp = dict(table.per_tp)
     act1 = inventory.activation_bytes_per_token(spec, tp=1, attention_scores=False)
     params1 = inventory.layer_params(spec, tp=1)
@@ -59,7 +59,7 @@ def extend_by_tp(table: CostTable, spec: ModelSpec, device: Device, tps: tuple[i
         if tp in per_tp:
             continue
         inventory.check_tp(spec, tp, where="extend the cost table: ")
-        a_t, b_t, comm = _parts(spec, device, tp)
+        a_t, b_t, comm = _tp_parts(spec, device, tp)
         per_tp[tp] = LengthCost(
             a=base.a * a_t / a1, b=base.b * b_t / b1 + comm, c=base.c,
             memory_per_token_bytes=base.memory_per_token_bytes * inventory.activation_bytes_per_token(

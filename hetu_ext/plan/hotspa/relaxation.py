@@ -73,10 +73,10 @@ def relaxation(lengths: Sequence[int], plans, replicas: Sequence[Sequence[Replic
     ``min_strategies``: only groupings using at least that many strategies (``inf`` when fewer hold a
     sequence)."""
     opts = RelaxationOptions(**options)
-    return solve(build_program(lengths, plans, replicas, opts), opts)
+    return solve_program(build_program(lengths, plans, replicas, opts), opts)
 
 
-def solve(p: ProgramBuilder, opts: RelaxationOptions) -> Relaxed:
+def solve_program(p: ProgramBuilder, opts: RelaxationOptions) -> Relaxed:
     """HiGHS on the built program (with the options' extra rows: at least ``min_strategies``, the cutoff)."""
     from scipy.optimize import Bounds, LinearConstraint, milp
 
@@ -103,11 +103,11 @@ def solve(p: ProgramBuilder, opts: RelaxationOptions) -> Relaxed:
         raise RuntimeError(f"grouping relaxation: HiGHS returned no bound ({res.message})")
     if opts.upper_s is not None:
         bound = min(bound, opts.upper_s)
-    groups = None if res.x is None else _groups(p, res.x)
+    groups = None if res.x is None else _grouping_of(p, res.x)
     return Relaxed(bound_s=float(bound), groups=groups)
 
 
-def _groups(p: ProgramBuilder, solution: np.ndarray) -> dict[int, list[int]]:
+def _grouping_of(p: ProgramBuilder, solution: np.ndarray) -> dict[int, list[int]]:
     """The program's grouping: each unit's members split by its shares (largest remainders)."""
     K = p.K
     share = np.full((p.U, K), -1.0)  # -1: not held

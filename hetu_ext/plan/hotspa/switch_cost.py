@@ -11,7 +11,7 @@ from hetu_ext.plan.core.plan import Plan
 from hetu_ext.plan.core.replicas import replica_specs
 
 
-def _parts(spec: ModelSpec) -> dict:
+def _part_sizes(spec: ModelSpec) -> dict:
     """Elements of each part of a Megatron GPT model (local layer spec, learned positions): per layer what TP
     splits (the four weight matrices, the column-parallel biases) and what every TP rank holds whole (layernorms,
     the row-parallel biases); the word embeddings (vocab-parallel), positions, final layernorm, output layer."""
@@ -48,7 +48,7 @@ def _holdings(plan: Plan, spec: ModelSpec) -> dict[int, list[tuple[tuple, float,
 def switch_elements(source: Plan, target: Plan, spec: ModelSpec) -> dict[int, float]:
     """rank -> parameter elements it must receive to hold ``target``'s shards when it holds ``source``'s: what
     a switch moves per rank, the receiving side (weights one way, gradients the other are the same volume)."""
-    sizes = _parts(spec)
+    sizes = _part_sizes(spec)
     have, need = _holdings(source, spec), _holdings(target, spec)
     out = {}
     for rank, wanted in need.items():
