@@ -1,4 +1,4 @@
-"""Hydraulis's planning side (pure, hetu_ext/plan/hydraulis/__init__.py): the dynamic program over (GPUs, longest
+"""Hydraulis's planning side (pure, hetu_ext/plan/hydraulis/): the dynamic program over (GPUs, longest
 sequence) equals exhaustive search on small clusters, per-step selection equals brute force over the candidates,
 the candidates are valid plans over the same ranks with the homogeneous home, and the planning CLI writes a
 strategies file HotSPa's loader reads back (bad input: one line, exit 2)."""

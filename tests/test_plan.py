@@ -207,3 +207,37 @@ def test_malleus_writes_the_plan_before_printing(tmp_path):
     plan = load_plan(path)
     plan.validate(ModelSpec(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=257), 4)
     assert "Traceback" not in proc.stderr and proc.returncode == 0, proc.stderr
+
+
+def test_planner_model_flags_are_the_schemas():
+    """The planners' model, layout and batch flags are training's (generated from hetu_ext.config.schema): the same
+    destination, type and choices as the training command line's, and its help where the planner has none of its
+    own (a planner's own default or requirement aside)."""
+    import argparse
+
+    from hetu_ext.config import build_parser
+    from hetu_ext.plan.cli import build_parser as plan_parser, calibration_parser
+
+    training = {a.option_strings[0]: a for a in build_parser()._actions if a.option_strings}
+    sub = next(a for a in plan_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    parsers = dict(sub.choices, calibration=calibration_parser())
+    shared = ("--num-layers", "--hidden-size", "--num-attention-heads", "--ffn-hidden-size", "--seq-length",
+              "--swiglu", "--normalization", "--kv-channels", "--sequence-parallel", "--micro-batch-size",
+              "--make-vocab-size-divisible-by", "--tensor-model-parallel-size", "--recompute-granularity")
+    own_help = {("show", "--num-layers"), ("show", "--hidden-size"), ("hydraulis", "--seq-length"),
+                ("hydraulis", "--sequence-parallel")}
+    checked = set()
+    for name, parser in parsers.items():
+        for action in parser._actions:
+            flag = (action.option_strings or [None])[0]
+            if flag not in shared or (name, flag) == ("hydraulis", "--recompute-granularity"):  # none/auto: its own
+                continue
+            theirs = training[flag]
+            assert (action.dest, action.type, action.choices, action.nargs) == \
+                (theirs.dest, theirs.type, theirs.choices, theirs.nargs), (name, flag)
+            if (name, flag) not in own_help:
+                assert action.help == theirs.help, (name, flag, action.help, theirs.help)
+            checked.add((name, flag))
+    assert {("show", "--num-layers"), ("malleus", "--micro-batch-size"), ("lobra", "--hidden-size"),
+            ("hydraulis", "--num-attention-heads"), ("predict", "--swiglu"),
+            ("predict", "--tensor-model-parallel-size"), ("calibration", "--ffn-hidden-size")} <= checked, sorted(checked)
