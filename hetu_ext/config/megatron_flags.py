@@ -46,7 +46,7 @@ class FlagRule:
         assert (self.values is None and self.requires is None) or self.otherwise is not None, self
 
 
-_FP8 = "trained without FP8 (Transformer Engine's): in bf16 with --bf16, else fp32"
+_FP8 = "trained without FP8 (Transformer Engine's): in bf16 with --bf16, fp16 with --fp16, else fp32"
 _PROFILER = "no profiler runs (use torch.profiler around launch/pretrain_gpt.py to profile)"
 _MOE = "MoE is not built in hetu_ext's trainer (dense GPT models only); train MoE on Megatron-LM's grid"
 
@@ -111,10 +111,6 @@ MEGATRON_FLAGS: dict[str, FlagRule] = {
     "--moe-*": FlagRule("refused", _MOE),
     "--expert-model-parallel-size": FlagRule("refused", _MOE),
     "--expert-tensor-parallel-size": FlagRule("refused", _MOE),
-    "--fp16": FlagRule("refused", "fp16 with dynamic loss scaling is not built in hetu_ext's trainer (its loss "
-                                  "scale would have to be saved, migrated and skip steps); use --bf16, or "
-                                  "Megatron-LM's own loop (-m hetu_ext.megatron_lm without --hetu-plan), where "
-                                  "--fp16 runs and hetu checkpoints keep the loss scale"),
     "--no-load-optim": FlagRule("refused", "hetu_ext's --load always restores the optimizer state (resharded "
                                            "into the plan); drop --no-load-optim"),
     "--no-load-rng": FlagRule("refused", "hetu_ext's --load restores the RNG states when the plan is the one that "

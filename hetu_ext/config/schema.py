@@ -155,6 +155,17 @@ class TrainingConfig:
     adam_eps: float = setting(1e-8, help="Adam epsilon")
     seed: int = setting(1234, help="seed of weights, data order and dropout")
     bf16: bool = setting(False, help="bf16 weights and activations, fp32 master weights")
+    fp16: bool = setting(False, help="fp16 weights and activations, fp32 master weights, the loss scaled (dynamic "
+                                     "unless --loss-scale); a step whose gradients overflow is skipped "
+                                     "(Megatron-LM's)")
+    loss_scale: float | None = setting(help="with --fp16: a constant loss scale (default: dynamic, from "
+                                            "--initial-loss-scale)")
+    initial_loss_scale: float = setting(2.0**32, help="with --fp16: the dynamic loss scale's start")
+    min_loss_scale: float = setting(1.0, help="with --fp16: the dynamic loss scale's floor")
+    loss_scale_window: float = setting(1000.0, help="with --fp16: steps without overflow before the dynamic loss "
+                                                    "scale doubles")
+    hysteresis: int = setting(2, help="with --fp16: overflowing steps (since the scale last grew) before the dynamic "
+                                           "loss scale halves; each further one halves it")
     grad_reduce_in_bf16: bool = setting(False, help="with --bf16: gradients accumulated and reduced over data "
                                                     "parallelism in bf16 (default: fp32, as Megatron-LM)")
     exit_duration_in_mins: int | None = setting(help="stop (and save, with --save) after the first step that ends "
@@ -167,6 +178,19 @@ class TrainingConfig:
     skip_train: bool = setting(False, help="no training: evaluate (validation, then test) at the step of --load "
                                            "and stop, saving nothing (Megatron-LM's; needs --eval-iters)")
     # --- end evaluation ---
+
+    def __post_init__(self) -> None:
+        if self.fp16 and self.bf16:
+            raise ValueError("--fp16 and --bf16 are exclusive (Megatron-LM's rule: one half-precision type); "
+                             "give one of them")
+        if self.loss_scale is not None and self.loss_scale <= 0:
+            raise ValueError(f"--loss-scale must be > 0, got {self.loss_scale}; drop it for the dynamic loss scale")
+        if self.min_loss_scale <= 0 or self.initial_loss_scale < self.min_loss_scale:
+            raise ValueError(f"the dynamic loss scale needs 0 < --min-loss-scale <= --initial-loss-scale, got "
+                             f"{self.min_loss_scale} and {self.initial_loss_scale}")
+        if self.loss_scale_window < 1 or self.hysteresis < 1:
+            raise ValueError(f"--loss-scale-window and --hysteresis count steps and must be >= 1, got "
+                             f"{self.loss_scale_window} and {self.hysteresis}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -26,6 +26,9 @@ def validate_lora_args(args: argparse.Namespace) -> None:
                          "greedy or unpacked")
     if args.hetu_ckpt_format == "torch_dist":
         raise ValueError("--hetu-lora-tenants does not combine with --hetu-ckpt-format torch_dist yet; drop it")
+    if args.fp16:
+        raise ValueError("--fp16 is not supported with --hetu-lora-tenants: the tenants' step clips and skips per "
+                         "tenant outside Megatron's loss-scaled step; use --bf16")
     tenants = load_tenants(args.hetu_lora_tenants)
     for tenant in tenants:
         if tenant.data_path is not None:

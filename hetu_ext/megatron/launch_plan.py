@@ -134,6 +134,11 @@ def check_launch(config: RunConfig, world_size: int) -> LaunchCheck:
                             f"the run has {plan.num_microbatches}; keep the global batch the same")
         check_runnable(target)
         migrations.append((step, target))
+    if (config.packing.hotspa or config.packing.strategies) and config.training.fp16:
+        flag = "--hetu-hotspa" if config.packing.hotspa else "--hetu-strategies"
+        raise ValueError(f"--fp16 is not supported with {flag}: the strategies' compute placements have no loss "
+                         "scaler (the home's, which a rank idle at home lacks, would have to scale their loss); "
+                         "use --bf16")
     strategies = hotspa_strategies(config, spec, world_size) \
         if config.packing.hotspa or config.packing.strategies else None
     if strategies is not None:

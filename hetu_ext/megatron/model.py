@@ -17,6 +17,9 @@ class TrainingNumerics:
 
     bf16: bool = False
     """``--bf16``: bf16 parameters and activations with fp32 master weights in the optimizer."""
+    fp16: bool = False
+    """``--fp16``: fp16 parameters and activations with fp32 master weights in the optimizer, the loss scaled by
+    Megatron's grad scaler (exclusive with ``bf16``)."""
     hidden_dropout: float = 0.1
     """``--hidden-dropout``."""
     attention_dropout: float = 0.1
@@ -35,7 +38,9 @@ class TrainingNumerics:
     zero_centered_gamma: bool = False
     grad_reduce_in_fp32: bool = True
     """Megatron-LM's default under ``--bf16``: DDP's gradient buffers (accumulation and data-parallel reduction)
-    in fp32; ``--grad-reduce-in-bf16`` sets it False (buffers in the bf16 parameters' dtype)."""
+    in fp32; ``--grad-reduce-in-bf16`` sets it False (buffers in the bf16 parameters' dtype). Under ``--fp16``
+    False, as Megatron-LM (``--accumulate-allreduce-grads-in-fp32`` is off by default): fp16 buffers, whose
+    overflow the loss scaler detects."""
     """``--apply-layernorm-1p``: every norm's weight is stored as gamma - 1 (initialised to 0) and scales by
     1 + weight (Megatron's ``layernorm_zero_centered_gamma``)."""
 
@@ -43,17 +48,25 @@ class TrainingNumerics:
     def of(cls, model, training, *, variable_seq_lengths: bool, sequence_parallel: bool = False
            ) -> "TrainingNumerics":
         """From the run's model and training settings (hetu_ext.config's ModelConfig and TrainingConfig)."""
-        return cls(bf16=training.bf16, hidden_dropout=model.hidden_dropout, attention_dropout=model.attention_dropout,
+        return cls(bf16=training.bf16, fp16=training.fp16, hidden_dropout=model.hidden_dropout, attention_dropout=model.attention_dropout,
                    init_method_std=model.init_method_std, variable_seq_lengths=variable_seq_lengths,
                    sequence_parallel=sequence_parallel, zero_centered_gamma=model.apply_layernorm_1p,
-                   grad_reduce_in_fp32=not training.grad_reduce_in_bf16,
+                   grad_reduce_in_fp32=not (training.grad_reduce_in_bf16 or training.fp16),
                    recompute_granularity=model.recompute_granularity, recompute_method=model.recompute_method,
                    recompute_num_layers=model.recompute_num_layers,
                    recompute_modules=tuple(model.recompute_modules) if model.recompute_modules else None)
 
+    def __post_init__(self) -> None:
+        assert not (self.bf16 and self.fp16), "--bf16 and --fp16 are exclusive (TrainingConfig checks it)"
+
+    @property
+    def half(self) -> bool:
+        """bf16 or fp16 parameters: Megatron's Float16Module, fp32 master weights in the optimizer."""
+        return self.bf16 or self.fp16
+
     @property
     def dtype(self) -> torch.dtype:
-        return torch.bfloat16 if self.bf16 else torch.float32
+        return torch.bfloat16 if self.bf16 else torch.float16 if self.fp16 else torch.float32
 
 
 def transformer_config(spec: ModelSpec, numerics: TrainingNumerics, *, tp: int, pp: int, on_cpu: bool):
@@ -71,7 +84,7 @@ def transformer_config(spec: ModelSpec, numerics: TrainingNumerics, *, tp: int, 
         layernorm_zero_centered_gamma=numerics.zero_centered_gamma,
         tensor_model_parallel_size=tp, sequence_parallel=numerics.sequence_parallel and tp > 1,
         pipeline_model_parallel_size=pp, pipeline_dtype=numerics.dtype, params_dtype=numerics.dtype,
-        bf16=numerics.bf16, hidden_dropout=numerics.hidden_dropout, attention_dropout=numerics.attention_dropout,
+        bf16=numerics.bf16, fp16=numerics.fp16, hidden_dropout=numerics.hidden_dropout, attention_dropout=numerics.attention_dropout,
         init_method_std=numerics.init_method_std,
         # hetu_ext overwrites the weights with its layout-independent values (weights.py), but Megatron's own
         # initialisation must run: with perform_initialization=False 0.16.1 never marks TP-split weights as
@@ -166,7 +179,9 @@ def _local_norm_block(layer_spec, config):
 
 def optimizer_config(training: TrainingConfig, numerics: TrainingNumerics, *,
                      use_distributed_optimizer: bool = False):
-    """Megatron's OptimizerConfig from the training settings (Adam or SGD, LR, weight decay, clipping).
+    """Megatron's OptimizerConfig from the training settings (Adam or SGD, LR, weight decay, clipping; ``--fp16``:
+    Megatron builds its loss scaler from it, ``DynamicGradScaler`` or under ``--loss-scale`` ``ConstantGradScaler``,
+    growth and backoff factors 2 and 0.5 as Megatron-LM).
     ``--decoupled-lr/--decoupled-min-lr``: Megatron-core's parameter groups give the parameters marked
     ``is_embedding_or_output_parameter`` (the word embedding and the output layer) that peak and minimum LR; the
     scheduler reads each group's own ``max_lr``/``min_lr``."""
@@ -176,13 +191,16 @@ def optimizer_config(training: TrainingConfig, numerics: TrainingNumerics, *,
     return OptimizerConfig(optimizer=t.optimizer, lr=t.lr, min_lr=t.min_lr,
                            decoupled_lr=t.decoupled_lr, decoupled_min_lr=t.decoupled_min_lr,
                            weight_decay=t.weight_decay, adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2,
-                           adam_eps=t.adam_eps, clip_grad=t.clip_grad, bf16=t.bf16,
-                           params_dtype=numerics.dtype, use_distributed_optimizer=use_distributed_optimizer)
+                           adam_eps=t.adam_eps, clip_grad=t.clip_grad, bf16=t.bf16, fp16=t.fp16,
+                           loss_scale=t.loss_scale, initial_loss_scale=t.initial_loss_scale,
+                           min_loss_scale=t.min_loss_scale, loss_scale_window=t.loss_scale_window,
+                           hysteresis=t.hysteresis, params_dtype=numerics.dtype, use_distributed_optimizer=use_distributed_optimizer)
 
 
 def with_precision(model, config, numerics: TrainingNumerics):
-    """``--bf16``: Megatron's Float16Module (bf16 weights and activations; the optimizer keeps fp32 masters)."""
-    if not numerics.bf16:
+    """``--bf16`` / ``--fp16``: Megatron's Float16Module (half weights and activations; the optimizer keeps fp32
+    masters)."""
+    if not numerics.half:
         return model
     from megatron.core.transformer.module import Float16Module
 

@@ -152,7 +152,7 @@ def build_plan_placement(training: TrainingConfig, spec: ModelSpec, plan: Plan, 
         init_weights(model, seed=training.seed, std=numerics.init_method_std, num_layers=spec.num_layers,
                      **shard_kwargs)
         model = with_precision(model, config, numerics)
-        if model is not None and numerics.bf16:
+        if model is not None and numerics.half:
             # Float16Module casts inputs on the first stage and outputs back to fp32 on the last, asking its
             # pg_collection's pp group; the stage model's is a single rank, so tell it the plan's position
             position = StagePosition(where[1], plan.pipelines[where[0]].pp)
