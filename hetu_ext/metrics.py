@@ -135,10 +135,14 @@ def format_log_line(record: dict[str, Any]) -> str:
     """A step record as Megatron-LM's log line."""
     stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(record.get("time", time.time())))
     norm = f" grad norm: {record['grad_norm']:.3f} |" if record.get("grad_norm") is not None else ""
+    # --fp16: Megatron-LM's loss scale (before the grad norm) and skipped iterations of the interval (after it)
+    scale = f" loss scale: {record['loss_scale']:.1f} |" if record.get("loss_scale") is not None else ""
+    skipped = f" number of skipped iterations: {record['skipped_iterations']:3d} |" \
+        if record.get("skipped_iterations") is not None else ""
     return (f" [{stamp}] iteration {record['iteration']:8d}/{record['train_iters']:8d} | consumed samples: "
             f"{record['consumed_samples']:12d} | elapsed time per iteration (ms): {record['step_ms']:.1f} | "
             f"learning rate: {record['lr']:.6E} | global batch size: {record['samples']:5d} | lm loss: "
-            f"{record['loss']:.6E} |{norm} tokens/s: {record['tokens_per_s']:.0f} |")
+            f"{record['loss']:.6E} |{scale}{norm}{skipped} tokens/s: {record['tokens_per_s']:.0f} |")
 
 
 _SPLIT_NAMES = {"valid": "validation", "test": "test"}

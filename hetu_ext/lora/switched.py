@@ -73,9 +73,10 @@ class TenantGroupSteps(SwitchedGroupSteps):
         work.extra["switches"] = switches
         return results
 
-    def optimizer_step(self, trainer, work: StepWork) -> float | None:
-        present = [bool(n) for n in work.extra["counts"]]
-        return trainer.lora.step(trainer.optimizer, present=present, clip_grad=trainer.config.training.clip_grad)
+    def optimizer_step(self, trainer, work: StepWork) -> tuple[bool, float | None]:
+        present = [bool(n) for n in work.extra["counts"]]  # always an update: --fp16 is refused with tenants
+        return True, trainer.lora.step(trainer.optimizer, present=present,
+                                       clip_grad=trainer.config.training.clip_grad)
 
     def statistics(self, trainer, work: StepWork, reports: list) -> dict:
         total = torch.zeros(2 * len(trainer.tenants), dtype=torch.float64)

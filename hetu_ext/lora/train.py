@@ -160,9 +160,10 @@ class TenantSteps(StepKind):
         weights = work.extra["weights"].to(trainer.host.device)
         return partial(tenant_forward_step, routing_of(trainer.model), weights, len(trainer.tenants))
 
-    def optimizer_step(self, trainer, work: StepWork) -> float | None:
-        present = [bool(n) for n in work.extra["counts"]]
-        return trainer.lora.step(trainer.optimizer, present=present, clip_grad=trainer.config.training.clip_grad)
+    def optimizer_step(self, trainer, work: StepWork) -> tuple[bool, float | None]:
+        present = [bool(n) for n in work.extra["counts"]]  # always an update: --fp16 is refused with tenants
+        return True, trainer.lora.step(trainer.optimizer, present=present,
+                                       clip_grad=trainer.config.training.clip_grad)
 
     def statistics(self, trainer, work: StepWork, reports: list) -> dict:
         trainer.tenant_losses.append(trainer.tenant_losses_of(reports))

@@ -6,8 +6,8 @@ The order, for every kind::
     work = kind.prepare(trainer, data)        # the step's data: microbatches (or groups), samples, tokens
     monitor / emulation timer hooks           # the straggler monitor sees the microbatch shapes it will time
     reports = kind.execute(trainer, work)     # zero the gradients, run the schedule(s): one placement or several
-    grad_norm = kind.optimizer_step(trainer)  # Megatron's optimizer (sharded or not), or per tenant
-    LR scheduler step, iteration + 1
+    updated, grad_norm = kind.optimizer_step(trainer)  # Megatron's optimizer (sharded or not), or per tenant
+    LR scheduler step (not after a skipped update: --fp16's overflow), iteration + 1
     loss = kind.loss(trainer, work, reports)  # the global batch's per-token mean (per tenant for LoRA)
     replan = monitor.after_step(...)          # the monitor may propose a plan
     -> StepResult (typed), with the kind's statistics for the metrics record
@@ -39,12 +39,16 @@ class StepResult:
     loss: float
     """Per-token mean loss of the global batch (NaN for a step with no data)."""
     grad_norm: float | None
+    """None for a skipped update (and for a step with no data)."""
     replan: Any
     """The plan the straggler monitor proposes after this step, or None."""
     samples: int
     tokens: int
     statistics: dict | None = None
     """The kind's figures for the metrics record (packing, hotspa, hydraulis, tenants), or None."""
+    skipped: bool = False
+    """--fp16: the gradients overflowed, so the optimizer did not update (Megatron-LM's skipped iteration: the LR
+    schedule did not advance, the loss scaler backed off); the data position advanced all the same."""
 
 
 @dataclass
@@ -107,9 +111,12 @@ class StepKind:
     def forward_step(self, trainer, work: StepWork):
         return forward_step
 
-    def optimizer_step(self, trainer, work: StepWork) -> float | None:
-        _, grad_norm, _ = trainer.optimizer.step()
-        return grad_norm
+    def optimizer_step(self, trainer, work: StepWork) -> tuple[bool, float | None]:
+        """(whether the parameters were updated, the global grad norm). Megatron's mixed-precision optimizer
+        returns False under --fp16 when a gradient overflowed; every used rank agrees (its found-inf flag is
+        all-reduced over the optimizer's grad-stats group: the plan's used ranks)."""
+        updated, grad_norm, _ = trainer.optimizer.step()
+        return bool(updated), grad_norm
 
     def loss(self, trainer, work: StepWork, reports: list) -> float:
         return trainer.global_loss(reports)
@@ -176,7 +183,7 @@ class SwitchedGroupSteps(StepKind):
             steps = self.strategy_data(trainer, strategy, where[0] if where else None)
             steps.close()  # planning ahead happens once, for the whole step, in SwitchedSteps
             per_strategy.append(steps)
-        switch_s = predicted_switch_s(strategies, trainer.spec, weight_bytes=2 if training.bf16 else 4,
+        switch_s = predicted_switch_s(strategies, trainer.spec, weight_bytes=2 if training.bf16 or training.fp16 else 4,
                                       bandwidth=packing.hotspa_bandwidth_gbs * 1e9)
         mode = "select" if packing.strategies else "auto" if packing.hotspa == "auto" else "fixed"
         return SwitchedSteps(per_strategy, strategies, mode=mode, spec=trainer.spec, cost=per_strategy[0].cost,
@@ -244,15 +251,18 @@ def run_step(trainer, kind: StepKind, data, log) -> StepResult:
         trainer.timer.factor = factor_at(parse_schedule(trainer.config.straggler.emulate_slowdown or ""),
                                          trainer.host.rank, trainer.iteration + 1)
     reports = kind.execute(trainer, work)
-    grad_norm = kind.optimizer_step(trainer, work)
-    increment = kind.scheduler_increment
-    if increment is None:  # with --rampup-batch-size the step's global batch, as Megatron-LM's train_step
-        increment = scheduler_unit(trainer.config.training, trainer.config.packing, trainer.plan) \
-            if trainer.ramp is None else work.samples
-    trainer.scheduler.step(increment=increment)
+    updated, grad_norm = kind.optimizer_step(trainer, work)
+    if updated:  # as Megatron-LM's train_step: a skipped update (--fp16 overflow) leaves the LR schedule
+        increment = kind.scheduler_increment
+        if increment is None:  # with --rampup-batch-size the step's global batch, as Megatron-LM's train_step
+            increment = scheduler_unit(trainer.config.training, trainer.config.packing, trainer.plan) \
+                if trainer.ramp is None else work.samples
+        trainer.scheduler.step(increment=increment)
+    else:
+        trainer.skipped_iterations += 1
     trainer.iteration += 1
     loss = kind.loss(trainer, work, reports)
     trainer.losses.append(loss)
     replan = trainer.monitor.after_step(trainer.iteration, log) if trainer.monitor else None
     return StepResult(loss=loss, grad_norm=grad_norm, replan=replan, samples=work.samples, tokens=work.tokens,
-                      statistics=kind.statistics(trainer, work, reports))
+                      statistics=kind.statistics(trainer, work, reports), skipped=not updated)

@@ -112,6 +112,8 @@ class Trainer:
     """--hetu-emulate-cost: TP degree -> one layer's emulated seconds for a microbatch's shape."""
     iteration: int = 0
     losses: list[float] = field(default_factory=list)
+    skipped_iterations: int = 0
+    """--fp16: this process's steps whose update was skipped (their gradients overflowed)."""
     switching: Switching | None = None
     """--hetu-hotspa: the home (``placement``) and the strategies' compute placements."""
     overruns: int = 0
@@ -198,12 +200,15 @@ class Trainer:
                 window.append(self._step_record(loss=result.loss, grad_norm=result.grad_norm,
                                                 samples=result.samples, tokens=result.tokens, step_s=step_s,
                                                 consumed=self._consumed(data, result.samples),
-                                                packing=result.statistics))
+                                                packing=result.statistics, skipped=result.skipped))
                 if self.iteration % cfg.logging.log_interval == 0 or self.iteration == train_iters:
                     if self.host.rank == self.log_rank:  # Megatron-LM's line: the window's mean step time
                         seconds = sum(r["step_ms"] for r in window) / 1e3
-                        log(format_log_line({**window[-1], "step_ms": seconds * 1e3 / len(window),
-                                             "tokens_per_s": sum(r["tokens"] for r in window) / seconds}))
+                        line = {**window[-1], "step_ms": seconds * 1e3 / len(window),
+                                "tokens_per_s": sum(r["tokens"] for r in window) / seconds}
+                        if "skipped_iterations" in line:  # Megatron-LM counts the skipped steps of the interval
+                            line["skipped_iterations"] = sum(r["skipped_iterations"] for r in window)
+                        log(format_log_line(line))
                     window = []
                 if self.evaluation is not None and self.evaluation.after_step(self, log, watchdog):
                     step_start = time.perf_counter()  # evaluating is no step (before the save: Megatron-LM's order)
@@ -266,8 +271,10 @@ class Trainer:
         return self.step_kind.open(self)
 
     def _step_record(self, *, loss: float, grad_norm: float | None, samples: int, tokens: int, step_s: float,
-                     consumed: int, packing: dict | None) -> dict:
-        """This step's metrics record (written by the logging rank), the source of its log line."""
+                     consumed: int, packing: dict | None, skipped: bool = False) -> dict:
+        """This step's metrics record (written by the logging rank), the source of its log line. Under --fp16 it
+        also has ``loss_scale`` (the scale after this step's update of the scaler) and ``skipped_iterations`` (1
+        when this step's update was skipped, else 0), Megatron-LM's two fields."""
         used = len(self.plan.used_ranks)
         tflops = self.flops_per_token * tokens / step_s / used / 1e12
         record = {"iteration": self.iteration, "train_iters": self.config.training.train_iters, "loss": loss,
@@ -276,6 +283,9 @@ class Trainer:
                   "tokens_per_s": tokens / step_s, "tflops_per_rank": tflops,
                   "mfu": tflops / self.peak_tflops if self.peak_tflops else None,
                   "plan_id": self.plan_key, "ranks": used}
+        if self.config.training.fp16:
+            record["loss_scale"] = float(self.optimizer.get_loss_scale().item())
+            record["skipped_iterations"] = int(skipped)
         if self.timer is not None and (self.timer.nominal_s is not None or self.layer_cost is not None):
             record["emulation_overruns"] = self.overruns
         if self.monitor is not None and self.monitor.exchanged_at == self.iteration:  # measured at this step
@@ -303,11 +313,13 @@ class Trainer:
         self.plan, self.placement, self.plan_key = plan, placement, plan_id(plan)
         self.placement_changed()
         self.scheduler = make_scheduler(self.config.training, self.config.packing, placement, plan)
-        if self.scheduler is not None and old_scheduler is not None:
-            self.scheduler.load_state_dict(old_scheduler.state_dict())
-        elif self.scheduler is not None:  # this rank was idle: replay the schedule to the current step
-            self.scheduler.step(increment=self.iteration * scheduler_unit(self.config.training,
-                                                                          self.config.packing, plan))
+        # a rank idle in the old plan takes the schedule of one that was not: replaying the flags' schedule to the
+        # iteration would count the steps --fp16 skipped (and, under --rampup-batch-size, the wrong samples)
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, old_scheduler.state_dict() if old_scheduler is not None else None)
+        schedule = next((s for s in everyone if s is not None), None)
+        if self.scheduler is not None and schedule is not None:
+            self.scheduler.load_state_dict(schedule)
         self.follow_log_rank()
         if self.monitor:
             self.monitor.use_plan(plan)
@@ -546,7 +558,7 @@ def build_trainer(config: RunConfig, *, checkpoint_formats: tuple = ()) -> Train
                                                                      *eval_samples(training, gbs)))
         evaluation = Evaluation.of(training, data.split, valid, test)
     where = plan.stage_of(h.rank)
-    table = memory_table(placement.model, training.optimizer, training.bf16,
+    table = memory_table(placement.model, training.optimizer, numerics.half,
                          f"pipeline {where[0]} stage {where[1]}" if where else "unused", optimizer=placement.optimizer)
     if table:
         logger.info("%s", table)
