@@ -1,11 +1,11 @@
 """``--save`` / ``--load``: hetu_ext's layout-agnostic format (default) or Megatron-core's ``dist_checkpointing``.
 
 **hetu** (``--hetu-ckpt-format hetu``, hetu_ext/checkpoint/): every rank's parameters, fp32 master weights (with
-``--bf16``) and Adam moments become pieces with global offsets; each unique element is written once, spread over
+``--bf16`` or ``--fp16``) and Adam moments become pieces with global offsets; each unique element is written once, spread over
 its holders, after a short blocking copy to host memory, while training goes on; the commit is atomic and
 ``latest_checkpointed_iteration.txt`` moves only after it. Loading reshards the stored pieces into the running
 plan, whatever it is (another TP / PP / DP, heterogeneous pipelines, another rank count), on either runtime.
-The manifest also keeps Adam's step, the LR schedule, the losses so far, the data position (the iteration, from
+The manifest also keeps Adam's step, the LR schedule, the ``--fp16`` loss scaler's state, the losses so far, the data position (the iteration, from
 which both the unpacked and the packed data derive each step's samples, plus consumed samples and the settings
 that fix the samples: global batch, seed, sequence length, split, packing; a resume that changes them is refused)
 and each rank's RNG states (restored when the plan is the same; under another plan ranks have no counterpart, so
@@ -212,7 +212,8 @@ def load_hetu(trainer, directory: str) -> RunState:
     state = manifest.state
     return RunState(iteration=manifest.iteration, source=f"checkpoint iteration {manifest.iteration}",
                     losses=state.get("losses", []), scheduler=state.get("scheduler"), data=state.get("data"),
-                    run_id=manifest.run_id, rng=rng, assumed=state.get("assumed"))
+                    run_id=manifest.run_id, rng=rng, assumed=state.get("assumed"),
+                    grad_scaler=state.get("grad_scaler"))
 
 
 # ---------------------------------------------------------------- dispatch
@@ -315,7 +316,7 @@ def _torch_dist_state(common: dict, path: Path) -> RunState:
     """The RunState of a torch_dist checkpoint's ``hetu_common.pt`` (or of Megatron-LM's ``common.pt``)."""
     return RunState(iteration=common["iteration"], source=str(path), losses=common.get("losses", []),
                     scheduler=common.get("scheduler"), data=common.get("data"), run_id=common.get("run_id"),
-                    assumed=common.get("assumed"))
+                    assumed=common.get("assumed"), grad_scaler=common.get("grad_scaler"))
 
 
 # ---------------------------------------------------------------- torch_dist format (Megatron-core)

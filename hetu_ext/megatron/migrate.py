@@ -3,9 +3,10 @@
 Every rank (idle ones too) builds its place in the new plan (groups, stage model, DDP, optimizer), then the
 reshard engine moves the parameters and the optimizer's state from the old layout to the new one by
 point-to-point transfers, local copies first: with ``--bf16`` the fp32 master weights (the bf16 model weights are
-then cast from them, as after an optimizer step), Adam's moments or SGD's momentum. Adam's step count, the LR
-schedule and the data position carry over, so the run continues exactly as it would have on the old plan
-(tests/test_migration.py).
+then cast from them, as after an optimizer step; the same under ``--fp16``), Adam's moments or SGD's momentum.
+Adam's step count (the updates made: under ``--fp16`` fewer than the iterations, by the skipped ones), the
+``--fp16`` loss scaler's state, the LR schedule and the data position carry over, so the run continues exactly as
+it would have on the old plan (tests/test_migration.py, tests/test_trainer_fp16.py).
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from hetu_ext.runtime.reshard import Piece, reshard
 
 from .placement import Placement
+from .state import optimizer_step, optimizers, restore_scaler_state, scaler_state
 from .weights import local_shards
 
 _MOMENTS = {"adam": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
@@ -90,14 +93,32 @@ def _pieces(placement: Placement, *, create_state_at_step: int | None = None) ->
     return pieces
 
 
+def _carried(old: Placement) -> tuple[list[dict] | None, int | None]:
+    """What every rank of the new plan needs from the old one's used ranks (collective over every rank; the same
+    on all of them): the loss scaler's state (--fp16) and the updates the optimizer made (Adam's step; 0 for an
+    optimizer with state but no step count, SGD's momentum; None when it holds no state yet)."""
+    mine = (None, None)
+    if old.active:
+        held = any(opt.state for opt in optimizers(old.optimizer))
+        step = optimizer_step(old)
+        mine = (scaler_state(old.optimizer), None if step is None and not held else int(step or 0))
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    scaler = next((s for s, _ in everyone if s is not None), None)
+    steps = [n for _, n in everyone if n is not None]
+    return scaler, max(steps) if steps else None
+
+
 def migrate(old: Placement, build_new, iteration: int, *, plugin_pieces=None) -> tuple[Placement, MigrationReport]:
     """Build the new placement (``build_new()``, collective) and move the old one's state into it.
     ``plugin_pieces(placement, destination)``: a plug-in's own state outside the model's sharded state dict
-    (LoRA's adapters and their Adam state) as pieces, moved in the same exchange."""
+    (LoRA's adapters and their Adam state) as pieces, moved in the same exchange. ``iteration``: the steps run
+    so far (the updates made can be fewer: --fp16's skipped steps)."""
     start = time.perf_counter()
+    scaler, updates = _carried(old)
     sources = _pieces(old) + (plugin_pieces(old, False) if plugin_pieces else [])
     new = build_new()
-    destinations = _pieces(new, create_state_at_step=iteration if iteration > 0 else None)
+    destinations = _pieces(new, create_state_at_step=updates if iteration > 0 else None)
     destinations += plugin_pieces(new, True) if plugin_pieces else []
     report = reshard(sources, destinations)
     if new.active:  # --bf16: the model's weights are the masters cast down, as after an optimizer step
@@ -106,6 +127,7 @@ def migrate(old: Placement, build_new, iteration: int, *, plugin_pieces=None) ->
                 opt._copy_main_params_to_model_params()
         if getattr(new.optimizer, "hetu_sharded", None) is not None:  # sharded: owners -> every holder
             new.optimizer.hetu_sharded.sync.gather()
+        restore_scaler_state(new.optimizer, scaler, f"the migration after step {iteration}", report=False)
     return new, MigrationReport(bytes_sent=report.bytes_sent, bytes_kept=report.bytes_copied_locally,
                                 seconds=time.perf_counter() - start)
 

@@ -2,7 +2,9 @@
 
 :class:`RunState` is what a checkpoint holds besides tensors: the iteration, the losses so far, the LR schedule,
 the data settings that fix each step's samples, the optimizer step, this rank's RNG states (used only under the
-saving plan), the straggler monitor's assumed slowdowns, and the run's identity. Every loader (hetu, Megatron's
+saving plan), the straggler monitor's assumed slowdowns, the ``--fp16`` loss scaler's state (:func:`scaler_state`:
+the record Megatron-LM's loop keeps in hetu checkpoints too, so either loop resumes the other's), and the run's
+identity. Every loader (hetu, Megatron's
 torch_dist into the uniform runtime or resharded into any plan, DeepSpeed ZeRO) reads its tensors into
 :func:`state_pieces` (parameters, fp32 master weights, optimizer moments: the reshard engine's view of the model
 and optimizer) and returns a :class:`RunState`; :func:`restore` then applies it with the checks written once:
@@ -54,6 +56,8 @@ class RunState:
     """This rank's RNG states, when the checkpoint was saved under the running plan."""
     assumed: dict[int, float] | None = None
     """The straggler monitor's assumed slowdowns (rank -> x) when saved."""
+    grad_scaler: list[dict] | None = None
+    """--fp16: :func:`scaler_state` of the saving run (None: saved without --fp16, or not recorded)."""
 
 
 def run_state(trainer) -> dict[str, Any]:
@@ -62,6 +66,7 @@ def run_state(trainer) -> dict[str, Any]:
     return {"iteration": trainer.iteration, "losses": list(trainer.losses),
             "scheduler": trainer.scheduler.state_dict() if trainer.scheduler is not None else None,
             "data": data_settings(trainer), "optimizer_step": optimizer_step(trainer.placement),
+            "grad_scaler": scaler_state(trainer.placement.optimizer),
             "assumed": {str(r): x for r, x in monitor.assumed.items()} if monitor is not None else None}
 
 
@@ -79,8 +84,52 @@ def restore(trainer, saved: RunState) -> None:
     restore_scheduler(trainer, saved.scheduler, saved.source)
     if saved.rng is not None:
         set_rng_state(saved.rng)
+    restore_scaler_state(trainer.placement.optimizer, saved.grad_scaler, saved.source,
+                         report=getattr(trainer.host, "rank", 0) == 0)
     if saved.assumed and trainer.monitor is not None:
         trainer.monitor.detector.assumed = {int(r): float(x) for r, x in saved.assumed.items()}
+
+
+def grad_scalers(optimizer) -> list:
+    """The loss scalers of Megatron's optimizer: one per part of a ``ChainedOptimizer`` under ``--fp16``
+    (``DynamicGradScaler``, or ``ConstantGradScaler`` under ``--loss-scale``); none under ``--bf16`` or fp32, nor
+    on an idle rank (no optimizer)."""
+    if optimizer is None:
+        return []
+    parts = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    return [s for s in (getattr(p, "grad_scaler", None) for p in parts) if s is not None]
+
+
+def scaler_state(optimizer) -> list[dict] | None:
+    """Each loss scaler's state as JSON: ``scale`` (a float32 value, exact in a double), ``growth_tracker`` and
+    ``hysteresis_tracker`` (a ConstantGradScaler has the scale only); None without a scaler. The format of
+    hetu_ext.megatron_lm.checkpoint's ``grad_scaler`` record (Megatron-LM's loop), so the two loops read each
+    other's checkpoints."""
+    scalers = grad_scalers(optimizer)
+    if not scalers:
+        return None
+    return [{**{k: int(v) for k, v in s.state_dict().items() if k != "scale"}, "scale": float(s.scale.item())}
+            for s in scalers]
+
+
+def restore_scaler_state(optimizer, saved: list[dict] | None, where: str, *, report: bool = True) -> None:
+    """Load :func:`scaler_state`'s record into the optimizer's loss scalers (Megatron-core's own
+    ``load_state_dict``). A record of a run without --fp16 leaves the scaler at ``--initial-loss-scale``, as
+    Megatron-LM's loader does (said once, when ``report``); a record of another number of scalers is refused."""
+    scalers = grad_scalers(optimizer)
+    if not scalers:
+        return
+    if not saved:
+        if report:
+            logger.warning("%s holds no loss scaler state (saved without --fp16): the loss scale starts at "
+                           "--initial-loss-scale", where)
+        return
+    if len(saved) != len(scalers):
+        raise CheckpointError(f"{where} holds {len(saved)} loss scaler state(s), this run's optimizer has "
+                              f"{len(scalers)}; resume with the optimizer options that saved it")
+    for scaler, record in zip(scalers, saved):
+        scale = torch.tensor([record["scale"]], dtype=torch.float, device=scaler.scale.device)
+        scaler.load_state_dict({**record, "scale": scale})
 
 
 def optimizers(optimizer) -> list:
