@@ -8,8 +8,8 @@ from a small ``--initial-loss-scale``, so a resume that restarted the scaler wou
 once it overflows, skip other steps); the losses are compared as printed (Megatron-LM's 7 significant digits, same
 grid and RNG states restored: equal, not close).
 
-hetu_ext's trainer (``launch/pretrain_gpt.py``, the hand-off) refuses ``--fp16`` by name, and so does the DeepSpeed
-path: both checked here.
+The DeepSpeed path refuses ``--fp16`` by name (checked here); hetu_ext's trainer (``launch/pretrain_gpt.py``, the
+hand-off) trains it with the same scaler and the same checkpoint record: tests/test_trainer_fp16.py.
 """
 
 from __future__ import annotations
