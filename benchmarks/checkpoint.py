@@ -1,6 +1,6 @@
 """Checkpoint save and load-and-reshard: hetu_ext's format against Megatron-core's dist_checkpointing and DeepSpeed.
 
-    python benchmarks/checkpoint.py [--hidden-size 1024 --num-layers 8] [--save-ranks 2 --load-ranks 3] [--loads 3]
+    python -m benchmarks.checkpoint [--hidden-size 1024 --num-layers 8] [--save-ranks 2 --load-ranks 3] [--loads 3]
 
 Every system gets its strongest settings and the same repeats: six saves each (the first printed apart, the table
 shows the median of the other five), ``--loads`` cold loads per load route (median in the table), routes
@@ -73,17 +73,14 @@ Prints the configuration, a table, and a final JSON line.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from benchmarks.common import ROOT, Table, print_result
 
 
 def disk_bandwidth(directory: Path, nbytes: int) -> tuple[float, float]:
@@ -435,22 +432,13 @@ def load_body(rank: int, world: int, argv: list[str], directory: str, system: st
 
 
 def _load_hetu_with_report(trainer, directory: str):
-    """``checkpointing.load_hetu`` as training runs it; returns the LoadReport of its ``load_pieces`` call (bytes
-    mapped, read and reshard seconds), which load_hetu itself does not return."""
+    """``checkpointing.load_hetu`` as training runs it; returns the LoadReport of its load (bytes mapped, read and
+    reshard seconds), which load_hetu itself does not return."""
+    from hetu_ext.checkpoint.load import recorded_loads
     from hetu_ext.megatron import checkpointing
 
-    reports = []
-    original = checkpointing.load_pieces
-
-    def recording(*args, **kwargs):
-        reports.append(original(*args, **kwargs))
-        return reports[-1]
-
-    checkpointing.load_pieces = recording
-    try:
+    with recorded_loads() as reports:
         checkpointing.load_hetu(trainer, directory)
-    finally:
-        checkpointing.load_pieces = original
     return reports[-1]
 
 
@@ -787,20 +775,23 @@ def main() -> None:
         shutil.rmtree(root / system, ignore_errors=True)
     if "deepspeed" in systems:
         rows += _deepspeed_rows(args, root)
-    print(f"\n{'system':<9} {'op':<40} {'from->to':<9} {'blocking s':>10} {'total s':>8} {'host copy s':>11} "
-          f"{'GB read':>8} {'GB needed':>9} {'GB mapped':>9}")
+    table = Table.of(("system", "<9"), ("op", "<40"), ("from->to", "<9"), ("blocking s", ">10.3f"),
+                     ("total s", ">8.3f"), ("host copy s", ">11"), ("GB read", ">8"), ("GB needed", ">9"),
+                     ("GB mapped", ">9"))
+    print()
+    table.print_header()
+
     def gb(v):
         return f"{v / 1e9:.3f}" if v is not None else "-"
 
     for r in rows:
         copy = f"{r['host_copy_s']:.3f}" if r.get("host_copy_s") else "-"
         op = r["op"] + (f" ({r['read']})" if r.get("read") else "") + (" (async)" if r.get("async") else "")
-        print(f"{r['system']:<9} {op:<40} {str(r['from']) + '->' + str(r['to']):<9} {r['blocking_s']:>10.3f} "
-              f"{r['total_s']:>8.3f} {copy:>11} {gb(r['bytes_read']):>8} {gb(r['bytes_needed']):>9} "
-              f"{gb(r.get('bytes_mapped')):>9}")
+        table.print_row([r["system"], op, f"{r['from']}->{r['to']}", r["blocking_s"], r["total_s"], copy,
+                         gb(r["bytes_read"]), gb(r["bytes_needed"]), gb(r.get("bytes_mapped"))])
     summary = _summary(rows)
-    print(json.dumps({"disk_write_bps": write_bps, "disk_read_bps": read_bps, "loads_per_route": args.loads,
-                      "saves_per_system": 1 + HETU_STEADY_SAVES, "summary": summary, "rows": rows}))
+    print_result({"disk_write_bps": write_bps, "disk_read_bps": read_bps, "loads_per_route": args.loads,
+                  "saves_per_system": 1 + HETU_STEADY_SAVES, "summary": summary, "rows": rows})
 
 
 def _summary(rows: list[dict]) -> dict:

@@ -1,7 +1,7 @@
 """How well the step model's two fitted knobs transfer: refit them on half of Narayanan et al.'s Table 1, predict the
 other half.
 
-    python benchmarks/cost_model_holdout.py [--table benchmarks/published/narayanan2021.csv]
+    python -m benchmarks.cost_model_holdout [--table benchmarks/published/narayanan2021.csv]
 
 The knobs: the level of the A100 GEMM efficiency curve (a factor k on the shipped curve) and
 ``hetu_ext.plan.cost.step_model.ELEMENTWISE_TRAFFIC`` (e). For each split (odd / even rows, small / large models), the
@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from hetu_ext.plan.cost import predict as cli  # noqa: E402
-from hetu_ext.plan.cost import step_model  # noqa: E402
-from hetu_ext.plan.cost.devices import load_device  # noqa: E402
+from benchmarks.common import Table, print_result
+from hetu_ext.plan.cost import predict as cli
+from hetu_ext.plan.cost import step_model
+from hetu_ext.plan.cost.devices import load_device
 
 SPLITS = {"odd rows -> even rows": ([0, 2, 4, 6, 8], [1, 3, 5, 7, 9]),
           "even rows -> odd rows": ([1, 3, 5, 7, 9], [0, 2, 4, 6, 8]),
@@ -46,16 +45,18 @@ def main() -> int:
 
     grid = [(k / 100, e / 4) for k in range(80, 121, 2) for e in range(2, 21)]
     out = []
-    print(f"{'split':<26} {'k':>5} {'e':>5} {'fit max|err|':>12} {'held-out max|err|':>17}")
+    splits = Table.of(("split", "<26"), ("k", ">5.2f"), ("e", ">5.2f"), ("fit max|err|", ">12.1%"),
+                      ("held-out max|err|", ">17.1%"))
+    splits.print_header()
     for name, (fit, test) in SPLITS.items():
         k, e = min(grid, key=lambda g: max(abs(x) for x in errors(*g, fit)))
         fit_err = max(abs(x) for x in errors(k, e, fit))
         held = max(abs(x) for x in errors(k, e, test))
-        print(f"{name:<26} {k:>5.2f} {e:>5.2f} {fit_err:>12.1%} {held:>17.1%}")
+        splits.print_row([name, k, e, fit_err, held])
         out.append({"split": name, "k": k, "e": e, "fit_max_error": round(fit_err, 4),
                     "held_out_max_error": round(held, 4)})
     step_model.ELEMENTWISE_TRAFFIC = shipped
-    print(json.dumps({"splits": out}))
+    print_result({"splits": out})
     return 0
 
 

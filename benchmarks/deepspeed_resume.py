@@ -1,6 +1,6 @@
 """Resume a DeepSpeed ZeRO job at another world size: hetu_ext's in-process load against DeepSpeed's best route.
 
-    python benchmarks/deepspeed_resume.py [--hidden-size 512 --num-layers 8] [--pairs 4:3,2:3] [--repeats 3]
+    python -m benchmarks.deepspeed_resume [--hidden-size 512 --num-layers 8] [--pairs 4:3,2:3] [--repeats 3]
 
 The same model (Megatron-core GPT through hetu_ext/deepspeed/engine.py, ZeRO-2 by default: fp32 module weights,
 fp32 master partitions, both Adam moments, after one step) is saved by DeepSpeed's ``engine.save_checkpoint`` on N
@@ -31,8 +31,6 @@ configuration, a table and one JSON line.
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import json
 import os
 import platform
 import resource
@@ -44,17 +42,8 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-
-def _checkpoint_bench():
-    """benchmarks/checkpoint.py's page-cache and I/O helpers and its DeepSpeed state fingerprint (one definition
-    of a cold start and of what a load must restore)."""
-    spec = importlib.util.spec_from_file_location("_bench_checkpoint", ROOT / "benchmarks" / "checkpoint.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from benchmarks import checkpoint as checkpoint_bench  # its page-cache and I/O helpers and DeepSpeed fingerprint
+from benchmarks.common import ROOT, Table, print_result
 
 
 def _reset_peak() -> None:
@@ -100,13 +89,13 @@ def save_body(rank: int, world: int, argv: list[str], stage: int, directory: str
     run = _run(argv, stage)
     run.train()  # one step: Adam's moments exist
     run.save(directory)
-    return {"fp": _checkpoint_bench().ds_fingerprint(run.engine)}
+    return {"fp": checkpoint_bench.ds_fingerprint(run.engine)}
 
 
 def _timed_load(load, engine) -> dict:
     import torch.distributed as dist
 
-    bench = _checkpoint_bench()
+    bench = checkpoint_bench
     dist.barrier()
     rss_before = _status_kb("VmRSS")
     _reset_peak()
@@ -242,7 +231,7 @@ def main() -> None:
     import deepspeed  # noqa: F401 - its version below
     import torch
 
-    bench = _checkpoint_bench()
+    bench = checkpoint_bench
     pairs = [tuple(int(x) for x in pair.split(":")) for pair in args.pairs.split(",")]
     print(f"config: ZeRO-{args.zero_stage}, {args.num_layers} layers, hidden {args.hidden_size}, pairs {pairs}, "
           f"{args.repeats} repeats per route (interleaved, cold page cache), ds_to_universal workers "
@@ -254,14 +243,15 @@ def main() -> None:
         for n, m in pairs:
             rows += one_pair(args, bench, Path(tmp), n, m)
     print()
-    print(f"{'resume':<7} {'route':<42} {'wall s (median)':>15} {'all s':>22} {'peak RSS MB':>12} "
-          f"{'+MB in load':>12} {'temp disk MB':>13} {'state diff':>10}")
+    table = Table.of(("resume", "<7"), ("route", "<42"), ("wall s (median)", ">15.3f"), ("all s", ">22"),
+                     ("peak RSS MB", ">12.0f"), ("+MB in load", ">12.0f"), ("temp disk MB", ">13.1f"),
+                     ("state diff", ">10.1e"))
+    table.print_header()
     for r in rows:
         label = ("hetu_ext in-process --load" if r["route"] == "hetu"
                  else "ds_to_universal + load_universal" + (" (+fix)" if r["workaround"] else ""))
-        print(f"{r['from']}->{r['to']:<4} {label:<42} {r['median_s']:>15.3f} "
-              f"{','.join(f'{t:.2f}' for t in r['all_s']):>22} {r['peak_kb'] / 1024:>12.0f} "
-              f"{r['growth_kb'] / 1024:>12.0f} {r['temp'] / 1e6:>13.1f} {r['diff']:>10.1e}")
+        table.print_row([f"{r['from']}->{r['to']}", label, r["median_s"], ",".join(f"{t:.2f}" for t in r["all_s"]),
+                         r["peak_kb"] / 1024, r["growth_kb"] / 1024, r["temp"] / 1e6, r["diff"]])
     speedups = {}
     for n, m in pairs:
         h = next(r for r in rows if r["route"] == "hetu" and (r["from"], r["to"]) == (n, m))
@@ -272,8 +262,8 @@ def main() -> None:
               f"{h['temp']} B vs {d['temp'] / 1e6:.1f} MB; peak RSS of the largest process {h['peak_kb'] / 1024:.0f} "
               f"vs {d['peak_kb'] / 1024:.0f} MB, its growth during the route {h['growth_kb'] / 1024:.0f} vs "
               f"{d['growth_kb'] / 1024:.0f} MB")
-    print(json.dumps({"benchmark": "deepspeed_resume", "zero_stage": args.zero_stage, "speedup": speedups,
-                      "rows": rows}))
+    print_result({"benchmark": "deepspeed_resume", "zero_stage": args.zero_stage, "speedup": speedups,
+                  "rows": rows})
 
 
 if __name__ == "__main__":

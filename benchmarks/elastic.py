@@ -16,8 +16,8 @@ detect (first launcher that noticed), rendezvous (last node through the round), 
 start (ranks started to the checkpoint load's start: process start, process group, model), load (the checkpoint
 load), the rest up to total is the first step. Prints a table and one JSON line.
 
-    python benchmarks/elastic.py                      # all five scenarios, about 5 minutes on 2 cores
-    python benchmarks/elastic.py --scenarios rank,hang --out benchmarks/results/elastic_cpu_DATE.txt
+    python -m benchmarks.elastic                      # all five scenarios, about 5 minutes on 2 cores
+    python -m benchmarks.elastic --scenarios rank,hang --out benchmarks/results/elastic_cpu_DATE.txt
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks.common import ROOT, Table, result_line
+
 SCENARIOS = ("rank", "node", "hang", "spare", "rank0")
 LOSS_RTOL = 1e-6
 """As tests/test_uniform_equivalence.py: the reference runs the same plan from the same checkpoint, so any
@@ -301,11 +302,9 @@ def table(rows: list[dict]) -> str:
     def cell(value) -> str:
         return f"{value:.2f}" if isinstance(value, float) else str(value)
 
-    lines = ["  ".join(f"{c:>12}" for c in COLUMNS + ("loss_rel_diff",))]
-    for row in rows:
-        lines.append("  ".join(f"{cell(row.get(c)):>12}" for c in COLUMNS)
-                     + f"  {cell(row.get('loss_max_rel_diff')):>12}")
-    return "\n".join(lines)
+    scenarios = Table.of(*((c, ">12") for c in COLUMNS + ("loss_rel_diff",)), sep="  ")
+    cells = [[cell(row.get(c)) for c in COLUMNS + ("loss_max_rel_diff",)] for row in rows]
+    return "\n".join([scenarios.header(), *map(scenarios.row, cells)])
 
 
 def _torch_version() -> str:
@@ -323,7 +322,7 @@ def main() -> int:
     scenarios = [s for s in args.scenarios.split(",") if s]
     unknown = [s for s in scenarios if s not in SCENARIOS]
     if unknown:
-        print(f"benchmarks/elastic.py: error: unknown scenario(s) {unknown}; choose from {', '.join(SCENARIOS)}",
+        print(f"benchmarks.elastic: error: unknown scenario(s) {unknown}; choose from {', '.join(SCENARIOS)}",
               file=sys.stderr)
         return 2
     base = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="elastic_rehearsal_"))
@@ -340,8 +339,8 @@ def main() -> int:
         start = time.time()
         rows.append(run_scenario(scenario, base / scenario))
         print(f"# {scenario}: {time.time() - start:.0f} s wall, {json.dumps(rows[-1])}", flush=True)
-    report = "\n".join([header, table(rows), json.dumps({"scenarios": [{c: r.get(c) for c in COLUMNS}
-                                                                         for r in rows]})])
+    report = "\n".join([header, table(rows), result_line({"scenarios": [{c: r.get(c) for c in COLUMNS}
+                                                                           for r in rows]})])
     print(table(rows))
     print(report.splitlines()[-1])
     if args.out:

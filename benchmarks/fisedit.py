@@ -1,7 +1,7 @@
 """FISEdit on CPU: cost (MACs, latency) on an SD-1.5-shaped UNet with random weights, and fidelity with speed on the
 toy model the project trained (hetu_ext/diffusion/toy_model), dense edit vs FISEdit.
 
-    python benchmarks/fisedit.py [--latent 64] [--ratios 2.5,5,10,20,40] [--steps 5 --dense-steps 1] [--repeats 3]
+    python -m benchmarks.fisedit [--latent 64] [--ratios 2.5,5,10,20,40] [--steps 5 --dense-steps 1] [--repeats 3]
                                  [--toy-edits 24] [--toy-model DIR] [--skip-sd] [--skip-toy]
 
 diffusers' UNet2DConditionModel with SD-1.5's shape (320/640/1280/1280 channels, 2 layers per block, 768-wide
@@ -38,7 +38,6 @@ A quiet-machine check prints the load average before and after. Ends with one JS
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
@@ -47,6 +46,7 @@ import time
 
 import torch
 
+from benchmarks.common import print_result
 
 def square_mask(latent: int, ratio: float) -> torch.Tensor:
     side = max(1, round(latent * math.sqrt(ratio)))
@@ -206,7 +206,7 @@ def main() -> None:
     if not args.skip_toy:
         rows += toy_rows(args)
     load_check("end")
-    print(json.dumps({"rows": rows}))
+    print_result({"rows": rows})
 
 
 def sd_rows(args: argparse.Namespace) -> list[dict]:

@@ -1,7 +1,7 @@
 """FISEdit on a GPU: fp16 SD-1.5-shaped UNet, 64x64 and 96x96 latents, end-to-end edit latency with CUDA events;
 and the trained toy model (hetu_ext/diffusion/toy_model) with its fidelity figures.
 
-    python benchmarks/fisedit_gpu.py [--latents 64,96] [--ratios 2.5,5,10,20,40] [--steps 50 --dense-steps 10]
+    python -m benchmarks.fisedit_gpu [--latents 64,96] [--ratios 2.5,5,10,20,40] [--steps 50 --dense-steps 10]
                                      [--toy-edits 24] [--skip-toy]
 
 FISEdit's setting: 50 DDIM steps, the first 10 dense, classifier-free guidance 7.5 (UNet batch 2), random
@@ -20,18 +20,15 @@ depend on the device; benchmarks/fisedit.py counts them) plus "kernel".
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
-import sys
 import time
 from functools import partial
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fisedit import load_check, square_mask, timed_mask  # noqa: E402
+from benchmarks.common import print_result
+from benchmarks.fisedit import load_check, square_mask, timed_mask
 
 
 def build(latent: int, tiny: bool, device: str, dtype: torch.dtype) -> torch.nn.Module:
@@ -165,7 +162,7 @@ def main() -> None:
     if not args.skip_toy:
         rows += toy_rows(args, device)
     load_check("end")
-    print(json.dumps({"rows": rows}))
+    print_result({"rows": rows})
 
 
 def toy_rows(args: argparse.Namespace, device: str) -> list[dict]:

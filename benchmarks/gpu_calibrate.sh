@@ -2,7 +2,7 @@
 # Calibrate the cost models on one lent GPU (H100 or H200) and re-price the planners' benchmarks with what it
 # measured. One run, under 8 minutes (each step has its own time limit below; about 7 minutes at worst):
 #
-#   1. kernels (benchmarks/gpu_kernels.py, <= 120 s): bf16 GEMM efficiency by size, HBM bandwidth, and the packed
+#   1. kernels (benchmarks.gpu_kernels, <= 120 s): bf16 GEMM efficiency by size, HBM bandwidth, and the packed
 #      attention kernels (SDPA per document, FlexAttention eager and compiled, on THD packs of 1/4/16 documents);
 #      writes $OUT/device_measured.yaml, a device profile with the measured curve (--device for plan predict).
 #   2. layer table (python -m hetu_ext.cli.calibrate, <= 150 s): one Megatron-core layer of the 7B shape the
@@ -10,7 +10,7 @@
 #      a s^2 + b s + c; TP 2/4/8 derived from it by python -m hetu_ext.plan.cost.calibration (one GPU measures TP 1
 #      only): $OUT/layer_cost.yaml. Note: that module builds the layer in fp32 (no --bf16 option yet), so the
 #      table prices an fp32 layer; the kernels of step 1 are bf16.
-#   3. re-priced benchmarks (<= 50 s each, predicted parts only): benchmarks/hotspa.py, hydraulis.py, lobra.py with
+#   3. re-priced benchmarks (<= 50 s each, predicted parts only): benchmarks.hotspa, .hydraulis, .lobra with
 #      --cost-model $OUT/layer_cost.yaml; their tables and final JSON lines in $OUT/*.log.
 #   4. plan predict with the measured profile beside the shipped one (seconds).
 #
@@ -77,7 +77,7 @@ step() {  # step NAME LIMIT_S COMMAND...: run it with its output in $OUT/NAME.lo
     if [[ $rc -ne 0 ]]; then FAILED+=("$name (exit $rc)"); fi
 }
 
-step kernels 120 "$PYTHON" benchmarks/gpu_kernels.py --base-profile "$PROFILE" \
+step kernels 120 "$PYTHON" -m benchmarks.gpu_kernels --base-profile "$PROFILE" \
     --profile-out "$OUT/device_measured.yaml" --json-out "$OUT/kernels.json" --repeats 10
 step layer_table 150 "$PYTHON" -m hetu_ext.cli.calibrate --out "$OUT/layer_cost_tp1.yaml" \
     --hidden-size 4096 --num-attention-heads 32 --ffn-hidden-size 11008 \
@@ -88,9 +88,9 @@ if [[ -f "$OUT/layer_cost_tp1.yaml" ]]; then
         --ffn-hidden-size 11008 --tp 2,4,8
 fi
 if [[ -f "$OUT/layer_cost.yaml" ]]; then
-    step hotspa 50 "$PYTHON" benchmarks/hotspa.py --skip-emulated --batches 2 --cost-model "$OUT/layer_cost.yaml"
-    step hydraulis 50 "$PYTHON" benchmarks/hydraulis.py --batches 2 --cost-model "$OUT/layer_cost.yaml"
-    step lobra 50 "$PYTHON" benchmarks/lobra.py --part predicted --steps 4 --cost-model "$OUT/layer_cost.yaml"
+    step hotspa 50 "$PYTHON" -m benchmarks.hotspa --skip-emulated --batches 2 --cost-model "$OUT/layer_cost.yaml"
+    step hydraulis 50 "$PYTHON" -m benchmarks.hydraulis --batches 2 --cost-model "$OUT/layer_cost.yaml"
+    step lobra 50 "$PYTHON" -m benchmarks.lobra --part predicted --steps 4 --cost-model "$OUT/layer_cost.yaml"
 else
     FAILED+=("benchmarks (no layer table)")
 fi

@@ -1,7 +1,7 @@
 """The kernels the step-time model prices, measured on one GPU: bf16 GEMM efficiency by size, HBM bandwidth, and the
 packed (THD, document-causal) attention kernels of hetu_ext.megatron.attention.
 
-    python benchmarks/gpu_kernels.py [--base-profile h100-sxm] [--profile-out FILE] [--json-out FILE]
+    python -m benchmarks.gpu_kernels [--base-profile h100-sxm] [--profile-out FILE] [--json-out FILE]
 
 * **GEMM**: ``(n x n) @ (n x n)`` in bf16 for n = 256 .. 16384 (size = n = (m n k)^(1/3), the profile's key),
   CUDA-event timed, the mean of ``--repeats`` after warm-ups; efficiency = FLOP/s / the base profile's peak.
@@ -19,7 +19,6 @@ JSON line. Needs CUDA (``--allow-cpu`` runs tiny sizes on the CPU, to check the 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -27,8 +26,8 @@ from pathlib import Path
 import torch
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from hetu_ext.plan.cost.devices import DEVICES_DIR  # noqa: E402
+from benchmarks.common import print_result, result_line
+from hetu_ext.plan.cost.devices import DEVICES_DIR
 
 
 def _timer(device: torch.device):
@@ -156,10 +155,9 @@ def main(argv: list[str] | None = None) -> int:
                              f"2 GiB copy; links and the rest from {base}.yaml")
         Path(args.profile_out).write_text(yaml.safe_dump(measured, sort_keys=False))
         print(f"wrote {args.profile_out}")
-    line = json.dumps(result)
     if args.json_out:
-        Path(args.json_out).write_text(line + "\n")
-    print(line)
+        Path(args.json_out).write_text(result_line(result) + "\n")
+    print_result(result)
     return 0
 
 

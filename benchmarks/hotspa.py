@@ -26,7 +26,7 @@ Two parts, one JSON line at the end:
   interleaved, ``--repeats`` runs each; measured step time vs the packer's prediction (switches are real CPU
   transfers: measured, not predicted).
 
-    python benchmarks/hotspa.py [--skip-emulated] [--skip-predicted] [--tp-bandwidth GBS]
+    python -m benchmarks.hotspa [--skip-emulated] [--skip-predicted] [--tp-bandwidth GBS]
 """
 
 from __future__ import annotations
@@ -44,11 +44,9 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from hetu_ext.data.cost import CostTable, load_cost_table, save_cost_table  # noqa: E402
-from hetu_ext.plan.hotspa import (  # noqa: E402
+from benchmarks.common import ROOT, Table, ceiling_fields, print_result
+from hetu_ext.data.cost import CostTable, load_cost_table, save_cost_table
+from hetu_ext.plan.hotspa import (
     GroupPricer,
     Strategies,
     allreduce_seconds,
@@ -58,24 +56,17 @@ from hetu_ext.plan.hotspa import (  # noqa: E402
     grouping_bound_s,
     switch_seconds,
 )
-from hetu_ext.data.lengths import read_lengths, split_long  # noqa: E402
-from hetu_ext.metrics import read_records  # noqa: E402
-from hetu_ext.plan import ModelSpec  # noqa: E402
-from hetu_ext.plan.cost.stage import CostModel  # noqa: E402
-from hetu_ext.plan.hydraulis import flops_cost_table, sample_batches  # noqa: E402
-from hetu_ext.plan.core.options import PLAIN, search_space  # noqa: E402
+from hetu_ext.data.lengths import read_lengths, split_long
+from hetu_ext.metrics import read_records
+from hetu_ext.plan import ModelSpec
+from hetu_ext.plan.cost.stage import CostModel
+from hetu_ext.plan.hydraulis import flops_cost_table, sample_batches
+from hetu_ext.plan.core.options import PLAIN, search_space
 
 RECOMPUTE_SEARCHED = ("none", "full")
 """Selective recomputation is left out of the packer benchmarks' search: with FlashAttention (their memory model)
 it keeps the same activations as none and only adds the attention core's time, so it never wins."""
 
-
-def share_of_ceiling(base_s: float, got_s: float, bound_s: float) -> float:
-    """The share of the ceiling's gain a planner reaches: ``(base / got - 1) / (base / bound - 1)`` (1 when the
-    ceiling allows no gain and the planner loses none)."""
-    if base_s / bound_s - 1 <= 1e-12:
-        return 1.0 if got_s <= base_s * (1 + 1e-12) else 0.0
-    return (base_s / got_s - 1) / (base_s / bound_s - 1)
 
 SEQLENS = ROOT.parent / "shared" / "data" / "seqlens" / "wikipedia.txt.gz"
 SAMPLE = ROOT / "hetu_ext" / "data" / "samples" / "wikipedia_lengths_20k.txt.gz"
@@ -242,8 +233,10 @@ def main() -> None:
     print(f"predicted: 7B-shaped model, {args.lengths}, {args.batch_tokens} tokens per 8 GPUs, cost: "
           f"{measured.device if measured else 'flops_cost_table'} at TP link {args.tp_bandwidth:g} GB/s, options "
           f"searched: {', '.join(o.name for o in options)}")
-    print(f"{'gpus':>5} {'max_len':>8} {'static':>22} {'static_s':>9} {'hotspa_s':>9} {'switch_s':>9} "
-          f"{'gain':>6} {'bound_s':>8} {'ceiling':>7} {'share':>6}  strategies used")
+    shares = Table.of(("gpus", ">5"), ("max_len", ">8"), ("static", ">22"), ("static_s", ">9.3f"),
+                      ("hotspa_s", ">9.3f"), ("switch_s", ">9.3f"), ("gain", ">5.2f", "x"), ("bound_s", ">8.3f"),
+                      ("ceiling", ">6.2f", "x"), ("share", ">6.1%"), tail="strategies used")
+    shares.print_header()
     for max_len in () if args.skip_predicted else (16384, 32768):
         spec = ModelSpec(num_layers=32, hidden_size=4096, num_attention_heads=32, ffn_hidden_size=11008,
                          vocab_size=32000, seq_length=max_len, untie_embeddings_and_output_weights=True)
@@ -266,14 +259,11 @@ def main() -> None:
             row = dict(min(per_option, key=lambda r: r["hotspa_s"]))
             row.update(max_len=max_len, static=f"{static['static']} {static['options']}", static_s=static["static_s"],
                        bound_s=min(r["bound_s"] for r in per_option), per_option=per_option)
-            row["gain"] = row["static_s"] / row["hotspa_s"]
-            row["ceiling"] = row["static_s"] / row["bound_s"]
-            row["share_of_ceiling"] = share_of_ceiling(row["static_s"], row["hotspa_s"], row["bound_s"])
+            row.update(ceiling_fields(row["static_s"], row["hotspa_s"], row["bound_s"]))
             predicted.append(row)
-            print(f"{gpus:>5} {max_len:>8} {row['static']:>22} {row['static_s']:>9.3f} {row['hotspa_s']:>9.3f} "
-                  f"{row['switch_s']:>9.3f} {row['gain']:>5.2f}x {row['bound_s']:>8.3f} {row['ceiling']:>6.2f}x "
-                  f"{row['share_of_ceiling']:>6.1%}  {row['options']}: {', '.join(row['hotspa_strategies'])}",
-                  flush=True)
+            shares.print_row([gpus, max_len] + [row[k] for k in ("static", "static_s", "hotspa_s", "switch_s", "gain",
+                                                                 "bound_s", "ceiling", "share_of_ceiling")],
+                             f"{row['options']}: {', '.join(row['hotspa_strategies'])}")
 
     emulated = []
     if not args.skip_emulated:
@@ -293,16 +283,18 @@ def main() -> None:
         print(f"\nemulated: 4 CPU ranks, --hetu-emulate-cost configs/emulation/hotspa_cpu.yaml x"
               f"{args.emulation_scale:g}, Wikipedia lengths / 128 (256 tokens stand for 32K), {args.repeats} runs "
               "each, interleaved")
-        print(f"{'method':>8} {'step_s':>8} {'predicted_s':>11} {'measured/pred':>13} {'overruns':>8}")
+        methods = Table.of(("method", ">8"), ("step_s", ">8.3f"), ("predicted_s", ">11.3f"),
+                           ("measured/pred", ">13.2f"), ("overruns", ">8"))
+        methods.print_header()
         for method, rows in runs.items():
             row = {"ranks": 4, "method": method, "step_s": statistics.median(r["step_s"] for r in rows),
                    "predicted_s": statistics.median(r["predicted_s"] for r in rows),
                    "overruns": sum(r["overruns"] for r in rows)}
             emulated.append(row)
-            print(f"{method:>8} {row['step_s']:>8.3f} {row['predicted_s']:>11.3f} "
-                  f"{row['step_s'] / row['predicted_s']:>13.2f} {row['overruns']:>8}")
+            methods.print_row([method, row["step_s"], row["predicted_s"], row["step_s"] / row["predicted_s"],
+                               row["overruns"]])
         print(f"hotspa speed-up over static: {emulated[0]['step_s'] / emulated[1]['step_s']:.2f}x")
-    print(json.dumps({"predicted": predicted, "emulated": emulated}))
+    print_result({"predicted": predicted, "emulated": emulated})
 
 
 if __name__ == "__main__":

@@ -16,15 +16,14 @@ strategies; its grouping is then packed exactly, pipeline by pipeline (the fewes
 the packer's own model (``ReplicaSpec.time_s``): a real grouping and packing. The packer's price of the same two
 groups shows what HotSPa's planner, which prices groups by the packer, can make of them.
 
-    python benchmarks/hotspa_pair_exact.py --lengths benchmarks/results/code_lengths_site_packages_2026-12-06.txt.gz
-    python benchmarks/hotspa_pair_exact.py ... --grouping RESULT   # price a grouping saved in a result's JSON line
+    python -m benchmarks.hotspa_pair_exact --lengths benchmarks/results/code_lengths_site_packages_2026-12-06.txt.gz
+    python -m benchmarks.hotspa_pair_exact ... --grouping RESULT   # price a grouping saved in a result's JSON line
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -32,21 +31,17 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import lil_matrix
 
-ROOT = Path(__file__).resolve().parent
-sys.path.insert(0, str(ROOT.parent))
-sys.path.insert(0, str(ROOT))
+from benchmarks.common import ROOT, Table, print_result
+from benchmarks.hotspa import RECOMPUTE_SEARCHED, candidates
+from hetu_ext.data.lengths import read_lengths, split_long
+from hetu_ext.data.packing import ReplicaSpec
+from hetu_ext.plan import ModelSpec
+from hetu_ext.plan.cost.stage import CostModel
+from hetu_ext.plan.hotspa import GroupPricer, replica_specs
+from hetu_ext.plan.hydraulis import flops_cost_table, sample_batches
+from hetu_ext.plan.core.options import search_space
 
-from hotspa import RECOMPUTE_SEARCHED, candidates  # noqa: E402
-
-from hetu_ext.data.lengths import read_lengths, split_long  # noqa: E402
-from hetu_ext.data.packing import ReplicaSpec  # noqa: E402
-from hetu_ext.plan import ModelSpec  # noqa: E402
-from hetu_ext.plan.cost.stage import CostModel  # noqa: E402
-from hetu_ext.plan.hotspa import GroupPricer, replica_specs  # noqa: E402
-from hetu_ext.plan.hydraulis import flops_cost_table, sample_batches  # noqa: E402
-from hetu_ext.plan.core.options import search_space  # noqa: E402
-
-HELD_OUT = ROOT / "results" / "code_lengths_site_packages_2026-12-06.txt.gz"
+HELD_OUT = ROOT / "benchmarks" / "results" / "code_lengths_site_packages_2026-12-06.txt.gz"
 
 
 def fewest_packs(lengths: list[int], cap: int) -> list[list[int]]:
@@ -218,16 +213,17 @@ def main() -> None:
     print(f"{args.lengths}, {args.gpus} GPUs, {args.max_len} tokens, batch {args.batch} ({len(batch)} sequences), "
           f"options {args.options}: {' + '.join(out['strategies'])}"
           + (f" (HiGHS {solve_s:.0f} s)" if not args.grouping else f" (grouping of {args.grouping})"))
-    print(f"{'':28} {'step s':>10} {'vs static':>10}")
+    steps = Table.of(("", "<28"), ("step s", ">10.6f"), ("vs static", ">+10.5%"))
+    steps.print_header()
     for label, value in (("static best, packer", static), ("pair program's dual bound", out["pair_bound_step_s"]),
                          ("its grouping, fewest packs", out["exact_step_s"]),
                          ("same groups, packer", out["packer_step_s"])):
         if value is not None:
-            print(f"{label:28} {value:>10.6f} {value / static - 1:>+10.5%}")
+            steps.print_row([label, value, value / static - 1])
     for t, name in enumerate(out["strategies"]):
         print(f"  {name}: {len(groups[t])} sequences, slowest pipeline {exact[t]:.6f} s packed fewest, "
               f"{packer[t]:.6f} s by the packer; fixed (all-reduce, switch) {fixed[t]:.5f} s")
-    print(json.dumps(out))
+    print_result(out)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Hydraulis: heterogeneous parallel strategies chosen per step vs Megatron's best homogeneous strategy.
 
-    python benchmarks/hydraulis.py [--lengths FILE] [--batches 4] [--gpus 16,32,64] [--max-lens 16384,32768]
+    python -m benchmarks.hydraulis [--lengths FILE] [--batches 4] [--gpus 16,32,64] [--max-lens 16384,32768]
                                    [--tp-bandwidth 150] [--bandwidth 100] [--cost-model YAML] [--emulated]
 
 **Predicted** (pure planners, no process group): a 7B-shaped model (32 layers, hidden 4096, ffn 11008, 32 heads,
@@ -52,32 +52,22 @@ import json
 import os
 import platform
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from benchmarks.common import Table, ceiling_fields, print_result
+from benchmarks.hotspa import RECOMPUTE_SEARCHED, SAMPLE, SEQLENS, emulated_run, emulation_inputs
 
-from hotspa import (  # noqa: E402  (benchmarks/hotspa.py)
-    RECOMPUTE_SEARCHED,
-    SAMPLE,
-    SEQLENS,
-    emulated_run,
-    emulation_inputs,
-    share_of_ceiling,
-)
-
-from hetu_ext.data.cost import CostTable, load_cost_table  # noqa: E402
-from hetu_ext.data.lengths import read_lengths, split_long  # noqa: E402
-from hetu_ext.data.packing_bound import lower_bound_s  # noqa: E402
-from hetu_ext.plan.core.replicas import replica_specs  # noqa: E402
-from hetu_ext.plan import ModelSpec  # noqa: E402
-from hetu_ext.plan.cost.stage import CostModel  # noqa: E402
-from hetu_ext.plan.hydraulis import (  # noqa: E402
+from hetu_ext.data.cost import CostTable, load_cost_table
+from hetu_ext.data.lengths import read_lengths, split_long
+from hetu_ext.data.packing_bound import lower_bound_s
+from hetu_ext.plan.core.replicas import replica_specs
+from hetu_ext.plan import ModelSpec
+from hetu_ext.plan.cost.stage import CostModel
+from hetu_ext.plan.hydraulis import (
     MAX_PP,
     Selector,
     candidate_strategies,
@@ -89,9 +79,9 @@ from hetu_ext.plan.hydraulis import (  # noqa: E402
     switch_floors_s,
     sync_seconds,
 )
-from hetu_ext.plan.lobra import megatron_time_s  # noqa: E402
-from hetu_ext.plan.core.options import PLAIN, Options, search_space  # noqa: E402
-from hetu_ext.plan.core.plan import uniform_plan  # noqa: E402
+from hetu_ext.plan.lobra import megatron_time_s
+from hetu_ext.plan.core.options import PLAIN, Options, search_space
+from hetu_ext.plan.core.plan import uniform_plan
 
 MODELS = {
     "7B": {"num_layers": 32, "hidden_size": 4096, "num_attention_heads": 32, "ffn_hidden_size": 11008},
@@ -249,8 +239,9 @@ def emulated_rows(args: argparse.Namespace) -> list:
     print(f"\nemulated: 4 CPU ranks, --hetu-emulate-cost configs/emulation/hotspa_cpu.yaml x{args.emulation_scale:g},"
           f" Wikipedia lengths / 128, {args.emulated_tokens} tokens per step, short and long steps, {args.repeats} "
           "runs each, interleaved")
-    print(f"{'method':>8} {'steps':>6} {'step_s':>8} {'predicted_s':>11} {'measured/pred':>13} {'overruns':>8} "
-          f"{'switch_s':>8}  chosen")
+    methods = Table.of(("method", ">8"), ("steps", ">6"), ("step_s", ">8.3f"), ("predicted_s", ">11.3f"),
+                       ("measured/pred", ">13.2f"), ("overruns", ">8"), ("switch_s", ">8.3f"), tail="chosen")
+    methods.print_header()
     rows = []
     for method in flags:
         per = {}
@@ -259,14 +250,13 @@ def emulated_rows(args: argparse.Namespace) -> list:
             per[corpus] = (statistics.median(r["step_s"] for r in got),
                            statistics.median(r["predicted_s"] for r in got))
             chosen = sorted({c for r in got for c in r.get("chosen", [])})
-            print(f"{method:>8} {corpus:>6} {per[corpus][0]:>8.3f} {per[corpus][1]:>11.3f} "
-                  f"{per[corpus][0] / per[corpus][1]:>13.2f} {sum(r['overruns'] for r in got):>8} "
-                  f"{statistics.median(r.get('switch_s', 0.0) for r in got):>8.3f}  {', '.join(chosen)}")
+            methods.print_row([method, corpus, per[corpus][0], per[corpus][1], per[corpus][0] / per[corpus][1],
+                               sum(r["overruns"] for r in got), statistics.median(r.get("switch_s", 0.0) for r in got)],
+                              ", ".join(chosen))
         row = {"ranks": 4, "method": method, "step_s": (per["short"][0] + per["long"][0]) / 2,
                "predicted_s": (per["short"][1] + per["long"][1]) / 2}
         rows.append(row)
-        print(f"{method:>8} {'mean':>6} {row['step_s']:>8.3f} {row['predicted_s']:>11.3f} "
-              f"{row['step_s'] / row['predicted_s']:>13.2f}")
+        methods.print_row([method, "mean", row["step_s"], row["predicted_s"], row["step_s"] / row["predicted_s"]])
     print(f"dynamic speed-up over the best homogeneous (static TP 4): {rows[0]['step_s'] / rows[1]['step_s']:.2f}x")
     return rows
 
@@ -306,10 +296,12 @@ def main() -> None:
           f"batch, {args.batches} batches, {args.gpu_memory_gb:g} GB per GPU, TP link {args.tp_bandwidth:g} GB/s, "
           f"switch/all-reduce {args.bandwidth:g} GB/s per GPU; options searched: "
           f"{', '.join(o.name for o in options)} (the same for Megatron's homogeneous strategies)")
-    header = (f"{'model':<8} {'gpus':>4} {'max_len':>7} {'megatron':>22} {'megatron_s':>10} {'causal_s':>8} "
-              f"{'static_h_s':>10} {'dynamic_s':>9} {'gain':>7} {'stat/dyn':>8} {'bound_s':>7} {'ceiling':>7} "
-              f"{'share':>6} {'cand_s':>6} {'sel_ms':>7} {'sel_max':>7} {'sel_cpu':>7}  options: chosen (home)")
-    print(header + "\n" + "-" * len(header))
+    shares = Table.of(("model", "<8"), ("gpus", ">4"), ("max_len", ">7"), ("megatron", ">22"), ("megatron_s", ">10.3f"),
+                      ("causal_s", ">8.3f"), ("static_h_s", ">10.3f"), ("dynamic_s", ">9.3f"), ("gain", ">6.2f", "x"),
+                      ("stat/dyn", ">7.2f", "x"), ("bound_s", ">7.3f"), ("ceiling", ">6.2f", "x"), ("share", ">6.1%"),
+                      ("cand_s", ">6.2f"), ("sel_ms", ">7.1f"), ("sel_max", ">7.1f"), ("sel_cpu", ">7.1f"),
+                      tail="options: chosen (home)", rule=True)
+    shares.print_header()
     predicted = []
     for max_len in () if args.skip_predicted else args.max_lens:
         pieces = split_long(all_lengths, max_len).length
@@ -337,21 +329,16 @@ def main() -> None:
                            static_hetero_s=min(r["static_hetero_s"] for r in per_option),
                            one_plan_bound_s=min(r["one_plan_bound_s"] for r in per_option),
                            lengths=Path(args.lengths).name, per_option=per_option)
-                row["gain"] = row["megatron_s"] / row["dynamic_s"]
-                row["ceiling"] = row["megatron_s"] / row["one_plan_bound_s"]
-                row["share_of_ceiling"] = share_of_ceiling(row["megatron_s"], row["dynamic_s"],
-                                                           row["one_plan_bound_s"])
+                row.update(ceiling_fields(row["megatron_s"], row["dynamic_s"], row["one_plan_bound_s"]))
                 predicted.append(row)
-                print(f"{name:<8} {gpus:>4} {max_len:>7} {row['megatron']:>22} {row['megatron_s']:>10.3f} "
-                      f"{row['megatron_causal_s']:>8.3f} {row['static_hetero_s']:>10.3f} {row['dynamic_s']:>9.3f} "
-                      f"{row['gain']:>6.2f}x "
-                      f"{row['static_hetero_s'] / row['dynamic_s']:>7.2f}x "
-                      f"{row['one_plan_bound_s']:>7.3f} {row['ceiling']:>6.2f}x {row['share_of_ceiling']:>6.1%} "
-                      f"{row['candidates_s']:>6.2f} {row['select_ms']:>7.1f} {row['select_max_ms']:>7.1f} "
-                      f"{row['select_cpu_ms']:>7.1f}  {row['options']}: {', '.join(row['chosen'])} ({row['home']})",
-                      flush=True)
+                shares.print_row([name, gpus, max_len, row["megatron"], row["megatron_s"], row["megatron_causal_s"],
+                                  row["static_hetero_s"], row["dynamic_s"], row["gain"],
+                                  row["static_hetero_s"] / row["dynamic_s"], row["one_plan_bound_s"], row["ceiling"],
+                                  row["share_of_ceiling"], row["candidates_s"], row["select_ms"],
+                                  row["select_max_ms"], row["select_cpu_ms"]],
+                                 f"{row['options']}: {', '.join(row['chosen'])} ({row['home']})")
     emulated = emulated_rows(args)
-    print(json.dumps({"predicted": predicted, "emulated": emulated}))
+    print_result({"predicted": predicted, "emulated": emulated})
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """LobRA: GPU-seconds per global step of many tenants' LoRA fine-tuning, predicted at scale and emulated on CPU.
 
-    python benchmarks/lobra.py [--steps 8] [--part all|predicted|emulated] [--emulated-steps 6] [--cost-model YAML]
+    python -m benchmarks.lobra [--steps 8] [--part all|predicted|emulated] [--emulated-steps 6] [--cost-model YAML]
 
 **Predicted** (pure planner, hetu_ext/plan/lobra/__init__.py): a LLaMA-7B-shaped model (Hetu's LobRA scripts: 32 layers,
 hidden 4096, ffn 11008, 32 heads), 16K max length, A100-class 80 GB GPUs (hetu_ext.plan.cost.stage's FLOP / all-reduce
@@ -33,15 +33,12 @@ metrics records (step_ms); predicted: the slowest pipeline's predicted_s of the 
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from benchmarks.common import ROOT, Table, ceiling_fields, print_result
 
 WIKIPEDIA = ROOT.parent / "shared" / "data" / "seqlens" / "wikipedia.txt.gz"
 SHIPPED = ROOT / "hetu_ext" / "data" / "samples" / "wikipedia_lengths_20k.txt.gz"
@@ -84,10 +81,11 @@ def predicted(steps: int, cost_model: str | None = None, lengths: str | None = N
           f"{table.device + ' (' + cost_model + ')' if table is not None else 'FLOP / all-reduce model'}; options "
           f"searched (homogeneous and LobRA alike): {', '.join(o.name for o in options)}")
     rows = []
-    header = (f"{'gpus':>4} {'tenants':>7} {'homog.':>8} {'h.causal':>8} {'h.balanced':>10} {'sequential':>10} "
-              f"{'lobra':>8} {'saving':>6} {'gain':>6} {'bound':>8} {'max sav.':>8} {'ceiling':>7} {'share':>6}"
-              "  deployment (homogeneous)")
-    print(header + "\n" + "-" * len(header))
+    shares = Table.of(("gpus", ">4"), ("tenants", ">7"), ("homog.", ">8.1f"), ("h.causal", ">8.1f"),
+                      ("h.balanced", ">10.1f"), ("sequential", ">10.1f"), ("lobra", ">8.1f"), ("saving", ">6.1%"),
+                      ("gain", ">5.2f", "x"), ("bound", ">8.1f"), ("max sav.", ">8.1%"), ("ceiling", ">6.2f", "x"),
+                      ("share", ">6.1%"), tail="deployment (homogeneous)", rule=True)
+    shares.print_header()
     for gpus, count in SIZES:
         tenants = [TenantLengths(f"t{k}", np.maximum((pool_lengths * SCALES[k]).astype(np.int64), 1), SAMPLES)
                    for k in range(count)]
@@ -119,24 +117,13 @@ def predicted(steps: int, cost_model: str | None = None, lengths: str | None = N
                    bound_gpu_s=min(r["bound_gpu_s"] for r in per))
         row["saving_vs_homogeneous"] = 1 - row["lobra_gpu_s"] / row["homogeneous_gpu_s"]
         row["max_saving_vs_homogeneous"] = 1 - row["bound_gpu_s"] / row["homogeneous_gpu_s"]
-        row["gain"] = row["homogeneous_gpu_s"] / row["lobra_gpu_s"]
-        row["ceiling"] = row["homogeneous_gpu_s"] / row["bound_gpu_s"]
-        row["share_of_ceiling"] = share_of_ceiling(row["homogeneous_gpu_s"], row["lobra_gpu_s"], row["bound_gpu_s"])
+        row.update(ceiling_fields(row["homogeneous_gpu_s"], row["lobra_gpu_s"], row["bound_gpu_s"]))
         rows.append(row)
-        print(f"{gpus:>4} {count:>7} {row['homogeneous_gpu_s']:>8.1f} {row['homogeneous_causal_gpu_s']:>8.1f} "
-              f"{row['homogeneous_balanced_gpu_s']:>10.1f} {row['sequential_gpu_s']:>10.1f} {row['lobra_gpu_s']:>8.1f} "
-              f"{row['saving_vs_homogeneous']:>6.1%} {row['gain']:>5.2f}x {row['bound_gpu_s']:>8.1f} "
-              f"{row['max_saving_vs_homogeneous']:>8.1%} {row['ceiling']:>6.2f}x {row['share_of_ceiling']:>6.1%}  "
-              f"{row['options']}: {row['deployment']} ({row['homogeneous_strategy']})", flush=True)
+        shares.print_row([gpus, count] + [row[k] for k in (
+            "homogeneous_gpu_s", "homogeneous_causal_gpu_s", "homogeneous_balanced_gpu_s", "sequential_gpu_s",
+            "lobra_gpu_s", "saving_vs_homogeneous", "gain", "bound_gpu_s", "max_saving_vs_homogeneous", "ceiling",
+            "share_of_ceiling")], f"{row['options']}: {row['deployment']} ({row['homogeneous_strategy']})")
     return rows
-
-
-def share_of_ceiling(base: float, got: float, bound: float) -> float:
-    """The share of the ceiling's gain a planner reaches: ``(base / got - 1) / (base / bound - 1)`` (1 when the
-    ceiling allows no gain and the planner loses none)."""
-    if base / bound - 1 <= 1e-12:
-        return 1.0 if got <= base * (1 + 1e-12) else 0.0
-    return (base / got - 1) / (base / bound - 1)
 
 
 EMULATED_TABLE = {  # per layer, forward + backward; big enough that padding dominates real compute on 2 cores
@@ -202,10 +189,12 @@ def emulated(steps: int) -> list[dict]:
         predicted_s = 4 * float(np.mean([max(r["packing"]["predicted_s"]) for r in records]))
         rows.append({"ranks": 4, "method": method, "gpu_s": measured, "predicted_gpu_s": predicted_s,
                      "overruns": sum(r.get("emulation_overruns", 0) or 0 for r in records)})
-    print(f"{'method':<12} {'measured GPU-s':>14} {'predicted GPU-s':>15} {'error':>7}")
+    errors = Table.of(("method", "<12"), ("measured GPU-s", ">14.3f"), ("predicted GPU-s", ">15.3f"),
+                      ("error", ">+7.1%"))
+    errors.print_header()
     for row in rows:
-        print(f"{row['method']:<12} {row['gpu_s']:>14.3f} {row['predicted_gpu_s']:>15.3f} "
-              f"{row['gpu_s'] / row['predicted_gpu_s'] - 1:>+7.1%}")
+        errors.print_row([row["method"], row["gpu_s"], row["predicted_gpu_s"],
+                          row["gpu_s"] / row["predicted_gpu_s"] - 1])
     return rows
 
 
@@ -225,7 +214,7 @@ def main() -> None:
     rows = predicted(args.steps, args.cost_model, args.lengths, args.options == "search") \
         if args.part != "emulated" else []
     emulated_rows = emulated(args.emulated_steps) if args.part != "predicted" else []
-    print(json.dumps({"predicted": rows, "emulated": emulated_rows}))
+    print_result({"predicted": rows, "emulated": emulated_rows})
 
 
 if __name__ == "__main__":

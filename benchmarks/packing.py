@@ -1,6 +1,6 @@
 """Hydraulis packing: balance of replicas' predicted times and planning time, per method; real CPU training.
 
-    python benchmarks/packing.py [--pp 1] [--steps 5] [--cost configs/calibration/cpu.yaml] [--real]
+    python -m benchmarks.packing [--pp 1] [--steps 5] [--cost configs/calibration/cpu.yaml] [--real]
 
 Balance (pure, no process group): document lengths from ../shared/data/seqlens/wikipedia.txt.gz in a seeded
 random order (as a shuffled dataset reads them), documents longer than the max pack length split into pieces of
@@ -22,17 +22,16 @@ Real (``--real``): see :func:`real_rows`. The last line is one JSON object.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
+from benchmarks.common import ROOT, Table, print_result
 from hetu_ext.data.cost import CostTable, load_cost_table
 from hetu_ext.data.lengths import LognormalLengths, batch_bounds, concat_split, read_lengths, split_long
 from hetu_ext.data.packing import METHODS, assign
@@ -53,8 +52,10 @@ def balance_rows(args: argparse.Namespace, log: Callable[[str], None] = print) -
     lengths = lengths[np.random.default_rng(args.seed).permutation(lengths.size)]
     cost = load_cost_table(args.cost) if args.cost else CostTable()
     rows = []
-    log(f"{'max_len':>7} {'replicas':>8} {'tokens/batch':>12} {'docs':>6} {'method':<8} {'max/mean':>8} "
-        f"{'gap':>7} {'gap_max':>7} {'plan_ms':>8}")
+    balance = Table.of(("max_len", ">7"), ("replicas", ">8"), ("tokens/batch", ">12"), ("docs", ">6.0f"),
+                       ("method", "<8"), ("max/mean", ">8.3f"), ("gap", ">7.3f"), ("gap_max", ">7.3f"),
+                       ("plan_ms", ">8.1f"))
+    log(balance.header())
     for max_len in args.max_lens:
         pieces = split_long(lengths, max_len).length
         model = ModelSpec(num_layers=NUM_LAYERS, hidden_size=64, num_attention_heads=4, seq_length=max_len)
@@ -74,8 +75,7 @@ def balance_rows(args: argparse.Namespace, log: Callable[[str], None] = print) -
                 mm, gap, ms = (statistics.median(x) for x in zip(*stats))
                 worst = max(s[1] for s in stats)
                 docs_per = statistics.median(b.size for b in batches)
-                log(f"{max_len:>7} {replicas:>8} {budget:>12} {docs_per:>6.0f} {method:<8} {mm:>8.3f} {gap:>7.3f} "
-                    f"{worst:>7.3f} {ms:>8.1f}")
+                log(balance.row([max_len, replicas, budget, docs_per, method, mm, gap, worst, ms]))
                 rows.append({"max_len": max_len, "replicas": replicas, "method": method,
                              "max_over_mean": round(mm, 4), "gap_to_bound": round(gap, 4), "plan_ms": round(ms, 2)})
     return rows
@@ -86,8 +86,7 @@ def real_rows(args: argparse.Namespace) -> list[dict]:
     [] unless ``--real``."""
     if not args.real:
         return []
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import packing_real
+    from benchmarks import packing_real
 
     return packing_real.real_rows(argparse.Namespace(
         max_len=args.real_max_len, batch_tokens=args.real_batch_tokens, steps=args.real_steps,
@@ -96,8 +95,7 @@ def real_rows(args: argparse.Namespace) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--lengths", default=str(Path(__file__).resolve().parents[2] / "shared/data/seqlens/"
-                                                 "wikipedia.txt.gz"))
+    parser.add_argument("--lengths", default=str(ROOT.parent / "shared/data/seqlens/wikipedia.txt.gz"))
     parser.add_argument("--lognormal", type=float, default=None, metavar="SIGMA",
                         help="instead of --lengths: 200,000 lognormal lengths (mean 3000, this sigma; 2.0 is heavy-"
                         "tailed: many documents cut into full-length pieces)")
@@ -128,7 +126,7 @@ def main() -> None:
           "worst step)")
     rows = balance_rows(args)
     real = real_rows(args)
-    print(json.dumps({"balance": rows, "real": real}))
+    print_result({"balance": rows, "real": real})
 
 
 if __name__ == "__main__":

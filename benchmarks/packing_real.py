@@ -1,7 +1,7 @@
 """Hydraulis, real CPU training: tokens/s of packing methods on the same documents (the "real" part of
 benchmarks/packing.py, also runnable alone).
 
-    python benchmarks/packing_real.py [--max-len 4096] [--batch-tokens 32768] [--steps 6] [--rounds 2]
+    python -m benchmarks.packing_real [--max-len 4096] [--batch-tokens 32768] [--steps 6] [--rounds 2]
 
 Two ranks train Megatron-core's GPTModel through pretrain_gpt.py's code path with real attention (per-document
 causal SDPA on THD packs; no emulated time), first as DP 2, then as PP 2, on documents whose lengths are the real
@@ -25,7 +25,7 @@ sequences can beat (for PP 2 a loose one: it ignores the pipeline's fill and dra
 backward of the costliest document on one stage). ``--predict-only`` prints these for a grid of max pack lengths
 and batches, without training.
 
-    python benchmarks/packing_real.py --predict-only [--grid-steps 30]
+    python -m benchmarks.packing_real --predict-only [--grid-steps 30]
 """
 
 from __future__ import annotations
@@ -38,8 +38,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from benchmarks.common import ROOT, print_result
 
 WIKIPEDIA = ROOT.parent / "shared" / "data" / "seqlens" / "wikipedia.txt.gz"
 METHODS = {"megatron": "concat", "megatron_causal": "concat-causal", "greedy": "greedy", "hetu": "balanced"}
@@ -218,12 +217,12 @@ def main() -> None:
     parser.add_argument("--grid-steps", type=int, default=30, help="steps per grid point (--predict-only)")
     args = parser.parse_args()
     if args.predict_only:
-        print(json.dumps({"predicted": predict_grid(args)}))
+        print_result({"predicted": predict_grid(args)})
         return
     print(f"real CPU training: model {MODEL}, max pack {args.max_len} tokens, global batch {args.batch_tokens} "
           f"tokens, {args.steps} steps x {args.rounds} rounds per method and layout, lengths from {args.lengths}")
     rows = real_rows(args)
-    print(json.dumps({"real": rows}))
+    print_result({"real": rows})
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Plan runtime vs Megatron's uniform path (step time), and gradient bytes per rank under heterogeneous plans.
 
-    python benchmarks/plan_runtime.py [--reps 3] [--iters 8]
+    python -m benchmarks.plan_runtime [--reps 3] [--iters 8]
 
 Part 1 (acceptance: within 10%): the same uniform TP2 x DP2 job on 4 CPU ranks, once through Megatron's
 parallel_state path and once as a Plan through the plan runtime, interleaved (M, P, M, P, ...) so that machine
@@ -20,7 +20,7 @@ to the reduce-scatter of gradients and the all-gather of weights (fp32) in one s
 reduce-scatter + all-gather over each holder set (plan/core/optimizer_shards.py's exchange_bytes: (n-1) x ceil(B/n)
 per collective with a ring).
 
-    python benchmarks/plan_runtime.py --parts 2,3   # a subset
+    python -m benchmarks.plan_runtime --parts 2,3   # a subset
 
 Ends with one JSON line.
 """
@@ -28,14 +28,11 @@ Ends with one JSON line.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+from benchmarks.common import ROOT, Table, print_result
 
 MODEL = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "128",
          "--micro-batch-size", "4", "--global-batch-size", "16", "--lr", "1e-3", "--hidden-dropout", "0",
@@ -67,10 +64,9 @@ def grad_bytes(rank: int, world: int, argv: list[str]):
 
 
 def main() -> None:
-    from test_plan_runtime import PLANS
-
     from hetu_ext.megatron.preprocess_data import preprocess
     from hetu_ext.testing.multiproc import run_ranks
+    from hetu_ext.testing.plans import PLANS
     from hetu_ext.cli.runs import train
 
     parser = argparse.ArgumentParser()
@@ -87,7 +83,8 @@ def main() -> None:
 
     def interleaved(title: str, extra: list[str], key: str) -> None:
         print(f"\n{title} (median ms per iteration)")
-        print(f"{'rep':>4} {'megatron':>10} {'plan':>10} {'ratio':>7}")
+        reps = Table.of(("rep", ">4"), ("megatron", ">10.1f"), ("plan", ">10.1f"), ("ratio", ">7.3f"))
+        reps.print_header()
         megatron, plan = [], []
         for rep in range(args.reps):
             base = MODEL + ["--tensor-model-parallel-size", "2"] + data + extra
@@ -96,9 +93,9 @@ def main() -> None:
                 run_ranks(train, 4, base + ["--hetu-runtime", runtime, "--hetu-metrics-file", str(metrics)], False,
                           timeout=600)
                 times.append(step_ms(metrics))
-            print(f"{rep:>4} {megatron[-1]:>10.1f} {plan[-1]:>10.1f} {plan[-1] / megatron[-1]:>7.3f}")
+            reps.print_row([rep, megatron[-1], plan[-1], plan[-1] / megatron[-1]])
         ratio = statistics.median(plan) / statistics.median(megatron)
-        print(f"{'med':>4} {statistics.median(megatron):>10.1f} {statistics.median(plan):>10.1f} {ratio:>7.3f}")
+        reps.print_row(["med", statistics.median(megatron), statistics.median(plan), ratio])
         out.update({f"{key}_step_ms_megatron": statistics.median(megatron),
                     f"{key}_step_ms_plan": statistics.median(plan), f"{key}_plan_over_megatron": round(ratio, 4),
                     f"{key}_within_10_percent": ratio <= 1.10})
@@ -108,8 +105,9 @@ def main() -> None:
     if 2 in parts:
         print("\n2) bytes sent per rank per step (fp32), heterogeneous plans: gradient all-reduces (replicated "
               "optimizer), and with --use-distributed-optimizer gradient reduce-scatter + weight all-gather")
-        print(f"{'plan':<30} {'rank':>4} {'measured':>10} {'minimum':>10} {'naive':>10} {'sharded':>10} "
-              f"{'sh. min':>10}")
+        sent = Table.of(("plan", "<30"), ("rank", ">4"), ("measured", ">10"), ("minimum", ">10"), ("naive", ">10"),
+                        ("sharded", ">10"), ("sh. min", ">10"))
+        sent.print_header()
         all_minimal = sharded_minimal = True
         rows = []
         for name, world, _, text in PLANS:
@@ -124,14 +122,14 @@ def main() -> None:
                 all_minimal &= row["measured"] == row["minimum"]
                 sharded_minimal &= row["sharded"] == row["sharded_minimum"]
                 rows.append({"plan": name, **row})
-                print(f"{name:<30} {rank:>4} {row['measured']:>10} {row['minimum']:>10} {row['naive']:>10} "
-                      f"{row['sharded']:>10} {row['sharded_minimum']:>10}")
+                sent.print_row([name, rank] + [row[k] for k in ("measured", "minimum", "naive", "sharded",
+                                                                 "sharded_minimum")])
         out.update({"grad_bytes_all_minimal": all_minimal, "sharded_bytes_all_minimal": sharded_minimal,
                     "grad_bytes": rows})
     if 3 in parts:
         interleaved("3) uniform TP2 x DP2 with --use-distributed-optimizer: Megatron's DistributedOptimizer vs the "
                     "plan runtime's sharded optimizer", ["--use-distributed-optimizer"], "distopt")
-    print(json.dumps(out))
+    print_result(out)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Malleus planner: planning time and predicted speed-up over Megatron's uniform plans, 64 to 4096 GPUs.
 
-    python benchmarks/planner_scale.py [--seed 0] [--tp-efficiency configs/calibration/tp_efficiency_cpu.yaml]
+    python -m benchmarks.planner_scale [--seed 0] [--tp-efficiency configs/calibration/tp_efficiency_cpu.yaml]
 
 A GPT of 32 layers, hidden 4096, 32 heads, sequence 4096, micro batch 1, 4 microbatches per GPU of global batch;
 nodes of 8 GPUs with 80 GiB. Stragglers: 1% and 5% of the GPUs, slowdowns drawn from Malleus's experiments
@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import random
 import statistics
 import time
 from collections.abc import Sequence
 
+from benchmarks.common import Table, ceiling_fields, print_result
 from hetu_ext.plan.core.cluster import Cluster
 from hetu_ext.plan.cost.stage import CostModel, load_tp_efficiency, stage_cost, with_measured_tp
 from hetu_ext.plan.malleus import microbatch_bound_s, plan_malleus, predict, predict_uniform, work_bound_s
@@ -104,14 +104,6 @@ def _fits(spec: ModelSpec, cost: CostModel, memory: int, tp: int, pp: int, m: in
                for j in range(pp))
 
 
-def share_of_ceiling(base_s: float, got_s: float, bound_s: float) -> float:
-    """The share of the ceiling's gain a planner reaches: ``(base / got - 1) / (base / bound - 1)`` (1 when the
-    ceiling allows no gain and the planner loses none)."""
-    if base_s / bound_s - 1 <= 1e-12:
-        return 1.0 if got_s <= base_s * (1 + 1e-12) else 0.0
-    return (base_s / got_s - 1) / (base_s / bound_s - 1)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seed", type=int, default=0)
@@ -130,9 +122,11 @@ def main() -> None:
     source = f"measured {args.tp_efficiency}" if args.tp_efficiency else "assumed constants"
     print(f"config: {SPEC}, micro batch 1, 4 microbatches per GPU, 8 GPUs x 80 GiB per node, seed {args.seed}; "
           f"TP efficiency {cost.tp_efficiency} ({source}); options: {args.options}")
-    print(f"{'gpus':>6} {'stragglers':>10} {'plan_s':>8} {'cpu_s':>6} {'template':<42} {'tp8pp4_s':>9} "
-          f"{'best_uniform':<36} {'best_s':>7} {'hetu_s':>7} {'vs_tp8pp4':>9} {'gain':>6} {'bound_s':>7} "
-          f"{'ceiling':>7} {'share':>6}")
+    shares = Table.of(("gpus", ">6"), ("stragglers", ">10"), ("plan_s", ">8.3f"), ("cpu_s", ">6.3f"),
+                      ("template", "<42"), ("tp8pp4_s", ">9.2f"), ("best_uniform", "<36"), ("best_s", ">7.2f"),
+                      ("hetu_s", ">7.2f"), ("vs_tp8pp4", ">9.2f"), ("gain", ">5.2f", "x"), ("bound_s", ">7.2f"),
+                      ("ceiling", ">6.2f", "x"), ("share", ">6.1%"))
+    shares.print_header()
     results = []
     for gpus in (64, 256, 1024, 4096):
         for share in (0.01, 0.05):
@@ -158,11 +152,11 @@ def main() -> None:
             layout = (f"tp{best['tp']} pp{best['pp']} dp{best['dp']} {best['options'].name} "
                       f"on {len(best['ranks'])}/{gpus}")
             speedup, best_speedup = uniform / planned.predicted_step_s, best["step_s"] / planned.predicted_step_s
-            reached = share_of_ceiling(best["step_s"], planned.predicted_step_s, bound)
+            ceiling = ceiling_fields(best["step_s"], planned.predicted_step_s, bound)
+            reached = ceiling["share_of_ceiling"]
             seconds, cpu_s = statistics.median(times), statistics.median(cpu)
-            print(f"{gpus:>6} {count:>10} {seconds:>8.3f} {cpu_s:>6.3f} {planned.template:<42} {uniform:>9.2f} "
-                  f"{layout:<36} {best['step_s']:>7.2f} {planned.predicted_step_s:>7.2f} {speedup:>9.2f} "
-                  f"{best_speedup:>5.2f}x {bound:>7.2f} {best['step_s'] / bound:>6.2f}x {reached:>6.1%}", flush=True)
+            shares.print_row([gpus, count, seconds, cpu_s, planned.template, uniform, layout, best["step_s"],
+                              planned.predicted_step_s, speedup, best_speedup, bound, ceiling["ceiling"], reached])
             results.append({"gpus": gpus, "stragglers": count, "plan_seconds": round(seconds, 4),
                             "plan_cpu_seconds": round(cpu_s, 4),
                             "predicted_speedup": round(speedup, 3), "best_uniform_speedup": round(best_speedup, 3),
@@ -172,8 +166,8 @@ def main() -> None:
                             "best_uniform": {k: best[k] for k in ("tp", "pp", "dp")} | {
                                 "options": best["options"].name,
                                 "gpus_used": len(best["ranks"]), "step_s": round(best["step_s"], 3)}})
-    print(json.dumps({"tp_efficiency": {str(k): v for k, v in cost.tp_efficiency.items()},
-                      "tp_efficiency_source": source, "options": args.options, "results": results}))
+    print_result({"tp_efficiency": {str(k): v for k, v in cost.tp_efficiency.items()},
+                  "tp_efficiency_source": source, "options": args.options, "results": results})
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Stragglers on 8 emulated CPU ranks: Megatron's uniform plan (waiting, or restarted without the slow ranks) vs
 the Malleus plan vs a strict ideal.
 
-    python benchmarks/straggler.py [--iters 10] [--repeats 1] [--microbatches 64] [--scenario "name=1:3.0,6:3.0"]
+    python -m benchmarks.straggler [--iters 10] [--repeats 1] [--microbatches 64] [--scenario "name=1:3.0,6:3.0"]
 
 8 ranks as 2 emulated nodes of 4, a tiny GPT (6 layers, hidden 64, 4 heads, sequence 64, micro batch 1, 64
 microbatches per step: with 32, one 5x straggler's best integral split is 0.89-0.90 of the fluid ideal below, so
@@ -40,15 +40,11 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from benchmarks.common import ROOT, Table, print_result
 
 SCENARIOS = [
     ("one_5x", {1: 5.0}),
@@ -88,7 +84,7 @@ def emulation(slowdowns: dict[int, float]) -> list[str]:
 
 
 def main() -> None:
-    from planner_scale import best_uniform
+    from benchmarks.planner_scale import best_uniform
 
     from hetu_ext.megatron.preprocess_data import preprocess
     from hetu_ext.metrics import read_records
@@ -149,9 +145,11 @@ def main() -> None:
     print(f"healthy uniform: {healthy_s * 1e3:.0f} ms/step ({tokens / healthy_s:.0f} tokens/s): emulated compute "
           f"E {emulated_healthy_s * 1e3:.0f} ms + the rest F {fixed_s * 1e3:.0f} ms; "
           f"{overruns(healthy_records)} emulation overruns\n")
-    header = (f"{'scenario':<12} {'slowdowns':<24} {'uniform':>8} {'drop':>8} {'drop layout':<22} {'hetu':>8} "
-              f"{'ideal':>8} {'hetu/ideal':>10} {'hetu/best':>9} {'best':>7} {'sim_err':>7} {'overruns':>8}  "
-              f"detected (true)")
+    table = Table.of(("scenario", "<12"), ("slowdowns", "<24"), ("uniform", ">8"), ("drop", ">8"),
+                     ("drop layout", "<22"), ("hetu", ">8"), ("ideal", ">8"), ("hetu/ideal", ">10.2f"),
+                     ("hetu/best", ">9.2f"), ("best", ">7"), ("sim_err", ">7.2f"), ("overruns", ">8"),
+                     tail="detected (true)")
+    header = table.header()
     lines, rows = [], []
     for index, (name, slow) in enumerate(scenarios):
         cluster = Cluster(world_size=WORLD, gpus_per_node=GPUS_PER_NODE, gpu_memory_bytes=2**34, slowdowns=slow)
@@ -199,10 +197,9 @@ def main() -> None:
                "sim_error": round(abs(predicted_s - hetu_s) / hetu_s, 3), "emulation_overruns": over}
         rows.append(row)
         shown = ", ".join(f"{r}: x{detected.get(str(r), float('nan')):.2f} ({x:g})" for r, x in sorted(slow.items()))
-        line = (f"{name:<12} {str(sorted(slow.values())):<24} {row['uniform_tokens_per_s']:>8} "
-                f"{row['drop_tokens_per_s']:>8} {layout:<22} {row['hetu_tokens_per_s']:>8} "
-                f"{row['ideal_tokens_per_s']:>8} {row['hetu_over_ideal']:>10.2f} "
-                f"{row['hetu_over_best_baseline']:>9.2f} {best_name:>7} {row['sim_error']:>7.2f} {over:>8}  {shown}")
+        line = table.row([name, str(sorted(slow.values())), row["uniform_tokens_per_s"], row["drop_tokens_per_s"],
+                          layout, row["hetu_tokens_per_s"], row["ideal_tokens_per_s"], row["hetu_over_ideal"],
+                          row["hetu_over_best_baseline"], best_name, row["sim_error"], over], shown)
         lines.append(line)
         print((header + "\n" if index == 0 else "") + line, flush=True)
     print("\n(tokens/s; drop excludes its restart; ideal strict: F + E x 8 / sum 1/x; best = the better of uniform "
@@ -224,9 +221,9 @@ def main() -> None:
     print("online: " + (f"migrated after step {migrated[0]['iteration']} in {migration_s:.2f} s, "
                         f"{migrated[0]['bytes_sent'] / 2**20:.2f} MiB sent" if migrated else "no migration")
           + f"; {overruns(records)} emulation overruns")
-    print(json.dumps({"healthy_tokens_per_s": round(tokens / healthy_s), "scenarios": rows,
-                      "online": {"detection_latency_steps": latency, "detected_at_detection": at_detection,
-                                 "detected_last": last_estimate, "true": 5.0, "migration_seconds": migration_s}}))
+    print_result({"healthy_tokens_per_s": round(tokens / healthy_s), "scenarios": rows,
+                  "online": {"detection_latency_steps": latency, "detected_at_detection": at_detection,
+                             "detected_last": last_estimate, "true": 5.0, "migration_seconds": migration_s}})
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ one-line error, and no launcher agreed on a plan (no ``plan`` event).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -19,10 +18,9 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import elastic as bench
+
 ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("elastic_bench", ROOT / "benchmarks" / "elastic.py")
-bench = sys.modules.setdefault("elastic_bench", importlib.util.module_from_spec(_spec))
-_spec.loader.exec_module(bench)
 
 
 def test_config_error_on_one_node_stops_every_node_with_it(tmp_path):

@@ -15,16 +15,9 @@ cores, with margin left for a busy machine by measuring on a short job.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("elastic_bench", ROOT / "benchmarks" / "elastic.py")
-bench = sys.modules.setdefault("elastic_bench", importlib.util.module_from_spec(_spec))
-_spec.loader.exec_module(bench)
+from benchmarks import elastic as bench
 
 
 @pytest.mark.parametrize("scenario", ["rank", "hang"])

@@ -4,32 +4,21 @@ Checked against every grouping of small steps, enumerated (pure: no process grou
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import random
-import sys
-from pathlib import Path
 
 import pytest
 
 from hetu_ext.data.cost import LengthCost
 from hetu_ext.data.packing import ReplicaSpec
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 @pytest.fixture(scope="module")
 def study():
-    """The script as a module; the benchmarks/ folder it puts on sys.path (for its ``from hotspa import``) is taken
-    off again, so no later test imports a benchmark script by a bare name."""
-    path = list(sys.path)
-    spec = importlib.util.spec_from_file_location("hotspa_pair_exact", ROOT / "benchmarks" / "hotspa_pair_exact.py")
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path[:] = path
-    return module
+    """The script as a module (imported lazily: it imports scipy's MILP solver)."""
+    from benchmarks import hotspa_pair_exact
+
+    return hotspa_pair_exact
 
 
 def fewest_by_enumeration(lengths: list[int], cap: int) -> int:

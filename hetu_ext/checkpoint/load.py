@@ -20,8 +20,9 @@ import gc
 import logging
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -136,7 +137,27 @@ def load_pieces(storage: Storage, destinations: list[Piece] | Callable[[Manifest
     if read not in READ_POLICIES:
         raise ValueError(f"read={read!r}: choose one of {READ_POLICIES}")
     with _no_cyclic_gc():
-        return _load_pieces(storage, destinations, fallback=fallback, read=read, group=group)
+        report = _load_pieces(storage, destinations, fallback=fallback, read=read, group=group)
+    for reports in _RECORDERS.get():
+        reports.append(report)
+    return report
+
+
+_RECORDERS: ContextVar[tuple[list[LoadReport], ...]] = ContextVar("hetu_load_recorders", default=())
+
+
+@contextmanager
+def recorded_loads() -> Iterator[list[LoadReport]]:
+    """The reports of every :func:`load_pieces` call made inside the block (this thread's), in order: for callers
+    that load through a function returning something else, e.g. ``hetu_ext.megatron.checkpointing.load_hetu``,
+    which returns the run state (benchmarks/checkpoint.py reads bytes mapped and reshard seconds this way). Blocks
+    nest; each sees the loads made inside it."""
+    reports: list[LoadReport] = []
+    token = _RECORDERS.set(_RECORDERS.get() + (reports,))
+    try:
+        yield reports
+    finally:
+        _RECORDERS.reset(token)
 
 
 @contextmanager
