@@ -90,6 +90,7 @@ MODULE_KINDS: dict[str, tuple[str, ...]] = {
     "test_megatron_lm_distopt": ("e2e", "gold"),
     "test_fp16": ("e2e", "gold"),
     "test_trainer_fp16": ("gold",),
+    "test_trainer_distopt": ("gold",),
 }
 TEST_KINDS: list[tuple[str, str, tuple[str, ...]]] = [
     ("test_readme", r"test_docs_block_runs", ("e2e",)),

@@ -17,8 +17,10 @@ finished (a failed save never leaves a folder that looks like a checkpoint); the
 ``--use-distributed-optimizer`` the optimizer state is saved as Megatron-LM saves it (``dp_reshardable``: each
 rank's flat ZeRO-1 buckets; it loads into the same TP and PP sizes, any data-parallel size).
 
-``auto`` (the default) saves hetu, except with ``--use-distributed-optimizer`` (ZeRO-1's flat shards are not
-expressed as pieces yet), where it saves torch_dist. ``--load`` recognises either format by its files.
+``auto`` (the default) saves hetu, except with ``--use-distributed-optimizer`` on Megatron's uniform runtime, where
+it saves torch_dist as Megatron-LM does; ``--hetu-ckpt-format hetu`` saves ZeRO-1's flat ranges as pieces there
+(hetu_ext/megatron/distopt_state.py, the format Megatron-LM's loop writes under it), which load into any plan and
+any optimizer, and a hetu checkpoint loads into ZeRO-1's ranges. ``--load`` recognises either format by its files.
 
 **Whose checkpoints** (hetu_ext/checkpoint/ownership.py): a run keeps the identity of the checkpoint it resumed
 from, or gets a new one; every checkpoint records it, retention deletes only the run's own, and a ``--save``
@@ -53,6 +55,7 @@ from hetu_ext.plan import plan_to_dict
 from hetu_ext.runtime.reshard import Piece
 
 from .launch_plan import save_format
+from .distopt_state import distributed_optimizers, params_match_masters
 from .state import (
     MOMENTS,
     RunState,
@@ -63,6 +66,7 @@ from .state import (
     run_state,
     state_pieces,
 )
+from .weights import local_shards
 
 logger = logging.getLogger(__name__)
 
@@ -216,6 +220,22 @@ def load_hetu(trainer, directory: str) -> RunState:
                     grad_scaler=state.get("grad_scaler"))
 
 
+def _check_zero1_params(trainer, where: str) -> None:
+    """Under Megatron's ZeRO-1 (--use-distributed-optimizer, uniform runtime) the loaded half-precision
+    parameters must be the loaded fp32 masters rounded, as Megatron keeps them after every step (a checkpoint
+    mixing two training states is refused in one line on every rank). Collective over the DP groups."""
+    placement = trainer.placement
+    if not placement.active or not distributed_optimizers(placement.optimizer):
+        return
+    problem = params_match_masters(placement, local_shards(placement.model, **placement.shard_kwargs))
+    flag = torch.tensor([1 if problem else 0])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if int(flag):
+        raise CheckpointError(f"{where}: {problem or 'on another rank, the parameters are not the masters rounded'}"
+                              "; its param/ and master/ tensors are of different training states: load another "
+                              "checkpoint")
+
+
 # ---------------------------------------------------------------- dispatch
 
 
@@ -260,15 +280,17 @@ def load(trainer, directory: str) -> bool:
     foreign = next((f for f in trainer.checkpoint_formats if f.recognises(directory)), None)
     hetu = foreign is None and _is_hetu(directory)
     plan_runtime = trainer.placement.grad_sync is not None or not trainer.placement.active
-    # the plan runtime's sharded optimizer loads per-parameter state through the reshard engine (state_pieces)
-    if trainer.config.parallel.use_distributed_optimizer and (foreign or hetu) and not plan_runtime:
-        raise CheckpointError(f"--load {directory}: a {foreign.name if foreign else 'hetu'} checkpoint holds "
-                              "optimizer state per parameter, which --use-distributed-optimizer's flat ZeRO-1 "
-                              "buffers cannot take yet; resume without --use-distributed-optimizer")
+    # the plan runtime's sharded optimizer and Megatron's ZeRO-1 (its flat ranges as boxes: distopt_state.py) load
+    # per-parameter state through the reshard engine (state_pieces); another framework's reader is not checked so
+    if trainer.config.parallel.use_distributed_optimizer and foreign and not plan_runtime:
+        raise CheckpointError(f"--load {directory}: a {foreign.name} checkpoint into --use-distributed-optimizer's "
+                              "flat ZeRO-1 buffers is not supported; resume without --use-distributed-optimizer, "
+                              "or with --hetu-runtime plan")
     if foreign is not None:
         state = foreign.load_into(trainer, directory)
     elif hetu:
         state = load_hetu(trainer, directory)
+        _check_zero1_params(trainer, f"--load {directory} (iteration {state.iteration})")
     elif latest_iteration(directory) is None:
         if trainer.host.rank == 0:
             logger.warning("--load %s: no checkpoint found, starting from scratch", directory)

@@ -66,7 +66,8 @@ def parse_migrations(text: str) -> list[tuple[int, str]]:
 
 def save_format(checkpoint: CheckpointConfig, parallel: ParallelConfig, runtime: str = "megatron") -> str:
     """The format ``--save`` writes: ``hetu`` or ``torch_dist`` (``auto`` resolved: torch_dist for Megatron's
-    ZeRO-1 on its uniform runtime, hetu otherwise, the plan runtime's sharded optimizer included)."""
+    ZeRO-1 on its uniform runtime, as Megatron-LM saves it, hetu otherwise, the plan runtime's sharded optimizer
+    included). ``hetu`` saves Megatron's ZeRO-1 too: its flat ranges as pieces (distopt_state.py)."""
     if checkpoint.format == "auto":
         return "torch_dist" if parallel.use_distributed_optimizer and runtime == "megatron" else "hetu"
     return checkpoint.format
@@ -97,10 +98,6 @@ def select_runtime(config: RunConfig, plan: Plan) -> str:
     if parallel.runtime == "plan" or uniform_shape(plan) is None or online:
         check_plan_runtime(config.checkpoint, parallel)
         return "plan"
-    if parallel.use_distributed_optimizer and config.checkpoint.save and config.checkpoint.format == "hetu":
-        raise PlanError("--hetu-ckpt-format hetu cannot save Megatron's --use-distributed-optimizer flat ZeRO-1 "
-                        "shards (uniform runtime); use --hetu-ckpt-format torch_dist (or auto), or --hetu-runtime "
-                        "plan, whose sharded optimizer saves hetu")
     return "megatron"
 
 
