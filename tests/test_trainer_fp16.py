@@ -11,7 +11,8 @@ hetu_ext adds, and what these tests catch when it breaks:
 * the scaler's state (scale, growth and hysteresis trackers) survives a hetu checkpoint: a resume continues bit for
   bit.
 
-Tiny models (2 layers, hidden 32) on the shipped text sample: about 30 s in all on 2 cores.
+Tiny models (2 layers, hidden 32) on the shipped text sample, 1-4 ranks: 53 s of test calls measured on the 2-core
+machine at load average 11 (about 10 s of CPU time in all), 72 s with the migration in the overflow test.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import pytest
 from conftest import ROOT
 from helpers import gpt_argv
 
+from hetu_ext.metrics import read_records
 from hetu_ext.testing.multiproc import run_ranks
 
 FP16 = ("--fp16", "--num-layers", "2")
@@ -85,12 +87,13 @@ def test_overflowing_steps_are_skipped_as_megatron_lm_skips_them(sample_prefix, 
     step, the LR schedule did not advance, and the scale follows Megatron's hysteresis rule (--hysteresis 2: the
     first overflow keeps 2**40, each later one halves it), across the migration. The log lines carry
     Megatron-LM's ``loss scale`` and ``number of skipped iterations`` fields. Catches a skipped update that still
-    steps the scheduler or Adam, a rank that steps while another skips, a log line without the fields, and a
-    migration that rebuilds the scaler fresh (step 3 would print 2**40 again)."""
+    steps the scheduler or Adam, a rank that steps while another skips, a log line or metrics record without the
+    fields, and a migration that rebuilds the scaler fresh (step 3 would print 2**40 again)."""
     single = tmp_path / "single.yaml"
     single.write_text("pipelines: [{num_microbatches: 4, stages: [{ranks: [0], layers: [0, 2]}]}]\nunused_ranks: [1]")
+    metrics = tmp_path / "metrics.jsonl"
     argv = _argv(sample_prefix, "--initial-loss-scale", str(2**40), "--hetu-runtime", "plan",
-                 "--hetu-migrate", f"step=2:plan={single}", steps=3)
+                 "--hetu-migrate", f"step=2:plan={single}", "--hetu-metrics-file", str(metrics), steps=3)
     got = run_ranks(fp16_run, 2, argv, timeout=180)[0]
     assert got["skipped"] == 3
     assert got["scheduler_steps"] == 0 and got["adam_step"] is None
@@ -101,6 +104,9 @@ def test_overflowing_steps_are_skipped_as_megatron_lm_skips_them(sample_prefix, 
     scales = [float(line.split("loss scale: ")[1].split(" |")[0]) for line in steps]
     assert scales == [2.0**40, 2.0**39, 2.0**38], got["log_lines"]
     assert all("number of skipped iterations:   1 |" in line for line in steps), steps
+    records = read_records(metrics, kind="step")
+    assert [(r["loss_scale"], r["skipped_iterations"], r["grad_norm"]) for r in records] == \
+        [(2.0**40, 1, None), (2.0**39, 1, None), (2.0**38, 1, None)], records
 
 
 def test_resume_restores_the_loss_scale_bit_exact(sample_prefix, tmp_path):
