@@ -24,6 +24,8 @@ Nothing here runs on a CUDA machine unless asked: :func:`needs_cpu_patches` deci
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
+import sys
 import functools
 from typing import Any, Callable
 
@@ -241,6 +243,19 @@ _TORCH_SCOPED_MODULES = {
 }
 
 
+def _results_queue_by_fork(original: Callable[[], Any]) -> Callable[[], Any]:
+    """The torch_dist saver's results queue, its Manager started by fork instead of spawn: a spawned Manager is a
+    fresh interpreter that re-imports the whole job (torch, Megatron, the script: 8 s on an idle core, 30 s on a
+    busy machine, at every first save of a run). Spawn guards a CUDA context, which a CPU process does not have."""
+    module = sys.modules[original.__module__]
+
+    def get_write_results_queue() -> Any:
+        if module._results_queue is None:
+            module._results_queue = multiprocessing.get_context("fork").Manager().Queue()
+        return module._results_queue
+    return get_write_results_queue
+
+
 def megatron_cpu_patches() -> PatchSet:
     """All patches Megatron-core 0.16.1 needs on CPU, in the order they are applied."""
     patches = [
@@ -269,6 +284,9 @@ def megatron_cpu_patches() -> PatchSet:
               target=f"{_MC}.models.common.language_module.language_module:LanguageModule."
                      "setup_embeddings_and_output_layer",
               make=_with_tensor_cuda_identity, reason="moves the tied embedding with weight.data.cuda()"),
+        Patch(name="fork_results_queue:filesystem_async",
+              target=f"{_MC}.dist_checkpointing.strategies.filesystem_async:_get_write_results_queue",
+              make=_results_queue_by_fork, reason="torch_dist saves start a Manager by spawn (re-imports the job)"),
         Patch(name="tensor_cuda_identity:DynamicGradScaler.load_state_dict",
               target=f"{_MC}.optimizer.grad_scaler:DynamicGradScaler.load_state_dict",
               make=_with_tensor_cuda_identity, reason="--fp16 resume: moves the saved loss scale with .cuda()"),

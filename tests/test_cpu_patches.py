@@ -10,6 +10,20 @@ from hetu_ext.patches.base import Patch, PatchError, PatchSet
 from hetu_ext.patches.megatron_cpu import megatron_cpu_patches, needs_cpu_patches
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _process_patches_lifted():
+    """These tests apply and remove the patches themselves: an earlier test of this process that left hetu_ext's
+    own CPU support on (``enable_cpu_support``, e.g. through Megatron-LM's entry point run in-process) is lifted
+    for them and put back after."""
+    from hetu_ext.megatron import host
+
+    was_on = host._CPU_PATCHES is not None and host._CPU_PATCHES.applied
+    host.disable_cpu_support()
+    yield
+    if was_on:
+        host.enable_cpu_support(True)
+
+
 def _current(target: str):
     module, _, path = target.partition(":")
     owner = importlib.import_module(module)
