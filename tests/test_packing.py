@@ -164,6 +164,8 @@ def test_few_documents_per_replica_never_pack_worse_than_lpt_alone():
     kept: on random batches of 1-4 documents per replica (pp 1 and 2, c from 0 to 0.03 s) the result is never
     slower than LPT refined alone (refining only MULTIFIT's start lost up to 2.3% on 6% of such batches)."""
     from hetu_ext.data import two_stage
+    from hetu_ext.data.replica_arrays import ReplicaArrays
+    from hetu_ext.data.two_stage_microbatches import stage2
 
     rng = np.random.default_rng(5)
     better = 0
@@ -172,9 +174,9 @@ def test_few_documents_per_replica_never_pack_worse_than_lpt_alone():
         s = np.minimum(np.rint(rng.lognormal(8.5, 1.0, int(rng.integers(r, 4 * r + 1)))).astype(int) + 1, 16384)
         cost = LengthCost(a=2.76e-9, b=1.13e-4, c=float(rng.choice([0.0, 3.2e-3, 3e-2])))
         replicas = [ReplicaSpec(stage_costs=(cost.scaled(1 / pp),) * pp, token_capacity=16384)] * r
-        rep = two_stage.ReplicaArrays(replicas, s)
+        rep = ReplicaArrays(replicas, s)
         shares = two_stage._stage1(s, rep)
-        packed = [two_stage._stage2(s, share, rep, k) for k, share in enumerate(shares)]
+        packed = [stage2(s, share, rep, k) for k, share in enumerate(shares)]
         two_stage._refine(s, rep, shares, packed)
         lpt = max(t for _, t in packed)
         got = max(assign(s.tolist(), replicas).predicted_s)
@@ -352,10 +354,11 @@ def _random_replicas(rng, r: int) -> list[ReplicaSpec]:
 
 
 def test_level_search_equals_the_document_by_document_fill():
-    """_stage1_levels (replica by replica, bisection, early volume test) returns exactly the shares of the grid
-    filled document by document (_stage1_levels_grid), found or not, on random batches and replica mixes."""
-    from hetu_ext.data import two_stage
+    """stage1_levels (replica by replica, bisection, early volume test) returns exactly the shares of the grid
+    filled document by document (stage1_levels_grid), found or not, on random batches and replica mixes."""
     from hetu_ext.data.packing_bound import lower_bound_s
+    from hetu_ext.data.replica_arrays import ReplicaArrays
+    from hetu_ext.data.two_stage_levels import stage1_levels, stage1_levels_grid
 
     rng = np.random.default_rng(5)
     found = 0
@@ -365,21 +368,23 @@ def test_level_search_equals_the_document_by_document_fill():
         n = int(rng.integers(1, 300))
         s = np.clip(rng.lognormal(6, 1.5, n).astype(np.int64), 1, cap) if rng.random() < 0.7 else \
             rng.choice([100, 200, min(4096, cap)], n)
-        rep = two_stage.ReplicaArrays(replicas, s)
+        rep = ReplicaArrays(replicas, s)
         bound = lower_bound_s(s, replicas)
         high = bound * float(rng.uniform(1.0, 1.5))
-        fast = two_stage._stage1_levels(s, rep, high, bound)
-        assert fast == two_stage._stage1_levels_grid(s, rep, high, bound)
+        fast = stage1_levels(s, rep, high, bound)
+        assert fast == stage1_levels_grid(s, rep, high, bound)
         found += fast is not None
     assert found >= 10
 
 
 def test_stage1_and_smallest_equal_their_plain_forms():
-    """Stage 1 with its estimate inlined equals the loop calling _estimate; stage 2's time equals _time of its
-    packs and is at least _stage2_floor (refinement skips on it); _smallest equals a stable argsort."""
+    """Stage 1 with its estimate inlined equals the loop calling _estimate; stage 2's time equals replica_time of
+    its packs and is at least stage2_floor (refinement skips on it); _smallest equals a stable argsort."""
     import heapq
 
     from hetu_ext.data import two_stage
+    from hetu_ext.data.replica_arrays import ReplicaArrays
+    from hetu_ext.data.two_stage_microbatches import replica_time, stage2, stage2_floor
 
     def plain_stage1(s, rep):
         keys = list(zip(rep.ra.tolist(), rep.rb.tolist(), rep.rc.tolist(), rep.pp.tolist(), rep.cap.tolist()))
@@ -415,12 +420,12 @@ def test_stage1_and_smallest_equal_their_plain_forms():
         replicas = _random_replicas(rng, int(rng.integers(1, 12)))
         cap = max(x.token_capacity for x in replicas)
         s = np.clip(rng.lognormal(6, 1.5, int(rng.integers(1, 300))).astype(np.int64), 1, cap)
-        rep = two_stage.ReplicaArrays(replicas, s)
+        rep = ReplicaArrays(replicas, s)
         assert two_stage._stage1(s, rep) == plain_stage1(s, rep)
-        for r, share in enumerate(two_stage._stage1(s, rep)):  # stage 2's running sums price as _time does
-            packs, t = two_stage._stage2(s, share, rep, r)
-            assert t == two_stage._time(packs, rep, r)
-            assert two_stage._stage2_floor(share, rep, r) <= t * (1 + 1e-12)
+        for r, share in enumerate(two_stage._stage1(s, rep)):  # stage 2's running sums price as replica_time does
+            packs, t = stage2(s, share, rep, r)
+            assert t == replica_time(packs, rep, r)
+            assert stage2_floor(share, rep, r) <= t * (1 + 1e-12)
         x = rng.choice([0.0, 1.0, 2.0, np.inf, float(rng.uniform())], int(rng.integers(1, 200)))
         top = int(rng.integers(1, 6))
         assert two_stage._smallest(x, top).tolist() == np.argsort(x, kind="stable")[:top].tolist()

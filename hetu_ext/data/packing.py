@@ -172,7 +172,7 @@ def _in_order(s: np.ndarray, capacity: int) -> list[list[int]]:
 
 def _first_fit_decreasing(s: np.ndarray, idx: np.ndarray, capacity: int) -> list[list[int]]:
     """First-fit-decreasing by tokens of documents ``idx`` (ties: lower index first)."""
-    from .two_stage import first_fit
+    from .two_stage_microbatches import first_fit
 
     order = idx[np.lexsort((idx, -s[idx]))]
     return first_fit(order.tolist(), s[order].tolist(), capacity)

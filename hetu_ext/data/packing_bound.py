@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .two_stage import ReplicaArrays
+from .replica_arrays import ReplicaArrays
 
 if TYPE_CHECKING:
     from .packing import ReplicaSpec
