@@ -102,13 +102,33 @@ def main(argv: list[str]) -> int:
     low, high = _nnodes(parser, args.nnodes)
     if not args.nproc_per_node or args.nproc_per_node < 1:
         parser.error(f"--nproc-per-node must be >= 1 (this node's devices), got {args.nproc_per_node}")
+    conf = _rdzv_conf(parser, args.rdzv_conf)
+    _configure_process()
+    agent, handler, entry, message = _build_agent(args, (host, port), (low, high), conf)
+    if message is not None:  # bad flags on this node: every node stops with this line
+        agent.publish_error(message)
+        print(message, file=sys.stderr, flush=True)
+        return 2
+    multiprocessing.set_forkserver_preload(list(entry.preload))
+    from multiprocessing import forkserver
+
+    forkserver.ensure_running()  # its imports overlap the rendezvous (a spare node joins seconds sooner)
+    return _run(agent, handler, args)
+
+
+def _rdzv_conf(parser: argparse.ArgumentParser, text: str) -> dict[str, str]:
+    """The rendezvous settings: the defaults, then ``--rdzv-conf``'s ``key=value`` pairs."""
     conf = dict(RDZV_DEFAULTS)
-    for item in filter(None, args.rdzv_conf.split(",")):
+    for item in filter(None, text.split(",")):
         key, sep, value = item.partition("=")
         if not sep:
             parser.error(f"--rdzv-conf takes key=value pairs separated by commas, got {item!r}")
         conf[key] = value
-    train = [a for a in args.train_args if a != "--"]
+    return conf
+
+
+def _configure_process() -> None:
+    """The launcher's logging and the environment its workers inherit (before torch's elastic modules load)."""
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     for name in ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher"):
         logging.getLogger(name).setLevel(logging.WARNING)
@@ -117,12 +137,16 @@ def main(argv: list[str]) -> int:
     # its keys from the previous round (a dead rank's address) made the next round's gloo mesh fail
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
 
+
+def _build_agent(args: argparse.Namespace, store: tuple[str, int], nodes: tuple[int, int], conf: dict[str, str]):
+    """(agent, rendezvous handler, entry, message): this node's agent for ``--launcher``'s entry; ``message`` is the
+    one-line error of this node's training flags (None when they check), for the agent to publish to every node."""
     from torch.distributed.elastic.agent.server.api import WorkerSpec
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
-    from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousParameters
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
     from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
-    from .agent import ConfigurationError, HetuElasticAgent, NodeSettings, NoHealthyDevice
+    from .agent import HetuElasticAgent, NodeSettings
     from .entries import ENTRIES
 
     entry = ENTRIES[args.launcher]
@@ -132,19 +156,21 @@ def main(argv: list[str]) -> int:
         if not torch.cuda.is_available():  # before the forkserver imports DeepSpeed (it picks its accelerator then)
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
+    train = [a for a in args.train_args if a != "--"]
     handler = get_rendezvous_handler(RendezvousParameters(
-        backend="c10d", endpoint=args.rdzv_endpoint, run_id=args.rdzv_id, min_nodes=low, max_nodes=high, **conf))
+        backend="c10d", endpoint=args.rdzv_endpoint, run_id=args.rdzv_id, min_nodes=nodes[0], max_nodes=nodes[1],
+        **conf))
     node = f"{socket.gethostname()}:{os.getpid()}"
     try:
         save, hang_timeout = entry.check_flags(train)
         message = None
-    except (ValueError, OSError) as exc:  # published below, once the agent can reach the store
+    except (ValueError, OSError) as exc:  # published by the caller, once the agent can reach the store
         save, hang_timeout, message = ".", 0.0, f"{entry.prog}: error: {exc}"
     settings = NodeSettings(
         node=node, nproc_per_node=args.nproc_per_node,
         round_argv=lambda plan_path: entry.round_argv(train, plan_path),
         agree=lambda nodes: entry.agree(train, nodes), check_round=entry.check_round, prog=entry.prog,
-        plan_dir=Path(save) / "elastic" / node.replace(":", "_"), store_endpoint=(host, port), run_id=args.rdzv_id,
+        plan_dir=Path(save) / "elastic" / node.replace(":", "_"), store_endpoint=store, run_id=args.rdzv_id,
         healthy_devices_cmd=args.healthy_devices_cmd, hang_timeout_s=hang_timeout,
         events_path=Path(args.events) if args.events else None)
     spec = WorkerSpec(role="trainer", local_world_size=args.nproc_per_node, entrypoint=entry.worker,
@@ -152,14 +178,15 @@ def main(argv: list[str]) -> int:
                       monitor_interval=args.monitor_interval)
     agent = HetuElasticAgent(spec, settings, logs_specs=DefaultLogsSpecs(), start_method="forkserver",
                              exit_barrier_timeout=300)
-    if message is not None:  # bad flags on this node: every node stops with this line
-        agent.publish_error(message)
-        print(message, file=sys.stderr, flush=True)
-        return 2
-    multiprocessing.set_forkserver_preload(list(entry.preload))
-    from multiprocessing import forkserver
+    return agent, handler, entry, message
 
-    forkserver.ensure_running()  # its imports overlap the rendezvous (a spare node joins seconds sooner)
+
+def _run(agent, handler, args: argparse.Namespace) -> int:
+    """Run this node's agent to the job's end: 0, or 1 / 2 with one line saying why it stopped."""
+    from torch.distributed.elastic.rendezvous import RendezvousClosedError
+
+    from .agent import ConfigurationError, NoHealthyDevice
+
     try:
         result = agent.run()
     except ConfigurationError as exc:
