@@ -226,6 +226,26 @@ def validate_args(args: argparse.Namespace) -> None:
               "log_interval", "save_interval", "exit_duration_in_mins")
     _validate_schedule(args)
     _validate_tokenizer(args)
+    _validate_optimizer(args)
+    if args.hetu_hang_timeout < 0:
+        raise ValueError(f"--hetu-hang-timeout must be >= 0 seconds (0: no watchdog), got {args.hetu_hang_timeout}")
+    _validate_model(args)
+    if args.clip_grad < 0:
+        raise ValueError(f"--clip-grad must be >= 0 (0 disables clipping), got {args.clip_grad}")
+    if not (0 <= args.hidden_dropout < 1 and 0 <= args.attention_dropout < 1):
+        raise ValueError(f"dropout must be in [0, 1), got --hidden-dropout {args.hidden_dropout} "
+                         f"--attention-dropout {args.attention_dropout}")
+    _validate_data_source(args)
+    _validate_packing(args)
+    _validate_files(args)
+    _validate_emulation(args)
+    _positive(args, "hetu_ckpt_keep")
+    if args.save_interval is not None and args.save is None:
+        raise ValueError(f"--save-interval {args.save_interval} needs --save DIR to save into")
+
+
+def _validate_optimizer(args: argparse.Namespace) -> None:
+    """Gradient precision, the LR schedule's source and the learning rates."""
     if args.grad_reduce_in_bf16 and not args.bf16:
         raise ValueError("--grad-reduce-in-bf16 reduces the bf16 model's gradients in bf16; without --bf16 they are "
                          "fp32: add --bf16 or drop --grad-reduce-in-bf16")
@@ -245,8 +265,10 @@ def validate_args(args: argparse.Namespace) -> None:
         if top < 0 or bottom < 0 or bottom > top:
             raise ValueError(f"the embedding and output layer's learning rates must satisfy 0 <= --decoupled-min-lr "
                              f"<= --decoupled-lr, got {top} and {bottom} (unset ones default to --lr / --min-lr)")
-    if args.hetu_hang_timeout < 0:
-        raise ValueError(f"--hetu-hang-timeout must be >= 0 seconds (0: no watchdog), got {args.hetu_hang_timeout}")
+
+
+def _validate_model(args: argparse.Namespace) -> None:
+    """Rotary positions, query groups and recomputation."""
     if args.position_embedding_type != "rope" and (args.rotary_base != 10000 or args.rotary_percent != 1.0
                                                    or args.use_rope_scaling):
         raise ValueError(f"--rotary-base {args.rotary_base} / --rotary-percent {args.rotary_percent} / "
@@ -269,11 +291,10 @@ def validate_args(args: argparse.Namespace) -> None:
     if args.recompute_modules and args.recompute_granularity != "selective":
         raise ValueError("--recompute-modules names what selective recomputation recomputes; add "
                          "--recompute-granularity selective or drop it")
-    if args.clip_grad < 0:
-        raise ValueError(f"--clip-grad must be >= 0 (0 disables clipping), got {args.clip_grad}")
-    if not (0 <= args.hidden_dropout < 1 and 0 <= args.attention_dropout < 1):
-        raise ValueError(f"dropout must be in [0, 1), got --hidden-dropout {args.hidden_dropout} "
-                         f"--attention-dropout {args.attention_dropout}")
+
+
+def _validate_data_source(args: argparse.Namespace) -> None:
+    """Exactly one data source: mock data, a --data-path prefix, or LobRA's tenants file (with its checks)."""
     if args.pretrained_checkpoint is not None and args.hetu_lora_tenants is None:  # LobRA pretrained base (issue 16)
         raise ValueError("--pretrained-checkpoint is supported with --hetu-lora-tenants; use --load to resume a run")
     if args.hetu_lora_tenants is not None:  # --- LobRA (issue 16): the tenants file gives the data ---
@@ -283,8 +304,10 @@ def validate_args(args: argparse.Namespace) -> None:
     elif bool(args.mock_data) == bool(args.data_path):
         raise ValueError("give exactly one data source: --mock-data or --data-path PREFIX "
                          f"(got --mock-data={args.mock_data}, --data-path={args.data_path})")
-    _validate_packing(args)
-    _validate_files(args)
+
+
+def _validate_emulation(args: argparse.Namespace) -> None:
+    """Emulated layer times and slowdowns (CPU rehearsals of a GPU job) and the straggler monitor's interval."""
     if args.hetu_emulate_layer_ms is not None and (args.hetu_emulate_layer_ms <= 0 or
                                                     not args.hetu_straggler_interval):
         raise ValueError(f"--hetu-emulate-layer-ms must be > 0 and needs --hetu-straggler-interval N (got "
@@ -298,6 +321,3 @@ def validate_args(args: argparse.Namespace) -> None:
         from hetu_ext.runtime.straggler import parse_schedule
 
         parse_schedule(args.hetu_emulate_slowdown)
-    _positive(args, "hetu_ckpt_keep")
-    if args.save_interval is not None and args.save is None:
-        raise ValueError(f"--save-interval {args.save_interval} needs --save DIR to save into")
