@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from benchmarks.common import Table, ceiling_fields, print_result
 from hetu_ext.plan.core.cluster import Cluster
 from hetu_ext.plan.cost.stage import CostModel, load_tp_efficiency, stage_cost, with_measured_tp
-from hetu_ext.plan.malleus import microbatch_bound_s, plan_malleus, predict, predict_uniform, work_bound_s
+from hetu_ext.plan.malleus import microbatch_bound_s, plan_malleus, plan_step_s, predict_uniform, work_bound_s
 from hetu_ext.plan.core.options import PLAIN, Options, search_space
 from hetu_ext.model.spec import ModelSpec
 from hetu_ext.plan.core.plan import uniform_plan
@@ -81,7 +81,7 @@ def best_uniform(cluster: Cluster, spec: ModelSpec, *, micro_batch: int, num_mic
                     virtual = Cluster(world_size=n, gpus_per_node=cluster.gpus_per_node,
                                       gpu_memory_bytes=cluster.gpu_memory_bytes, slowdowns=layout_slow)
                     plan = uniform_plan(world_size=n, tp=tp, pp=pp, num_layers=spec.num_layers, num_microbatches=m)
-                    step = predict(plan, virtual, spec, micro_batch=micro_batch, cost=cost, options=opts)
+                    step = plan_step_s(plan, virtual, spec, micro_batch=micro_batch, cost=cost, options=opts)
                     if best is None or step < best["step_s"]:
                         ranks = [r for g in used for r in g]
                         best = {"step_s": step, "tp": tp, "pp": pp, "dp": dp, "ranks": ranks,

@@ -91,7 +91,7 @@ def main() -> None:
     from hetu_ext.plan import ModelSpec, dump_plan
     from hetu_ext.plan.core.cluster import Cluster
     from hetu_ext.plan.cost.stage import CostModel, layer_forward_flops
-    from hetu_ext.plan.malleus import plan_malleus, predict
+    from hetu_ext.plan.malleus import plan_malleus, plan_step_s
     from hetu_ext.testing.multiproc import run_ranks
     from hetu_ext.cli.runs import train
 
@@ -141,7 +141,7 @@ def main() -> None:
     healthy_s = seconds(healthy_records)
     fixed_s = healthy_s - emulated_healthy_s
     healthy = Cluster(world_size=WORLD, gpus_per_node=GPUS_PER_NODE, gpu_memory_bytes=2**34)
-    predicted_healthy = predict(plan_for(healthy).plan, healthy, spec, micro_batch=MBS, cost=cost)
+    predicted_healthy = plan_step_s(plan_for(healthy).plan, healthy, spec, micro_batch=MBS, cost=cost)
     print(f"healthy uniform: {healthy_s * 1e3:.0f} ms/step ({tokens / healthy_s:.0f} tokens/s): emulated compute "
           f"E {emulated_healthy_s * 1e3:.0f} ms + the rest F {fixed_s * 1e3:.0f} ms; "
           f"{overruns(healthy_records)} emulation overruns\n")
@@ -184,7 +184,8 @@ def main() -> None:
         ideal_s = fixed_s + emulated_healthy_s * WORLD / sum(1.0 / slow.get(r, 1.0) for r in range(WORLD))
         best_name, best_s = min((("uniform", uniform_s), ("drop", drop_s)), key=lambda x: x[1])
         # the cost model predicts compute; the step's fixed part is what the healthy run measured beyond its prediction
-        predicted_s = predict(planned.plan, cluster, spec, micro_batch=MBS, cost=cost) + (healthy_s - predicted_healthy)
+        predicted_s = (plan_step_s(planned.plan, cluster, spec, micro_batch=MBS, cost=cost)
+                       + (healthy_s - predicted_healthy))
         layout = f"pp{drop['pp']} dp{drop['dp']} on {drop_n}" + (f" (-{','.join(map(str, drop['dropped']))})"
                                                                  if drop["dropped"] else "")
         row = {"name": name, "slowdowns": {str(r): x for r, x in sorted(slow.items())},

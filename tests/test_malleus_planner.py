@@ -10,7 +10,7 @@ import pytest
 
 from hetu_ext.plan.core.cluster import Cluster
 from hetu_ext.plan.cost.stage import CostModel, stage_cost
-from hetu_ext.plan.malleus import plan_malleus, predict, predict_uniform, split_layers, split_microbatches
+from hetu_ext.plan.malleus import balance_microbatches, plan_malleus, plan_step_s, predict_uniform, split_layers
 from hetu_ext.model.spec import ModelSpec
 from hetu_ext.plan.cost.simulate import one_f_one_b, pipeline_time_closed_form
 
@@ -60,7 +60,7 @@ def test_microbatch_split_is_optimal_against_brute_force(seed):
     total = rng.randint(1, 10)
     bottleneck = [rng.uniform(0.5, 6.0) for _ in range(d)]
     fill = [b * rng.randint(1, 4) + rng.uniform(0, 1) for b in bottleneck]
-    split = split_microbatches(total, bottleneck, fill)
+    split = balance_microbatches(total, bottleneck, fill)
     assert sum(split) == total and min(split) >= 0
     got = max((m - 1) * b + s for m, b, s in zip(split, bottleneck, fill) if m > 0)
     assert got == pytest.approx(brute_microbatches(total, bottleneck, fill), rel=1e-12)
@@ -101,7 +101,7 @@ def test_a_5x_straggler_is_planned_around():
                               pp=2, micro_batch=1, num_microbatches=64)
     assert uniform > 3 * healthy  # the straggler sets the pace of Megatron's whole step
     assert result.predicted_step_s < uniform / 2
-    assert result.predicted_step_s == pytest.approx(predict(result.plan, cluster, SPEC, micro_batch=1))
+    assert result.predicted_step_s == pytest.approx(plan_step_s(result.plan, cluster, SPEC, micro_batch=1))
     # the straggler's group gets fewer layers than any healthy group of its pipeline, or is left unused
     where = result.plan.stage_of(3)
     if where is not None:

@@ -25,7 +25,7 @@ from hetu_ext.plan.lobra import (
     strategy_pool,
     work_bound_gpu_s,
 )
-from hetu_ext.plan.malleus import microbatch_bound_s, plan_malleus, predict, predict_uniform, work_bound_s
+from hetu_ext.plan.malleus import microbatch_bound_s, plan_malleus, plan_step_s, predict_uniform, work_bound_s
 from hetu_ext.plan.core.options import PLAIN, Options, search_space
 
 SPEC = ModelSpec(num_layers=8, hidden_size=1024, num_attention_heads=16, ffn_hidden_size=4096, vocab_size=32000,
@@ -112,7 +112,7 @@ def test_malleus_option_search_equals_pricing_each_option_set_alone(seed):
         return
     planned = plan_malleus(cluster, spec, micro_batch=1, num_microbatches=microbatches, options=options)
     assert planned.predicted_step_s == pytest.approx(min(alone), rel=1e-12)
-    again = predict(planned.plan, cluster, spec, micro_batch=1, options=planned.options)
+    again = plan_step_s(planned.plan, cluster, spec, micro_batch=1, options=planned.options)
     assert again == pytest.approx(planned.predicted_step_s, rel=1e-9)
     bound = work_bound_s(cluster, spec, micro_batch=1, num_microbatches=microbatches)
     assert 0 < bound <= planned.predicted_step_s
@@ -338,7 +338,7 @@ def test_malleus_microbatch_bound_is_below_every_plan_it_covers(seed):
         planned = None
     if planned is not None:
         assert bound <= planned.predicted_step_s * (1 + 1e-9)
-        assert predict(planned.plan, cluster, spec, micro_batch=1, options=planned.options) >= bound * (1 - 1e-9)
+        assert plan_step_s(planned.plan, cluster, spec, micro_batch=1, options=planned.options) >= bound * (1 - 1e-9)
     for tp in (1, 2, 4, 8):
         for pp in (1, 2, 4):
             if gpus % (tp * pp) or spec.num_layers % pp:

@@ -53,12 +53,12 @@ def weighted_counts(total: int, slowdowns: dict[int, float], world: int) -> tupl
     >>> weighted_counts(4, {1: 3.0}, 2)
     (3, 1)
     """
-    from hetu_ext.plan.malleus import split_microbatches
+    from hetu_ext.plan.malleus import balance_microbatches
 
     if total < world:
         raise ValueError(f"{total} microbatches per global batch cannot give each of {world} ranks one")
     x = [slowdowns.get(r, 1.0) for r in range(world)]
-    counts = split_microbatches(total, x, x)
+    counts = balance_microbatches(total, x, x)
     while min(counts) < 1:  # every rank keeps one microbatch (DeepSpeed's step expects a backward on each)
         poor = counts.index(min(counts))
         rich = max(range(world), key=lambda r: ((counts[r] - 1) * x[r], r) if counts[r] > 1 else (-1.0, r))

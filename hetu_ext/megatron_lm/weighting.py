@@ -7,7 +7,7 @@ the same emulation of slow ranks as hetu_ext's trainer: ``--hetu-emulate-slowdow
 every N steps the ranks exchange their compute seconds per microbatch-layer (one all_gather_object), and every rank
 runs the same detector (hysteresis: ``--hetu-straggler-threshold/-min-change/-window``). When the stragglers
 change, the step's microbatches are split over the data-parallel ranks in proportion to their measured speed
-(Malleus's :func:`split_microbatches`, at least one each): a slow rank runs fewer. The global batch stays the same
+(Malleus's :func:`balance_microbatches`, at least one each): a slow rank runs fewer. The global batch stays the same
 samples: step t reads samples ``[t G, (t + 1) G)`` of Megatron-LM's train dataset, and rank r takes a contiguous
 block of ``count_r`` microbatches of them. With ``--calculate-per-token-loss`` (required, and added by the entry
 point) Megatron-LM's loss and gradients are sums over the global batch's tokens divided by their count, so they
@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from hetu_ext.patches.base import Patch
-from hetu_ext.plan.malleus import split_microbatches
+from hetu_ext.plan.malleus import balance_microbatches
 from hetu_ext.plan.malleus.straggler_policy import StragglerDetector, StragglerPolicy
 from hetu_ext.runtime.straggler import LayerTimer, exchange_timings, factor_at, onset_latency, parse_schedule
 
@@ -44,7 +44,7 @@ def weighted_counts(total: int, slowdowns: list[float], pp: int = 1) -> list[int
     least one each (a pipeline of ``pp`` stages pays a fill of ``pp`` microbatch times)."""
     if total < len(slowdowns):
         raise ValueError(f"{total} microbatches cannot give each of {len(slowdowns)} data-parallel ranks one")
-    counts = split_microbatches(total, list(slowdowns), [x * pp for x in slowdowns])
+    counts = balance_microbatches(total, list(slowdowns), [x * pp for x in slowdowns])
     for i in range(len(counts)):
         while counts[i] < 1:
             donor = max(range(len(counts)), key=lambda k: counts[k])

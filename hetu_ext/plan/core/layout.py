@@ -114,7 +114,8 @@ def split_box(box: Box, boxes: list[Box]) -> list[Box]:
     return [tuple(cell) for cell in itertools.product(*cuts)]
 
 
-def _contains(box: Box, cell: Box) -> bool:
+def contains(box: Box, cell: Box) -> bool:
+    """Whether ``cell`` lies inside ``box`` on every axis."""
     return all(a <= c0 and c1 <= b for (a, b), (c0, c1) in zip(box, cell))
 
 
@@ -129,7 +130,7 @@ def reduction_layout(shards: list[ShardInfo]) -> ReductionLayout:
         boxes = [h.box for h in holders]
         extent = tuple((min(b[d][0] for b in boxes), max(b[d][1] for b in boxes)) for d in range(len(boxes[0])))
         for box in split_box(extent, boxes):
-            inside = [h for h in holders if _contains(h.box, box)]
+            inside = [h for h in holders if contains(h.box, box)]
             if not inside:
                 raise ValueError(f"{key}{list(index)}: elements {box} are held by no rank")
             cell = Cell(key, index, box)

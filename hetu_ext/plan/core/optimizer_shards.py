@@ -23,11 +23,7 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass
 
-from hetu_ext.plan.core.layout import Box, Cell, ShardInfo, split_box
-
-
-def _contains(box: Box, cell: Box) -> bool:
-    return all(a <= c0 and c1 <= b for (a, b), (c0, c1) in zip(box, cell))
+from hetu_ext.plan.core.layout import Box, Cell, ShardInfo, contains, split_box
 
 
 def flat_boxes(box: Box, start: int, stop: int) -> list[Box]:
@@ -138,7 +134,7 @@ def optimizer_shards(shards: list[ShardInfo]) -> OptimizerShards:
         boxes = [h.box for h in holders]
         extent = tuple((min(b[d][0] for b in boxes), max(b[d][1] for b in boxes)) for d in range(len(boxes[0])))
         for box in split_box(extent, boxes):
-            inside = [h for h in holders if _contains(h.box, box)]
+            inside = [h for h in holders if contains(h.box, box)]
             if not inside:
                 raise ValueError(f"{key}{list(index)}: elements {box} are held by no rank")
             first: dict[tuple[int, int], ShardInfo] = {}

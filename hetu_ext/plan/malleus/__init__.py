@@ -91,7 +91,7 @@ def _split_layers(num_layers: int, per_layer: list[float], fixed: list[float], c
     return alloc, capped
 
 
-def split_microbatches(total: int, bottleneck: list[float], fill: list[float]) -> list[int]:
+def balance_microbatches(total: int, bottleneck: list[float], fill: list[float]) -> list[int]:
     """Microbatches per pipeline minimising the slowest pipeline's ``(m - 1) t + S`` (0 drops a pipeline).
 
     Pipelines with equal ``(t, S)`` (most of them in a large cluster) are counted once per level with their
@@ -193,7 +193,7 @@ def _evaluate(spec: ModelSpec, cost: CostModel, cluster: Cluster, pipelines_grou
         stages_all.append(split)
         bottleneck.append(max(times))
         fill.append(sum(times))
-    mbs = split_microbatches(num_microbatches, bottleneck, fill)
+    mbs = balance_microbatches(num_microbatches, bottleneck, fill)
     if sharded and 0 in mbs:
         return None  # a pipeline left idle would leave its share of the sharded optimizer state to the others
     step = max((m - 1) * b + s for m, b, s in zip(mbs, bottleneck, fill) if m > 0)
@@ -314,11 +314,11 @@ def predict_uniform(cluster: Cluster, spec: ModelSpec, *, tp: int, pp: int, micr
     """Predicted step time of Megatron's uniform plan on the same (straggling) cluster."""
     plan = uniform_plan(world_size=cluster.world_size, tp=tp, pp=pp, num_layers=spec.num_layers,
                         num_microbatches=max(1, num_microbatches // (cluster.world_size // (tp * pp))))
-    return predict(plan, cluster, spec, micro_batch=micro_batch, cost=cost, options=options)
+    return plan_step_s(plan, cluster, spec, micro_batch=micro_batch, cost=cost, options=options)
 
 
-def predict(plan: Plan, cluster: Cluster, spec: ModelSpec, *, micro_batch: int, cost: CostModel = CostModel(),
-            exact: bool = False, options: Options = PLAIN) -> float:
+def plan_step_s(plan: Plan, cluster: Cluster, spec: ModelSpec, *, micro_batch: int,
+                cost: CostModel = CostModel(), exact: bool = False, options: Options = PLAIN) -> float:
     """Step time of any plan under the cost model (closed form, or the exact 1F1B timeline), trained with
     ``options`` (recomputation and sequence parallelism change the time; the optimizer's sharding does not)."""
     worst = 0.0
