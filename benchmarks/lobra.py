@@ -2,7 +2,7 @@
 
     python -m benchmarks.lobra [--steps 8] [--part all|predicted|emulated] [--emulated-steps 6] [--cost-model YAML]
 
-**Predicted** (pure planner, hetu_ext/plan/lobra/__init__.py): a LLaMA-7B-shaped model (Hetu's LobRA scripts: 32 layers,
+**Predicted** (pure planner, hetu_ext/plan/lobra/): a LLaMA-7B-shaped model (Hetu's LobRA scripts: 32 layers,
 hidden 4096, ffn 11008, 32 heads), 16K max length, A100-class 80 GB GPUs (hetu_ext.plan.cost.stage's FLOP / all-reduce
 model, frozen bf16 base), 8 GPUs per node, at 16 / 32 / 64 GPUs with 4 / 6 / 8 tenants of 64 sequences per step.
 The tenants' length distributions are SYNTHETIC: each tenant draws from the real Wikipedia lengths

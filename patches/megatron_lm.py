@@ -237,22 +237,3 @@ def megatron_lm_cpu_patches() -> PatchSet:
               reason="moves the validation loss sums with tensor.cuda()"),
     ]
     return PatchSet("megatron-lm-cpu", patches)
-
-
-def _local_norm_new(original: Any) -> Any:
-    from hetu_ext.megatron.norms import local_norm
-
-    def __new__(cls: type, config: Any, hidden_size: int, eps: float = 1e-5, **_kernel_choices: Any) -> Any:
-        return local_norm(config, hidden_size, eps)
-
-    return staticmethod(__new__)
-
-
-def local_norm_patches() -> PatchSet:
-    """Megatron-core's local spec norms taking ``--apply-layernorm-1p`` and ``--sequence-parallel``
-    (:mod:`hetu_ext.megatron.norms`); its ``WrappedTorchNorm`` asserts against both."""
-    return PatchSet("megatron-local-norms", [
-        Patch(name="local_norm:WrappedTorchNorm", target=f"{_MC}.transformer.torch_norm:WrappedTorchNorm.__new__",
-              make=_local_norm_new, reason="asserts against zero-centred gamma (--apply-layernorm-1p) and "
-                                           "sequence parallelism"),
-    ])

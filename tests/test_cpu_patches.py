@@ -63,7 +63,7 @@ def test_fp16_loss_scaler_and_local_norms_build_on_cpu():
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from hetu_ext.megatron.norms import ZeroCenteredRMSNorm
-    from hetu_ext.patches.megatron_lm import local_norm_patches
+    from hetu_ext.megatron.norms import local_norm_patches
 
     patches, norms = megatron_cpu_patches(), local_norm_patches()
     config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, normalization="RMSNorm",

@@ -189,14 +189,7 @@ def test_layering_entry_point_keeps_host_rules():
     assert "hetu_ext.deepspeed" in _forbidden("checkpoint", PACKAGE / "checkpoint" / "cli.py")
 
 
-KNOWN_BACK_EDGES = {("patches", "megatron"): "patches/megatron_lm.py's local-norms patch imports "
-                                           "hetu_ext.megatron.norms (inside the function that builds it), while "
-                                           "megatron/host.py imports the CPU patches: the patch belongs in megatron_lm/"}
-"""Import edges known to close a circle, left out of the circle check until they are moved; each must still
-exist (test_layering_known_back_edges_exist), so a fixed one leaves this list."""
-
-
-def _package_graph(skip: dict = KNOWN_BACK_EDGES) -> dict[str, set[str]]:
+def _package_graph() -> dict[str, set[str]]:
     """Top-level package (or module) of hetu_ext -> the others its files import (entry points left out)."""
     graph: dict[str, set[str]] = {}
     for path in _all_files():
@@ -205,15 +198,9 @@ def _package_graph(skip: dict = KNOWN_BACK_EDGES) -> dict[str, set[str]]:
         source = _top(path)
         for _, module, _ in _imports(path):
             parts = module.split(".")
-            if parts[0] == "hetu_ext" and len(parts) > 1 and parts[1] != source and (source, parts[1]) not in skip:
+            if parts[0] == "hetu_ext" and len(parts) > 1 and parts[1] != source:
                 graph.setdefault(source, set()).add(parts[1])
     return graph
-
-
-def test_layering_known_back_edges_exist():
-    graph = _package_graph(skip={})
-    gone = [f"{a} -> {b}" for a, b in KNOWN_BACK_EDGES if b not in graph.get(a, set())]
-    assert not gone, "no longer imported; drop from KNOWN_BACK_EDGES: " + ", ".join(gone)
 
 
 def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:

@@ -18,7 +18,7 @@
 * ``pretrained.py``: ``--pretrained-checkpoint DIR``: the frozen base's weights from a pretraining run's hetu
   checkpoint (any layout, resharded), before ``--load`` resumes the adapters; the adapters record their base.
 
-The deployment planner is pure and lives in ``hetu_ext/plan/lobra/__init__.py`` (``python -m hetu_ext.plan lobra``).
+The deployment planner is pure and lives in ``hetu_ext/plan/lobra/`` (``python -m hetu_ext.plan lobra``).
 This package is an adapter on Megatron-core (like ``deepspeed/`` on DeepSpeed) and composes
 ``hetu_ext.megatron``'s trainer and plan runtime; ``hetu_ext.cli.train.build_run`` reaches it
 through one lazy import when ``--hetu-lora-tenants`` is given.

@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from hetu_ext.patches.base import Patch, PatchSet
+
 
 class ZeroCenteredLayerNorm(torch.nn.LayerNorm):
     """LayerNorm whose ``weight`` is gamma - 1 (initialised to 0)."""
@@ -59,3 +61,20 @@ def local_norm(config, hidden_size: int, eps: float = 1e-5) -> torch.nn.Module:
         for param in norm.parameters():
             param.sequence_parallel = True
     return norm
+
+
+def _local_norm_new(original: object) -> staticmethod:
+    def __new__(cls: type, config, hidden_size: int, eps: float = 1e-5, **_kernel_choices) -> torch.nn.Module:
+        return local_norm(config, hidden_size, eps)
+
+    return staticmethod(__new__)
+
+
+def local_norm_patches() -> PatchSet:
+    """Megatron-core's local spec norms taking ``--apply-layernorm-1p`` and ``--sequence-parallel`` (the norms of
+    this module, for Megatron-LM's own loop); its ``WrappedTorchNorm`` asserts against both."""
+    return PatchSet("megatron-local-norms", [
+        Patch(name="local_norm:WrappedTorchNorm",
+              target="megatron.core.transformer.torch_norm:WrappedTorchNorm.__new__", make=_local_norm_new, reason="asserts against zero-centred gamma (--apply-layernorm-1p) and "
+                                           "sequence parallelism"),
+    ])

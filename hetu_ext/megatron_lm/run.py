@@ -76,12 +76,12 @@ def prepare(inv: Invocation) -> list:
     if checkout not in sys.path:
         sys.path.append(checkout)
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # megatron's unfused paths would torch.compile on CPU
+    from hetu_ext.megatron.norms import local_norm_patches
     from hetu_ext.patches.base import PatchError, PatchSet
     from hetu_ext.patches.megatron_lm import (
         TESTED_TAG,
         check_patch_points,
         import_without_triton,
-        local_norm_patches,
         megatron_lm_cpu_patches,
     )
 
