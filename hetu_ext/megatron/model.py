@@ -48,7 +48,8 @@ class TrainingNumerics:
     def of(cls, model, training, *, variable_seq_lengths: bool, sequence_parallel: bool = False
            ) -> "TrainingNumerics":
         """From the run's model and training settings (hetu_ext.config's ModelConfig and TrainingConfig)."""
-        return cls(bf16=training.bf16, fp16=training.fp16, hidden_dropout=model.hidden_dropout, attention_dropout=model.attention_dropout,
+        return cls(bf16=training.bf16, fp16=training.fp16, hidden_dropout=model.hidden_dropout,
+                   attention_dropout=model.attention_dropout,
                    init_method_std=model.init_method_std, variable_seq_lengths=variable_seq_lengths,
                    sequence_parallel=sequence_parallel, zero_centered_gamma=model.apply_layernorm_1p,
                    grad_reduce_in_fp32=not (training.grad_reduce_in_bf16 or training.fp16),
@@ -84,7 +85,8 @@ def transformer_config(spec: ModelSpec, numerics: TrainingNumerics, *, tp: int, 
         layernorm_zero_centered_gamma=numerics.zero_centered_gamma,
         tensor_model_parallel_size=tp, sequence_parallel=numerics.sequence_parallel and tp > 1,
         pipeline_model_parallel_size=pp, pipeline_dtype=numerics.dtype, params_dtype=numerics.dtype,
-        bf16=numerics.bf16, fp16=numerics.fp16, hidden_dropout=numerics.hidden_dropout, attention_dropout=numerics.attention_dropout,
+        bf16=numerics.bf16, fp16=numerics.fp16, hidden_dropout=numerics.hidden_dropout,
+        attention_dropout=numerics.attention_dropout,
         init_method_std=numerics.init_method_std,
         # hetu_ext overwrites the weights with its layout-independent values (weights.py), but Megatron's own
         # initialisation must run: with perform_initialization=False 0.16.1 never marks TP-split weights as
@@ -194,7 +196,8 @@ def optimizer_config(training: TrainingConfig, numerics: TrainingNumerics, *,
                            adam_eps=t.adam_eps, clip_grad=t.clip_grad, bf16=t.bf16, fp16=t.fp16,
                            loss_scale=t.loss_scale, initial_loss_scale=t.initial_loss_scale,
                            min_loss_scale=t.min_loss_scale, loss_scale_window=t.loss_scale_window,
-                           hysteresis=t.hysteresis, params_dtype=numerics.dtype, use_distributed_optimizer=use_distributed_optimizer)
+                           hysteresis=t.hysteresis, params_dtype=numerics.dtype,
+                           use_distributed_optimizer=use_distributed_optimizer)
 
 
 def with_precision(model, config, numerics: TrainingNumerics):
@@ -205,3 +208,10 @@ def with_precision(model, config, numerics: TrainingNumerics):
     from megatron.core.transformer.module import Float16Module
 
     return Float16Module(config, model)
+
+
+def transformer_layers(model) -> list:
+    """The TransformerLayer modules of a stage model (what the straggler monitor's timer times)."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    return [m for m in model.modules() if isinstance(m, TransformerLayer)]

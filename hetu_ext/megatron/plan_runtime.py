@@ -115,6 +115,92 @@ def _join_optimizer_setup(training: TrainingConfig, spec: ModelSpec, numerics: T
     get_megatron_optimizer(opt_config, [idle], use_gloo_process_groups=False, pg_collection=pgc)
 
 
+@dataclasses.dataclass
+class _Stage:
+    """This rank's stage under a plan: the DDP-wrapped stage model and what the gradient sync and optimizer need."""
+
+    model: object
+    config: object
+    pgc: object
+    stage: object
+    tp_rank: int
+    shard_kwargs: dict
+    shards: list[ShardInfo]
+    """This rank's pieces of the global tensors, gathered by every rank to derive the plan's layout."""
+    local: dict
+    flat: list
+
+
+def _build_stage(training: TrainingConfig, spec: ModelSpec, plan: Plan, host, numerics: TrainingNumerics,
+                 groups: PlanGroups, where: tuple[int, int], converter) -> _Stage:
+    """The stage model of this rank's place ``where`` (pipeline, stage): Megatron-core's GPTModel for its layers,
+    initialised layout-independently, Float16Module under --bf16 / --fp16, Megatron's DDP around it."""
+    from megatron.core import tensor_parallel
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    stage = plan.pipelines[where[0]].stages[where[1]]
+    tp_rank = stage.ranks.index(host.rank)
+    tensor_parallel.model_parallel_cuda_manual_seed(training.seed, tp_rank=tp_rank, ep_rank=0, etp_rank=0,
+                                                     force_reset_rng=True)
+    pgc = _pg_collection(groups)
+    stage_spec = dataclasses.replace(spec, num_layers=stage.num_layers)
+    config = transformer_config(stage_spec, numerics, tp=stage.tp, pp=1, on_cpu=host.device.type == "cpu")
+    model = build_gpt_stage(stage_spec, config, pre_process=stage.has_embedding,
+                            post_process=stage.has_output, pg_collection=pgc, converter=converter,
+                            layer_offset=stage.layer_start)
+    model.to(host.device)
+    shard_kwargs = {"layer_offset": stage.layer_start, "metadata": {"dp_cp_group": groups.single}}
+    init_weights(model, seed=training.seed, std=numerics.init_method_std, num_layers=spec.num_layers,
+                 **shard_kwargs)
+    model = with_precision(model, config, numerics)
+    if numerics.half:
+        # Float16Module casts inputs on the first stage and outputs back to fp32 on the last, asking its
+        # pg_collection's pp group; the stage model's is a single rank, so tell it the plan's position
+        position = StagePosition(where[1], plan.pipelines[where[0]].pp)
+        model.pg_collection = copy.copy(model.pg_collection)
+        model.pg_collection.pp = position
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=numerics.grad_reduce_in_fp32,
+                                               overlap_grad_reduce=False)
+    model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model, pg_collection=pgc)
+    local, shards = {}, []
+    flat = [b.grad_data for b in model.buffers + model.expert_parallel_buffers]
+    for s in local_shards(model, **shard_kwargs):
+        box = tuple((sl.start, sl.stop) for sl in s.slices)
+        shards.append(ShardInfo(rank=host.rank, stage=where, tp_index=tp_rank, key=s.key, index=s.index,
+                                box=box, offset=_buffer_offset(s.param, flat)))
+        if (s.key, s.index) in local:
+            raise PlanError(f"{s.key}{list(s.index)} appears twice on rank {host.rank}")
+        local[(s.key, s.index)] = LocalTensor(param=s.param, box=box,
+                                               shape=tuple(s.data.shape) if s.gated else None)
+    return _Stage(model=model, config=config, pgc=pgc, stage=stage, tp_rank=tp_rank, shard_kwargs=shard_kwargs,
+                  shards=shards, local=local, flat=flat)
+
+
+def _finalize_func(sync, groups: PlanGroups, partial: list[torch.Tensor], normaliser: dict, *, is_last: bool,
+                   tp_rank: int):
+    """Megatron's ``finalize_model_grads_func`` for a plan: DDP's own (single-rank) sync, the TP-partial sums, every
+    element summed over its holders (``sync``), then divided by the global batch's token count (or
+    ``normaliser["tokens"]``)."""
+
+    def finalize(model_chunks, num_tokens=None, pg_collection=None, force_all_reduce=False):
+        for chunk in model_chunks:
+            chunk.finish_grad_sync()
+        if partial:  # TP copies of a stage are identical from here on, as the layout assumes
+            sum_over_group(partial, groups.tp)
+        sync.reduce()
+        if normaliser.get("tokens") is not None:
+            tokens = torch.tensor([float(normaliser["tokens"])], dtype=torch.float64)
+        else:
+            tokens = torch.zeros(1, dtype=torch.float64)
+            if is_last and tp_rank == 0 and num_tokens is not None:
+                tokens += float(num_tokens)
+            dist.all_reduce(tokens, group=groups.used)
+        for chunk in model_chunks:
+            chunk.scale_gradients(1.0 / float(tokens))
+
+    return finalize
+
+
 def build_plan_placement(training: TrainingConfig, spec: ModelSpec, plan: Plan, host, numerics: TrainingNumerics,
                          *, use_distributed_optimizer: bool = False, with_optimizer: bool = True,
                          converter=None) -> Placement:
@@ -124,8 +210,7 @@ def build_plan_placement(training: TrainingConfig, spec: ModelSpec, plan: Plan, 
     (HotSPa's strategies, megatron/switching.py): no optimizer; its gradients are reduced over its own holders,
     then pulled into the home placement's. ``converter``: a model converter for every stage model built
     (model.build_gpt_stage; LoRA's adapters)."""
-    from megatron.core import parallel_state, tensor_parallel
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core import parallel_state
     from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -134,45 +219,10 @@ def build_plan_placement(training: TrainingConfig, spec: ModelSpec, plan: Plan, 
         parallel_state._set_global_memory_buffer()
     groups = build_groups(plan)
     where = plan.stage_of(host.rank)
-    model = None
-    shards: list[ShardInfo] = []
-    if where is not None:
-        stage = plan.pipelines[where[0]].stages[where[1]]
-        tp_rank = stage.ranks.index(host.rank)
-        tensor_parallel.model_parallel_cuda_manual_seed(training.seed, tp_rank=tp_rank, ep_rank=0, etp_rank=0,
-                                                         force_reset_rng=True)
-        pgc = _pg_collection(groups)
-        stage_spec = dataclasses.replace(spec, num_layers=stage.num_layers)
-        config = transformer_config(stage_spec, numerics, tp=stage.tp, pp=1, on_cpu=host.device.type == "cpu")
-        model = build_gpt_stage(stage_spec, config, pre_process=stage.has_embedding,
-                                post_process=stage.has_output, pg_collection=pgc, converter=converter,
-                                layer_offset=stage.layer_start)
-        model.to(host.device)
-        shard_kwargs = {"layer_offset": stage.layer_start, "metadata": {"dp_cp_group": groups.single}}
-        init_weights(model, seed=training.seed, std=numerics.init_method_std, num_layers=spec.num_layers,
-                     **shard_kwargs)
-        model = with_precision(model, config, numerics)
-        if model is not None and numerics.half:
-            # Float16Module casts inputs on the first stage and outputs back to fp32 on the last, asking its
-            # pg_collection's pp group; the stage model's is a single rank, so tell it the plan's position
-            position = StagePosition(where[1], plan.pipelines[where[0]].pp)
-            model.pg_collection = copy.copy(model.pg_collection)
-            model.pg_collection.pp = position
-        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=numerics.grad_reduce_in_fp32,
-                                                   overlap_grad_reduce=False)
-        model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model, pg_collection=pgc)
-        local = {}
-        flat = [b.grad_data for b in model.buffers + model.expert_parallel_buffers]
-        for s in local_shards(model, **shard_kwargs):
-            box = tuple((sl.start, sl.stop) for sl in s.slices)
-            shards.append(ShardInfo(rank=host.rank, stage=where, tp_index=tp_rank, key=s.key, index=s.index,
-                                    box=box, offset=_buffer_offset(s.param, flat)))
-            if (s.key, s.index) in local:
-                raise PlanError(f"{s.key}{list(s.index)} appears twice on rank {host.rank}")
-            local[(s.key, s.index)] = LocalTensor(param=s.param, box=box,
-                                                   shape=tuple(s.data.shape) if s.gated else None)
+    built = _build_stage(training, spec, plan, host, numerics, groups, where, converter) if where is not None \
+        else None
     everyone: list = [None] * groups.world_size
-    dist.all_gather_object(everyone, shards)
+    dist.all_gather_object(everyone, built.shards if built is not None else [])
     all_shards = [s for part in everyone for s in part]
     layout = reduction_layout(all_shards)
     add_lane_groups(groups, list(layout.lanes))
@@ -191,13 +241,14 @@ def build_plan_placement(training: TrainingConfig, spec: ModelSpec, plan: Plan, 
         return Placement(active=False, probe_layer=_probe_layer(training, spec, numerics, groups, host,
                                                                                   converter))
 
+    model, config, pgc, stage = built.model, built.config, built.pgc, built.stage
     opt_config = optimizer_config(training, numerics)
     optimizer = None
     if use_distributed_optimizer and with_optimizer:  # --- sharded optimizer: reduce-scatter, owners step, all-gather
-        sync = ShardedGradSync(shards=opt_shards, groups=groups, local=local)
+        sync = ShardedGradSync(shards=opt_shards, groups=groups, local=built.local)
         optimizer = build_sharded_optimizer(opt_config, model, sync, pgc, groups.used)
     else:
-        sync = GradSync(layout=layout, groups=groups, local=local, flat_buffers=flat,
+        sync = GradSync(layout=layout, groups=groups, local=built.local, flat_buffers=built.flat,
                         in_place=in_place_lanes(layout, all_shards))
         if with_optimizer:
             optimizer = get_megatron_optimizer(opt_config, [model], use_gloo_process_groups=False,
@@ -207,31 +258,13 @@ def build_plan_placement(training: TrainingConfig, spec: ModelSpec, plan: Plan, 
         inner.get_main_grads_for_grad_norm = sync.owned_grads
         inner.grad_stats_parallel_group = groups.used
 
-    is_last = stage.has_output
     normaliser: dict = {}
     """``normaliser["tokens"]``, when set: divide gradients by it instead of this schedule's token count (HotSPa
     runs one step as several schedules and normalises by the whole step's tokens)."""
-
     partial = tp_partial_grads(model, config) if stage.tp > 1 else []
-
-    def finalize(model_chunks, num_tokens=None, pg_collection=None, force_all_reduce=False):
-        for chunk in model_chunks:
-            chunk.finish_grad_sync()
-        if partial:  # TP copies of a stage are identical from here on, as the layout assumes
-            sum_over_group(partial, groups.tp)
-        sync.reduce()
-        if normaliser.get("tokens") is not None:
-            tokens = torch.tensor([float(normaliser["tokens"])], dtype=torch.float64)
-        else:
-            tokens = torch.zeros(1, dtype=torch.float64)
-            if is_last and tp_rank == 0 and num_tokens is not None:
-                tokens += float(num_tokens)
-            dist.all_reduce(tokens, group=groups.used)
-        for chunk in model_chunks:
-            chunk.scale_gradients(1.0 / float(tokens))
-
     config.no_sync_func = model.no_sync
-    config.finalize_model_grads_func = finalize
+    config.finalize_model_grads_func = _finalize_func(sync, groups, partial, normaliser, is_last=stage.has_output,
+                                                      tp_rank=built.tp_rank)
     config.grad_scale_func = optimizer.scale_loss if optimizer is not None else None
     pipeline = plan.pipelines[where[0]]
     from .p2p import StageP2P
@@ -239,7 +272,7 @@ def build_plan_placement(training: TrainingConfig, spec: ModelSpec, plan: Plan, 
     p2p = StageP2P(neighbours(plan, host.rank), config, dtype=numerics.dtype, device=host.device,
                    sequence_group=groups.tp if config.sequence_parallel else None)
     return Placement(active=True, pipeline_index=where[0], model=model, optimizer=optimizer, config=config,
-                     is_last_stage=is_last, tp_rank=tp_rank, report_group=groups.used,
+                     is_last_stage=stage.has_output, tp_rank=built.tp_rank, report_group=groups.used,
                      schedule_kwargs={"p2p_communicator": p2p, "pg_collection": pgc},
                      forward_backward=get_forward_backward_func(pp_size=pipeline.pp, vp_size=None),
-                     grad_sync=sync, shard_kwargs=shard_kwargs, normaliser=normaliser)
+                     grad_sync=sync, shard_kwargs=built.shard_kwargs, normaliser=normaliser)

@@ -132,6 +132,29 @@ def restore_scaler_state(optimizer, saved: list[dict] | None, where: str, *, rep
         scaler.load_state_dict({**record, "scale": scale})
 
 
+def check_norm_convention(config, directory: str) -> None:
+    """--apply-layernorm-1p stores norm weights as gamma - 1: a hetu_ext checkpoint saved under the other convention
+    has the same tensors with other meanings, so loading it is refused (its manifest records the flag; absent in
+    older ones: off). Checkpoints of Megatron-LM's loop record no model flags and are not checked."""
+    from hetu_ext.checkpoint.reader import latest_iteration, read_manifest
+
+    from hetu_ext.checkpoint import LocalStorage
+
+    storage = LocalStorage(directory)
+    try:
+        iteration = latest_iteration(storage)
+        recorded = read_manifest(storage, iteration).config if iteration is not None else {}
+    except (OSError, ValueError):
+        return  # not a hetu checkpoint, or a damaged one: the loader says which
+    if "num_layers" not in recorded:
+        return
+    saved, now = bool(recorded.get("apply_layernorm_1p", False)), config.model.apply_layernorm_1p
+    if saved != now:
+        raise ValueError(f"--load {directory}: its norm weights were saved {'with' if saved else 'without'} "
+                         f"--apply-layernorm-1p (gamma{' - 1' if saved else ''}), this run is "
+                         f"{'with' if now else 'without'} it; give the same setting as the saved run")
+
+
 def optimizers(optimizer) -> list:
     """The torch optimizers inside Megatron's (chained) optimizer (none for a model without one)."""
     if optimizer is None:

@@ -21,47 +21,33 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from hetu_ext.config import (
-    PackingConfig,
-    RunConfig,
-    StragglerConfig,
-    TrainingConfig,
-)
+from hetu_ext.config import PackingConfig, RunConfig, StragglerConfig, TrainingConfig
 from hetu_ext.megatron import checkpointing, host
 from hetu_ext.megatron.activations import report_first_step
 from hetu_ext.megatron.data import DataSpec, build_datasets, make_tokenizer
 from hetu_ext.megatron.launch_plan import check_launch, save_format
 from hetu_ext.megatron.memory import memory_table
 from hetu_ext.megatron.migrate import migrate
-from hetu_ext.megatron.model import TrainingNumerics
+from hetu_ext.megatron.model import TrainingNumerics, transformer_layers
 from hetu_ext.megatron.monitor import StragglerMonitor
 from hetu_ext.megatron.packed_data import PackedSteps, StepData, open_documents
 from hetu_ext.megatron.placement import Placement
 from hetu_ext.megatron.plan_runtime import build_plan_placement
-from hetu_ext.megatron.state import scheduler_settings
+from hetu_ext.megatron.state import check_norm_convention, scheduler_settings
 from hetu_ext.megatron.switching import SwitchedSteps, Switching
 from hetu_ext.megatron.tokenizers import tokenizer_files
 from hetu_ext.megatron.uniform_runtime import build_megatron_placement
-from hetu_ext.metrics import MetricsWriter, format_log_line, peak_tflops
+from hetu_ext.metrics import MetricsWriter, peak_tflops
 from hetu_ext.model import inventory
-from hetu_ext.plan import (
-    ModelSpec,
-    Plan,
-    format_plan,
-    plan_to_dict,
-)
+from hetu_ext.plan import ModelSpec, Plan, format_plan, plan_to_dict
 from hetu_ext.plan.core.batches import BatchRamp, batch_ramp, check_ramp, global_batch_size, scheduler_unit
 from hetu_ext.plan.malleus.straggler_policy import StragglerPolicy
 from hetu_ext.runtime.straggler import CostFn, LayerTimer, parse_schedule
+from hetu_ext.runtime.watchdog import StepWatchdog
 from hetu_ext.train.step import (
-    MicrobatchSteps,
-    PackedDocumentSteps,
-    StepKind,
-    SwitchedGroupSteps,
-    forward_step,
-    run_step,
-)
+    MicrobatchSteps, PackedDocumentSteps, StepKind, SwitchedGroupSteps, forward_step, run_step)
 from hetu_ext.train.eval import Evaluation, check_evaluation, eval_samples
+from hetu_ext.train.records import open_metrics, report_migration, step_record, window_line
 
 logger = logging.getLogger(__name__)
 
@@ -169,21 +155,15 @@ class Trainer:
         data = None
         window: list[dict] = []  # the step records since the last log line
         step_start = time.perf_counter()  # a step's time runs from the previous step's end (data and saves included)
-        watchdog = _hang_watchdog(cfg.parallel.hang_timeout, self.host.rank)
+        # --hetu-hang-timeout: the step-progress watchdog (None when 0)
+        watchdog = StepWatchdog(cfg.parallel.hang_timeout, rank=self.host.rank) if cfg.parallel.hang_timeout else None
         while self.iteration < train_iters and not cfg.training.skip_train:
             placement = self.placement
             replan = None
             if not placement.active:
                 if watchdog is not None:
                     watchdog.pause()  # idle in this plan: no steps to time
-                pending = [step for step, _ in self.migrations if step > self.iteration]
-                if self.monitor:  # idle ranks take part in every exchange of timings
-                    pending.append((self.iteration // self.monitor.interval + 1) * self.monitor.interval)
-                self.iteration = min(min(pending, default=train_iters), train_iters)
-                if self.monitor:
-                    if placement.probe_layer is not None and self.iteration % self.monitor.interval == 0:
-                        self.monitor.probe(placement.probe_layer, self.iteration)
-                    replan = self.monitor.after_step(self.iteration, log)
+                replan = self._skip_idle(train_iters, log)
             else:
                 if data is None:
                     data = self._open_data()
@@ -197,18 +177,11 @@ class Trainer:
                 if watchdog is not None:
                     watchdog.beat(self.iteration)
                 step_s, step_start = time.perf_counter() - step_start, time.perf_counter()
-                window.append(self._step_record(loss=result.loss, grad_norm=result.grad_norm,
-                                                samples=result.samples, tokens=result.tokens, step_s=step_s,
-                                                consumed=self._consumed(data, result.samples),
-                                                packing=result.statistics, skipped=result.skipped))
+                window.append(step_record(self, result, step_s=step_s,
+                                          consumed=self._consumed(data, result.samples)))
                 if self.iteration % cfg.logging.log_interval == 0 or self.iteration == train_iters:
-                    if self.host.rank == self.log_rank:  # Megatron-LM's line: the window's mean step time
-                        seconds = sum(r["step_ms"] for r in window) / 1e3
-                        line = {**window[-1], "step_ms": seconds * 1e3 / len(window),
-                                "tokens_per_s": sum(r["tokens"] for r in window) / seconds}
-                        if "skipped_iterations" in line:  # Megatron-LM counts the skipped steps of the interval
-                            line["skipped_iterations"] = sum(r["skipped_iterations"] for r in window)
-                        log(format_log_line(line))
+                    if self.host.rank == self.log_rank:
+                        log(window_line(window))
                     window = []
                 if self.evaluation is not None and self.evaluation.after_step(self, log, watchdog):
                     step_start = time.perf_counter()  # evaluating is no step (before the save: Megatron-LM's order)
@@ -248,6 +221,19 @@ class Trainer:
             self.metrics.close()
         return self.losses
 
+    def _skip_idle(self, train_iters: int, log):
+        """A rank the plan leaves unused skips ahead to the next migration or exchange of timings (it takes part in
+        both; an idle rank's probe layer is timed there) or to the end; returns the monitor's proposed plan."""
+        pending = [step for step, _ in self.migrations if step > self.iteration]
+        if self.monitor:  # idle ranks take part in every exchange of timings
+            pending.append((self.iteration // self.monitor.interval + 1) * self.monitor.interval)
+        self.iteration = min(min(pending, default=train_iters), train_iters)
+        if not self.monitor:
+            return None
+        if self.placement.probe_layer is not None and self.iteration % self.monitor.interval == 0:
+            self.monitor.probe(self.placement.probe_layer, self.iteration)
+        return self.monitor.after_step(self.iteration, log)
+
     def _time_is_up(self, log) -> bool:
         """--exit-duration-in-mins: this process has run longer than the limit on some used rank (a MAX over the
         used ranks, as Megatron-LM's all-reduce after every step; the plan has no idle rank, build_run checks)."""
@@ -269,33 +255,6 @@ class Trainer:
     def _open_data(self):
         """This pipeline's data from the current step on, as the step kind reads it."""
         return self.step_kind.open(self)
-
-    def _step_record(self, *, loss: float, grad_norm: float | None, samples: int, tokens: int, step_s: float,
-                     consumed: int, packing: dict | None, skipped: bool = False) -> dict:
-        """This step's metrics record (written by the logging rank), the source of its log line. Under --fp16 it
-        also has ``loss_scale`` (the scale after this step's update of the scaler) and ``skipped_iterations`` (1
-        when this step's update was skipped, else 0), Megatron-LM's two fields."""
-        used = len(self.plan.used_ranks)
-        tflops = self.flops_per_token * tokens / step_s / used / 1e12
-        record = {"iteration": self.iteration, "train_iters": self.config.training.train_iters, "loss": loss,
-                  "lr": self.optimizer.param_groups[0]["lr"], "grad_norm": grad_norm, "samples": samples,
-                  "tokens": tokens, "consumed_samples": consumed, "step_ms": step_s * 1e3,
-                  "tokens_per_s": tokens / step_s, "tflops_per_rank": tflops,
-                  "mfu": tflops / self.peak_tflops if self.peak_tflops else None,
-                  "plan_id": self.plan_key, "ranks": used}
-        if self.config.training.fp16:
-            record["loss_scale"] = float(self.optimizer.get_loss_scale().item())
-            record["skipped_iterations"] = int(skipped)
-        if self.timer is not None and (self.timer.nominal_s is not None or self.layer_cost is not None):
-            record["emulation_overruns"] = self.overruns
-        if self.monitor is not None and self.monitor.exchanged_at == self.iteration:  # measured at this step
-            record["compute_ms"] = {str(r): ms for r, ms in self.monitor.compute_ms.items()}
-            record["slowdowns"] = {str(r): x for r, x in self.monitor.estimates.items()}
-        if packing is not None:
-            record["packing"] = packing
-        if self.metrics is not None:
-            self.metrics.step(**record)
-        return record
 
     def run_schedule(self, placement: Placement, step: StepData) -> list:
         """One schedule (Megatron's) over ``step``'s microbatches on ``placement``; its loss reports."""
@@ -324,16 +283,7 @@ class Trainer:
         if self.monitor:
             self.monitor.use_plan(plan)
         self.attach_timer()
-        sent = torch.tensor([float(report.bytes_sent), float(report.bytes_kept)], dtype=torch.float64)
-        dist.all_reduce(sent)
-        if self.host.rank == report_rank:
-            if self.metrics is not None:
-                self.metrics.event("migration", iteration=self.iteration, seconds=report.seconds,
-                                   bytes_sent=int(sent[0]), bytes_kept=int(sent[1]), plan_id=self.plan_key,
-                                   plan=plan_to_dict(plan))
-            log(f"migrated to a new plan after step {self.iteration} in {report.seconds:.2f} s: "
-                f"{sent[0] / 2**20:.2f} MiB sent between ranks, {sent[1] / 2**20:.2f} MiB kept in place\n"
-                f"{format_plan(plan)}")
+        report_migration(self, report, log, reporting=self.host.rank == report_rank)
 
     def build_placement(self, plan: Plan) -> Placement:
         """This rank's placement under ``plan``, a migration's destination (collective; a plug-in may add its own
@@ -385,7 +335,7 @@ class Trainer:
             return
         stage = plan.pipelines[placement.pipeline_index].stages[plan.stage_of(self.host.rank)[1]]
         cost = self.layer_cost(stage.tp) if self.layer_cost else None
-        self.timer.attach(_transformer_layers(placement.model), cost=cost)
+        self.timer.attach(transformer_layers(placement.model), cost=cost)
 
     def build_strategy(self, k: int) -> Placement:
         """HotSPa: strategy ``k``'s compute placement (collective; no optimizer), its layers timed."""
@@ -412,37 +362,6 @@ class Trainer:
         return float(total[0] / total[1])
 
 
-def check_norm_convention(config: RunConfig, directory: str) -> None:
-    """--apply-layernorm-1p stores norm weights as gamma - 1: a hetu_ext checkpoint saved under the other convention
-    has the same tensors with other meanings, so loading it is refused (its manifest records the flag; absent in
-    older ones: off). Checkpoints of Megatron-LM's loop record no model flags and are not checked."""
-    from hetu_ext.checkpoint import LocalStorage
-    from hetu_ext.checkpoint.reader import latest_iteration, read_manifest
-
-    storage = LocalStorage(directory)
-    try:
-        iteration = latest_iteration(storage)
-        recorded = read_manifest(storage, iteration).config if iteration is not None else {}
-    except (OSError, ValueError):
-        return  # not a hetu checkpoint, or a damaged one: the loader says which
-    if "num_layers" not in recorded:
-        return
-    saved, now = bool(recorded.get("apply_layernorm_1p", False)), config.model.apply_layernorm_1p
-    if saved != now:
-        raise ValueError(f"--load {directory}: its norm weights were saved {'with' if saved else 'without'} "
-                         f"--apply-layernorm-1p (gamma{' - 1' if saved else ''}), this run is "
-                         f"{'with' if now else 'without'} it; give the same setting as the saved run")
-
-
-def _hang_watchdog(timeout_s: float, rank: int):
-    """--hetu-hang-timeout: the step-progress watchdog of hetu_ext/runtime/watchdog.py (None when 0)."""
-    if not timeout_s:
-        return None
-    from hetu_ext.runtime.watchdog import StepWatchdog
-
-    return StepWatchdog(timeout_s, rank=rank)
-
-
 def make_scheduler(training: TrainingConfig, packing: PackingConfig, placement: Placement, plan: Plan):
     """Megatron's LR/weight-decay scheduler, stepped in samples as Megatron-LM does (None on idle ranks)."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -457,12 +376,6 @@ def make_scheduler(training: TrainingConfig, packing: PackingConfig, placement: 
 def plan_id(plan: Plan) -> str:
     """A short stable name of a plan (metrics records, events): the first 10 hex digits of its YAML's SHA-1."""
     return hashlib.sha1(json.dumps(plan_to_dict(plan), sort_keys=True).encode()).hexdigest()[:10]
-
-
-def _transformer_layers(model) -> list:
-    from megatron.core.transformer.transformer_layer import TransformerLayer
-
-    return [m for m in model.modules() if isinstance(m, TransformerLayer)]
 
 
 def straggler_monitor(straggler: StragglerConfig, micro_batch: int, log_interval: int, spec: ModelSpec, plan: Plan,
@@ -497,21 +410,6 @@ def emulated_layer_cost(straggler: StragglerConfig) -> Callable[[int], CostFn] |
         return lambda tokens, sum_sq: cost.moments_s(sum_sq, tokens)
 
     return per_tp
-
-
-def open_metrics(config: RunConfig) -> MetricsWriter:
-    """The run's metrics writer (a file only where :func:`metrics_path` names one)."""
-    return MetricsWriter(metrics_path(config), tensorboard_dir=config.logging.tensorboard_dir,
-                         wandb_project=config.logging.wandb_project, config=config.to_dict())
-
-
-def metrics_path(config: RunConfig) -> str | None:
-    """``--hetu-metrics-file``, else ``metrics.jsonl`` in the run directory (``--save``, else
-    ``--tensorboard-dir``), else None (no file)."""
-    if config.logging.metrics_file:
-        return config.logging.metrics_file
-    run_dir = config.checkpoint.save or config.logging.tensorboard_dir
-    return os.path.join(run_dir, "metrics.jsonl") if run_dir else None
 
 
 def build_trainer(config: RunConfig, *, checkpoint_formats: tuple = ()) -> Trainer:
