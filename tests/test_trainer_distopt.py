@@ -27,13 +27,13 @@ def zero1_run(rank: int, world_size: int, argv: list[str]) -> dict | None:
 
 
 def test_zero1_hetu_checkpoint_resumes_same_layout_exactly_and_tp2_closely(sample_prefix, tmp_path):
-    """DP 2 under Megatron's DistributedOptimizer, 4 steps, against 2 steps + a hetu save + 2 resumed steps:
-    under the same layout the losses and final weights are equal (the same sums in the same order, Adam's state
-    and the RNG restored); under TP 2 (one DP rank: another set of flat ranges, each weight split in two) the
-    resumed losses are within 1e-5 relative and the weights within 1e-5 absolute: TP 2 changes only the order of
-    fp32 sums in the matmuls and the grad norm (measured on this 2-layer model: losses equal, weights 8.8e-8). Catches a flat range mapped to
-    the wrong box of a global tensor (a moment or master landing elsewhere moves step 3's loss by far more), a
-    range left out of the save (the load raises), and the refusal of the format coming back."""
+    """DP 2 under Megatron's DistributedOptimizer, 4 steps, against 2 steps + a hetu save + 2 resumed steps: under the
+    same layout the losses and final weights are equal (the same sums in the same order, Adam's state and the RNG
+    restored); under TP 2 (one DP rank: another set of flat ranges, each weight split in two) the resumed losses are
+    within 1e-5 relative and the weights within 1e-5 absolute: TP 2 changes only the order of fp32 sums in the
+    matmuls and the grad norm (measured on this 2-layer model: losses equal, weights 8.8e-8). Catches a flat range
+    mapped to the wrong box of a global tensor (a moment or master landing elsewhere moves step 3's loss by far
+    more), a range left out of the save (the load raises), and the refusal of the format coming back."""
     argv = gpt_argv(1, 1, sample_prefix, ZERO1)
     full = run_ranks(zero1_run, 2, [*argv, "--train-iters", "4"], timeout=180)[0]
     ckpt = tmp_path / "ckpt"

@@ -1,15 +1,15 @@
 """``--save`` / ``--load``: hetu_ext's layout-agnostic format (default) or Megatron-core's ``dist_checkpointing``.
 
 **hetu** (``--hetu-ckpt-format hetu``, hetu_ext/checkpoint/): every rank's parameters, fp32 master weights (with
-``--bf16`` or ``--fp16``) and Adam moments become pieces with global offsets; each unique element is written once, spread over
-its holders, after a short blocking copy to host memory, while training goes on; the commit is atomic and
-``latest_checkpointed_iteration.txt`` moves only after it. Loading reshards the stored pieces into the running
-plan, whatever it is (another TP / PP / DP, heterogeneous pipelines, another rank count), on either runtime.
-The manifest also keeps Adam's step, the LR schedule, the ``--fp16`` loss scaler's state, the losses so far, the data position (the iteration, from
-which both the unpacked and the packed data derive each step's samples, plus consumed samples and the settings
-that fix the samples: global batch, seed, sequence length, split, packing; a resume that changes them is refused)
-and each rank's RNG states (restored when the plan is the same; under another plan ranks have no counterpart, so
-each keeps the RNG its seed gives).
+``--bf16`` or ``--fp16``) and Adam moments become pieces with global offsets; each unique element is written once,
+spread over its holders, after a short blocking copy to host memory, while training goes on; the commit is atomic
+and ``latest_checkpointed_iteration.txt`` moves only after it. Loading reshards the stored pieces into the running
+plan, whatever it is (another TP / PP / DP, heterogeneous pipelines, another rank count), on either runtime. The
+manifest also keeps Adam's step, the LR schedule, the ``--fp16`` loss scaler's state, the losses so far, the data
+position (the iteration, from which both the unpacked and the packed data derive each step's samples, plus consumed
+samples and the settings that fix the samples: global batch, seed, sequence length, split, packing; a resume that
+changes them is refused) and each rank's RNG states (restored when the plan is the same; under another plan ranks
+have no counterpart, so each keeps the RNG its seed gives).
 
 **torch_dist** (Megatron-LM's layout, uniform runtime only): ``DIR/iter_0000004/`` with Megatron's shards and
 ``hetu_common.pt``, written into ``DIR/.tmp_iter_0000004_<token>/`` and renamed by rank 0 once every rank
