@@ -66,19 +66,7 @@ class FlagParser(argparse.ArgumentParser):
         unknown = [t for t in tokens if t.startswith("--") and t != "--" and t.split("=", 1)[0] not in known]
         if unknown:
             self.error(f"unrecognized arguments: {' '.join(unknown)}")
-        namespace, rest = super().parse_known_args(args, namespace)
-        held = {id(a) for a in self._actions}
-        for action, flag in getattr(self, "settings", ()):
-            if id(action) in held:
-                continue
-            dest, default = action.dest, action.default
-            # a setting whose flag a host path's parser replaced (its refusal): it keeps its default, and a
-            # --hetu-config file cannot set it either
-            if self._defaults.get(dest, default) != default:
-                replaced = self._option_string_actions.get(flag)
-                self.error(f"{flag} (given by --hetu-config): {replaced.help if replaced else 'not supported here'}")
-            setattr(namespace, dest, default)
-        return namespace, rest
+        return super().parse_known_args(args, namespace)
 
     def error(self, message: str):  # argparse's hook for every parse error
         if message.startswith("unrecognized arguments:"):
@@ -135,10 +123,6 @@ def build_parser(prog: str = "pretrain_gpt.py", sections: dict[str, type] = SECT
                         help="print every setting of this run as a --hetu-config YAML file and exit")
     for name, cls in sections.items():
         add_section_flags(parser, name, cls)
-    # a host path's parser may refuse a setting it does not build by re-defining its flag (the DeepSpeed path's
-    # --fp16): the later definition replaces the section's, whose setting keeps its default
-    parser.settings = [(a, a.option_strings[0]) for a in parser._actions if a.option_strings and a.dest != "help"]
-    parser.conflict_handler = "resolve"
     return parser
 
 

@@ -18,22 +18,8 @@ FP16_REFUSAL = ("--fp16 is not supported on the DeepSpeed path: Megatron-LM's dy
                 "1, 2 or 3")
 
 
-class _Refused(argparse.Action):
-    """A flag that changes the numbers and is not built here: refused by name with the reason (one line, exit 2),
-    not left to argparse's "unrecognized arguments"."""
-
-    def __init__(self, option_strings: list[str], dest: str, message: str = "", **kwargs) -> None:
-        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=f"refused: {message}",
-                         **kwargs)
-        self.message = message
-
-    def __call__(self, parser, namespace, values, option_string=None) -> None:
-        parser.error(self.message)
-
-
 def add_deepspeed_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("deepspeed")
-    g.add_argument("--fp16", action=_Refused, message=FP16_REFUSAL)
     g.add_argument("--zero-stage", type=int, choices=ZERO_STAGES, default=2,
                    help="ZeRO stage (default 2; 0: DeepSpeed without ZeRO, fp32 only)")
     g.add_argument("--deepspeed-config", default=None,
@@ -136,6 +122,8 @@ def check_supported(config: RunConfig) -> None:
                "--hetu-ckpt-format torch_dist": config.checkpoint.format == "torch_dist",
                "--hetu-emulate-cost": config.straggler.emulate_cost}
     t = config.training
+    if t.fp16:
+        raise ValueError(FP16_REFUSAL)
     refused.update({"--eval-iters": t.eval_iters, "--skip-train": t.skip_train, "--decoupled-lr": t.decoupled_lr,
                     "--decoupled-min-lr": t.decoupled_min_lr, "--grad-reduce-in-bf16": t.grad_reduce_in_bf16,
                     "--exit-duration-in-mins": t.exit_duration_in_mins, "--rampup-batch-size": t.rampup_batch_size})
