@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from hetu_ext.checkpoint import LocalStorage
@@ -39,7 +38,15 @@ from hetu_ext.checkpoint.ownership import new_run_id
 from hetu_ext.checkpoint.reader import latest_iteration
 from hetu_ext.checkpoint.writer import Checkpointer, SaveConfig, checkpoint_name
 from hetu_ext.checkpoint import CheckpointError
-from hetu_ext.megatron.state import MOMENTS, optimizer_step, rng_state, set_rng_state, state_pieces
+from hetu_ext.megatron.state import (
+    MOMENTS,
+    optimizer_step,
+    restore_scaler_state,
+    rng_state,
+    scaler_state,
+    set_rng_state,
+    state_pieces,
+)
 from hetu_ext.megatron.weights import local_shards
 from hetu_ext.megatron.vocab import VOCAB_KEYS, check_vocab, narrow_to_vocab, padding_logit_mask
 from hetu_ext.patches.base import Patch
@@ -101,44 +108,6 @@ class GridPlacement:
     optimizer: Any
     active: bool = True
     shard_kwargs: dict = field(default_factory=dict)
-
-
-def _grad_scalers(optimizer: Any) -> list:
-    """The loss scalers of Megatron-LM's optimizer: one per part of a ``ChainedOptimizer`` under ``--fp16``
-    (``DynamicGradScaler``, or ``ConstantGradScaler`` under ``--loss-scale``); none under ``--bf16`` or fp32."""
-    if optimizer is None:
-        return []
-    parts = getattr(optimizer, "chained_optimizers", None) or [optimizer]
-    return [s for s in (getattr(p, "grad_scaler", None) for p in parts) if s is not None]
-
-
-def scaler_state(optimizer: Any) -> list[dict] | None:
-    """Each loss scaler's state as JSON (the scale as a float: a float32 value is exact in a double)."""
-    scalers = _grad_scalers(optimizer)
-    if not scalers:
-        return None
-    return [{**{k: int(v) for k, v in s.state_dict().items() if k != "scale"}, "scale": float(s.scale.item())}
-            for s in scalers]
-
-
-def restore_scaler_state(optimizer: Any, saved: list[dict] | None, where: str) -> None:
-    """Load :func:`scaler_state`'s record into the optimizer's loss scalers (Megatron-core's own
-    ``load_state_dict``). A checkpoint of a run without ``--fp16`` starts the scaler at ``--initial-loss-scale``,
-    as Megatron-LM's own loader does (said on rank 0)."""
-    scalers = _grad_scalers(optimizer)
-    if not scalers:
-        return
-    if not saved:
-        if dist.get_rank() == 0:
-            logger.warning("%s holds no loss scaler state (saved without --fp16): the loss scale starts at "
-                           "--initial-loss-scale", where)
-        return
-    if len(saved) != len(scalers):
-        raise CheckpointError(f"{where} holds {len(saved)} loss scaler state(s), this run's optimizer has "
-                              f"{len(scalers)}; resume with the optimizer options that saved it")
-    for scaler, record in zip(scalers, saved):
-        scale = torch.tensor([record["scale"]], dtype=torch.float, device=scaler.scale.device)
-        scaler.load_state_dict({**record, "scale": scale})
 
 
 def _placement(model: list, optimizer: Any) -> GridPlacement:
@@ -289,7 +258,8 @@ class HetuCheckpoints:
                       "its param/ and master/ tensors are of different training states")
         if opt_param_scheduler is not None and state.get("scheduler") is not None:
             opt_param_scheduler.load_state_dict(state["scheduler"])
-        restore_scaler_state(optimizer, state.get("grad_scaler"), f"{directory} (iteration {manifest.iteration})")
+        restore_scaler_state(optimizer, state.get("grad_scaler"), f"{directory} (iteration {manifest.iteration})",
+                             report=dist.get_rank() == 0)
         # hetu_ext's trainer records the samples in the manifest only (unpacked data: iteration x global batch)
         consumed = state.get("consumed_train_samples", manifest.consumed_samples)
         if consumed is None:
