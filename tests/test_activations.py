@@ -34,16 +34,16 @@ def test_prediction_counts_the_microbatches_in_flight():
     TP-2 stage; full recomputation keeps 2h per token plus one layer recomputed."""
     spec = ModelSpec(num_layers=8, hidden_size=64, num_attention_heads=4, vocab_size=256, seq_length=128)
     plan = uniform_plan(world_size=4, tp=1, pp=4, num_layers=8, num_microbatches=8)
-    first, n_first = predicted_bytes(spec, plan, 0, micro_batch_size=2, bf16=True, recompute="none",
+    first, n_first = predicted_bytes(spec, plan, 0, micro_batch_size=2, half=True, recompute="none",
                                      sequence_parallel=False)
-    last, n_last = predicted_bytes(spec, plan, 3, micro_batch_size=2, bf16=True, recompute="none",
+    last, n_last = predicted_bytes(spec, plan, 3, micro_batch_size=2, half=True, recompute="none",
                                    sequence_parallel=False)
     per_layer = 2 * 128 * inventory.activation_bytes_per_token(spec, seq_length=128)
     assert (n_first, n_last) == (4, 1) and first == 4 * 2 * per_layer and last == 2 * per_layer
-    full, _ = predicted_bytes(spec, plan, 3, micro_batch_size=2, bf16=False, recompute="full",
+    full, _ = predicted_bytes(spec, plan, 3, micro_batch_size=2, half=False, recompute="full",
                               sequence_parallel=False)
     assert full == 2 * (2 * 128 * 2 * 64 * 2 + per_layer)  # fp32: twice the bytes
     tp2 = uniform_plan(world_size=2, tp=2, pp=1, num_layers=8, num_microbatches=1)
-    plain, _ = predicted_bytes(spec, tp2, 0, micro_batch_size=2, bf16=True, recompute="full", sequence_parallel=False)
-    sp, _ = predicted_bytes(spec, tp2, 0, micro_batch_size=2, bf16=True, recompute="full", sequence_parallel=True)
+    plain, _ = predicted_bytes(spec, tp2, 0, micro_batch_size=2, half=True, recompute="full", sequence_parallel=False)
+    sp, _ = predicted_bytes(spec, tp2, 0, micro_batch_size=2, half=True, recompute="full", sequence_parallel=True)
     assert sp < plain

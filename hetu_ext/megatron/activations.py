@@ -68,7 +68,7 @@ class SavedTensorMeter:
             yield self
 
 
-def predicted_bytes(spec: ModelSpec, plan: Plan, rank: int, *, micro_batch_size: int, bf16: bool,
+def predicted_bytes(spec: ModelSpec, plan: Plan, rank: int, *, micro_batch_size: int, half: bool,
                     recompute: str, sequence_parallel: bool) -> tuple[float, int]:
     """The inventory's activation bytes of ``rank``'s stage at its 1F1B peak, and the microbatches in flight."""
     pipeline_index, stage_index = plan.stage_of(rank)
@@ -76,7 +76,7 @@ def predicted_bytes(spec: ModelSpec, plan: Plan, rank: int, *, micro_batch_size:
     stage = pipeline.stages[stage_index]
     in_flight = min(pipeline.pp - stage_index, pipeline.num_microbatches)
     tokens = micro_batch_size * spec.seq_length
-    scale = (2 if bf16 else 4) / 2  # the inventory counts 2-byte activations
+    scale = (2 if half else 4) / 2  # the inventory counts 2-byte activations (bf16 or fp16)
 
     def per_layer(kind: str) -> float:
         return tokens * scale * inventory.activation_bytes_per_token(
@@ -98,7 +98,7 @@ def report_first_step(trainer):
     numerics = trainer.numerics
     predicted, in_flight = predicted_bytes(
         trainer.spec, trainer.plan, trainer.host.rank, micro_batch_size=trainer.config.training.micro_batch_size,
-        bf16=numerics.bf16, recompute=numerics.recompute_granularity or "none",
+        half=numerics.half, recompute=numerics.recompute_granularity or "none",
         sequence_parallel=numerics.sequence_parallel)
     logger.info("[Rank %d] (after %d iterations) activation memory (MB) | measured peak: %.2f | predicted: %.2f "
                 "(inventory: the stage's layers, %d microbatches in flight, recompute %s, sequence parallel %s)",
