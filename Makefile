@@ -30,13 +30,17 @@ $(STAMP): setup.py Makefile
 demo: venv
 	OMP_NUM_THREADS=1 bash launch/demo.sh $(NPROC) $(DEMO_DIR)
 
+# Two passes: the fast tier on two pytest workers (one process per test, whole modules per worker, so module
+# fixtures are built once), then the gold, e2e and fault tests one at a time: their ranks need both cores, and two
+# of them side by side would miss their deadlines.
 test: venv
-	OMP_NUM_THREADS=1 $(PY) -m pytest
+	OMP_NUM_THREADS=1 $(PY) -m pytest -n 2 --dist loadfile -m "not gold and not e2e and not faults"
+	OMP_NUM_THREADS=1 $(PY) -m pytest -m "gold or e2e or faults"
 
 # Every test not marked gold, e2e or faults (markers assigned in tests/conftest.py; docs/testing.md): pure tests,
 # small multi-process tests and the launchers' one-line errors, a few minutes on 2 cores.
 test-fast: venv
-	OMP_NUM_THREADS=1 $(PY) -m pytest -m "not gold and not e2e and not faults"
+	OMP_NUM_THREADS=1 $(PY) -m pytest -n 2 --dist loadfile -m "not gold and not e2e and not faults"
 
 clean:
 	rm -rf $(VENV) runs

@@ -21,8 +21,9 @@ setup(
         "megatron": [TORCH, "megatron-core==0.16.1", "sentencepiece"],
         "megatron-lm": [TORCH, "megatron-core==0.16.1", "six", "sentencepiece"],  # a Megatron-LM checkout imports six
         "deepspeed": [TORCH, "deepspeed==0.19.8"],
-        # scipy: HiGHS MILP references in tests; tensorboard: the metrics test reads the event files back
-        "dev": ["pytest>=8", "pytest-timeout", "scipy>=1.9", "tensorboard>=2.14"],
+        # scipy: HiGHS MILP references in tests; tensorboard: the metrics test reads the event files back; pytest-xdist:
+        # make test runs the fast tier on two workers
+        "dev": ["pytest>=8", "pytest-timeout", "pytest-xdist>=3.5", "scipy>=1.9", "tensorboard>=2.14"],
         "diffusion": [TORCH, "diffusers>=0.30", "transformers>=4.40"],
         "plot": ["matplotlib>=3.7"],
         "metrics": ["tensorboard>=2.14"],  # --tensorboard-dir (wandb for --wandb-project is the user's to install)

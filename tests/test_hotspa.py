@@ -481,7 +481,8 @@ def test_top_up_rebuilds_a_long_group_around_what_only_it_holds():
     strategy's length, no fewer sequences than pipelines)."""
     import numpy as np
 
-    from hetu_ext.plan.hotspa import Group, GroupPricer, _exact_total, _top_up
+    from hetu_ext.plan.hotspa import Group, GroupPricer
+    from hetu_ext.plan.hotspa.grouping import _exact_total, _top_up
 
     spec, cost, strategies, batch = _wikipedia_strategies(32)
     items = strategies.items
@@ -528,7 +529,8 @@ def test_moves_priced_exactly_never_raise_the_total_and_keep_the_rules():
 
     from hetu_ext.data.cost import CostTable, _default_per_tp
     from hetu_ext.plan import ModelSpec
-    from hetu_ext.plan.hotspa import GroupPricer, Group, _exact_total, _move_exactly, auto_strategies
+    from hetu_ext.plan.hotspa import Group, GroupPricer, auto_strategies
+    from hetu_ext.plan.hotspa.grouping import _exact_total, _move_exactly
 
     spec = ModelSpec(num_layers=32, hidden_size=4096, num_attention_heads=32, ffn_hidden_size=11008,
                      vocab_size=32000, seq_length=24576, untie_embeddings_and_output_weights=True)
