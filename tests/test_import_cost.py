@@ -10,3 +10,46 @@ def test_import_is_cheap():
             "'torch')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_megatron_core_imports_without_the_compiler_and_leaves_torch_compile_alone():
+    """hetu_ext.megatron imports Megatron-core with torch.compile deferred (patches/megatron_import.py): its
+    jit_fuser functions exist, but TorchDynamo's frame converter and Inductor are not imported until one runs."""
+    code = ("import sys, torch; real = torch.compile; import hetu_ext.megatron, megatron.core.models.gpt; "
+            "from megatron.core.fusions.fused_bias_swiglu import bias_swiglu; "
+            "print(torch.compile is real, getattr(bias_swiglu, '__hetu_deferred_compile__', False), "
+            "'torch._dynamo.convert_frame' in sys.modules, 'torch._inductor.compile_fx' in sys.modules)")
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.split() == ["True", "True", "False", "False"]
+
+
+def test_a_deferred_compile_makes_the_same_call_once_at_first_use():
+    import torch
+
+    from hetu_ext.patches.megatron_import import _deferring, deferred_compile
+
+    calls = []
+
+    def compile_fn(model, **kwargs):
+        calls.append((model, kwargs))
+        return lambda x: model(x) + 1
+
+    def double(x):
+        return 2 * x
+
+    deferred = _deferring(compile_fn)
+    fn = deferred(double, mode="max-autotune")
+    assert calls == [] and fn.__name__ == "double"
+    assert fn(3) == 7 and fn(4) == 9
+    assert calls == [(double, {"mode": "max-autotune"})]
+    decorated = deferred(dynamic=True)(double)
+    assert decorated(1) == 3 and calls[-1] == (double, {"dynamic": True})
+    module = torch.nn.Linear(2, 2)
+    deferred(module)
+    assert calls[-1] == (module, {})  # modules are compiled at once, as before
+    real = torch.compile
+    with deferred_compile():
+        eager = torch.compile(double, backend="eager")
+    assert torch.compile is real
+    assert torch.equal(eager(torch.arange(3.0)), torch.arange(3.0) * 2)

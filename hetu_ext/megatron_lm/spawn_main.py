@@ -11,7 +11,7 @@ import_without_triton`) and then runs it, its ``__main__`` block skipped, exactl
 import os
 import runpy
 
-import megatron.core  # noqa: F401 (before the stand-in: torch's compiler probes for triton as megatron imports)
+import hetu_ext.megatron  # noqa: F401 (imports megatron.core as the parent did, before the triton stand-in)
 
 from hetu_ext.megatron_lm.run import SCRIPT_ENV
 from hetu_ext.patches.megatron_lm import import_without_triton

@@ -29,7 +29,7 @@ from typing import Any
 
 ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "TORCHDYNAMO_DISABLE": "1",
        "PYTHONWARNINGS": "ignore"}
-DEFAULT_PRELOAD = ("torch", "torch.distributed", "megatron.core", "megatron.core.models.gpt",
+DEFAULT_PRELOAD = ("torch", "torch.distributed", "hetu_ext.megatron", "megatron.core", "megatron.core.models.gpt",
                    "megatron.core.optimizer", "megatron.core.distributed", "megatron.core.pipeline_parallel",
                    "hetu_ext.train.trainer")
 
