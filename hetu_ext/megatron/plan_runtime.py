@@ -201,63 +201,93 @@ def _finalize_func(sync, groups: PlanGroups, partial: list[torch.Tensor], normal
     return finalize
 
 
-def build_plan_placement(training: TrainingConfig, spec: ModelSpec, plan: Plan, host, numerics: TrainingNumerics,
-                         *, use_distributed_optimizer: bool = False, with_optimizer: bool = True,
-                         converter=None) -> Placement:
-    """Groups, stage model, DDP, optimizer, schedule and gradient sync for this rank under ``plan`` (reads the
-    seed and the optimizer settings of ``training``). ``use_distributed_optimizer``: each element's optimizer
-    state on one of its holders (megatron/sharded_optimizer.py). ``with_optimizer=False``: a compute placement
-    (HotSPa's strategies, megatron/switching.py): no optimizer; its gradients are reduced over its own holders,
-    then pulled into the home placement's. ``converter``: a model converter for every stage model built
-    (model.build_gpt_stage; LoRA's adapters)."""
+def ensure_memory_buffer() -> None:
+    """Create Megatron's global scratch buffer if no one did: its layers draw from it (the local attention's
+    matmul input, sequence parallelism's all-gathers). In Megatron-core 0.16.1 the only public code that creates it
+    is ``parallel_state.initialize_model_parallel`` (its last line), which also sets the uniform TP x PP x DP
+    grid's ~50 globals that the plan runtime must not set; ``get_global_memory_buffer`` (public) asserts on a
+    missing buffer and ``destroy_global_memory_buffer`` (public) only clears it. No public seam creates the buffer
+    alone, so the private setter ``_set_global_memory_buffer`` is called, only when the public getter finds
+    none (its assertion, or None under ``python -O``); the module global itself is never read or written here."""
     from megatron.core import parallel_state
-    from megatron.core.optimizer import get_megatron_optimizer
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    check_runnable(plan)
-    if parallel_state._GLOBAL_MEMORY_BUFFER is None:  # Megatron's layers draw scratch space from it
+    try:
+        present = parallel_state.get_global_memory_buffer() is not None
+    except AssertionError:
+        present = False
+    if not present:
         parallel_state._set_global_memory_buffer()
-    groups = build_groups(plan)
-    where = plan.stage_of(host.rank)
-    built = _build_stage(training, spec, plan, host, numerics, groups, where, converter) if where is not None \
-        else None
+
+
+@dataclasses.dataclass
+class _Shards:
+    """Every rank's pieces of the global tensors under a plan (all-gathered), and the gradient reduction's layout
+    derived from them; ``optimizer``: with the sharded optimizer, which holder owns each element's state."""
+
+    all: list[ShardInfo]
+    layout: object
+    optimizer: object = None
+
+
+def _collect_shards(built: _Stage | None, groups: PlanGroups, sharded_optimizer: bool) -> _Shards:
+    """Collective over the world (idle ranks give nothing): every rank's shards, the reduction lanes and, with the
+    sharded optimizer, a group per holder set (hetu_ext.plan.core.optimizer_shards)."""
     everyone: list = [None] * groups.world_size
     dist.all_gather_object(everyone, built.shards if built is not None else [])
     all_shards = [s for part in everyone for s in part]
     layout = reduction_layout(all_shards)
     add_lane_groups(groups, list(layout.lanes))
-    # --- sharded optimizer (--use-distributed-optimizer): a group per holder set; idle ranks join its set-up
-    if use_distributed_optimizer and with_optimizer:
-        opt_shards = optimizer_shards(all_shards)
-        add_lane_groups(groups, [h for h in opt_shards.holder_sets() if h not in layout.lanes])
-        if where is None:
-            join_sharded_setup(optimizer_config(training, numerics))
-            return Placement(active=False, probe_layer=_probe_layer(training, spec, numerics, groups, host,
-                                                                                  converter))
-    # --- end sharded optimizer
-    if where is None:
-        if with_optimizer:
-            _join_optimizer_setup(training, spec, numerics, groups, host)
-        return Placement(active=False, probe_layer=_probe_layer(training, spec, numerics, groups, host,
-                                                                                  converter))
+    shards = _Shards(all=all_shards, layout=layout)
+    if sharded_optimizer:
+        shards.optimizer = optimizer_shards(all_shards)
+        add_lane_groups(groups, [h for h in shards.optimizer.holder_sets() if h not in layout.lanes])
+    return shards
 
-    model, config, pgc, stage = built.model, built.config, built.pgc, built.stage
+
+def _idle_placement(training: TrainingConfig, spec: ModelSpec, numerics: TrainingNumerics, groups: PlanGroups, host,
+                    *, sharded_optimizer: bool, with_optimizer: bool, converter) -> Placement:
+    """A rank the plan leaves unused: its share of the optimizer's collective set-up, and a probe layer."""
+    if sharded_optimizer:
+        join_sharded_setup(optimizer_config(training, numerics))
+    elif with_optimizer:
+        _join_optimizer_setup(training, spec, numerics, groups, host)
+    return Placement(active=False, probe_layer=_probe_layer(training, spec, numerics, groups, host, converter))
+
+
+def _sync_and_optimizer(training: TrainingConfig, numerics: TrainingNumerics, built: _Stage, groups: PlanGroups,
+                        shards: _Shards, *, sharded_optimizer: bool, with_optimizer: bool):
+    """The gradient sync over each element's holders and the optimizer (None without): (sync, optimizer).
+    Sharded (--use-distributed-optimizer): reduce-scatter to each element's owner, owners step, all-gather;
+    else Megatron's optimizer over the summed gradients. Either way the global gradient norm counts every
+    element once over the whole plan."""
+    from megatron.core.optimizer import get_megatron_optimizer
+
     opt_config = optimizer_config(training, numerics)
     optimizer = None
-    if use_distributed_optimizer and with_optimizer:  # --- sharded optimizer: reduce-scatter, owners step, all-gather
-        sync = ShardedGradSync(shards=opt_shards, groups=groups, local=built.local)
-        optimizer = build_sharded_optimizer(opt_config, model, sync, pgc, groups.used)
+    if sharded_optimizer:
+        sync = ShardedGradSync(shards=shards.optimizer, groups=groups, local=built.local)
+        optimizer = build_sharded_optimizer(opt_config, built.model, sync, built.pgc, groups.used)
     else:
-        sync = GradSync(layout=layout, groups=groups, local=built.local, flat_buffers=built.flat,
-                        in_place=in_place_lanes(layout, all_shards))
+        sync = GradSync(layout=shards.layout, groups=groups, local=built.local, flat_buffers=built.flat,
+                        in_place=in_place_lanes(shards.layout, shards.all))
         if with_optimizer:
-            optimizer = get_megatron_optimizer(opt_config, [model], use_gloo_process_groups=False,
-                                               pg_collection=pgc)
+            optimizer = get_megatron_optimizer(opt_config, [built.model], use_gloo_process_groups=False,
+                                               pg_collection=built.pgc)
     for inner in getattr(optimizer, "chained_optimizers", [optimizer] if optimizer is not None else []):
-        # the global norm counts every element once over the whole plan
         inner.get_main_grads_for_grad_norm = sync.owned_grads
         inner.grad_stats_parallel_group = groups.used
+    return sync, optimizer
 
+
+def _finish_placement(plan: Plan, host, numerics: TrainingNumerics, built: _Stage, groups: PlanGroups,
+                      where: tuple[int, int], sync, optimizer) -> Placement:
+    """Megatron's hooks on the stage's config (no_sync, finalize_model_grads_func, grad_scale_func), the
+    point-to-point routes between stages, and the schedule of this rank's pipeline."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from .p2p import StageP2P
+
+    model, config, stage = built.model, built.config, built.stage
     normaliser: dict = {}
     """``normaliser["tokens"]``, when set: divide gradients by it instead of this schedule's token count (HotSPa
     runs one step as several schedules and normalises by the whole step's tokens)."""
@@ -266,13 +296,39 @@ def build_plan_placement(training: TrainingConfig, spec: ModelSpec, plan: Plan, 
     config.finalize_model_grads_func = _finalize_func(sync, groups, partial, normaliser, is_last=stage.has_output,
                                                       tp_rank=built.tp_rank)
     config.grad_scale_func = optimizer.scale_loss if optimizer is not None else None
-    pipeline = plan.pipelines[where[0]]
-    from .p2p import StageP2P
-
     p2p = StageP2P(neighbours(plan, host.rank), config, dtype=numerics.dtype, device=host.device,
                    sequence_group=groups.tp if config.sequence_parallel else None)
     return Placement(active=True, pipeline_index=where[0], model=model, optimizer=optimizer, config=config,
                      is_last_stage=stage.has_output, tp_rank=built.tp_rank, report_group=groups.used,
-                     schedule_kwargs={"p2p_communicator": p2p, "pg_collection": pgc},
-                     forward_backward=get_forward_backward_func(pp_size=pipeline.pp, vp_size=None),
+                     schedule_kwargs={"p2p_communicator": p2p, "pg_collection": built.pgc},
+                     forward_backward=get_forward_backward_func(pp_size=plan.pipelines[where[0]].pp, vp_size=None),
                      grad_sync=sync, shard_kwargs=built.shard_kwargs, normaliser=normaliser)
+
+
+def build_plan_placement(training: TrainingConfig, spec: ModelSpec, plan: Plan, host, numerics: TrainingNumerics,
+                         *, use_distributed_optimizer: bool = False, with_optimizer: bool = True,
+                         converter=None) -> Placement:
+    """Groups, stage model, DDP, optimizer, schedule and gradient sync for this rank under ``plan`` (reads the
+    seed and the optimizer settings of ``training``; collective over the world). ``use_distributed_optimizer``:
+    each element's optimizer state on one of its holders (megatron/sharded_optimizer.py).
+    ``with_optimizer=False``: a compute placement (HotSPa's strategies, megatron/switching.py): no optimizer;
+    its gradients are reduced over its own holders, then pulled into the home placement's. ``converter``: a model
+    converter for every stage model built (model.build_gpt_stage; LoRA's adapters).
+
+    Four steps: the stage (:func:`_build_stage`), every rank's shards and the reduction layout
+    (:func:`_collect_shards`), the gradient sync and optimizer (:func:`_sync_and_optimizer`), Megatron's hooks
+    and the schedule (:func:`_finish_placement`)."""
+    check_runnable(plan)
+    ensure_memory_buffer()
+    groups = build_groups(plan)
+    where = plan.stage_of(host.rank)
+    sharded = use_distributed_optimizer and with_optimizer
+    built = _build_stage(training, spec, plan, host, numerics, groups, where, converter) if where is not None \
+        else None
+    shards = _collect_shards(built, groups, sharded)
+    if built is None:
+        return _idle_placement(training, spec, numerics, groups, host, sharded_optimizer=sharded,
+                               with_optimizer=with_optimizer, converter=converter)
+    sync, optimizer = _sync_and_optimizer(training, numerics, built, groups, shards, sharded_optimizer=sharded,
+                                          with_optimizer=with_optimizer)
+    return _finish_placement(plan, host, numerics, built, groups, where, sync, optimizer)
