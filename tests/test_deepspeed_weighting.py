@@ -102,11 +102,12 @@ def test_emulated_straggler_moves_microbatches_and_stays_exact(reference, sample
 
 
 def test_weighted_counts_and_refusals():
-    """Pure: Malleus's split over one-stage pipelines, one microbatch at least per rank; ZeRO-2/3 and counts
-    that do not fit the global batch are refused with one line naming rule, values and fix."""
+    """Pure: Malleus's split over one-stage pipelines, one microbatch (under ZeRO-2/3 one sample per microbatch) at
+    least per rank; per-rank microbatch counts under ZeRO-2/3 and counts that do not fit the global batch are
+    refused with one line naming rule, values and fix."""
     from hetu_ext.config import from_namespace
     from hetu_ext.deepspeed.engine import ZeroConfig, add_deepspeed_args, deepspeed_config
-    from hetu_ext.deepspeed.weighting import weighted_counts
+    from hetu_ext.deepspeed.weighting import budget_microbatches, weighted_counts
     from hetu_ext.cli.args import build_parser
 
     assert weighted_counts(4, {1: 3.0}, 2) == (3, 1)
@@ -114,10 +115,14 @@ def test_weighted_counts_and_refusals():
     counts = weighted_counts(12, {2: 2.0}, 4)  # a 2x rank takes 2, the others 3-4: the slowest rank's time 4
     assert sum(counts) == 12 and counts[2] == 2 and max(c * (2.0 if r == 2 else 1.0) for r, c in enumerate(counts)) == 4
     assert weighted_counts(3, {0: 50.0}, 3) == (1, 1, 1)
+    assert weighted_counts(12, {2: 3.0}, 3, least=2) == (5, 5, 2)  # samples under ZeRO-2/3, 2 microbatches each
+    assert weighted_counts(6, {2: 9.0}, 3, least=2) == (2, 2, 2)
+    assert budget_microbatches((5, 5, 2), 0, 1, 2) == [range(12, 15), range(15, 17)]
+    assert budget_microbatches((5, 5, 2), 2, 1, 2) == [range(22, 23), range(23, 24)]
     for stage in (2, 3):
-        with pytest.raises(ValueError, match=f"ZeRO-{stage} reduces gradients on every backward.*--zero-stage 1"):
-            ZeroConfig(stage=stage, straggler_interval=5)
-        with pytest.raises(ValueError, match=r"microbatches \[3, 1\] weights microbatches per rank"):
+        assert ZeroConfig(stage=stage, straggler_interval=5).weighted  # samples move, the counts stay equal
+        with pytest.raises(ValueError, match=f"--hetu-microbatches 3,1 gives the ranks different microbatch counts"
+                                             f".*ZeRO-{stage} reduces gradients on every backward.*--zero-stage 1"):
             ZeroConfig(stage=stage, microbatches=(3, 1))
     args = from_namespace(add_deepspeed_args(build_parser()).parse_args(gpt_argv(1, 1, "unused")))
     config = deepspeed_config(args, ZeroConfig(stage=1, microbatches=(3, 1)), 2)
@@ -130,3 +135,70 @@ def test_weighted_counts_and_refusals():
     bf16 = from_namespace(add_deepspeed_args(build_parser()).parse_args(_argv_steps("unused", ("--bf16",))))
     with pytest.raises(ValueError, match="--bf16 under --zero-stage 0 is DeepSpeed's BF16_Optimizer"):
         deepspeed_config(bf16, ZeroConfig(stage=0), 2)
+
+
+THREE_RANKS = ("--global-batch-size", "12", "--hetu-straggler-interval", "1", "--hetu-straggler-window", "2",
+               "--hetu-emulate-layer-ms", "10", "--hetu-emulate-slowdown", "step=1:rank=2:x=3")
+"""3 ranks, global batch 12 = 2 microbatches of 2 samples per rank; rank 2 emulated 3x slower from step 1 (a
+full microbatch's layer forward 10 ms of emulated device time, backward 20 ms, times 3; a microbatch of fewer
+tokens proportionally less), found at step 2 with a 2-step window."""
+
+
+def budget_body(rank: int, world: int, argv: list[str], stage: int) -> dict | None:
+    """ZeRO-2/3 with the straggler monitor: losses, the fp32 masters gathered by DeepSpeed, the counts' history and
+    every rank's tokens per step."""
+    import torch.distributed as dist
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    from hetu_ext.cli.args import build_parser, validate_args
+    from hetu_ext.config import from_namespace
+    from hetu_ext.deepspeed.engine import ZeroConfig, add_deepspeed_args, build
+    from hetu_ext.deepspeed.zero_checkpoint import hetu_name
+
+    args = add_deepspeed_args(build_parser()).parse_args(argv)
+    validate_args(args)
+    config = from_namespace(args)
+    run = build(config, ZeroConfig(stage=stage, straggler_interval=config.straggler.interval))
+    lines: list[str] = []
+    losses = run.train(log=lines.append)
+    masters = {hetu_name("param", n): safe_get_full_fp32_param(p).detach().clone()
+               for n, p in run.engine.module.named_parameters()}
+    tokens: list = [None] * world
+    dist.all_gather_object(tokens, run.rank_tokens)
+    return {"losses": losses, "tensors": masters, "history": run.weighting.history, "lines": lines,
+            "tokens": tokens} if rank == 0 else None
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+@pytest.mark.parametrize("stage", [2, 3])
+def test_emulated_straggler_moves_samples_under_zero_2_and_3(stage, precision, sample_prefix):
+    """ZeRO-2 and ZeRO-3 reduce (and gather) on every pass, so every rank runs 2 microbatches per step and the
+    monitor moves samples instead: 4:4:4 for steps 1-2, then from step 3 5:5:2 (the slow rank's 2 microbatches of
+    1 sample each: its tokens per step fall from 128 to 64), or 4:5:3 where the first window measured the
+    straggler at under 2x (ZeRO-3: the healthy ranks' layer spans of step 1 include waits for the slow rank,
+    measured x1.6-1.7, then x2.8 and 5:5:2 at the next exchange). No rank waits in a collective the others skip
+    (the run would hang to the timeout). The losses equal the single-process run's on the same global batches: fp32
+    within test_uniform_equivalence's tolerances (and the fp32 masters within its weight tolerance); bf16 within
+    test_ckpt_resume's BF16_LOSS_RTOL (bf16 roundings of differently ordered sums)."""
+    from test_ckpt_resume import BF16_LOSS_RTOL
+
+    flags = THREE_RANKS + (("--bf16",) if precision == "bf16" else ())
+    reference = megatron_run(1, _argv_steps(sample_prefix, flags[:2] + flags[10:]))["final"]
+    result = run_ranks(budget_body, 3, _argv_steps(sample_prefix, flags), stage, timeout=240)[0]
+    print("\n".join(result["lines"]))
+    print(f"tokens per step of each rank: {result['tokens']}")
+    (first, even), (engaged, counts) = result["history"][:2]
+    assert (first, even) == (1, (4, 4, 4)) and engaged <= 3 and counts[2] < 4 and min(counts[:2]) >= 4
+    tokens = result["tokens"]
+    assert tokens[2][:2] == [128, 128] and max(tokens[2][2:]) <= 96 and sum(sum(t) for t in tokens) == 4 * 12 * 32
+    if precision == "bf16":  # the reference's fp32 masters beside DeepSpeed's
+        reference = {"losses": reference["losses"], "tensors": {
+            ("param/" + k[0].split("/", 1)[1], k[1]): v for k, v in reference["tensors"].items()
+            if k[0].startswith("master/")}}
+    loss, weight = _diffs(result, reference)
+    print(f"ZeRO-{stage} {precision} 3 ranks, samples per rank {result['history']} vs single process: loss rel diff "
+          f"{loss:.2e}, master abs diff {weight:.2e}")
+    if precision == "fp32":
+        assert loss <= LOSS_RTOL and weight <= WEIGHT_ATOL
+    else:
+        assert loss <= BF16_LOSS_RTOL

@@ -27,7 +27,7 @@ def add_deepspeed_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                         "optimizer and precision must agree with the flags)")
     g.add_argument("--local_rank", "--local-rank", type=int, default=None, help="set by the deepspeed launcher")
     g.add_argument("--hetu-microbatches", type=_counts, default=None, metavar="N,N,...",
-                   help="microbatches per rank per global batch (ZeRO-1; they sum to the global batch's "
+                   help="microbatches per rank per global batch (ZeRO-0/1; they sum to the global batch's "
                         "microbatches), e.g. 3,1 for a rank 3x slower; with --hetu-straggler-interval the "
                         "starting counts, then the measured speeds decide")
     return parser
@@ -57,18 +57,18 @@ class ZeroConfig:
     straggler_interval: int = 0
     """``--hetu-straggler-interval``: follow measured speeds with the microbatch counts (weighting.py)."""
     packing: str = "off"
-    """``--hetu-packing``: packs per rank differ, so the caller's backwards make a step (ZeRO-1)."""
+    """``--hetu-packing``: the caller's backwards make a step (pack counts evened out under ZeRO-2/3)."""
 
     def __post_init__(self) -> None:
         from .weighting import check_stage
 
         if self.stage not in ZERO_STAGES:
             raise ValueError(f"ZeRO stage {self.stage} is not one of {ZERO_STAGES}; pass --zero-stage 0, 1, 2 or 3")
-        check_stage(self.stage, self.straggler_interval, self.microbatches, self.packing)
+        check_stage(self.stage, self.microbatches)
 
     @property
     def weighted(self) -> bool:
-        """Per-rank microbatch counts: DeepSpeed's unmanaged gradient accumulation."""
+        """Per-rank shares of the global batch: DeepSpeed's unmanaged gradient accumulation."""
         return bool(self.microbatches or self.straggler_interval or self.packing != "off")
 
 

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from hetu_ext.config import RunConfig
 from hetu_ext.metrics import format_log_line
 
+from .packs import even_packs
 from .config import (  # noqa: F401 - the flags and the config, re-exported where callers found them
     ZERO_STAGES,
     ZeroConfig,
@@ -78,6 +79,8 @@ class DeepSpeedGPT:
     schedule_unit: int = 1
     """What one step advances the LR schedule by: the global batch's samples (1 with --hetu-packing)."""
     _tokens: int = 0
+    rank_tokens: list[int] = field(default_factory=list)
+    """This rank's loss tokens in each step of this run (its share of the global batch's)."""
 
     def train(self, log: Callable[[str], None] = logger.info,
               after_step: Callable[[int], None] | None = None) -> list[float]:
@@ -119,29 +122,39 @@ class DeepSpeedGPT:
             if after_step is not None:
                 after_step(self.iteration)
 
-    def _batches(self, plan, rank: int) -> list[dict[str, torch.Tensor]]:
-        """This rank's microbatches of the next step under ``plan`` (global batch g: samples [gB, (g + 1)B))."""
-        from hetu_ext.plan.core.batches import microbatch_samples
-
+    def _batches(self, ranges: list[range]) -> list[dict[str, torch.Tensor]]:
+        """Microbatches of these sample ids (global batch g: samples [gB, (g + 1)B))."""
         out = []
-        for ids in microbatch_samples(plan, rank, self.iteration, self.config.training.micro_batch_size):
+        for ids in ranges:
             samples = [self.dataset[i] for i in ids]
             out.append({key: torch.stack([s[key] for s in samples]).to(self.device)
                         for key in ("tokens", "labels", "loss_mask", "position_ids")})
         return out
 
+    def _my_batches(self, rank: int) -> list[dict[str, Any]]:
+        """This rank's microbatches of the next step: packs, or samples of the uniform plan, the weighted counts
+        of microbatches (ZeRO-0/1) or the weighted samples over the same microbatch count (ZeRO-2/3)."""
+        from hetu_ext.plan.core.batches import microbatch_samples
+
+        from .weighting import budget_microbatches, rank_plan
+
+        weighting, mbs = self.weighting, self.config.training.micro_batch_size
+        if weighting is not None:
+            weighting.before_step(self.iteration + 1)
+        if self.packed is not None:
+            batches = self.packed.step(self.iteration).microbatches
+            return batches if self.engine.zero_optimization_stage() < 2 else even_packs(batches)
+        if weighting is not None and weighting.per_rank:
+            return self._batches(budget_microbatches(weighting.counts, rank, self.iteration, weighting.per_rank))
+        plan = self.plan if weighting is None else \
+            rank_plan(weighting.counts, self.plan.pipelines[0].stages[0].layer_stop)
+        return self._batches(microbatch_samples(plan, rank, self.iteration, mbs))
+
     def _step(self, rank: int, log: Callable[[str], None]) -> torch.Tensor:
         """One global batch; returns (loss sum, loss tokens) over every rank (float64)."""
         weighting = self.weighting
         unmanaged = weighting is not None or self.packed is not None  # this rank's backwards, then one step()
-        if weighting is not None:
-            from .weighting import rank_plan
-
-            weighting.before_step(self.iteration + 1)
-            plan = rank_plan(weighting.counts, self.plan.pipelines[0].stages[0].layer_stop)
-        else:
-            plan = self.plan
-        batches = self._batches(plan, rank) if self.packed is None else self.packed.step(self.iteration).microbatches
+        batches = self._my_batches(rank)
         if unmanaged:  # the global batch's loss tokens: each rank's loss is a share of their mean
             tokens = torch.stack([b["loss_mask"].sum() for b in batches]).sum().double().reshape(1)
             dist.all_reduce(tokens)
@@ -162,6 +175,7 @@ class DeepSpeedGPT:
             self.engine.step()  # the caller-owned accumulation boundary: reduce once, update
         dist.all_reduce(total)
         self._tokens = int(total[1])
+        self.rank_tokens.append(int(sum(int(b["loss_mask"].sum()) for b in batches)))
         if weighting is not None:
             work = None if self.packed is None else float(sum(b["loss_mask"].numel() for b in batches))
             if weighting.after_step(self.iteration + 1, log, work=work) and self.repack is not None:
@@ -325,7 +339,8 @@ def build(config: RunConfig, zero: ZeroConfig) -> DeepSpeedGPT:
         run.repack = _packer(config, spec, plan, h, tokenizer, gbs)
         run.packed = run.repack({})
     if zero.microbatches or zero.straggler_interval:
-        run.weighting = _weighting(config, zero, h, ds_config["gradient_accumulation_steps"] * h.world_size)
+        run.weighting = _weighting(config, zero, h, ds_config["gradient_accumulation_steps"],
+                                   budgets=zero.stage >= 2 and not packed)
         run.weighting.attach(model.module.decoder.layers if hasattr(model, "module") else model.decoder.layers)
     return run
 
@@ -341,17 +356,21 @@ def _packer(config: RunConfig, spec, plan, h, tokenizer, gbs: int) -> Callable[[
                                                 slowdowns=slowdowns or None)
 
 
-def _weighting(config: RunConfig, zero: ZeroConfig, h, total: int):
+def _weighting(config: RunConfig, zero: ZeroConfig, h, per_rank: int, budgets: bool):
+    """The straggler weighting: counts of microbatches (ZeRO-0/1, or packs), or under ZeRO-2/3 (``budgets``) of
+    samples over ``per_rank`` microbatches on every rank."""
     from hetu_ext.plan.malleus.straggler_policy import StragglerPolicy
     from hetu_ext.runtime.straggler import parse_schedule
 
     from .weighting import MicrobatchWeighting
 
-    straggler = config.straggler
-    counts = zero.microbatches or tuple(total // h.world_size for _ in range(h.world_size))
+    straggler, training = config.straggler, config.training
+    share = per_rank * (training.micro_batch_size if budgets else 1)
+    counts = zero.microbatches or tuple(share for _ in range(h.world_size))
     return MicrobatchWeighting(
         rank=h.rank, world=h.world_size, counts=counts, interval=zero.straggler_interval,
         policy=StragglerPolicy(threshold=straggler.threshold, min_change=straggler.min_change,
                                window=straggler.window),
         events=parse_schedule(straggler.emulate_slowdown or ""),
-        nominal_s=straggler.emulate_layer_ms / 1e3 if straggler.emulate_layer_ms else None)
+        nominal_s=straggler.emulate_layer_ms / 1e3 if straggler.emulate_layer_ms else None,
+        nominal_tokens=training.micro_batch_size * config.model.seq_length, per_rank=per_rank if budgets else 0)
