@@ -7,6 +7,9 @@ fused function ever runs (on CPU, where hetu_ext turns those fusions off, none d
 :func:`deferred_compile` is in effect, ``torch.compile(fn)`` returns a wrapper that makes the very same call on
 the wrapper's first use and then calls what it returned: what runs, and when it compiles, is unchanged; only the
 imports move to the first fused call. Modules (``torch.compile(module)``) are compiled at once, as before.
+Where ``TORCHDYNAMO_DISABLE=1`` is set at that first call (hetu_ext sets it on CPU), ``torch.compile`` would return
+the function itself (``torch._dynamo.optimize``'s null decorator): the wrapper uses the function itself then, and
+nothing is imported at all (Megatron-LM's ``_warmup_jit_function`` calls the fused functions at start-up).
 
 Only the import of Megatron-core is wrapped (:func:`import_megatron_core`); ``torch.compile`` is the original
 again when it returns. Megatron's ``jit_fuser``, bound during that import, keeps deferring.
@@ -17,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import os
 import sys
 import threading
 from typing import Any, Callable, Iterator
@@ -40,7 +44,8 @@ def _deferring(compile_fn: Callable[..., Any]) -> Callable[..., Any]:
             if not compiled:
                 with lock:
                     if not compiled:
-                        compiled.append(compile_fn(model, **kwargs))
+                        disabled = os.environ.get("TORCHDYNAMO_DISABLE", "") == "1"  # as torch._dynamo reads it
+                        compiled.append(model if disabled else compile_fn(model, **kwargs))
             return compiled[0](*args, **kw)
 
         first_call_compiles.__hetu_deferred_compile__ = True

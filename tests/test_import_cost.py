@@ -24,7 +24,7 @@ def test_megatron_core_imports_without_the_compiler_and_leaves_torch_compile_alo
     assert out.split() == ["True", "True", "False", "False"]
 
 
-def test_a_deferred_compile_makes_the_same_call_once_at_first_use():
+def test_a_deferred_compile_makes_the_same_call_once_at_first_use(monkeypatch):
     import torch
 
     from hetu_ext.patches.megatron_import import _deferring, deferred_compile
@@ -39,6 +39,7 @@ def test_a_deferred_compile_makes_the_same_call_once_at_first_use():
         return 2 * x
 
     deferred = _deferring(compile_fn)
+    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "0")
     fn = deferred(double, mode="max-autotune")
     assert calls == [] and fn.__name__ == "double"
     assert fn(3) == 7 and fn(4) == 9
@@ -53,3 +54,22 @@ def test_a_deferred_compile_makes_the_same_call_once_at_first_use():
         eager = torch.compile(double, backend="eager")
     assert torch.compile is real
     assert torch.equal(eager(torch.arange(3.0)), torch.arange(3.0) * 2)
+    # with TorchDynamo disabled torch.compile returns the function itself: so does the first call, compiling nothing
+    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")
+    assert torch.compile(double) is double
+    count = len(calls)
+    plain = deferred(double)
+    assert plain(5) == 10 and len(calls) == count
+
+
+def test_megatron_lms_jit_warmup_on_cpu_imports_no_compiler():
+    """With TorchDynamo disabled (as on CPU), calling a fused function, as Megatron-LM's _warmup_jit_function does
+    at start-up, runs it eagerly without importing the compiler (it would have returned the function itself)."""
+    code = ("import sys, os, torch; os.environ['TORCHDYNAMO_DISABLE'] = '1'; import hetu_ext.megatron; "
+            "from megatron.core.fusions.fused_bias_swiglu import bias_swiglu; "
+            "x = torch.rand(4, 2, 6); b = torch.rand(6); y = bias_swiglu(x, b); "
+            "a, g = torch.chunk(x + b, 2, -1); "
+            "print(torch.equal(y, torch.nn.functional.silu(a) * g), 'torch._inductor.compile_fx' in sys.modules)")
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.split() == ["True", "False"]

@@ -1,7 +1,8 @@
 """Run a function on N gloo ranks, fast and reliably on a 2-core machine (tests and benchmarks).
 
 * Ranks are forked from a ``forkserver`` that imported torch and Megatron-core once (``preload``), so a test
-  pays ~0.1 s per rank instead of a fresh interpreter and imports (4-18 s with torchrun).
+  pays ~0.1 s per rank instead of a fresh interpreter and imports (4-18 s with torchrun). ``torch._dynamo`` is
+  among them: torch's ``Optimizer.step`` imports it at a rank's first step (~0.8 CPU-s each).
 * Rendezvous through a ``FileStore`` in a temporary directory: no ports to collide.
 * One thread per rank (``OMP_NUM_THREADS=1``): oversubscribed threads make 2-core runs 7-15x slower.
 * A rank that hangs dumps every thread's stack (``faulthandler``) shortly before the deadline; at the deadline
@@ -31,7 +32,7 @@ ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo
        "PYTHONWARNINGS": "ignore"}
 DEFAULT_PRELOAD = ("torch", "torch.distributed", "hetu_ext.megatron", "megatron.core", "megatron.core.models.gpt",
                    "megatron.core.optimizer", "megatron.core.distributed", "megatron.core.pipeline_parallel",
-                   "hetu_ext.train.trainer")
+                   "hetu_ext.train.trainer", "torch._dynamo")
 
 _CONTEXT: mp.context.BaseContext | None = None
 
