@@ -203,6 +203,27 @@ def test_a_one_gpu_layer_table_is_extended_to_the_tp_degrees_planners_search():
     assert "derived from TP 1" in table.note
 
 
+def test_the_calibration_command_writes_the_extended_table(tmp_path, capsys):
+    """``python -m hetu_ext.plan.cost.calibration`` (its main lives with the planners' command lines): the table it
+    writes is extend_by_tp's; a bad device is one error line and exit code 2."""
+    from hetu_ext.data.cost import load_cost_table
+    from hetu_ext.plan.cli import calibration_main
+    from hetu_ext.plan.cost.calibration import REFERENCE_TOKENS, extend_by_tp
+
+    src, out = ROOT / "configs" / "calibration" / "cpu.yaml", tmp_path / "tp.yaml"
+    flags = ["--table", str(src), "--out", str(out), "--hidden-size", "256", "--num-attention-heads", "8",
+             "--ffn-hidden-size", "1024", "--tp", "2,4"]
+    assert calibration_main([*flags, "--device", "h100-sxm"]) == 0
+    spec = ModelSpec(num_layers=1, hidden_size=256, num_attention_heads=8, ffn_hidden_size=1024,
+                     seq_length=REFERENCE_TOKENS)
+    want = extend_by_tp(load_cost_table(src), spec, load_device("h100-sxm"), (2, 4))
+    assert load_cost_table(out).per_tp == want.per_tp
+    assert f"wrote {out}" in capsys.readouterr().out
+    assert calibration_main([*flags, "--out", str(tmp_path / "no.yaml"), "--device", "no-such-gpu"]) == 2
+    assert not (tmp_path / "no.yaml").exists()
+    assert capsys.readouterr().err.startswith("error: ")
+
+
 def test_planners_stage_cost_prices_a_layer_as_the_step_model_does():
     """planner_cost_model hands the planners (stage_cost) the step model's per-layer compute for a device: one
     layer's forward at every TP degree equals the step model's to rounding; the TP all-reduces differ only by the

@@ -94,21 +94,31 @@ def _base_type(annotation: Any) -> type:
     return typing.get_origin(hint) or hint
 
 
-def add_section_flags(parser: argparse.ArgumentParser, section: str, cls: type) -> None:
-    """The flags of one section as one argument group (``required`` settings are checked after the file is
-    merged, so argparse does not require them)."""
-    group = parser.add_argument_group(section, (cls.__doc__ or "").strip().splitlines()[0])
+def section_flag_specs(cls: type) -> list[tuple[str, dict[str, Any]]]:
+    """``(flag, argparse keywords)`` of every setting of one schema section, in field order: what
+    :func:`add_section_flags` declares (bool settings ``store_true``; ``required`` settings default to None, as
+    they are checked after the file is merged). Other command lines (the planners') draw their flags from it."""
+    specs = []
     for f in dataclasses.fields(cls):
         meta, kind = f.metadata, _base_type(f.type)
         kwargs: dict[str, Any] = {"dest": dest_of(f), "help": meta.get("help") or None}
         if kind is bool:
-            group.add_argument(flag_of(f), action="store_true", default=f.default, **kwargs)
+            specs.append((flag_of(f), {**kwargs, "action": "store_true", "default": f.default}))
             continue
         kwargs.update(type=str if kind is tuple else kind, default=None if meta.get("required") else f.default)
         for key in ("choices", "nargs", "metavar"):
             if meta.get(key) is not None:
                 kwargs[key] = meta[key]
-        group.add_argument(flag_of(f), **kwargs)
+        specs.append((flag_of(f), kwargs))
+    return specs
+
+
+def add_section_flags(parser: argparse.ArgumentParser, section: str, cls: type) -> None:
+    """The flags of one section as one argument group (``required`` settings are checked after the file is
+    merged, so argparse does not require them)."""
+    group = parser.add_argument_group(section, (cls.__doc__ or "").strip().splitlines()[0])
+    for flag, kwargs in section_flag_specs(cls):
+        group.add_argument(flag, **kwargs)
 
 
 def build_parser(prog: str = "pretrain_gpt.py", sections: dict[str, type] = SECTIONS,

@@ -1,5 +1,5 @@
 """The planners' command lines, in one place: ``python -m hetu_ext.plan {show,malleus,lobra,hydraulis,predict}``
-(:func:`main`, :func:`build_parser`) and ``python -m hetu_ext.plan.cost.calibration`` (:func:`calibration_parser`).
+(:func:`main`, :func:`build_parser`) and ``python -m hetu_ext.plan.cost.calibration`` (:func:`calibration_main`).
 
 Model, layout and training flags a planner shares with training are generated from the configuration schema
 (:mod:`hetu_ext.config.schema`: the flag's name, type, choices and help, as
@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hetu_ext.config.parse import add_section_flags
+from hetu_ext.config.parse import section_flag_specs
 from hetu_ext.config.schema import DataConfig, ModelConfig, ParallelConfig, TrainingConfig
 from hetu_ext.data.tokenizer import TOKENIZER_TYPES, tokenizer_vocab_size
 from hetu_ext.model.spec import ModelSpec
@@ -45,13 +45,10 @@ SCHEMA_SECTIONS = (ModelConfig, DataConfig, ParallelConfig, TrainingConfig)
 
 
 @functools.lru_cache(maxsize=None)
-def _training_flags() -> dict[str, argparse.Action]:
-    """Setting name -> the flag training's command lines declare for it (built by the schema's own
-    :func:`~hetu_ext.config.parse.add_section_flags` on a scratch parser)."""
-    scratch = argparse.ArgumentParser(add_help=False)
-    for cls in SCHEMA_SECTIONS:
-        add_section_flags(scratch, cls.__name__, cls)
-    return {action.dest: action for action in scratch._actions}
+def _training_flags() -> dict[str, tuple[str, dict[str, Any]]]:
+    """Setting name -> (flag, argparse keywords) as training's command lines declare it
+    (:func:`~hetu_ext.config.parse.section_flag_specs`, the schema's own declaration)."""
+    return {kwargs["dest"]: (flag, kwargs) for cls in SCHEMA_SECTIONS for flag, kwargs in section_flag_specs(cls)}
 
 
 def schema_flags(parser, *names: str, required: tuple[str, ...] = (), **overrides: dict[str, Any]) -> None:
@@ -63,19 +60,13 @@ def schema_flags(parser, *names: str, required: tuple[str, ...] = (), **override
     for name in names:
         if name not in flags:
             raise KeyError(f"no setting {name!r} in the configuration schema's sections")
-        action = flags[name]
-        kwargs: dict[str, Any] = {"dest": action.dest, "help": action.help, "default": action.default}
-        if action.nargs == 0:  # a bool setting
-            kwargs["action"] = "store_true"
-        else:
-            kwargs["type"] = action.type
-            kwargs.update({key: getattr(action, key) for key in ("choices", "nargs", "metavar")
-                           if getattr(action, key) is not None})
+        flag, declared = flags[name]
+        kwargs = {key: value for key, value in declared.items() if value is not None or key == "default"}
         if name in required:
             kwargs.update(required=True)
             kwargs.pop("default")
         kwargs.update(overrides.get(name, {}))
-        parser.add_argument(*action.option_strings, **kwargs)
+        parser.add_argument(flag, **kwargs)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -217,6 +208,29 @@ def calibration_parser() -> argparse.ArgumentParser:
     schema_flags(parser, *needed, "ffn_hidden_size", required=needed)
     parser.add_argument("--tp", default="2,4,8", help="comma-separated TP degrees to add")
     return parser
+
+
+def calibration_main(argv: list[str] | None = None) -> int:
+    """``python -m hetu_ext.plan.cost.calibration``: a TP 1 cost table extended to ``--tp`` (exit code 2 with one
+    ``error:`` line)."""
+    from hetu_ext.data.cost import load_cost_table, save_cost_table
+    from hetu_ext.plan.cost.calibration import REFERENCE_TOKENS, extend_by_tp
+    from hetu_ext.plan.cost.devices import load_device
+
+    args = calibration_parser().parse_args(argv)
+    try:
+        spec = ModelSpec(num_layers=1, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+                         ffn_hidden_size=args.ffn_hidden_size, seq_length=REFERENCE_TOKENS)
+        tps = tuple(int(x) for x in args.tp.split(",") if x)
+        table = extend_by_tp(load_cost_table(args.table), spec, load_device(args.device), tps)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    save_cost_table(table, args.out)
+    for tp, c in table.per_tp.items():
+        print(f"TP {tp}: a={c.a:.4g} b={c.b:.4g} c={c.c:.4g} memory/token={c.memory_per_token_bytes:.0f} B")
+    print(f"wrote {args.out}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 
-from hetu_ext.data.cost import CostTable, LengthCost, load_cost_table, save_cost_table
+from hetu_ext.data.cost import CostTable, LengthCost
 from hetu_ext.model import inventory
 from hetu_ext.model.spec import ModelSpec
 
@@ -70,25 +70,7 @@ def extend_by_tp(table: CostTable, spec: ModelSpec, device: Device, tps: tuple[i
     return dataclasses.replace(table, per_tp=dict(sorted(per_tp.items())), note=note.lstrip("; "))
 
 
-def main(argv: list[str] | None = None) -> int:
-    from hetu_ext.plan.cli import calibration_parser
+if __name__ == "__main__":  # the command line lives with the planners' (hetu_ext.plan.cli)
+    from hetu_ext.plan.cli import calibration_main
 
-    parser = calibration_parser()
-    args = parser.parse_args(argv)
-    try:
-        spec = ModelSpec(num_layers=1, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
-                         ffn_hidden_size=args.ffn_hidden_size, seq_length=REFERENCE_TOKENS)
-        tps = tuple(int(x) for x in args.tp.split(",") if x)
-        table = extend_by_tp(load_cost_table(args.table), spec, load_device(args.device), tps)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    save_cost_table(table, args.out)
-    for tp, c in table.per_tp.items():
-        print(f"TP {tp}: a={c.a:.4g} b={c.b:.4g} c={c.c:.4g} memory/token={c.memory_per_token_bytes:.0f} B")
-    print(f"wrote {args.out}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(calibration_main())
