@@ -83,6 +83,12 @@ class ModelConfig:
     recompute_num_layers: int | None = setting(help="layers per recomputed unit (uniform) or per stage (block)")
     recompute_modules: list[str] | None = setting(nargs="*", help="with selective recomputation (default: "
                                                                   "core_attn)")
+    attention: str = setting("sdpa", flag="--hetu-attention", choices=("sdpa", "megatron"),
+                             help="core attention of hetu_ext's layers: sdpa (torch's scaled_dot_product_attention, "
+                                  "FlexAttention for packs on CUDA; never materialises the s x s scores) or "
+                                  "megatron (the local spec's DotProductAttention)")
+    compile: bool = setting(False, flag="--hetu-compile",
+                            help="torch.compile each transformer layer (fuses norms, SwiGLU, RoPE); CUDA only")
 
 
 @dataclass(frozen=True, kw_only=True)

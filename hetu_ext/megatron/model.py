@@ -36,13 +36,19 @@ class TrainingNumerics:
     sequence_parallel: bool = False
     """``--sequence-parallel``: in stages of TP > 1, norms and dropout see 1/TP of the sequence."""
     zero_centered_gamma: bool = False
+    """``--apply-layernorm-1p``: every norm's weight is stored as gamma - 1 (initialised to 0) and scales by
+    1 + weight (Megatron's ``layernorm_zero_centered_gamma``)."""
+    attention: str = "sdpa"
+    """``--hetu-attention``: the stages' core attention (:data:`hetu_ext.megatron.attention.CORE_ATTENTIONS`):
+    ``sdpa`` never materialises the scores, ``megatron`` is the local spec's DotProductAttention."""
+    compile_layers: bool = False
+    """``--hetu-compile``: ``torch.compile`` each transformer layer (norms, SwiGLU, RoPE and the residuals fused by
+    inductor); on CUDA only (:func:`compile_layers`)."""
     grad_reduce_in_fp32: bool = True
     """Megatron-LM's default under ``--bf16``: DDP's gradient buffers (accumulation and data-parallel reduction)
     in fp32; ``--grad-reduce-in-bf16`` sets it False (buffers in the bf16 parameters' dtype). Under ``--fp16``
     False, as Megatron-LM (``--accumulate-allreduce-grads-in-fp32`` is off by default): fp16 buffers, whose
     overflow the loss scaler detects."""
-    """``--apply-layernorm-1p``: every norm's weight is stored as gamma - 1 (initialised to 0) and scales by
-    1 + weight (Megatron's ``layernorm_zero_centered_gamma``)."""
 
     @classmethod
     def of(cls, model, training, *, variable_seq_lengths: bool, sequence_parallel: bool = False
@@ -55,7 +61,8 @@ class TrainingNumerics:
                    grad_reduce_in_fp32=not (training.grad_reduce_in_bf16 or training.fp16),
                    recompute_granularity=model.recompute_granularity, recompute_method=model.recompute_method,
                    recompute_num_layers=model.recompute_num_layers,
-                   recompute_modules=tuple(model.recompute_modules) if model.recompute_modules else None)
+                   recompute_modules=tuple(model.recompute_modules) if model.recompute_modules else None,
+                   attention=model.attention, compile_layers=model.compile)
 
     def __post_init__(self) -> None:
         assert not (self.bf16 and self.fp16), "--bf16 and --fp16 are exclusive (TrainingConfig checks it)"
@@ -76,7 +83,7 @@ def transformer_config(spec: ModelSpec, numerics: TrainingNumerics, *, tp: int, 
 
     no_fusion = dict(gradient_accumulation_fusion=False, bias_activation_fusion=False, masked_softmax_fusion=False,
                      persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False) if on_cpu else {}
-    return TransformerConfig(
+    config = TransformerConfig(
         num_layers=spec.num_layers, hidden_size=spec.hidden_size, ffn_hidden_size=spec.ffn_hidden_size,
         num_attention_heads=spec.num_attention_heads, num_query_groups=spec.num_query_groups,
         kv_channels=spec.kv_channels, normalization=spec.normalization, layernorm_epsilon=spec.norm_epsilon,
@@ -106,6 +113,10 @@ def transformer_config(spec: ModelSpec, numerics: TrainingNumerics, *, tp: int, 
         **({"moe_token_dispatcher_type": "alltoall"} if numerics.variable_seq_lengths else {}),
         **no_fusion,
     )
+    # hetu_ext's own choices travel with the config to build_gpt_stage (callers pass the config, not numerics)
+    config.hetu_attention = numerics.attention
+    config.hetu_compile = numerics.compile_layers
+    return config
 
 
 def build_gpt_stage(spec: ModelSpec, config, *, pre_process: bool, post_process: bool, pg_collection=None,
@@ -119,11 +130,12 @@ def build_gpt_stage(spec: ModelSpec, config, *, pre_process: bool, post_process:
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from .attention import PackedDotProductAttention
+    from .attention import core_attention
 
     layer_spec = get_gpt_layer_local_spec(normalization=spec.normalization, qk_layernorm=spec.qk_layernorm)
-    # the local spec's core attention, able to take THD packs (--hetu-packing): Megatron's ModuleSpec seam
-    layer_spec.submodules.self_attention.submodules.core_attention = PackedDotProductAttention
+    # the core attention (--hetu-attention: SDPA by default; both take THD packs): Megatron's ModuleSpec seam
+    layer_spec.submodules.self_attention.submodules.core_attention = core_attention(
+        getattr(config, "hetu_attention", "sdpa"))
     if converter is not None:
         layer_spec = converter.layer_spec(layer_spec)
     if config.sequence_parallel or config.layernorm_zero_centered_gamma:
@@ -138,7 +150,20 @@ def build_gpt_stage(spec: ModelSpec, config, *, pre_process: bool, post_process:
         rope_scaling_factor=spec.rope_scaling_factor, **kwargs)
     if converter is not None:
         converter.convert(model, layer_offset=layer_offset)
+    if getattr(config, "hetu_compile", False):
+        compile_layers(model)
     return model
+
+
+def compile_layers(model) -> int:
+    """``--hetu-compile``: ``torch.compile`` every transformer layer of ``model`` in place (inductor fuses the
+    norms, SwiGLU, RoPE, dropouts and residual adds around the attention kernel); returns how many. CUDA only:
+    on CPU hetu_ext disables dynamo (Megatron's unfused paths would compile), so the flag is refused there
+    (hetu_ext/cli/args.py)."""
+    layers = transformer_layers(model)
+    for layer in layers:
+        layer.compile()
+    return len(layers)
 
 
 class LocalNorm:
