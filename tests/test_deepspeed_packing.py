@@ -27,9 +27,13 @@ from helpers import LOSS_RTOL, WEIGHT_ATOL
 from hetu_ext.testing.multiproc import run_ranks
 
 
-def packed_body(rank: int, world: int, argv: list[str]) -> dict | None:
-    """DeepSpeed ZeRO-1 with --hetu-packing; records (step, packs, tokens) of this rank's steps."""
+def packed_body(rank: int, world: int, argv: list[str], stage: int = 1) -> dict | None:
+    """DeepSpeed ZeRO-``stage`` with --hetu-packing; records (step, packs, tokens) of this rank's steps (under
+    ZeRO-2/3 the one-token filler microbatches included) and returns the fp32 masters (DeepSpeed's gathered
+    view: ZeRO-3's module parameters are partitions)."""
     import torch.distributed as dist
+
+    from deepspeed.utils import safe_get_full_fp32_param
 
     from hetu_ext.config import from_namespace
     from hetu_ext.deepspeed.engine import ZeroConfig, add_deepspeed_args, build
@@ -39,7 +43,7 @@ def packed_body(rank: int, world: int, argv: list[str]) -> dict | None:
     args = add_deepspeed_args(build_parser()).parse_args(argv)
     validate_args(args)
     config = from_namespace(args)
-    run = build(config, ZeroConfig(stage=1, packing=config.packing.method,
+    run = build(config, ZeroConfig(stage=stage, packing=config.packing.method,
                                    straggler_interval=config.straggler.interval))
     record: list[tuple[int, int, int]] = []
 
@@ -57,10 +61,13 @@ def packed_body(rank: int, world: int, argv: list[str]) -> dict | None:
     repack = run.repack
     run.repack, run.packed = (lambda slowdowns: recorded(repack(slowdowns))), recorded(run.packed)
     losses = run.train()
-    tensors = {hetu_name("param", n): p.detach().clone() for n, p in run.engine.module.named_parameters()}
+    tensors = {hetu_name("param", n): safe_get_full_fp32_param(p).detach().clone()
+               for n, p in run.engine.module.named_parameters()}
     everyone: list = [None] * world
     dist.all_gather_object(everyone, record)
-    return {"losses": losses, "tensors": tensors, "steps": everyone} if rank == 0 else None
+    passes: list = [None] * world
+    dist.all_gather_object(passes, run.rank_microbatches)
+    return {"losses": losses, "tensors": tensors, "steps": everyone, "passes": passes} if rank == 0 else None
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +101,30 @@ def test_packed_deepspeed_equals_unpacked_reference(case, reference):
         last = {rank: [t for s, _, t in steps[rank] if s == 3][0] for rank in (0, 1)}
         assert last[1] < 0.6 * last[0], steps  # the slow rank's share after the re-pack
     assert loss <= LOSS_RTOL and weight <= WEIGHT_ATOL
+
+
+@pytest.mark.parametrize("stage,precision", [(2, "fp32"), (3, "bf16")])
+def test_packed_zero_2_and_3_with_a_straggler(stage, precision, reference):
+    """ZeRO-2 and ZeRO-3 run the same microbatch count on every rank: the packer's smaller share for the slow
+    rank is fewer packs, topped up with one-token microbatches of loss mask 0 (hetu_ext/deepspeed/packs.py), so no
+    rank waits in a reduction or gather the others skip. fp32 equals the one-rank unpacked reference within the
+    fp32 tolerances; bf16 (ZeRO-3) within test_ckpt_resume's BF16_LOSS_RTOL on the losses."""
+    from test_ckpt_resume import BF16_LOSS_RTOL
+
+    extra = STRAGGLER[:5] + ("20",) + STRAGGLER[6:] + (("--bf16",) if precision == "bf16" else ())
+    result = run_ranks(packed_body, 2, packed_argv("balanced", *extra), stage, timeout=180)[0]
+    loss, weight = _diffs(result, reference)
+    steps = result["steps"]
+    print(f"DeepSpeed ZeRO-{stage} {precision} x2 balanced-straggler vs one rank unpacked: loss rel diff {loss:.2e}, "
+          f"weight abs diff {weight:.2e}; (step, packs, tokens) per rank: {steps}")
+    assert result["passes"][0] == result["passes"][1], result["passes"]  # the same microbatch count in every step
+    assert any(steps[0][s][1] != steps[1][s][1] for s in range(3)), steps  # the packer's counts differed
+    last = {rank: [t for s, _, t in steps[rank] if s == 3][0] for rank in (0, 1)}
+    assert last[1] < 0.6 * last[0], steps
+    if precision == "fp32":
+        assert loss <= LOSS_RTOL and weight <= WEIGHT_ATOL
+    else:
+        assert loss <= BF16_LOSS_RTOL
 
 
 def test_packs_that_let_documents_see_each_other_fail(reference):

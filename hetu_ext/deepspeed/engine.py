@@ -81,6 +81,8 @@ class DeepSpeedGPT:
     _tokens: int = 0
     rank_tokens: list[int] = field(default_factory=list)
     """This rank's loss tokens in each step of this run (its share of the global batch's)."""
+    rank_microbatches: list[int] = field(default_factory=list)
+    """This rank's microbatches (forward and backward passes) in each step of this run."""
 
     def train(self, log: Callable[[str], None] = logger.info,
               after_step: Callable[[int], None] | None = None) -> list[float]:
@@ -176,6 +178,7 @@ class DeepSpeedGPT:
         dist.all_reduce(total)
         self._tokens = int(total[1])
         self.rank_tokens.append(int(sum(int(b["loss_mask"].sum()) for b in batches)))
+        self.rank_microbatches.append(len(batches))
         if weighting is not None:
             work = None if self.packed is None else float(sum(b["loss_mask"].numel() for b in batches))
             if weighting.after_step(self.iteration + 1, log, work=work) and self.repack is not None:

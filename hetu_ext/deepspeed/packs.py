@@ -11,6 +11,7 @@ packer's (the single-process one on the same global batch).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -18,10 +19,17 @@ import torch.distributed as dist
 
 
 def filler(batch: dict[str, Any]) -> dict[str, Any]:
-    """A one-token microbatch of ``batch``'s first token and label, with loss mask 0 (ordinary causal input)."""
+    """A one-token microbatch of ``batch``'s first token and label, with loss mask 0, in ``batch``'s form (a THD
+    pack of one document when ``batch`` is one: ZeRO-3 prefetches parameters in the order of the modules a pass
+    ran, so every rank's passes must run the same modules)."""
     out = {key: batch[key][:, :1].clone() for key in ("tokens", "labels", "position_ids")}
     out["position_ids"].zero_()
     out["loss_mask"] = torch.zeros_like(batch["loss_mask"][:, :1])
+    packed = batch.get("packed_seq_params")
+    if packed is not None:
+        cu = torch.tensor([0, 1], dtype=packed.cu_seqlens_q.dtype, device=packed.cu_seqlens_q.device)
+        out["packed_seq_params"] = dataclasses.replace(packed, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=1,
+                                                       max_seqlen_kv=1)
     return out
 
 
