@@ -38,6 +38,8 @@ def run(args: list[str], timeout: float = 180) -> subprocess.CompletedProcess:
     (["--decoupled-lr", "1e-3"], "--decoupled-lr is a feature of launch/pretrain_gpt.py"),
     (["--exit-duration-in-mins", "5"], "--exit-duration-in-mins is a feature of launch/pretrain_gpt.py"),
     (["--load", "/nonexistent/ckpt"], "--load /nonexistent/ckpt: no such directory"),
+    (["--ckpt-step", "2"], "--ckpt-step 2 names a checkpoint to resume from: add --load DIR"),
+    (["--exit-interval", "0"], "argument --exit-interval: '0': expected a step count of at least 1"),
 ])
 def test_bad_flags_exit_2_with_one_line(args, needle):
     assert_one_error_line(run(MODEL + ["--train-iters", "2", *args]), needle)
@@ -101,3 +103,33 @@ def test_resume_and_hetu_save_through_the_launcher(checkpoint, tmp_path):
 
     manifest = read_manifest(LocalStorage(str(out)), 4)
     assert manifest.config["deepspeed_zero_stage"] == 3 and manifest.state["optimizer_step"] == 4.0
+
+
+def _losses(stdout: str) -> dict[int, str]:
+    """iteration -> the printed loss of each Megatron-LM log line."""
+    import re
+
+    return {int(m.group(1)): m.group(2) for m in re.finditer(r"iteration +(\d+)/ +\d+ .*?lm loss: (\S+)", stdout)}
+
+
+def test_exit_interval_and_ckpt_step(tmp_path):
+    """Megatron-LM's --exit-interval and --ckpt-step on the DeepSpeed launcher (ZeRO-2, bf16): a run of 6 steps
+    with --exit-interval 3 stops after step 3, saving it (with steps 1 and 2 from --save-interval 1); --ckpt-step 1
+    resumes the first of them instead of the newest and trains steps 2-4 with the same losses as the first run's
+    steps 2-3 (one rank: the same sums); a step that was not saved is one line naming the saved ones."""
+    directory = tmp_path / "ckpt"
+    common = MODEL + ["--zero-stage", "2", "--bf16", "--train-iters", "4", "--log-interval", "1"]
+    first = run(common + ["--save", str(directory), "--save-interval", "1", "--exit-interval", "3"])
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "exiting after iteration 3 (--exit-interval 3)" in first.stdout
+    assert sorted(p.name for p in directory.iterdir() if p.is_dir()) == [f"global_step{i}" for i in (1, 2, 3)]
+    assert (directory / "latest").read_text() == "global_step3" and sorted(_losses(first.stdout)) == [1, 2, 3]
+    second = run(common + ["--load", str(directory), "--ckpt-step", "1"])
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert f"resumed from deepspeed checkpoint {directory}/global_step1 (saved on 1 rank(s)) at iteration 1" \
+        in second.stdout
+    before, after = _losses(first.stdout), _losses(second.stdout)
+    assert sorted(after) == [2, 3, 4] and after[2] == before[2] and after[3] == before[3], (before, after)
+    proc = run(common + ["--load", str(directory), "--ckpt-step", "5"])
+    assert_one_error_line(proc, f"--ckpt-step 5: {directory} has no checkpoint of step 5")
+    assert "its saved steps are [1, 2, 3]" in proc.stderr

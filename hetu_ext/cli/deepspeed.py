@@ -42,6 +42,9 @@ def check_flags(argv: list[str] | None, world_size: int,
     zero = ZeroConfig(stage=args.zero_stage, extra=extra, microbatches=args.hetu_microbatches,
                       straggler_interval=config.straggler.interval, packing=config.packing.method)
     deepspeed_config(config, zero, world_size)  # contradictions fail before launch
+    if args.ckpt_step is not None and not args.load:
+        raise ValueError(f"--ckpt-step {args.ckpt_step} names a checkpoint to resume from: add --load DIR (the --save "
+                         "directory of the run that saved it) or drop --ckpt-step")
     if args.load and not Path(args.load).is_dir():
         raise ValueError(f"--load {args.load}: no such directory; give the --save directory of the run to resume")
     return args, config, zero
@@ -69,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
               "model and the engine ...", flush=True)
     try:
         run = build(config, zero)
-        loaded = run.load(args.load) if args.load else None
+        loaded = run.load(args.load, args.ckpt_step) if args.load else None
         saver = _saver(run, args, loaded)
     except ValueError as exc:  # bad input found with the process group up (CheckpointError: the same on all)
         report_error(parser.prog, str(exc))  # rank 0 prints; the others wait so that torchrun lets it
@@ -81,12 +84,16 @@ def main(argv: list[str] | None = None) -> int:
                   f"rank(s)) at iteration {loaded.iteration} on {world} rank(s) in {loaded.seconds:.2f} s", flush=True)
         interval = config.checkpoint.save_interval
         end = config.training.train_iters
+        if args.exit_interval:  # Megatron-LM's --exit-interval: the first multiple of N after the resumed step
+            end = min(end, (run.iteration // args.exit_interval + 1) * args.exit_interval)
 
         def periodic(iteration: int) -> None:
             if saver is not None and interval and iteration % interval == 0 and iteration < end:
                 saver(blocking=False)
 
-        run.train(log=lambda line: print(line, flush=True), after_step=periodic)
+        run.train(log=lambda line: print(line, flush=True), after_step=periodic, stop_at=end)
+        if end < config.training.train_iters:
+            _say(f"exiting after iteration {end} (--exit-interval {args.exit_interval})")
         if saver is not None:
             saver(blocking=True)
     finally:

@@ -30,7 +30,22 @@ def add_deepspeed_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                    help="microbatches per rank per global batch (ZeRO-0/1; they sum to the global batch's "
                         "microbatches), e.g. 3,1 for a rank 3x slower; with --hetu-straggler-interval the "
                         "starting counts, then the measured speeds decide")
+    g.add_argument("--exit-interval", type=_positive, default=None, metavar="N",
+                   help="stop after the first step whose number is a multiple of N, saving first with --save "
+                        "(Megatron-LM's flag)")
+    g.add_argument("--ckpt-step", type=_positive, default=None, metavar="N",
+                   help="with --load: resume from the checkpoint of step N instead of the newest (Megatron-LM's flag)")
     return parser
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a step count of at least 1")
+    return value
 
 
 def _counts(text: str) -> tuple[int, ...]:

@@ -85,11 +85,11 @@ class DeepSpeedGPT:
     """This rank's microbatches (forward and backward passes) in each step of this run."""
 
     def train(self, log: Callable[[str], None] = logger.info,
-              after_step: Callable[[int], None] | None = None) -> list[float]:
-        """Train to ``--train-iters``; returns the global per-step losses (the same on every rank). Rank 0 gives
-        ``log`` a Megatron-LM log line every ``--log-interval`` steps and at the last (the Megatron path's
-        format; step time and tokens/s averaged over the interval). ``after_step(iteration)`` runs after each
-        step on every rank (periodic saves)."""
+              after_step: Callable[[int], None] | None = None, stop_at: int | None = None) -> list[float]:
+        """Train to ``--train-iters`` (or to iteration ``stop_at``, if sooner: ``--exit-interval``); returns the
+        global per-step losses (the same on every rank). Rank 0 gives ``log`` a Megatron-LM log line every
+        ``--log-interval`` steps and at the last (the Megatron path's format; step time and tokens/s averaged
+        over the interval). ``after_step(iteration)`` runs after each step on every rank (periodic saves)."""
         training, rank = self.config.training, dist.get_rank()
         gbs = self.engine.train_batch_size()
         watchdog = None
@@ -98,17 +98,19 @@ class DeepSpeedGPT:
 
             watchdog = StepWatchdog(self.config.parallel.hang_timeout, rank=rank)
         try:
-            self._train_steps(training, rank, gbs, log, after_step, watchdog)
+            end = training.train_iters if stop_at is None else min(stop_at, training.train_iters)
+            self._train_steps(end, rank, gbs, log, after_step, watchdog)
         finally:
             if watchdog is not None:
                 watchdog.stop()
         return self.losses
 
-    def _train_steps(self, training, rank: int, gbs: int, log: Callable[[str], None],
+    def _train_steps(self, end: int, rank: int, gbs: int, log: Callable[[str], None],
                      after_step: Callable[[int], None] | None, watchdog) -> None:
-        """The steps of :meth:`train` (``watchdog``: --hetu-hang-timeout's, beaten after each step, or None)."""
+        """The steps of :meth:`train` up to iteration ``end`` (``watchdog``: --hetu-hang-timeout's, beaten after
+        each step, or None)."""
         window_start, window_iters = time.perf_counter(), 0
-        while self.iteration < training.train_iters:
+        while self.iteration < end:
             total = self._step(rank, log)
             if watchdog is not None:
                 watchdog.beat(self.iteration + 1)
@@ -116,7 +118,7 @@ class DeepSpeedGPT:
             self.iteration += 1
             self.losses.append(float(total[0] / total[1]))
             window_iters += 1
-            if self.iteration % (self.config.logging.log_interval or 1) == 0 or self.iteration == training.train_iters:
+            if self.iteration % (self.config.logging.log_interval or 1) == 0 or self.iteration == end:
                 step_s = (time.perf_counter() - window_start) / window_iters
                 if rank == 0:
                     log(format_log_line(self._record(gbs, step_s)))
@@ -230,11 +232,12 @@ class DeepSpeedGPT:
             os.replace(partial, os.path.join(directory, "latest"))
         return tag
 
-    def load(self, directory: str):
-        """``--load``: a DeepSpeed ZeRO or hetu checkpoint saved on any number of ranks (engine_load.py)."""
+    def load(self, directory: str, step: int | None = None):
+        """``--load``: a DeepSpeed ZeRO or hetu checkpoint saved on any number of ranks (engine_load.py); ``step``
+        (``--ckpt-step``): that step's checkpoint instead of the newest."""
         from .engine_load import load
 
-        return load(self, directory)
+        return load(self, directory, step)
 
 
 def _import_deepspeed():

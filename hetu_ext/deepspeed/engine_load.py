@@ -84,8 +84,48 @@ def _destinations(engine, names: set[str], step: float | None, gated: bool) -> l
     return engine_state.engine_pieces(engine, ("master", *engine_state.MOMENTS), master_as=master, gated=gated)
 
 
-def _load_deepspeed(run, directory: str) -> tuple[dict[str, Any], int, float | None, int, str]:
+def step_directory(directory: str, kind: str, step: int) -> str:
+    """``--ckpt-step``: the checkpoint of ``step`` under ``directory`` (DeepSpeed's ``global_stepN`` tag, or a hetu
+    ``iter_N`` directory); a :class:`CheckpointError` listing the saved steps when there is none."""
+    from hetu_ext.checkpoint.writer import checkpoint_name
+
+    root = Path(directory)
+    name = f"global_step{step}" if kind == "deepspeed" else checkpoint_name(step)
+    if not (root / name).is_dir():
+        pattern = "global_step*" if kind == "deepspeed" else "iter_*"
+        saved = sorted(int("".join(c for c in p.name if c.isdigit())) for p in root.glob(pattern) if p.is_dir())
+        raise CheckpointError(f"--ckpt-step {step}: {directory} has no checkpoint of step {step} ({root / name}); "
+                              f"its saved steps are {saved}: pass one of them, or drop --ckpt-step for the newest")
+    return str(root / name)
+
+
+class _StepStorage:
+    """A hetu checkpoint directory whose tracker reads ``step`` (``--ckpt-step``), other reads unchanged."""
+
+    def __init__(self, storage, step: int) -> None:
+        self._storage, self._step = storage, step
+
+    def __getattr__(self, name: str):
+        return getattr(self._storage, name)
+
+    def list(self, path: str) -> list[str]:
+        from hetu_ext.checkpoint.writer import TRACKER
+
+        names = self._storage.list(path)
+        return names if path or TRACKER in names else [*names, TRACKER]
+
+    def read(self, path: str) -> bytes:
+        from hetu_ext.checkpoint.writer import TRACKER
+
+        return str(self._step).encode() if path == TRACKER else self._storage.read(path)
+
+
+def _load_deepspeed(run, directory: str, step: int | None = None
+                    ) -> tuple[dict[str, Any], int, float | None, int, str]:
     from .zero_checkpoint import load_resharded, read_info
+
+    if step is not None:
+        directory = step_directory(directory, "deepspeed", step)
 
     info = read_info(directory)
     gated = run.config.model.swiglu
@@ -95,17 +135,21 @@ def _load_deepspeed(run, directory: str) -> tuple[dict[str, Any], int, float | N
     return client, info.world_size, info.optimizer_step, report.bytes_sent, str(info.path)
 
 
-def _load_hetu(run, directory: str) -> tuple[dict[str, Any], int, float | None, int, str]:
+def _load_hetu(run, directory: str, step: int | None = None) -> tuple[dict[str, Any], int, float | None, int, str]:
     from hetu_ext.checkpoint.load import load_pieces
     from hetu_ext.checkpoint.storage import LocalStorage
 
     checkpoint = run.config.checkpoint
+    storage = LocalStorage(directory)
+    if step is not None:
+        step_directory(directory, "hetu", step)
+        storage = _StepStorage(storage, step)
 
     def destinations(manifest) -> list[Piece]:
         names = {t.name for t in manifest.tensors}
         return _destinations(run.engine, names, manifest.state.get("optimizer_step"), run.config.model.swiglu)
 
-    report = load_pieces(LocalStorage(directory), destinations, fallback=checkpoint.fallback, read=checkpoint.read)
+    report = load_pieces(storage, destinations, fallback=checkpoint.fallback, read=checkpoint.read)
     m = report.manifest
     state = dict(m.state)
     state["iteration"] = m.iteration
@@ -117,19 +161,24 @@ def _load_hetu(run, directory: str) -> tuple[dict[str, Any], int, float | None, 
     return state, m.world_size, state.get("optimizer_step"), report.bytes_sent, f"{directory} iteration {m.iteration}"
 
 
-def load(run, directory: str) -> Loaded | None:
+def load(run, directory: str, step: int | None = None) -> Loaded | None:
     """Load the checkpoint under ``directory`` into ``run`` (a :class:`~hetu_ext.deepspeed.engine.DeepSpeedGPT`;
-    collective over every rank). None, with a warning, when the directory holds no checkpoint yet."""
+    collective over every rank): the newest, or that of ``step`` (``--ckpt-step``). None, with a warning, when the
+    directory holds no checkpoint yet (with ``step``: an error)."""
     from hetu_ext.checkpoint.schedule import resolve_schedule
     from hetu_ext.megatron.state import schedule_policy, scheduler_settings, set_rng_state
 
     start = time.perf_counter()
     kind = checkpoint_kind(directory)
+    if kind is None and step is not None:
+        raise CheckpointError(f"--ckpt-step {step}: {directory} holds no checkpoint; drop --ckpt-step or give the "
+                              "--save directory of the run to resume")
     if kind is None:
         if dist.get_rank() == 0:
             logger.warning("--load %s: no checkpoint found, starting from scratch", directory)
         return None
-    state, saved_world, step, sent, where = (_load_deepspeed if kind == "deepspeed" else _load_hetu)(run, directory)
+    reader = _load_deepspeed if kind == "deepspeed" else _load_hetu
+    state, saved_world, opt_step, sent, where = reader(run, directory, step)
     engine = run.engine
     engine_state.refresh_model_weights(engine)
     data, now = state.get("data"), run.data_settings()
@@ -152,8 +201,8 @@ def load(run, directory: str) -> Loaded | None:
     restored = bool(rng) and saved_world == dist.get_world_size() and len(rng) == saved_world
     if restored:
         set_rng_state(rng[dist.get_rank()])
-    loaded = Loaded(source=kind, path=where, iteration=iteration, saved_world_size=saved_world, optimizer_step=step,
-                    seconds=time.perf_counter() - start, bytes_sent=sent, rng_restored=restored,
+    loaded = Loaded(source=kind, path=where, iteration=iteration, saved_world_size=saved_world,
+                    optimizer_step=opt_step, seconds=time.perf_counter() - start, bytes_sent=sent, rng_restored=restored,
                     run_id=state.get("run_id"))
     if dist.get_rank() == 0:
         logger.info("loaded %s checkpoint %s (saved on %d rank(s)) into ZeRO-%d on %d rank(s) at iteration %d in "
