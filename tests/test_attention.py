@@ -252,3 +252,39 @@ def test_trainer_builds_sdpa_by_default_with_no_seq_term():
     sdpa_growth = got[("sdpa", 256)][1] / got[("sdpa", 128)][1]
     megatron_growth = got[("megatron", 256)][1] / got[("megatron", 128)][1]
     assert sdpa_growth < 1.05 < 1.2 < megatron_growth, (sdpa_growth, megatron_growth)
+
+
+def test_memory_report_counts_scores_only_where_they_are_kept():
+    """The first step's memory report (activations.keeps_scores) adds the inventory's ``5 a s`` scores term for
+    Megatron's attention, and for SDPA only with dropout > 0 on CPU (torch's math kernel); with it the prediction
+    grows with the sequence, without it the bytes per token are the same at 128 and 4096 tokens."""
+    from hetu_ext.megatron.activations import keeps_scores, predicted_bytes
+    from hetu_ext.megatron.model import TrainingNumerics
+    from hetu_ext.model import ModelSpec
+    from hetu_ext.plan import uniform_plan
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert keeps_scores(TrainingNumerics(attention="megatron", attention_dropout=0.0), cuda)
+    assert not keeps_scores(TrainingNumerics(attention="sdpa", attention_dropout=0.0), cpu)
+    assert keeps_scores(TrainingNumerics(attention="sdpa", attention_dropout=0.1), cpu)
+    assert not keeps_scores(TrainingNumerics(attention="sdpa", attention_dropout=0.1), cuda)
+    per_token = {}
+    for s in (128, 4096):
+        spec = ModelSpec(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=256, seq_length=s)
+        plan = uniform_plan(world_size=1, tp=1, pp=1, num_layers=2, num_microbatches=1)
+        for scores in (True, False):
+            kept, _ = predicted_bytes(spec, plan, 0, micro_batch_size=1, half=True, recompute="none",
+                                      sequence_parallel=False, attention_scores=scores)
+            per_token[(s, scores)] = kept / s
+    assert per_token[(128, False)] == per_token[(4096, False)]
+    assert per_token[(4096, True)] > 2 * per_token[(128, True)]
+
+
+def test_hetu_compile_is_refused_in_one_line_on_cpu():
+    """--hetu-compile on a CPU run: torch.compile is disabled there, so the launcher prints one line naming the
+    flag and the fix and exits 2 (no traceback), instead of silently running uncompiled."""
+    from helpers import MODEL, assert_one_error_line, run
+
+    proc = run([*MODEL, "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "256",
+                "--train-iters", "1", "--hetu-compile"], timeout=300)
+    assert_one_error_line(proc, "--hetu-compile needs torch.compile")

@@ -10,9 +10,12 @@ a recomputed layer's activations during its backward), on any device, with no al
 Predicted: the stage's layers from the model inventory (:func:`hetu_ext.model.inventory.activation_bytes_per_token`,
 Korthikanti et al.'s count for fused kernels, with the run's recomputation and sequence parallelism) for the
 microbatches 1F1B holds in flight, ``min(pp - stage, m)``; under full recomputation plus one layer recomputed
-during its backward. Megatron's local layers on CPU keep more than fused kernels (torch's RMSNorm keeps fp32
-copies; the softmax is fp32): tests/test_llama_training.py measures where the two agree (recomputation, sequence
-parallelism) and where they differ.
+during its backward. The ``5 a s`` term of the attention scores counts only where the core attention keeps them
+(:func:`keeps_scores`): Megatron's DotProductAttention (``--hetu-attention megatron``), and torch's SDPA with
+dropout > 0 on CPU (its math kernel); hetu_ext's default attention keeps no ``s`` term per token. Megatron's local
+layers on CPU keep more than fused kernels (torch's RMSNorm keeps fp32 copies; Megatron's softmax is fp32):
+tests/test_llama_training.py measures where the two agree (recomputation, sequence parallelism) and where they
+differ.
 """
 
 from __future__ import annotations
@@ -68,9 +71,19 @@ class SavedTensorMeter:
             yield self
 
 
+def keeps_scores(numerics, device: torch.device) -> bool:
+    """Whether the stages' core attention keeps ``[b, heads, s, s]`` tensors for backward (``numerics``: the run's
+    TrainingNumerics): Megatron's DotProductAttention always; SDPA only where torch runs its math kernel, with
+    dropout > 0 on CPU (the CPU flash kernel has no dropout; CUDA's flash kernel has)."""
+    if numerics.attention == "megatron":
+        return True
+    return device.type == "cpu" and numerics.attention_dropout > 0
+
+
 def predicted_bytes(spec: ModelSpec, plan: Plan, rank: int, *, micro_batch_size: int, half: bool,
-                    recompute: str, sequence_parallel: bool) -> tuple[float, int]:
-    """The inventory's activation bytes of ``rank``'s stage at its 1F1B peak, and the microbatches in flight."""
+                    recompute: str, sequence_parallel: bool, attention_scores: bool = True) -> tuple[float, int]:
+    """The inventory's activation bytes of ``rank``'s stage at its 1F1B peak, and the microbatches in flight;
+    ``attention_scores``: the core attention keeps the scores (:func:`keeps_scores`)."""
     pipeline_index, stage_index = plan.stage_of(rank)
     pipeline = plan.pipelines[pipeline_index]
     stage = pipeline.stages[stage_index]
@@ -80,7 +93,7 @@ def predicted_bytes(spec: ModelSpec, plan: Plan, rank: int, *, micro_batch_size:
 
     def per_layer(kind: str) -> float:
         return tokens * scale * inventory.activation_bytes_per_token(
-            spec, tp=stage.tp, seq_length=spec.seq_length, recompute=kind,
+            spec, tp=stage.tp, seq_length=spec.seq_length, recompute=kind, attention_scores=attention_scores,
             sequence_parallel=sequence_parallel and stage.tp > 1)
 
     kept = per_layer(recompute) * stage.num_layers * in_flight
@@ -96,15 +109,17 @@ def report_first_step(trainer):
     with meter.measuring():
         yield
     numerics = trainer.numerics
+    scores = keeps_scores(numerics, trainer.host.device)
     predicted, in_flight = predicted_bytes(
         trainer.spec, trainer.plan, trainer.host.rank, micro_batch_size=trainer.config.training.micro_batch_size,
         half=numerics.half, recompute=numerics.recompute_granularity or "none",
-        sequence_parallel=numerics.sequence_parallel)
+        sequence_parallel=numerics.sequence_parallel, attention_scores=scores)
     logger.info("[Rank %d] (after %d iterations) activation memory (MB) | measured peak: %.2f | predicted: %.2f "
-                "(inventory: the stage's layers, %d microbatches in flight, recompute %s, sequence parallel %s)",
+                "(inventory: the stage's layers, %d microbatches in flight, recompute %s, sequence parallel %s, "
+                "attention scores %s)",
                 trainer.host.rank, trainer.iteration, meter.peak / MB, predicted / MB, in_flight,
                 numerics.recompute_granularity or "none", "on" if numerics.sequence_parallel and _stage_tp(
-                    trainer.plan, trainer.host.rank) > 1 else "off")
+                    trainer.plan, trainer.host.rank) > 1 else "off", "kept" if scores else "not kept")
 
 
 def _stage_tp(plan: Plan, rank: int) -> int:

@@ -35,11 +35,11 @@ def enable_cpu_support(force: bool | None = None) -> bool:
     Idempotent. Returns whether the patches are in effect. On a CUDA machine nothing is patched unless forced.
     """
     global _CPU_PATCHES
-    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # megatron's unfused paths would torch.compile on CPU
     if _CPU_PATCHES is not None and _CPU_PATCHES.applied:
         return True
     if not needs_cpu_patches(force):
-        return False
+        return False  # CUDA: dynamo stays on (compiled FlexAttention for packs, --hetu-compile)
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # megatron's unfused paths would torch.compile on CPU
     _CPU_PATCHES = megatron_cpu_patches()
     _CPU_PATCHES.apply()
     logging.getLogger(_RNG_LOGGER).addFilter(_RNG_FILTER)

@@ -158,8 +158,16 @@ def build_gpt_stage(spec: ModelSpec, config, *, pre_process: bool, post_process:
 def compile_layers(model) -> int:
     """``--hetu-compile``: ``torch.compile`` every transformer layer of ``model`` in place (inductor fuses the
     norms, SwiGLU, RoPE, dropouts and residual adds around the attention kernel); returns how many. CUDA only:
-    on CPU hetu_ext disables dynamo (Megatron's unfused paths would compile), so the flag is refused there
-    (hetu_ext/cli/args.py)."""
+    on CPU hetu_ext disables dynamo (Megatron's unfused paths would compile), so the flag is refused there, in one
+    line (ValueError)."""
+    import os
+
+    import torch._dynamo
+
+    if torch._dynamo.config.disable or os.environ.get("TORCHDYNAMO_DISABLE") == "1":
+        raise ValueError("--hetu-compile needs torch.compile, which is disabled in this process "
+                         "(TORCHDYNAMO_DISABLE=1: hetu_ext sets it on CPU, where Megatron's unfused paths would "
+                         "compile); run on CUDA or drop --hetu-compile")
     layers = transformer_layers(model)
     for layer in layers:
         layer.compile()
