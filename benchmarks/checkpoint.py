@@ -237,7 +237,7 @@ def save_body(rank: int, world: int, argv: list[str], directory: str, system: st
                 copies.append(time.perf_counter() - copy_start)
                 dist.barrier()
             start = time.perf_counter()
-            ckpt = checkpointing.save_hetu(trainer, directory, blocking=False)
+            ckpt = checkpointing.save_hetu(trainer.checkpoint_target(), directory, blocking=False)
             blocking = time.perf_counter() - start  # what the training loop waits for: the whole call
             phases = dict(ckpt.last)
             ckpt.wait()
@@ -438,7 +438,7 @@ def _load_hetu_with_report(trainer, directory: str):
     from hetu_ext.megatron import checkpointing
 
     with recorded_loads() as reports:
-        checkpointing.load_hetu(trainer, directory)
+        checkpointing.load_hetu(trainer.checkpoint_target(), directory)
     return reports[-1]
 
 

@@ -212,3 +212,41 @@ def test_uncovered_megatron_lm_option_refused_up_front(tmp_path):
     assert errors == ["hetu_ext.megatron_lm: error: --hetu-ckpt-format hetu has no rule for MoE experts "
                       "(--num-experts); use Megatron-LM's own checkpoints (--hetu-ckpt-format auto) or drop "
                       "--num-experts"], errors
+
+
+def test_checkpoint_parts_own_their_keys_and_keep_the_record():
+    """The trainer's checkpoint parts (hetu_ext.checkpoint.parts) write the record hetu checkpoints always held: the
+    plain run's keys and LoRA's adapters checkpoint's, each owned by one part (a key claimed twice, or given by a
+    part that does not declare it, is refused by name). Catches a part that would drop or rename a key of the
+    on-disk format, so that old checkpoints stop loading or a value is silently not restored. Pure: the parts'
+    keys are class attributes, no trainer is built."""
+    from hetu_ext.checkpoint.parts import Part, restore_parts, state_record
+    from hetu_ext.errors import HetuExtError
+    from hetu_ext.lora.plugin import LoRAPlugin
+    from hetu_ext.train.parts import training_parts
+
+    plain = [key for part in training_parts(None) for key in part.keys]
+    assert sorted(plain) == sorted(["data", "iteration", "losses", "scheduler", "optimizer_step", "grad_scaler",
+                                    "rng", "assumed"])
+    lora = [key for part in LoRAPlugin.parts(LoRAPlugin.__new__(LoRAPlugin), None) for key in part.keys]
+    assert sorted(lora) == sorted(["iteration", "losses", "scheduler", "tenant_losses", "tenant_steps", "lora",
+                                   "rng"])
+
+    class Values(Part):
+        def __init__(self, name, keys, values):
+            self.name, self.keys, self.values, self.restored = name, keys, values, None
+
+        def state_dict(self):
+            return dict(self.values)
+
+        def load_state_dict(self, saved, where):
+            self.restored = {k: saved.get(k) for k in self.keys}
+
+    a, b = Values("a", ("x",), {"x": 1}), Values("b", ("y", "z"), {"y": 2, "z": 3})
+    assert state_record([a, b]) == {"x": 1, "y": 2, "z": 3}
+    restore_parts([a, b], {"x": 10, "y": 20}, "here")
+    assert a.restored == {"x": 10} and b.restored == {"y": 20, "z": None}
+    with pytest.raises(HetuExtError, match="'x' is claimed by two parts, 'a' and 'c'"):
+        state_record([a, Values("c", ("x",), {"x": 4})])
+    with pytest.raises(HetuExtError, match=r"part 'd' gave \['w'\], which it does not declare"):
+        state_record([Values("d", ("v",), {"w": 5})])

@@ -105,26 +105,27 @@ def lobra_body(rank: int, world_size: int, argv: list[str], normalisation: str =
     from hetu_ext.megatron.weights import gather_weights
 
     trainer = build_run(parse_run_config(argv))
-    trainer.normalisation = normalisation
+    trainer.plugin.normalisation = normalisation
     base_before = gather_weights(trainer.model, **trainer.placement.shard_kwargs)
     offset = trainer.placement.shard_kwargs.get("layer_offset", 0)
     initial = gather_adapters(trainer.model, layer_offset=offset,
                               values=_masters(trainer) if trainer.placement.active else None)
     absent_same, norms = None, []
-    record = record and trainer.placement.active and ABSENT < len(trainer.tenants)  # (wraps this plan's LoRASync)
+    # (wraps this plan's LoRASync)
+    record = record and trainer.placement.active and ABSENT < len(trainer.plugin.tenants)
     if record:
-        snaps, step = [], trainer.lora.step
+        snaps, step = [], trainer.plugin.lora.step
 
         def recording_step(optimizer, **kw):
             norm = step(optimizer, **kw)
-            norms.append(list(trainer.lora.tenant_norms))
+            norms.append(list(trainer.plugin.lora.tenant_norms))
             moments = _moments(trainer)
             masters = _masters(trainer)
             snaps.append([(masters[id(p)].detach().clone(), moments[id(p)].clone())
-                          for p in trainer.lora.params_of[ABSENT]])
+                          for p in trainer.plugin.lora.params_of[ABSENT]])
             return norm
 
-        trainer.lora.step = recording_step
+        trainer.plugin.lora.step = recording_step
     lines: list[str] = []
     trainer.train(log=lines.append)
     if record:
@@ -150,7 +151,7 @@ def lobra_body(rank: int, world_size: int, argv: list[str], normalisation: str =
         return None
     return {"adapters": adapters, "initial": initial, "exp_avg": exp_avg, "counts": counts,
             "losses": trainer.losses, "norms": norms,
-            "tenant_losses": trainer.tenant_losses, "absent_same": flags,
+            "tenant_losses": trainer.plugin.tenant_losses, "absent_same": flags,
             "detected": any("stragglers rank 2" in line for line in lines), "lines": lines,
             "base_same": all(torch.equal(base_before[k], base_after[k]) for k in base_before),
             "trainable": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),

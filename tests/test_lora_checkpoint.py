@@ -53,8 +53,8 @@ def _state(trainer) -> dict:
            "weight": gather_adapters(trainer.model, layer_offset=offset)}  # the model's copies (bf16 or fp32)
     for m, values in moments.items():
         out[m] = gather_adapters(trainer.model, layer_offset=offset, values=values)
-    return {"tensors": out, "steps": tenant_steps(trainer), "iteration": trainer.iteration,
-            "losses": list(trainer.losses), "tenant_losses": [list(r) for r in trainer.tenant_losses]}
+    return {"tensors": out, "steps": tenant_steps(trainer.placement, trainer.plugin.tenants),
+            "iteration": trainer.iteration, "losses": list(trainer.losses), "tenant_losses": [list(r) for r in trainer.plugin.tenant_losses]}
 
 
 def ckpt_body(rank: int, world_size: int, argv: list[str]) -> dict | None:

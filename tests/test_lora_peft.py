@@ -52,7 +52,7 @@ def export_body(rank: int, world_size: int, argv: list[str], out: str) -> dict |
     logits = {}
     trainer.model.eval()
     with torch.no_grad():
-        for k, tenant in enumerate(trainer.tenants):
+        for k, tenant in enumerate(trainer.plugin.tenants):
             write_peft(f"{out}/{tenant.name}", adapters, tenant, num_attention_heads=HEADS, base=f"{out}/gpt2")
             routing_of(trainer.model).set(torch.full_like(tokens, k))
             logits[tenant.name] = trainer.model(tokens, position_ids, None).float()
@@ -102,7 +102,7 @@ def llama_body(rank: int, world_size: int, argv: list[str]) -> dict:
     logits = {}
     trainer.model.eval()
     with torch.no_grad():
-        for k, tenant in enumerate(trainer.tenants):
+        for k, tenant in enumerate(trainer.plugin.tenants):
             routing_of(trainer.model).set(torch.full_like(tokens, k))
             logits[tenant.name] = trainer.model(tokens, torch.arange(40)[None], None).float()[..., :1000]
     return {"logits": logits, "tokens": tokens}

@@ -53,7 +53,7 @@ def finetune_body(rank: int, world_size: int, argv: list[str]) -> dict | None:
     torch.distributed.all_gather_object(everyone, keys)
     if rank != trainer.log_rank:
         return None
-    return {"loaded": loaded, "after": after, "keys": everyone, "base": trainer.base,
+    return {"loaded": loaded, "after": after, "keys": everyone, "base": trainer.plugin.base,
             "losses": list(trainer.losses)}
 
 

@@ -160,7 +160,7 @@ def trainer_loads_saves_trains(rank: int, world_size: int, argv: list[str], out:
     from hetu_ext.megatron.checkpointing import save_hetu
 
     trainer = build_run(parse_run_config(argv))
-    save_hetu(trainer, out, blocking=True)
+    save_hetu(trainer.checkpoint_target(), out, blocking=True)
     lines: list[str] = []
     losses = trainer.train(log=lines.append)
     return (losses, "\n".join(lines)) if rank == trainer.log_rank else None

@@ -1,7 +1,10 @@
 """LobRA checkpoints (issue 16): tenants' adapters and their Adam state in hetu_ext's layout-agnostic format.
 
-``--save DIR`` with ``--hetu-lora-tenants`` writes, through the same writer as the base model's checkpoints
-(hetu_ext.checkpoint.writer: each unique element once, async persist, atomic commit, retention, run identity):
+``--save DIR`` with ``--hetu-lora-tenants`` writes, through the same format as the base model's checkpoints
+(hetu_ext.megatron.checkpointing with the LoRA plug-in's parts, hetu_ext.lora.plugin: the progress, the LR
+schedule, the RNG and :class:`~hetu_ext.lora.plugin.AdaptersPart`, whose pieces and record are made here; the
+writer hetu_ext.checkpoint.writer: each unique element once, async persist, atomic commit, retention, run
+identity):
 
 * ``param/decoder.layers.<module>.lora_{A,B}.<tenant>`` (index: the global layer) for every adapter factor (its
   fp32 master under --bf16, from which a load casts the model's bf16 copy), and
@@ -28,7 +31,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from pathlib import Path
 from typing import Any
 
@@ -36,10 +38,8 @@ import torch
 import torch.distributed as dist
 
 from hetu_ext.checkpoint import CheckpointError, LocalStorage
-from hetu_ext.checkpoint.load import load_pieces
-from hetu_ext.checkpoint.manifest import MANIFEST, Manifest
+from hetu_ext.checkpoint.manifest import Manifest
 from hetu_ext.config.tenants import TenantSpec
-from hetu_ext.plan import plan_to_dict
 from hetu_ext.runtime.reshard import Piece
 
 from .pretrained import describe, same_base, saved_base, seed_base
@@ -232,48 +232,20 @@ def local_tenant_steps(placement) -> dict[str, float | None]:
     return {t: v.pop() for t, v in found.items()}
 
 
-def tenant_steps(trainer) -> dict[str, float | None]:
-    """Every tenant's Adam step over the plan (collective over the used ranks)."""
-    mine = local_tenant_steps(trainer.placement)
-    everyone: list = [None] * dist.get_world_size(trainer.placement.report_group)
-    dist.all_gather_object(everyone, mine, group=trainer.placement.report_group)
+def tenant_steps(placement, tenants: tuple[TenantSpec, ...]) -> dict[str, float | None]:
+    """Every tenant's Adam step over the plan (collective over the used ranks of ``placement``)."""
+    mine = local_tenant_steps(placement)
+    everyone: list = [None] * dist.get_world_size(placement.report_group)
+    dist.all_gather_object(everyone, mine, group=placement.report_group)
     out: dict[str, float | None] = {}
     for part in everyone:
         for tenant, step in part.items():
             if out.setdefault(tenant, step) != step:
                 raise AssertionError(f"tenant {tenant!r} is at Adam step {out[tenant]} on one rank, {step} on another")
-    return {t.name: out.get(t.name) for t in trainer.tenants}
+    return {t.name: out.get(t.name) for t in tenants}
 
 
 # ---------------------------------------------------------------- save and load
-
-
-def _json_safe(value: Any) -> Any:
-    return json.loads(json.dumps(value, default=str))
-
-
-def save_adapters(trainer, directory: str, *, blocking: bool) -> None:
-    """Collective over the plan's used ranks: snapshot the adapters now, write in the background unless
-    ``blocking`` (the run's last save)."""
-    from hetu_ext.megatron import checkpointing
-    from hetu_ext.megatron.state import rng_state
-
-    placement, config = trainer.placement, trainer.config
-    state = {"iteration": trainer.iteration, "losses": list(trainer.losses),
-             "tenant_losses": [list(row) for row in trainer.tenant_losses],
-             "scheduler": trainer.scheduler.state_dict() if trainer.scheduler is not None else None,
-             "tenant_steps": tenant_steps(trainer),
-             "lora": lora_record(trainer.tenants, seed=config.training.seed, seq_length=config.model.seq_length,
-                                 base=trainer.base)}
-    info = {"consumed_samples": None, "plan": plan_to_dict(trainer.plan),
-            "config": _json_safe(config.to_flat_dict()), "state": _json_safe(state)}
-    ckpt = checkpointing.checkpointer_of(trainer, directory)
-    ckpt.save(iteration=trainer.iteration, pieces=adapter_pieces(placement), rng=rng_state(trainer.host.rank),
-              info=info, group=placement.report_group, blocking=blocking)
-    if trainer.host.rank == trainer.log_rank:
-        logger.info("adapters checkpoint of iteration %d: %.1f ms blocking, %.2f MiB on this rank (%s)",
-                    trainer.iteration, ckpt.last["blocking_s"] * 1e3, ckpt.last["bytes"] / 2**20,
-                    "committed" if blocking else "persisting in the background")
 
 
 def latest_manifest(directory: str) -> Manifest | None:
@@ -286,47 +258,6 @@ def latest_manifest(directory: str) -> Manifest | None:
     if not order:
         return None
     return read_manifest(storage, order[0])
-
-
-def load_adapters(trainer, directory: str) -> bool:
-    """Collective over every rank: the latest adapters checkpoint under ``directory`` into this plan (adapters,
-    moments, per-tenant Adam steps), then the iteration, losses, LR schedule and (same plan) RNG. False if the
-    directory holds no checkpoint."""
-    from hetu_ext.megatron import checkpointing
-    from hetu_ext.megatron.state import RunState, restore
-
-    storage = LocalStorage(directory)
-    root = Path(directory)
-    if not (root / "latest_checkpointed_iteration.txt").exists() and not any(root.glob(f"iter_*/{MANIFEST}")):
-        if trainer.host.rank == 0:
-            logger.warning("--load %s: no checkpoint found, starting from scratch", directory)
-        return False
-    config = trainer.config
-
-    def destinations(manifest: Manifest) -> list[Piece]:
-        where = f"--load {directory} (iteration {manifest.iteration})"
-        error = check_tenants(manifest.state.get("lora"), trainer.tenants, seed=config.training.seed,
-                              seq_length=config.model.seq_length, where=where, base=trainer.base)
-        if error is not None:
-            raise CheckpointError(error)
-        return adapter_pieces(trainer.placement, steps=manifest.state.get("tenant_steps", {}))
-
-    start = time.perf_counter()
-    report = load_pieces(storage, destinations, fallback=config.checkpoint.fallback, read=config.checkpoint.read)
-    cast_masters_down(trainer.placement)
-    manifest = report.manifest
-    rng = checkpointing.saved_rng(trainer, manifest, note="adapters resharded; ")
-    state = manifest.state
-    restore(trainer, RunState(iteration=manifest.iteration, source=f"{directory} iteration {manifest.iteration}",
-                              losses=state.get("losses", []), scheduler=state.get("scheduler"), data=None,
-                              run_id=manifest.run_id, rng=rng))
-    trainer.tenant_losses = [list(row) for row in state.get("tenant_losses", [])]
-    checkpointing.note_loaded_run(directory, manifest.run_id)
-    if trainer.host.rank == 0:
-        logger.info("loaded adapters of %d tenants at iteration %d from %s (%.2f s)%s", len(trainer.tenants),
-                    manifest.iteration, directory, time.perf_counter() - start,
-                    "".join(f"; skipped: {s}" for s in report.skipped))
-    return True
 
 
 # ---------------------------------------------------------------- PEFT export of a saved checkpoint

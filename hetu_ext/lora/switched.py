@@ -45,7 +45,7 @@ class TenantGroupSteps(SwitchedGroupSteps):
     def strategy_data(self, trainer, strategy, pipeline: int | None):
         """The tenants' packs for one strategy (at most its ``max_len`` tokens), over the same global batches."""
         packing = trainer.config.packing
-        return build_tenant_steps(trainer.tenants, method=packing.method, cost_model=packing.cost_model,
+        return build_tenant_steps(trainer.plugin.tenants, method=packing.method, cost_model=packing.cost_model,
                                   spec=trainer.spec, plan=strategy.plan, pipeline=pipeline,
                                   device=trainer.host.device, seed=trainer.config.training.seed, vocab_size=0,
                                   corpus=trainer.documents, max_pack_tokens=strategy.max_len)
@@ -53,14 +53,14 @@ class TenantGroupSteps(SwitchedGroupSteps):
     def prepare(self, trainer, data: SwitchedSteps) -> StepWork | None:
         counts = data.batches.tenant_tokens(trainer.iteration)
         if not counts.any():  # nobody has data: no step (every rank agrees: the batches are deterministic)
-            trainer.tenant_losses.append([None] * len(trainer.tenants))
+            trainer.plugin.tenant_losses.append([None] * len(trainer.plugin.tenants))
             return None
         work = super().prepare(trainer, data)
-        work.extra.update(counts=counts, weights=token_weights(counts, trainer.normalisation))
+        work.extra.update(counts=counts, weights=token_weights(counts, trainer.plugin.normalisation))
         return work
 
     def execute(self, trainer, work: StepWork) -> list:
-        weights, tenants = work.extra["weights"].to(trainer.host.device), len(trainer.tenants)
+        weights, tenants = work.extra["weights"].to(trainer.host.device), len(trainer.plugin.tenants)
 
         def run_schedule(placement, step):
             return placement.forward_backward(
@@ -75,19 +75,20 @@ class TenantGroupSteps(SwitchedGroupSteps):
 
     def optimizer_step(self, trainer, work: StepWork) -> tuple[bool, float | None]:
         present = [bool(n) for n in work.extra["counts"]]  # always an update: --fp16 is refused with tenants
-        return True, trainer.lora.step(trainer.optimizer, present=present,
+        return True, trainer.plugin.lora.step(trainer.optimizer, present=present,
                                        clip_grad=trainer.config.training.clip_grad)
 
     def statistics(self, trainer, work: StepWork, reports: list) -> dict:
-        total = torch.zeros(2 * len(trainer.tenants), dtype=torch.float64)
+        total = torch.zeros(2 * len(trainer.plugin.tenants), dtype=torch.float64)
         for k, group_reports in reports:
             placement = trainer.switching.placement(k)
             if placement.active and placement.is_last_stage and placement.tp_rank == 0:
                 for report in group_reports:
                     total += report["tenant loss"].double().cpu()
         dist.all_reduce(total, group=trainer.placement.report_group)
-        n = len(trainer.tenants)
-        trainer.tenant_losses.append([float(s / c) if c else None for s, c in zip(total[:n], total[n:])])
+        n = len(trainer.plugin.tenants)
+        trainer.plugin.tenant_losses.append([float(s / c) if c else None for s, c in zip(total[:n], total[n:])])
         out = super().statistics(trainer, work, reports)
-        out.update(tenant_tokens=[int(c) for c in work.extra["counts"]], tenant_loss=trainer.tenant_losses[-1])
+        out.update(tenant_tokens=[int(c) for c in work.extra["counts"]],
+                   tenant_loss=trainer.plugin.tenant_losses[-1])
         return out

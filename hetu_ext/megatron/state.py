@@ -1,16 +1,17 @@
 """The training state a run must restore, composed once for every checkpoint format.
 
-:class:`RunState` is what a checkpoint holds besides tensors: the iteration, the losses so far, the LR schedule,
-the data settings that fix each step's samples, the optimizer step, this rank's RNG states (used only under the
+:class:`RunState` is what a checkpoint holds besides tensors, as every loader returns it (hetu, Megatron's
+torch_dist into the uniform runtime or resharded into any plan, DeepSpeed ZeRO): the iteration, the losses so far,
+the LR schedule, the data settings that fix each step's samples, this rank's RNG states (used only under the
 saving plan), the straggler monitor's assumed slowdowns, the ``--fp16`` loss scaler's state (:func:`scaler_state`:
-the record Megatron-LM's loop keeps in hetu checkpoints too, so either loop resumes the other's), and the run's
-identity. Every loader (hetu, Megatron's
-torch_dist into the uniform runtime or resharded into any plan, DeepSpeed ZeRO) reads its tensors into
-:func:`state_pieces` (parameters, fp32 master weights, optimizer moments: the reshard engine's view of the model
-and optimizer) and returns a :class:`RunState`; :func:`restore` then applies it with the checks written once:
-the same data settings (else samples would be skipped or repeated), Megatron-LM's rule for the schedule
-(:func:`restore_scheduler`), the RNG when the plan is the one that saved, the monitor's assumptions.
-:func:`run_state` is the saving side.
+the record Megatron-LM's loop keeps in hetu checkpoints too, so either loop resumes the other's), the run's
+identity, and a plug-in's keys. Its :meth:`RunState.record` is what the checkpoint parts restore from
+(hetu_ext.checkpoint.parts; the trainer's parts, hetu_ext/train/parts.py, call the functions here).
+
+The functions are the host side of those parts, each on typed inputs: :func:`state_pieces` (parameters, fp32
+master weights, optimizer moments: the reshard engine's view of the model and optimizer, which every loader reads
+its tensors into), :func:`data_settings`, :func:`restore_scheduler` (Megatron-LM's rule), :func:`rng_state` and
+:func:`set_rng_state`, :func:`scaler_state` and :func:`restore_scaler_state`, :func:`optimizer_step`.
 """
 
 from __future__ import annotations
@@ -58,36 +59,15 @@ class RunState:
     """The straggler monitor's assumed slowdowns (rank -> x) when saved."""
     grad_scaler: list[dict] | None = None
     """--fp16: :func:`scaler_state` of the saving run (None: saved without --fp16, or not recorded)."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """The rest of the saved record (a plug-in's keys: LoRA's ``tenant_steps``, ``tenant_losses``, ``lora``)."""
 
-
-def run_state(trainer) -> dict[str, Any]:
-    """The non-tensor state to save (the ``state`` of a hetu manifest, ``hetu_common.pt`` of a torch_dist save)."""
-    monitor = trainer.monitor
-    return {"iteration": trainer.iteration, "losses": list(trainer.losses),
-            "scheduler": trainer.scheduler.state_dict() if trainer.scheduler is not None else None,
-            "data": data_settings(trainer), "optimizer_step": optimizer_step(trainer.placement),
-            "grad_scaler": scaler_state(trainer.placement.optimizer),
-            "assumed": {str(r): x for r, x in monitor.assumed.items()} if monitor is not None else None}
-
-
-def restore(trainer, saved: RunState) -> None:
-    """Apply a loaded checkpoint's :class:`RunState` (every rank, idle ones too, after its tensors are loaded)."""
-    if saved.data is not None:
-        now = data_settings(trainer)
-        changed = {k: (v, now[k]) for k, v in saved.data.items() if k in now and now[k] != v}
-        if changed:
-            raise CheckpointError(f"{saved.source} was trained with other data settings (saved, now): {changed}; "
-                                  f"resume with the saved values so that step {saved.iteration + 1} reads the "
-                                  "samples that follow, none skipped or repeated")
-    trainer.iteration = saved.iteration
-    trainer.losses = list(saved.losses)
-    restore_scheduler(trainer, saved.scheduler, saved.source)
-    if saved.rng is not None:
-        set_rng_state(saved.rng)
-    restore_scaler_state(trainer.placement.optimizer, saved.grad_scaler, saved.source,
-                         report=getattr(trainer.host, "rank", 0) == 0)
-    if saved.assumed and trainer.monitor is not None:
-        trainer.monitor.detector.assumed = {int(r): float(x) for r, x in saved.assumed.items()}
+    def record(self) -> dict[str, Any]:
+        """The flat record the checkpoint's parts restore from (hetu_ext.checkpoint.parts): the saved state's keys,
+        the RNG under ``rng``."""
+        return {**self.extra, "iteration": self.iteration, "losses": list(self.losses),
+                "scheduler": self.scheduler, "data": self.data, "rng": self.rng, "assumed": self.assumed,
+                "grad_scaler": self.grad_scaler}
 
 
 def grad_scalers(optimizer) -> list:
@@ -276,11 +256,10 @@ def set_rng_state(saved: dict[str, Any]) -> None:
         tensor_parallel.get_cuda_rng_tracker().set_states({k: _unb64(v) for k, v in saved["tracker"].items()})
 
 
-def data_settings(trainer) -> dict[str, Any]:
+def data_settings(cfg, plan) -> dict[str, Any]:
     """What fixes the samples of step g (the data position is the iteration): changing any of them on resume
-    would skip or repeat samples."""
-    cfg = trainer.config
-    return {"global_batch_size": global_batch_size(trainer.plan, cfg.training.micro_batch_size),
+    would skip or repeat samples (``cfg``: the RunConfig)."""
+    return {"global_batch_size": global_batch_size(plan, cfg.training.micro_batch_size),
             "seed": cfg.training.seed, "seq_length": cfg.model.seq_length, "split": cfg.data.split,
             "mock_data": bool(cfg.data.mock_data), "packing": cfg.packing.method,
             "global_batch_tokens": cfg.packing.global_batch_tokens,
@@ -321,23 +300,25 @@ def schedule_policy(training) -> str:
     return "checkpoint" if training.use_checkpoint_opt_param_scheduler else "check"
 
 
-def restore_scheduler(trainer, saved: dict[str, Any] | None, where: str) -> None:
-    """Set the LR schedule from a loaded checkpoint's (``saved``: its ``state_dict()``), by Megatron-LM's rule.
+def restore_scheduler(scheduler, saved: dict[str, Any] | None, where: str, *, config, plan, iteration: int,
+                      ramp=None):
+    """Set ``scheduler`` (Megatron's OptimizerParamScheduler; None on an idle rank) from a loaded checkpoint's
+    schedule (``saved``: its ``state_dict()``) by Megatron-LM's rule; returns the run's configuration (``config``,
+    the RunConfig), changed only as below.
 
-    Every rank calls this (idle ones too, with no scheduler), after ``trainer.iteration`` is set, so a refusal
-    is raised everywhere at once. Without a saved schedule the flags' schedule is replayed to the iteration.
-    With --use-checkpoint-opt_param-scheduler the run's training config takes the checkpoint's schedule, so a
-    scheduler built later from it (a migration) agrees."""
+    Every rank calls this (idle ones too, with no scheduler), at the loaded ``iteration``, so a refusal is raised
+    everywhere at once. Without a saved schedule the flags' schedule is replayed to the iteration (under
+    --rampup-batch-size, ``ramp``: the samples consumed so far). With --use-checkpoint-opt_param-scheduler the
+    returned config's training settings take the checkpoint's schedule, so a scheduler built later from it (a
+    migration) agrees."""
     from hetu_ext.plan.core.batches import scheduler_unit
 
-    training = trainer.config.training
-    unit = scheduler_unit(training, trainer.config.packing, trainer.plan)
+    training = config.training
+    unit = scheduler_unit(training, config.packing, plan)
     if saved is None:
-        if trainer.scheduler is not None:  # --rampup-batch-size: the samples consumed so far
-            ramp = getattr(trainer, "ramp", None)
-            trainer.scheduler.step(increment=trainer.iteration * unit if ramp is None
-                                   else ramp.consumed(trainer.iteration))
-        return
+        if scheduler is not None:
+            scheduler.step(increment=iteration * unit if ramp is None else ramp.consumed(iteration))
+        return config
     policy = schedule_policy(training)
     state = resolve_schedule(saved, scheduler_settings(training, unit), policy=policy, unit=unit, where=where)
     if policy == "checkpoint":
@@ -357,6 +338,7 @@ def restore_scheduler(trainer, saved: dict[str, Any] | None, where: str) -> None
                     changes[name] = state[key] // unit
                     if key == "lr_warmup_steps":
                         changes["lr_warmup_fraction"] = None
-        trainer.config = dataclasses.replace(trainer.config, training=dataclasses.replace(training, **changes))
-    if trainer.scheduler is not None:
-        trainer.scheduler.load_state_dict(state)
+        config = dataclasses.replace(config, training=dataclasses.replace(training, **changes))
+    if scheduler is not None:
+        scheduler.load_state_dict(state)
+    return config

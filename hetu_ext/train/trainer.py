@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
-import json
 import logging
 import os
 import time
@@ -21,33 +19,36 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from hetu_ext.config import PackingConfig, RunConfig, StragglerConfig, TrainingConfig
+from hetu_ext.checkpoint.parts import Checkpointable
+from hetu_ext.config import RunConfig
 from hetu_ext.megatron import checkpointing, host
 from hetu_ext.megatron.activations import report_first_step
 from hetu_ext.megatron.data import DataSpec, build_datasets, make_tokenizer
 from hetu_ext.megatron.launch_plan import check_launch, save_format
+from hetu_ext.megatron.checkpoint_target import CheckpointTarget
 from hetu_ext.megatron.memory import memory_table
 from hetu_ext.megatron.migrate import migrate
 from hetu_ext.megatron.model import TrainingNumerics, transformer_layers
 from hetu_ext.megatron.monitor import StragglerMonitor
 from hetu_ext.megatron.packed_data import PackedSteps, StepData, open_documents
 from hetu_ext.megatron.placement import Placement
-from hetu_ext.megatron.plan_runtime import build_plan_placement
-from hetu_ext.megatron.state import check_norm_convention, scheduler_settings
+from hetu_ext.megatron.state import check_norm_convention
 from hetu_ext.megatron.switching import SwitchedSteps, Switching
 from hetu_ext.megatron.tokenizers import tokenizer_files
 from hetu_ext.megatron.uniform_runtime import build_megatron_placement
 from hetu_ext.metrics import MetricsWriter, peak_tflops
 from hetu_ext.model import inventory
-from hetu_ext.plan import ModelSpec, Plan, format_plan, plan_to_dict
-from hetu_ext.plan.core.batches import BatchRamp, batch_ramp, check_ramp, global_batch_size, scheduler_unit
-from hetu_ext.plan.malleus.straggler_policy import StragglerPolicy
-from hetu_ext.runtime.straggler import CostFn, LayerTimer, parse_schedule
+from hetu_ext.plan import ModelSpec, Plan, format_plan
+from hetu_ext.plan.core.batches import BatchRamp, batch_ramp, check_ramp, global_batch_size
+from hetu_ext.runtime.straggler import CostFn, LayerTimer
 from hetu_ext.runtime.watchdog import StepWatchdog
 from hetu_ext.train.step import (
     MicrobatchSteps, PackedDocumentSteps, StepKind, SwitchedGroupSteps, forward_step, run_step)
 from hetu_ext.train.eval import Evaluation, check_evaluation, eval_samples
 from hetu_ext.train.records import open_metrics, report_migration, step_record, window_line
+
+from .components import emulated_layer_cost, make_scheduler, plan_id, straggler_monitor
+from .plugin import TrainerPlugin
 
 logger = logging.getLogger(__name__)
 
@@ -104,13 +105,12 @@ class Trainer:
     """--hetu-hotspa: the home (``placement``) and the strategies' compute placements."""
     overruns: int = 0
     """Layer passes of the last step, over all used ranks, whose real time exceeded the emulated one."""
-    converter: object | None = None
-    """The model converter every stage model of this run is built with (a plug-in's, e.g. LoRA's adapters)."""
-    plugin_pieces: Callable | None = None
-    """A plug-in's state outside the model's sharded state dict, as pieces a migration moves (see migrate.py)."""
+    plugin: TrainerPlugin = field(default_factory=TrainerPlugin)
+    """What a plug-in changes (hetu_ext.train.plugin: its placements, step kind, checkpoint parts; LoRA's
+    tenants); the default is the plain run."""
     steps: StepKind | None = None
-    """What a step is (hetu_ext.train.step): set by the builder of a plug-in (LoRA's tenants); else derived
-    from the run: switching (--hetu-hotspa, --hetu-strategies), packed documents, or plain microbatches."""
+    """What a step is (hetu_ext.train.step): set by a plug-in (LoRA's tenants); else derived from the run:
+    switching (--hetu-hotspa, --hetu-strategies), packed documents, or plain microbatches."""
     checkpoint_formats: tuple = ()
     """Other frameworks' checkpoints ``--load`` reads (:class:`~hetu_ext.megatron.checkpointing.TrainerCheckpoints`:
     DeepSpeed ZeRO's), given where the command line is read (hetu_ext.cli.train.build_run)."""
@@ -268,7 +268,7 @@ class Trainer:
         report_rank = min(plan.used_ranks)
         old_scheduler = self.scheduler
         placement, report = migrate(self.placement, lambda: self.build_placement(plan), self.iteration,
-                                    plugin_pieces=self.plugin_pieces)
+                                    plugin_pieces=self.plugin.migration_pieces)
         self.plan, self.placement, self.plan_key = plan, placement, plan_id(plan)
         self.placement_changed()
         self.scheduler = make_scheduler(self.config.training, self.config.packing, placement, plan)
@@ -286,32 +286,47 @@ class Trainer:
         report_migration(self, report, log, reporting=self.host.rank == report_rank)
 
     def build_placement(self, plan: Plan) -> Placement:
-        """This rank's placement under ``plan``, a migration's destination (collective; a plug-in may add its own
-        parts before the state moves)."""
-        return build_plan_placement(self.config.training, self.spec, plan, self.host, self.numerics,
-                                    use_distributed_optimizer=self.config.parallel.use_distributed_optimizer,
-                                    converter=self.converter)
+        """This rank's placement under ``plan``, a migration's destination (collective; the plug-in's hook: it
+        may add its own parts before the state moves)."""
+        return self.plugin.build_placement(self.config, self.spec, plan, self.host, self.numerics)
 
     def placement_changed(self) -> None:
-        """After a migration built the new placement and moved the state (collective): a plug-in re-attaches."""
+        """After a migration built the new placement and moved the state (collective): the plug-in re-attaches."""
+        self.plugin.placement_changed(self)
+
+    @property
+    def parts(self) -> list[Checkpointable]:
+        """What a checkpoint of this run holds, in restore order (hetu_ext/train/parts.py, or the plug-in's)."""
+        return self.plugin.parts(self)
+
+    def checkpoint_target(self) -> CheckpointTarget:
+        """This rank's parts and position as a save or load takes them (hetu_ext.megatron.checkpoint_target)."""
+        packed = self.config.packing.method != "off"
+        consumed = None if packed else self.ramp.consumed(self.iteration) if self.ramp is not None else \
+            self.iteration * global_batch_size(self.plan, self.config.training.micro_batch_size)
+        return CheckpointTarget(parts=self.parts, config=self.config, plan=self.plan, host=self.host,
+                                placement=self.placement, iteration=self.iteration, log_rank=self.log_rank,
+                                consumed_samples=consumed, formats=self.checkpoint_formats,
+                                hetu_only=self.plugin.hetu_only, label=self.plugin.checkpoint_label)
 
     def _save(self, directory: str) -> None:
         """Save (collective) and record a ``checkpoint_save`` event: the seconds training was blocked; the total
         when the save completed before returning (the last one, torch_dist), else null (persisting in the
         background, committed by the writer thread)."""
         start = time.perf_counter()
-        background = checkpointing.save(self, directory)
+        background = checkpointing.save(self.checkpoint_target(), directory)
         blocking_s = time.perf_counter() - start
         if self.metrics is not None:
             self.metrics.event("checkpoint_save", iteration=self.iteration, directory=directory,
-                               format=save_format(self.config.checkpoint, self.config.parallel),
+                               format="hetu" if self.plugin.hetu_only else save_format(self.config.checkpoint,
+                                                                                       self.config.parallel),
                                blocking_s=blocking_s, total_s=None if background else blocking_s)
 
     def load(self, directory: str) -> bool:
         """Restore the latest checkpoint under ``directory`` (collective); records a ``checkpoint_load`` event."""
         start = time.perf_counter()
         check_norm_convention(self.config, directory)
-        loaded = checkpointing.load(self, directory)
+        loaded = checkpointing.load(self.checkpoint_target(), directory)
         if loaded and self.metrics is not None:
             seconds = time.perf_counter() - start
             self.metrics.event("checkpoint_load", iteration=self.iteration, directory=directory,
@@ -338,10 +353,11 @@ class Trainer:
         self.timer.attach(transformer_layers(placement.model), cost=cost)
 
     def build_strategy(self, k: int) -> Placement:
-        """HotSPa: strategy ``k``'s compute placement (collective; no optimizer), its layers timed."""
+        """HotSPa: strategy ``k``'s compute placement (collective; no optimizer; the plug-in's hook), its layers
+        timed."""
         plan = self.switching.strategies.items[k].plan
-        placement = build_plan_placement(self.config.training, self.spec, plan, self.host, self.numerics,
-                                         with_optimizer=False)
+        placement = self.plugin.build_placement(self.config, self.spec, plan, self.host, self.numerics,
+                                                with_optimizer=False)
         self.attach_timer(placement, plan)
         return placement
 
@@ -362,125 +378,111 @@ class Trainer:
         return float(total[0] / total[1])
 
 
-def make_scheduler(training: TrainingConfig, packing: PackingConfig, placement: Placement, plan: Plan):
-    """Megatron's LR/weight-decay scheduler, stepped in samples as Megatron-LM does (None on idle ranks)."""
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+@dataclass
+class _Launch:
+    """What build_trainer decides before any process group exists."""
 
-    if not placement.active:
-        return None
-    unit = scheduler_unit(training, packing, plan)
-    return OptimizerParamScheduler(placement.optimizer, init_lr=0.0,
-                                   **scheduler_settings(training, unit))
-
-
-def plan_id(plan: Plan) -> str:
-    """A short stable name of a plan (metrics records, events): the first 10 hex digits of its YAML's SHA-1."""
-    return hashlib.sha1(json.dumps(plan_to_dict(plan), sort_keys=True).encode()).hexdigest()[:10]
+    config: RunConfig
+    spec: ModelSpec
+    plan: Plan
+    runtime: str
+    launch: object
+    ramp: BatchRamp | None
+    tokenizer: object
+    documents: object | None
 
 
-def straggler_monitor(straggler: StragglerConfig, micro_batch: int, log_interval: int, spec: ModelSpec, plan: Plan,
-                      h: host.Host, placement: Placement, optimizer_sharded: bool = False):
-    """The straggler monitor (on every rank, idle ones too), or None when --hetu-straggler-interval is 0."""
-    if not straggler.interval:
-        return None
-    monitor = StragglerMonitor(
-        rank=h.rank, plan=plan, spec=spec, micro_batch=micro_batch, interval=straggler.interval,
-        policy=StragglerPolicy(threshold=straggler.threshold, min_change=straggler.min_change,
-                               window=straggler.window),
-        events=parse_schedule(straggler.emulate_slowdown or ""),
-        gpus_per_node=straggler.gpus_per_node or h.world_size, replan_output=straggler.replan_output,
-        log_interval=log_interval)
-    if straggler.emulate_layer_ms:
-        monitor.timer.nominal_s = straggler.emulate_layer_ms / 1e3
-    monitor.layer_cost = emulated_layer_cost(straggler)
-    monitor.optimizer_sharded = optimizer_sharded
-    return monitor
-
-
-def emulated_layer_cost(straggler: StragglerConfig) -> Callable[[int], CostFn] | None:
-    """--hetu-emulate-cost FILE: TP degree -> (tokens, sum of squares) -> one layer's fwd + bwd seconds."""
-    if not straggler.emulate_cost:
-        return None
-    from hetu_ext.data.cost import load_cost_table
-
-    table = load_cost_table(straggler.emulate_cost)
-
-    def per_tp(tp: int) -> CostFn:
-        cost = table.for_tp(tp)
-        return lambda tokens, sum_sq: cost.moments_s(sum_sq, tokens)
-
-    return per_tp
-
-
-def build_trainer(config: RunConfig, *, checkpoint_formats: tuple = ()) -> Trainer:
-    """Check the plan, start the process group, then place this rank and build its scheduler and dataset.
-    ``checkpoint_formats``: other frameworks' checkpoints ``--load`` reads (Trainer.checkpoint_formats)."""
-    if config.lora.tenants:  # a plug-in's run: never train it as a plain one, silently without its tenants
-        raise ValueError("--hetu-lora-tenants: LoRA tenants are built by hetu_ext.lora.train.build_lora_trainer "
-                         "(hetu_ext.cli.train.build_run chooses it); build_trainer trains the plain model only")
+def _check_launch(config: RunConfig, plugin: TrainerPlugin) -> _Launch:
+    """The plug-in's settings, the plan against the model, the save format, the tokenizer and any documents:
+    every check that needs no process group (pure but for reading the data)."""
+    config = plugin.configure(config)
     check_evaluation(config)
-    # the plan is checked against the model before any process group exists
     world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     launch = check_launch(config, world_size)
-    spec, plan, migrations, runtime = launch.spec, launch.plan, launch.migrations, launch.runtime
+    runtime = plugin.runtime or launch.runtime
     ramp = batch_ramp(config.training)
-    check_ramp(plan, ramp, config.training.micro_batch_size)
+    check_ramp(launch.plan, ramp, config.training.micro_batch_size)
     if config.checkpoint.format == "auto":  # the format --save writes on this runtime, decided once
         config = dataclasses.replace(config, checkpoint=dataclasses.replace(
             config.checkpoint, format=save_format(config.checkpoint, config.parallel, runtime)))
     tokenizer = make_tokenizer(config.data.tokenizer_type, config.data.vocab_size, tokenizer_files(config.data))
-    training, packed = config.training, config.packing.method != "off"
-    # packed documents are read (and checked) before any process group exists
-    documents = open_documents(config.data, config.packing, tokenizer, seed=training.seed) if packed else None
-    force = {"auto": None, "on": True, "off": False}[config.parallel.cpu_patches]
-    h = host.init_distributed(force_cpu=force, timeout_minutes=config.parallel.distributed_timeout_minutes,
-                              backend=config.parallel.distributed_backend)
-    numerics = TrainingNumerics.of(config.model, training, variable_seq_lengths=packed,
-                                   sequence_parallel=config.parallel.sequence_parallel)
-    if runtime == "megatron":
-        placement = build_megatron_placement(training, spec, plan, h, numerics,
-                                             use_distributed_optimizer=config.parallel.use_distributed_optimizer)
-    else:
-        placement = build_plan_placement(training, spec, plan, h, numerics,
-                                         use_distributed_optimizer=config.parallel.use_distributed_optimizer)
+    documents = plugin.documents(config, tokenizer)
+    if documents is None and config.packing.method != "off":  # packed documents: read (and checked) before groups
+        documents = open_documents(config.data, config.packing, tokenizer, seed=config.training.seed)
+    return _Launch(config=config, spec=launch.spec, plan=launch.plan, runtime=runtime, launch=launch, ramp=ramp,
+                   tokenizer=tokenizer, documents=documents)
 
-    scheduler = make_scheduler(training, config.packing, placement, plan)
+
+def _datasets(config: RunConfig, spec: ModelSpec, plan: Plan, ramp: BatchRamp | None, tokenizer):
+    """The training split and the evaluation (every rank, idle ones too: Megatron's builder makes index caches on
+    rank 0, barriers)."""
+    training, data = config.training, config.data
     gbs = global_batch_size(plan, training.micro_batch_size)
-    data = config.data
     data_spec = DataSpec(mock=data.mock_data, data_path=tuple(data.data_path or ()), split=data.split,
                          seq_length=spec.seq_length, seed=training.seed, cache_path=data.data_cache_path)
-    dataset = evaluation = None
-    if documents is None:  # every rank, idle ones too: Megatron's builder makes index caches on rank 0, barriers
-        train_samples = training.train_iters * gbs if ramp is None else ramp.consumed(training.train_iters)
-        dataset, valid, test = build_datasets(data_spec, tokenizer, (train_samples,
-                                                                     *eval_samples(training, gbs)))
-        evaluation = Evaluation.of(training, data.split, valid, test)
+    train_samples = training.train_iters * gbs if ramp is None else ramp.consumed(training.train_iters)
+    dataset, valid, test = build_datasets(data_spec, tokenizer, (train_samples, *eval_samples(training, gbs)))
+    return dataset, Evaluation.of(training, data.split, valid, test)
+
+
+def _log_placement(config: RunConfig, plan: Plan, h: host.Host, placement: Placement, numerics: TrainingNumerics,
+                   runtime: str) -> None:
     where = plan.stage_of(h.rank)
-    table = memory_table(placement.model, training.optimizer, numerics.half,
+    table = memory_table(placement.model, config.training.optimizer, numerics.half,
                          f"pipeline {where[0]} stage {where[1]}" if where else "unused", optimizer=placement.optimizer)
     if table:
         logger.info("%s", table)
     if h.rank == 0:
         logger.info("plan (%s runtime, %s on %s, Megatron-core CPU patches: %s):\n%s", runtime, h.backend,
                     h.device.type, "on" if h.cpu_patched else "off", format_plan(plan))
+
+
+def build_trainer(config: RunConfig, *, checkpoint_formats: tuple = (), plugin: TrainerPlugin | None = None
+                  ) -> Trainer:
+    """Check the plan, start the process group, then place this rank and build its scheduler and dataset.
+    ``checkpoint_formats``: other frameworks' checkpoints ``--load`` reads (Trainer.checkpoint_formats).
+    ``plugin``: what a plug-in changes (hetu_ext.train.plugin; LoRA's tenants: hetu_ext.lora.plugin), at the
+    hooks named there; None: the plain run."""
+    plugin = plugin or TrainerPlugin()
+    if config.lora.tenants and type(plugin) is TrainerPlugin:  # never train a plug-in's run as a plain one
+        raise ValueError("--hetu-lora-tenants: LoRA tenants are built by hetu_ext.lora.train.build_lora_trainer "
+                         "(hetu_ext.cli.train.build_run chooses it); build_trainer trains the plain model only")
+    start = _check_launch(config, plugin)
+    config, spec, plan, training = start.config, start.spec, start.plan, start.config.training
+    force = {"auto": None, "on": True, "off": False}[config.parallel.cpu_patches]
+    h = host.init_distributed(force_cpu=force, timeout_minutes=config.parallel.distributed_timeout_minutes,
+                              backend=config.parallel.distributed_backend)
+    numerics = TrainingNumerics.of(config.model, training, variable_seq_lengths=start.documents is not None,
+                                   sequence_parallel=config.parallel.sequence_parallel and plugin.sequence_parallel)
+    if start.runtime == "megatron":
+        placement = build_megatron_placement(training, spec, plan, h, numerics,
+                                             use_distributed_optimizer=config.parallel.use_distributed_optimizer)
+    else:
+        placement = plugin.build_placement(config, spec, plan, h, numerics)
+    scheduler = make_scheduler(training, config.packing, placement, plan)
+    dataset, evaluation = _datasets(config, spec, plan, start.ramp, start.tokenizer) if start.documents is None \
+        else (None, None)
+    _log_placement(config, plan, h, placement, numerics, start.runtime)
     flops = inventory.training_flops_per_token(spec, seq_length=spec.seq_length, causal=True)  # MFU's convention
-    monitor = straggler_monitor(config.straggler, training.micro_batch_size, config.logging.log_interval, spec,
-                                plan, h, placement,
-                                optimizer_sharded=runtime == "plan" and config.parallel.use_distributed_optimizer)
+    monitor = straggler_monitor(config.straggler, plugin.monitor_micro_batch or training.micro_batch_size,
+                                config.logging.log_interval, spec, plan, h, placement,
+                                optimizer_sharded=start.runtime == "plan" and config.parallel.use_distributed_optimizer)
     layer_cost = emulated_layer_cost(config.straggler)
     trainer = Trainer(config=config, spec=spec, plan=plan, host=h, placement=placement, scheduler=scheduler,
-                      dataset=dataset, monitor=monitor, evaluation=evaluation, ramp=ramp,
-                      numerics=numerics, migrations=migrations, documents=documents, flops_per_token=flops,
+                      dataset=dataset, monitor=monitor, evaluation=evaluation, ramp=start.ramp,
+                      numerics=numerics, migrations=start.launch.migrations, documents=start.documents,
+                      flops_per_token=flops, plugin=plugin,
                       peak_tflops=peak_tflops(torch.cuda.get_device_name() if h.device.type == "cuda" else None),
                       plan_key=plan_id(plan), layer_cost=layer_cost, checkpoint_formats=tuple(checkpoint_formats),
                       timer=monitor.timer if monitor else (LayerTimer() if layer_cost else None))
-    trainer.attach_timer()
-    if launch.strategies is not None:
-        trainer.switching = Switching(launch.strategies, home=placement, build=trainer.build_strategy,
+    if start.launch.strategies is not None:
+        trainer.switching = Switching(start.launch.strategies, home=placement, build=trainer.build_strategy,
                                       ranks_per_node=config.straggler.gpus_per_node)
+    plugin.attach(trainer)
+    trainer.attach_timer()
     trainer.follow_log_rank()
     if config.checkpoint.load and os.path.isdir(config.checkpoint.load):  # else: --load is --save, not made yet
         trainer.load(config.checkpoint.load)
     if config.checkpoint.save:  # the run's identity; another run's checkpoints there are refused before training
-        checkpointing.prepare_save(trainer, config.checkpoint.save)
+        checkpointing.prepare_save(trainer.checkpoint_target(), config.checkpoint.save)
     return trainer
