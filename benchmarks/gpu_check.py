@@ -187,6 +187,17 @@ def run_probe(args: argparse.Namespace) -> dict:
         out[name] = {"tokens": tokens, "first_s": times[0], "warm_s": min(times[1:]),
                      "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
                      "masks_cached": len(flex_packs._masks)}
+    # another pack layout of the same shape class: its own block mask, no new compilation (seconds if there is)
+    cu = torch.tensor([0, *torch.tensor([tokens // 2, tokens // 4, tokens // 4]).cumsum(0).tolist()],
+                      dtype=torch.int32, device=device)
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    loss = flex_packs.packed_flex_attention(q, k, v, cu, scale=d ** -0.5, compiled=cuda).float().sum()
+    if cuda:
+        loss.backward()
+        torch.cuda.synchronize()
+    out["flex"]["new_layout_s"] = time.perf_counter() - t0
     return out
 
 
