@@ -13,7 +13,7 @@
 #      fails (out of memory: [b, 32, 4096, 4096] scores per layer), local_selective retries it with selective
 #      recomputation, if the budget allows.
 #   4. predict (<= 20 s): hetu-plan predict of the same configuration (--use-flash-attn) on the device profile.
-#   5. thd32k (<= 120 s): packed THD training at 32K tokens a pack under HotSPa with two one-GPU strategies
+#   5. thd32k (<= 150 s): packed THD training at 32K tokens a pack under HotSPa with two one-GPU strategies
 #      (documents <= 8K, <= 32K), full recomputation: step time, and each switch's seconds.
 #   6. hetu_compile (<= 100 s, optional): step 2 with --hetu-compile.
 #   7. layer_table (<= 60 s, optional): gpu_calibrate.sh's per-layer table (python -m hetu_ext.cli.calibrate) for
@@ -111,8 +111,8 @@ step predict 20 "$PYTHON" -m hetu_ext.plan predict --num-layers 22 --hidden-size
     --position-embedding-type rope --disable-bias-linear --untie-embeddings-and-output-weights --vocab-size 32000 \
     --seq-length 4096 --tensor-model-parallel-size 1 --gpus 1 --micro-batch-size 1 --global-batch-size 4 \
     --use-flash-attn --device "$PROFILE" > >(tee "$RUNS/predict.json") || true
-if fits 120; then
-    step thd32k 120 "${CHECK[@]}" train --out "$RUNS/train_thd32k.json" --seq-length 32768 --hotspa \
+if fits 150; then
+    step thd32k 150 "${CHECK[@]}" train --out "$RUNS/train_thd32k.json" --seq-length 32768 --hotspa \
         --microbatches 2 --iters 5 --recompute full || true
 fi
 if fits 100; then
