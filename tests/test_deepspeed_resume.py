@@ -39,15 +39,17 @@ def full_state(run) -> dict:
     """DeepSpeed's own full view of masters and moments (collective under ZeRO-3), by parameter name."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
+    from hetu_ext.deepspeed.engine_state import layout, stage0_parameters
+
     optimizer = run.engine.optimizer
-    if run.engine.zero_optimization_stage() == 0:  # torch's AdamW itself: the parameters are the fp32 masters
+    if layout(run.engine) == "params":  # ZeRO-0: torch's AdamW (--bf16: in FP16_UnfusedOptimizer), whole masters
         state = {}
-        for name, p in run.engine.module.named_parameters():
-            state[("master", name)] = state[("param", name)] = p.detach().clone()
+        for name, master, p in stage0_parameters(run.engine):
+            state[("master", name)], state[("param", name)] = master.detach().clone(), p.detach().clone()
             for kind in ("exp_avg", "exp_avg_sq"):
-                state[(kind, name)] = optimizer.state[p][kind].detach().clone()
+                state[(kind, name)] = optimizer.state[master][kind].detach().clone()
         return state
-    if run.engine.zero_optimization_stage() in (1, 2):
+    if layout(run.engine) == "flat":  # ZeRO-1/2, and ZeRO-0's BF16_Optimizer
         # DeepSpeed 0.19.8 links a parameter to its Adam state fragments once, after the first step of group 0,
         # before torch's AdamW has created group 1's state (see test_ckpt_deepspeed): link again.
         optimizer._hp_optimizer_states_linked = False
@@ -145,11 +147,13 @@ def test_zero_checkpoint_resumes_on_other_rank_counts(saved, world, sample_prefi
         assert loss <= LOSS_RTOL and weight <= WEIGHT_ATOL
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [0, 2, 3])
 def test_bf16_resumes_on_3(stage, sample_prefix, tmp_path):
-    """--bf16 (bf16 module weights, fp32 master partitions and moments): 4 -> 3 ranks. Right after the load the
-    fp32 masters and moments equal the saved ones bit for bit (and under ZeRO-2 the bf16 weights too, derived from
-    the masters as DeepSpeed's step derives them: a load that kept the freshly initialised weights fails here).
+    """--bf16 (bf16 module weights, fp32 master partitions and moments; under ZeRO-0 DeepSpeed's
+    FP16_UnfusedOptimizer, an fp32 copy of every parameter whole on every rank, saved in rank 0's model states):
+    4 -> 3 ranks. Right after the load the
+    fp32 masters and moments equal the saved ones bit for bit (and under ZeRO-0/2 the bf16 weights too, derived
+    from the masters as DeepSpeed's step derives them: a load that kept the freshly initialised weights fails here).
     ZeRO-2: steps 3-4 match the uninterrupted 4-rank bf16 run within test_ckpt_resume's BF16_LOSS_RTOL (measured
     1.8e-7). ZeRO-3 is checked on the state only: its bf16 gradient reduction differs with the world size even
     without a resume (uninterrupted 3 vs 4 ranks: 2.4e-4 and 3.9e-4 on the losses of steps 3-4, measured with the
@@ -198,3 +202,45 @@ def test_zero0_checkpoints_resume_on_3_and_hand_over_in_hetu_format(sample_prefi
     assert handed["loaded"].source == "hetu" and handed["loaded"].iteration == 4
     for key, value in result["final"].items():
         assert torch.equal(handed["after_load"][key], value), key
+
+
+HETERO_12 = ("pipelines: [{num_microbatches: 9, stages: [{ranks: [0, 1], layers: [0, 4]}]}, {num_microbatches: 3, "
+             "stages: [{ranks: [2], layers: [0, 2]}, {ranks: [3], layers: [2, 4]}]}]")
+"""A heterogeneous plan of 4 ranks for the global batch of 12 microbatches of 1: a TP 2 pipeline taking 9 and a
+PP 2 pipeline taking 3."""
+
+
+def test_bf16_zero3_from_4_ranks_on_3_2_and_a_heterogeneous_plan(sample_prefix, tmp_path):
+    """bf16 ZeRO-3 saved on 4 ranks (DeepSpeed's format) resumes on 3 and on 2 ranks with the fp32 masters and
+    both moments equal to the saved ones bit for bit, and into hetu_ext's trainer on a heterogeneous plan (TP 2
+    beside PP 2): its fp32 masters and moments equal them bit for bit, its bf16 weights are the masters rounded,
+    and steps 3-4 follow the uninterrupted 4-rank ZeRO-3 run within 1e-2 relative on the losses (test_uniform_
+    equivalence's bf16 bound: ZeRO-3 reduces bf16 gradients in another grouping, measured 2.4e-4-3.9e-4 between
+    3 and 4 DeepSpeed ranks alone)."""
+    from test_ckpt_resume import resume_body
+
+    from hetu_ext.deepspeed.zero_checkpoint import hetu_name
+
+    directory = tmp_path / "ckpt"
+    at_save = _run(4, ds_argv(sample_prefix, 2, ("--bf16",)), 3, None, str(directory))
+    for world in (3, 2):
+        result = _run(world, ds_argv(sample_prefix, 4, ("--bf16",)), 3, str(directory), None)
+        assert result["loaded"].saved_world_size == 4 and result["after_load"].keys() == at_save["final"].keys()
+        for key, value in at_save["final"].items():
+            assert torch.equal(result["after_load"][key], value), (world, key)
+        assert result["after_load_step"] == 2.0 and len(result["losses"]) == 4
+    reference = _run(4, ds_argv(sample_prefix, 4, ("--bf16",)), 3, None, None)
+    plan = tmp_path / "hetero.yaml"
+    plan.write_text(HETERO_12)
+    argv = ds_argv(sample_prefix, 4, ("--bf16", "--hetu-plan", str(plan), "--load", str(directory)))
+    trainer = next(r for r in run_ranks(resume_body, 4, argv, timeout=300) if r is not None)
+    loaded = trainer["loaded"]["tensors"]
+    for (kind, name), value in at_save["final"].items():
+        assert torch.equal(loaded[hetu_name(kind, name)], value), (kind, name)
+        if kind == "master":
+            assert torch.equal(loaded[hetu_name("param", name)], value.bfloat16()), name
+    assert trainer["loaded"]["iteration"] == 2 and trainer["loaded"]["steps"] == {2.0}
+    losses = trainer["final"]["losses"]
+    loss = max(abs(a - b) / abs(b) for a, b in zip(losses[2:], reference["losses"][2:]))
+    print(f"bf16 ZeRO-3 4 ranks -> trainer on a TP 2 + PP 2 plan: steps 3-4 loss rel diff {loss:.2e}")
+    assert len(losses) == 4 and losses[:2] == at_save["losses"] and loss <= 1e-2

@@ -84,6 +84,21 @@ def test_zero0_weighted_3_to_1_equals_single_process(reference, sample_prefix):
     assert loss <= LOSS_RTOL and weight <= WEIGHT_ATOL
 
 
+def test_zero0_bf16_weighted_3_to_1_follows_single_process(sample_prefix):
+    """ZeRO-0 with --bf16 (DeepSpeed's FP16_UnfusedOptimizer: an fp32 copy of every parameter, whole on every
+    rank; its start-up step on zero gradients undone, engine_state.undo_initial_step): 3:1 over 2 ranks follows
+    the single-process bf16 run within test_ckpt_resume's BF16_LOSS_RTOL on the losses. Without the undo, Adam's
+    bias correction runs one step ahead and the losses differ by 4.7e-3 (measured; 1.4e-5 with it)."""
+    from test_ckpt_resume import BF16_LOSS_RTOL
+
+    argv = _argv_steps(sample_prefix, ("--bf16",))
+    reference = megatron_run(1, argv)["final"]
+    result = run_ranks(weighted_body, 2, argv, (3, 1), 0, False, 0, timeout=180)[0]
+    loss = max(abs(a - b) / abs(b) for a, b in zip(result["losses"], reference["losses"]))
+    print(f"ZeRO-0 bf16 weighted 3:1 vs single process bf16: loss rel diff {loss:.2e}")
+    assert len(result["losses"]) == STEPS and loss <= BF16_LOSS_RTOL
+
+
 def test_emulated_straggler_moves_microbatches_and_stays_exact(reference, sample_prefix):
     """Rank 1 emulated 3x slower from step 1 (every layer's forward 10 ms of emulated device time, backward 20 ms,
     so the emulation, not the shared CPU, sets the pace: 3x vs 1x holds on a busy machine); the monitor, with a
@@ -132,9 +147,6 @@ def test_weighted_counts_and_refusals():
                                          "to --global-batch-size 8 / --micro-batch-size 2 = 4"):
         deepspeed_config(args, ZeroConfig(stage=1, microbatches=(3, 2)), 2)
     assert deepspeed_config(args, ZeroConfig(stage=0, microbatches=(3, 1)), 2)["zero_optimization"] == {"stage": 0}
-    bf16 = from_namespace(add_deepspeed_args(build_parser()).parse_args(_argv_steps("unused", ("--bf16",))))
-    with pytest.raises(ValueError, match="--bf16 under --zero-stage 0 is DeepSpeed's BF16_Optimizer"):
-        deepspeed_config(bf16, ZeroConfig(stage=0), 2)
 
 
 THREE_RANKS = ("--global-batch-size", "12", "--hetu-straggler-interval", "1", "--hetu-straggler-window", "1",

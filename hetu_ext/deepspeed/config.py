@@ -21,7 +21,7 @@ FP16_REFUSAL = ("--fp16 is not supported on the DeepSpeed path: Megatron-LM's dy
 def add_deepspeed_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("deepspeed")
     g.add_argument("--zero-stage", type=int, choices=ZERO_STAGES, default=2,
-                   help="ZeRO stage (default 2; 0: DeepSpeed without ZeRO, fp32 only)")
+                   help="ZeRO stage (default 2; 0: DeepSpeed without ZeRO; with --bf16 its BF16_Optimizer)")
     g.add_argument("--deepspeed-config", default=None,
                    help="a DeepSpeed JSON config merged over the one built from the flags (its batch sizes, "
                         "optimizer and precision must agree with the flags)")
@@ -108,10 +108,6 @@ def deepspeed_config(config: RunConfig, zero: ZeroConfig, world_size: int) -> di
         raise ValueError(f"--hetu-microbatches {','.join(map(str, zero.microbatches))} must give each of the "
                          f"{world_size} ranks a count, summing to --global-batch-size {gbs} / --micro-batch-size "
                          f"{mbs} = {gbs // mbs}; give {world_size} counts with that sum")
-    if zero.stage == 0 and training.bf16:
-        raise ValueError("--bf16 under --zero-stage 0 is DeepSpeed's BF16_Optimizer, which partitions the fp32 "
-                         "masters as ZeRO-1 does under another checkpoint layout; pass --zero-stage 1 with --bf16, "
-                         "or drop --bf16 for ZeRO-0")
     if zero.weighted:  # the caller's backwards make a step: per-rank counts may differ (weighting.py)
         ds["managed_gradient_accumulation"] = False
     for key, value in zero.extra.items():

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from hetu_ext.config import RunConfig
 from hetu_ext.metrics import format_log_line
 
+from . import engine_state
 from .packs import even_packs
 from .config import (  # noqa: F401 - the flags and the config, re-exported where callers found them
     ZERO_STAGES,
@@ -218,9 +219,8 @@ class DeepSpeedGPT:
         rng: list = [None] * dist.get_world_size()
         dist.all_gather_object(rng, rng_state(dist.get_rank()))
         tag = f"global_step{self.engine.global_steps}"
-        names = {id(p): n for n, p in self.engine.module.named_parameters()}
-        order = [names[id(p)] for group in self.engine.optimizer.param_groups for p in group["params"]] \
-            if self.engine.zero_optimization_stage() == 0 else None  # what ZeRO-0's optimizer state numbers
+        order = [name for name, _, _ in engine_state.stage0_parameters(self.engine)] \
+            if engine_state.layout(self.engine) == "params" else None  # what ZeRO-0's optimizer state numbers
         state = {CLIENT_STATE_KEY: {"iteration": self.iteration, "losses": list(self.losses),
                                     "scheduler": self.scheduler.state_dict(), "data": self.data_settings(),
                                     "rng": rng, "parameter_order": order}}
@@ -327,6 +327,7 @@ def build(config: RunConfig, zero: ZeroConfig) -> DeepSpeedGPT:
     optimizer = torch.optim.AdamW(param_groups(model), lr=training.lr, betas=(training.adam_beta1, training.adam_beta2),
                                   eps=training.adam_eps, weight_decay=training.weight_decay)
     engine, ds_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    engine_state.undo_initial_step(engine)  # ZeRO-0 --bf16: DeepSpeed's state-creating step on zero gradients
     gbs = ds_config["train_batch_size"]
     packed = config.packing.method != "off"
     unit = 1 if packed else gbs  # with packing a global batch's sequence count varies: the schedule counts steps

@@ -107,26 +107,75 @@ def zero_stage(engine) -> int:
     return int(engine.zero_optimization_stage())
 
 
+def layout(engine) -> str:
+    """Where the engine keeps the fp32 masters: ``params`` (ZeRO-0: whole on every rank, one tensor per parameter:
+    the parameters themselves in fp32, their fp32 copies in DeepSpeed's FP16_UnfusedOptimizer under ``--bf16``),
+    ``flat`` (ZeRO-1/2, and DeepSpeed's BF16_Optimizer: each rank a flat fp32 partition per group, linked to the
+    parameters' fragments) or ``zero3``."""
+    stage = zero_stage(engine)
+    if stage == 3:
+        return "zero3"
+    if stage == 0 and type(engine.optimizer).__name__ != "BF16_Optimizer":
+        return "params"
+    return "flat"
+
+
+def _lp_groups(engine) -> list[list[torch.nn.Parameter]]:
+    """The model-dtype parameter groups of a ``flat`` layout (ZeRO-1/2's ``bit16_groups``, BF16_Optimizer's
+    ``bf16_groups``)."""
+    optimizer = engine.optimizer
+    return optimizer.bit16_groups if hasattr(optimizer, "bit16_groups") else optimizer.bf16_groups
+
+
 def _stage0_params(engine) -> list[torch.nn.Parameter]:
-    """ZeRO-0: the parameters in the optimizer's order (its state dict numbers them so)."""
+    """ZeRO-0: the fp32 masters in the optimizer's order (its state dict numbers them so)."""
     return [p for group in engine.optimizer.param_groups for p in group["params"]]
+
+
+def stage0_parameters(engine) -> list[tuple[str, torch.Tensor, torch.nn.Parameter]]:
+    """ZeRO-0: (name, fp32 master, model parameter) in the optimizer's order; under ``--bf16`` the master is
+    FP16_UnfusedOptimizer's fp32 copy (``fp32_groups`` beside ``fp16_groups``), else the parameter itself."""
+    names = _names(engine)
+    optimizer = engine.optimizer
+    if hasattr(optimizer, "fp32_groups") and hasattr(optimizer, "fp16_groups"):
+        return [(names[id(lp)], hp, lp) for hps, lps in zip(optimizer.fp32_groups, optimizer.fp16_groups)
+                for hp, lp in zip(hps, lps)]
+    return [(names[id(p)], p, p) for p in _stage0_params(engine)]
+
+
+@torch.no_grad()
+def undo_initial_step(engine) -> None:
+    """ZeRO-0 with ``--bf16``: DeepSpeed's FP16_UnfusedOptimizer creates Adam's state with one step on zero
+    gradients when it starts (Adam's step then counts one more than the updates, and AdamW decays the fp32 copies
+    once), so the training would not be the single-process one. Its fp32 copies are set back to the parameters
+    (whence they were made) and its state emptied: torch's AdamW creates it at the first real step. Other layouts:
+    nothing."""
+    if layout(engine) != "params":
+        return
+    copies = [(master, lp) for _, master, lp in stage0_parameters(engine) if master is not lp]
+    for master, lp in copies:
+        master.data.copy_(lp.data)
+    if copies:
+        engine.optimizer.optimizer.state.clear()
 
 
 def _base_state(engine) -> dict:
     """The base optimizer's state, keyed by :func:`flat_partitions`' tensors (ZeRO-0: by the parameters)."""
     optimizer = engine.optimizer
-    return optimizer.state if zero_stage(engine) == 0 else optimizer.optimizer.state
+    return optimizer.state if layout(engine) == "params" else optimizer.optimizer.state
 
 
 def flat_partitions(engine) -> list[torch.Tensor]:
     """This rank's flat fp32 partitions (the tensors the base optimizer steps, one per group / sub-group; ZeRO-0:
     the parameters, whole)."""
     optimizer = engine.optimizer
-    if zero_stage(engine) == 0:
+    if layout(engine) == "params":
         return _stage0_params(engine)
-    if zero_stage(engine) == 3:
+    if layout(engine) == "zero3":
         return list(optimizer.fp32_partitioned_groups_flat)
-    return list(optimizer.single_partition_of_fp32_groups)
+    if hasattr(optimizer, "single_partition_of_fp32_groups"):
+        return list(optimizer.single_partition_of_fp32_groups)
+    return list(optimizer.fp32_groups_flat_partition)  # BF16_Optimizer
 
 
 def _fragments(engine, owned: bool = False) -> Iterable[tuple[str, tuple[int, ...], int, int, int]]:
@@ -135,15 +184,15 @@ def _fragments(engine, owned: bool = False) -> Iterable[tuple[str, tuple[int, ..
     rank writes, parameter i on rank i mod world size; ZeRO-1/2/3 fragments are each held by one rank)."""
     names = _names(engine)
     optimizer = engine.optimizer
-    if zero_stage(engine) == 0:
+    if layout(engine) == "params":
         import torch.distributed as dist
 
         rank, world = dist.get_rank(), dist.get_world_size()
-        for g, p in enumerate(_stage0_params(engine)):
+        for g, (name, master, _) in enumerate(stage0_parameters(engine)):
             if not owned or g % world == rank:
-                yield names[id(p)], tuple(p.shape), 0, p.numel(), g, 0
+                yield name, tuple(master.shape), 0, master.numel(), g, 0
         return
-    if zero_stage(engine) == 3:
+    if layout(engine) == "zero3":
         for group in optimizer.fp16_groups:
             for p in group:
                 if not p.requires_grad:
@@ -155,7 +204,7 @@ def _fragments(engine, owned: bool = False) -> Iterable[tuple[str, tuple[int, ..
                 if count:
                     yield names[id(p)], tuple(p.ds_shape), first, count, g, offset
         return
-    for g, group in enumerate(optimizer.bit16_groups):
+    for g, group in enumerate(_lp_groups(engine)):
         for p in group:
             mapping = getattr(p, "_hp_mapping", None)
             if mapping is None:
@@ -174,7 +223,7 @@ def create_optimizer_state(engine, step: float, moments: Iterable[str] = MOMENTS
         state = {m: torch.zeros_like(flat) for m in moments}
         state["step"] = torch.tensor(float(step), dtype=torch.float32)
         base[flat] = state
-    if zero_stage(engine) in (1, 2):
+    if layout(engine) == "flat":
         optimizer._hp_optimizer_states_linked = False
         optimizer._lazy_init_hp_params_optimizer_state()
 
@@ -204,13 +253,18 @@ def param_pieces(engine, *, gated: bool = False) -> list[Piece]:
     names = _names(engine)
     pieces: list[Piece] = []
     optimizer = engine.optimizer
-    if zero_stage(engine) == 3:
+    if layout(engine) == "params":  # whole on every rank: parameter i written by rank i mod world size
+        by_name = dict(engine.module.named_parameters())
+        for name, shape, first, count, _, _ in _fragments(engine, owned=True):
+            pieces += _fragment_pieces("param", name, shape, first, by_name[name].data.view(-1), gated)
+        return pieces
+    if layout(engine) == "zero3":
         by_name = {n: p for n, p in engine.module.named_parameters()}
         for name, shape, first, count, _, _ in _fragments(engine):
             flat = by_name[name].ds_tensor.data.view(-1).narrow(0, 0, count)
             pieces += _fragment_pieces("param", name, shape, first, flat, gated)
         return pieces
-    for group in optimizer.bit16_groups:
+    for group in _lp_groups(engine):
         for p in group:
             mapping = getattr(p, "_hp_mapping", None)
             if mapping is not None:
@@ -234,9 +288,12 @@ def refresh_model_weights(engine) -> None:
     """The model-dtype weights from the fp32 masters, as DeepSpeed's step ends (ZeRO-1/2: copy this rank's
     partition and all-gather, collective; ZeRO-3: copy into each rank's ``ds_tensor`` partitions)."""
     optimizer = engine.optimizer
-    if zero_stage(engine) == 0:  # fp32: the parameters are the masters
+    if layout(engine) == "params":  # fp32: the parameters are the masters; --bf16: copy the fp32 copies over
+        for _, master, lp in stage0_parameters(engine):
+            if master is not lp:
+                lp.data.copy_(master.data)
         return
-    if zero_stage(engine) <= 2:
+    if layout(engine) == "flat":
         optimizer.update_lp_params()
         return
     for lp, fp32 in zip(optimizer.fp16_partitioned_groups_flat, optimizer.fp32_partitioned_groups_flat):

@@ -168,6 +168,8 @@ def read_info(directory: str) -> DeepSpeedInfo:
     except (FileNotFoundError, RuntimeError, ValueError) as e:
         raise CheckpointError(f"{path}: not a readable DeepSpeed ZeRO checkpoint ({e})") from None
     osd = optim["optimizer_state_dict"]
+    if "zero_stage" not in osd and "single_partition_of_fp32_groups" in osd:
+        osd = {**osd, "zero_stage": 1}  # ZeRO-0 with bf16 (DeepSpeed's BF16_Optimizer): ZeRO-1's flat layout
     if "zero_stage" not in osd:
         raise CheckpointError(f"{path}: the optimizer files hold no ZeRO state (zero_stage); only ZeRO-1/2/3 "
                               "checkpoints load (a stage-0 checkpoint is a plain state dict: load it as such)")
@@ -199,7 +201,7 @@ def _stage0_info(path: Path, states: dict[str, Any]) -> DeepSpeedInfo:
         raise CheckpointError(f"{path}: a ZeRO-0 DeepSpeed checkpoint whose optimizer state names no parameters "
                               "(DeepSpeed numbers them; hetu_ext's DeepSpeed path saves their names); load one saved "
                               "by launch/pretrain_gpt_deepspeed.py, or save under ZeRO-1")
-    optimizer = states.get("optimizer") or {}
+    optimizer = _stage0_optimizer(states)
     steps = {float(s["step"]) for s in optimizer.get("state", {}).values() if "step" in s}
     if len(steps) > 1:
         raise CheckpointError(f"{path}: parameters at different Adam steps {sorted(steps)}")
@@ -210,13 +212,24 @@ def _stage0_info(path: Path, states: dict[str, Any]) -> DeepSpeedInfo:
                          client_state={"hetu_ext": client}, optimizer_step=steps.pop() if steps else None)
 
 
+def _stage0_optimizer(states: dict[str, Any]) -> dict[str, Any]:
+    """ZeRO-0's torch optimizer state dict: the saved one, or under --bf16 the one inside DeepSpeed's
+    FP16_UnfusedOptimizer's (beside its ``fp32_groups``, the masters)."""
+    optimizer = states.get("optimizer") or {}
+    return optimizer.get("optimizer_state_dict", optimizer)
+
+
 def _rebuild_stage0(info: DeepSpeedInfo, kind: str) -> dict[str, torch.Tensor]:
-    """ZeRO-0: the module's weights (fp32: the masters too), or the moments by the saved parameter order."""
+    """ZeRO-0: the module's weights (fp32: the masters too; --bf16: the masters are FP16_UnfusedOptimizer's
+    ``fp32_groups``), or the moments, by the saved parameter order."""
     states = torch.load(info.path / MODEL_STATES, map_location="cpu", mmap=True, weights_only=False)
+    order = info.client_state["hetu_ext"]["parameter_order"]
+    masters = (states.get("optimizer") or {}).get("fp32_groups")
+    if kind == "master" and masters is not None:
+        return {name: t.clone() for name, t in zip(order, [t for group in masters for t in group])}
     if kind in ("param", "master"):
         return {n: _module_weight(states["module"], n, str(info.path)).clone() for n in info.shapes}
-    state = states["optimizer"]["state"]
-    order = info.client_state["hetu_ext"]["parameter_order"]
+    state = _stage0_optimizer(states)["state"]
     return {name: state[i][kind].clone() for i, name in enumerate(order)}
 
 
