@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import socket
 import statistics
@@ -104,6 +105,9 @@ def run_train(args: argparse.Namespace) -> dict:
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(_free_port()))
     argv = train_argv(args, workdir, cuda)
+    report = _ActivationReport()
+    logging.getLogger("hetu_ext.megatron.activations").addHandler(report)
+    logging.getLogger("hetu_ext.megatron.activations").setLevel(logging.INFO)
     start = time.perf_counter()
     trainer = build_run(parse_run_config(argv))
     built_s = time.perf_counter() - start
@@ -129,8 +133,19 @@ def run_train(args: argparse.Namespace) -> dict:
         result["migration_s"] = [m["seconds"] for m in migrations]
     if args.hotspa:
         result["packing"] = [r.get("packing") for r in steps]
-    result["log_tail"] = [line for line in lines if "memory" in line][-3:]
+    result["activation_report"] = report.lines  # the first step's measured vs predicted (issue 47's 4th point)
     return result
+
+
+class _ActivationReport(logging.Handler):
+    """Keeps the first step's activation-memory line (hetu_ext.megatron.activations.report_first_step)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
 
 
 def _core_attention(model) -> str:
@@ -239,8 +254,9 @@ def summary(directory: Path) -> dict:
     for name, values in extra.items():
         for key, seconds in values.items():
             print(f"{name}: {key} = {', '.join(f'{x:.3f}' for x in seconds)}")
-    return {"benchmark": "gpu_check", "runs": {n: {k: r[k] for k in ("step_s", "tokens_per_s", "tflops", "mfu",
-                                                                      "peak_memory_gib", "core_attention")}
+    return {"benchmark": "gpu_check", "runs": {n: {k: r.get(k) for k in ("step_s", "tokens_per_s", "tflops", "mfu",
+                                                                      "peak_memory_gib", "core_attention",
+                                                                      "activation_report")}
                                                for n, r in runs.items()},
             "checks": checks, "extra": {k: v for k, v in extra.items() if v}}
 
