@@ -6,6 +6,8 @@ rendezvous store served by a process that trains nothing, and one failure per sc
   hang       a rank of node 1 stopped (SIGSTOP), detected after --hetu-hang-timeout
   spare      a fourth node launcher joins (up to --nnodes 1:4)
   rank0      the node holding global rank 0 killed whole
+  deepspeed  one rank lost from a DeepSpeed ZeRO-3 bf16 job of 4 ranks on one node launcher (launch/elastic.py
+             --launcher deepspeed; benchmarks/deepspeed_elastic.py): its columns are detect, plan, start, load, total
 
 For each: the job must finish its iterations (every launcher left exits 0); the losses after the last recovery
 must equal an uninterrupted run of the same plan from the checkpoint it loaded (a fresh pretrain_gpt.py launch),
@@ -37,7 +39,7 @@ from pathlib import Path
 
 from benchmarks.common import ROOT, Table, result_line
 
-SCENARIOS = ("rank", "node", "hang", "spare", "rank0")
+SCENARIOS = ("rank", "node", "hang", "spare", "rank0", "deepspeed")
 LOSS_RTOL = 1e-6
 """As tests/test_uniform_equivalence.py: the reference runs the same plan from the same checkpoint, so any
 difference beyond float-sum order would be a skipped or repeated sample or a wrong state."""
@@ -337,7 +339,12 @@ def main() -> int:
     rows = []
     for scenario in scenarios:
         start = time.time()
-        rows.append(run_scenario(scenario, base / scenario))
+        if scenario == "deepspeed":
+            from benchmarks import deepspeed_elastic
+
+            rows.append(deepspeed_elastic.run(base / scenario))
+        else:
+            rows.append(run_scenario(scenario, base / scenario))
         print(f"# {scenario}: {time.time() - start:.0f} s wall, {json.dumps(rows[-1])}", flush=True)
     report = "\n".join([header, table(rows), result_line({"scenarios": [{c: r.get(c) for c in COLUMNS}
                                                                            for r in rows]})])
