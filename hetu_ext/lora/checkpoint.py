@@ -30,7 +30,6 @@ dropout, targets, or other data) is refused with one line naming the tenant and 
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +42,6 @@ from hetu_ext.config.tenants import TenantSpec
 from hetu_ext.runtime.reshard import Piece
 
 from .pretrained import describe, same_base, saved_base, seed_base
-
-logger = logging.getLogger(__name__)
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 FORMAT = "lobra-adapters-v1"
