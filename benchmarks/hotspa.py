@@ -48,7 +48,7 @@ from benchmarks.common import ROOT, Table, ceiling_fields, print_result
 from hetu_ext.data.cost import CostTable, load_cost_table, save_cost_table
 from hetu_ext.plan.hotspa import (
     GroupPricer,
-    Strategies,
+    StrategySet,
     allreduce_seconds,
     auto_groups,
     auto_strategies,
@@ -76,7 +76,7 @@ SAMPLE = ROOT / "hetu_ext" / "data" / "samples" / "wikipedia_lengths_20k.txt.gz"
 class Candidates:
     """What one row offers HotSPa: every uniform shape that fits memory, homed on the static best."""
 
-    home: Strategies
+    home: StrategySet
     static_s: float
     """The static best's mean time over the batches, its all-reduce included."""
     switch: list[float]
@@ -97,7 +97,7 @@ def candidates(spec: ModelSpec, gpus: int, cost: CostTable, batch_list: list[lis
             + allreduce_seconds(items[k].plan, spec, bandwidth=bandwidth)
 
     static_k = min(holding, key=static_time)
-    return Candidates(home=Strategies(items=items, home=static_k), static_s=static_time(static_k),
+    return Candidates(home=StrategySet(items=items, home=static_k), static_s=static_time(static_k),
                       switch=[0.0 if k == static_k else switch_seconds(items[static_k].plan, s.plan, spec,
                                                                       weight_bytes=2, bandwidth=bandwidth)
                               for k, s in enumerate(items)],

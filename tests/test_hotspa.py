@@ -175,12 +175,12 @@ def test_auto_grouping_is_the_best_split():
     """auto_groups equals brute force over contiguous splits of the sorted lengths, on a small case."""
     import itertools
 
-    from hetu_ext.plan.hotspa import Strategies, Strategy, auto_groups
+    from hetu_ext.plan.hotspa import StrategySet, Strategy, auto_groups
     from hetu_ext.plan import uniform_plan
 
     items = (Strategy("dp2", uniform_plan(world_size=2, num_layers=4, num_microbatches=2), 20),
              Strategy("tp2", uniform_plan(world_size=2, tp=2, num_layers=4), 64))
-    strategies = Strategies(items=items, home=1)
+    strategies = StrategySet(items=items, home=1)
     lengths = [3, 9, 17, 18, 30, 50, 2, 12]
 
     def cost(k, ls):  # DP 2 is fast per token but holds 20; TP 2 holds all, slower per token
@@ -224,12 +224,12 @@ def test_checkpoint_saved_from_the_home_resumes_the_same_run(reference, tmp_path
 def test_auto_grouping_never_exactly_slower_than_the_home_alone():
     """An estimate that favours splitting while the exact price favours the home alone: with ``exact`` the
     grouping falls back to the home (one group); without it the estimate's split stands."""
-    from hetu_ext.plan.hotspa import Strategies, Strategy, auto_groups
+    from hetu_ext.plan.hotspa import StrategySet, Strategy, auto_groups
     from hetu_ext.plan import uniform_plan
 
     items = (Strategy("dp2", uniform_plan(world_size=2, num_layers=4, num_microbatches=2), 20),
              Strategy("tp2", uniform_plan(world_size=2, tp=2, num_layers=4), 64))
-    strategies = Strategies(items=items, home=1)
+    strategies = StrategySet(items=items, home=1)
     lengths = [3, 9, 17, 18, 30, 50, 2, 12]
 
     def estimate(k, ls):  # claims DP 2 is much cheaper per token
@@ -255,7 +255,7 @@ def _merge_case(middle: tuple[str, dict, int], rate: dict):
     """Three strategies over 2 ranks, the third the home: DP 2 (takes 20 tokens), ``middle`` (name, uniform_plan
     shape, max_len), a PP 2 or TP 2 home taking 64; ``rate[kind][k]`` seconds per token of strategy k under the
     ``estimate`` and ``exact`` prices. Returns the strategies, the split without ``exact`` and the choice with it."""
-    from hetu_ext.plan.hotspa import Strategies, Strategy, auto_groups
+    from hetu_ext.plan.hotspa import StrategySet, Strategy, auto_groups
     from hetu_ext.plan import uniform_plan
 
     name, shape, max_len = middle
@@ -263,7 +263,7 @@ def _merge_case(middle: tuple[str, dict, int], rate: dict):
     items = (Strategy("dp2", uniform_plan(world_size=2, num_layers=4, num_microbatches=2), 20),
              Strategy(name, uniform_plan(world_size=2, num_layers=4, **shape), max_len),
              Strategy("home", uniform_plan(world_size=2, num_layers=4, **home), 64))
-    strategies = Strategies(items=items, home=2)
+    strategies = StrategySet(items=items, home=2)
 
     def priced(kind):
         return lambda k, ls: rate[kind][k] * sum(ls)
@@ -302,7 +302,7 @@ def test_grouping_bound_is_below_every_grouping():
     from hetu_ext.data.cost import CostTable, _default_per_tp
     from hetu_ext.plan.hotspa import (
         GroupPricer,
-        Strategies,
+        StrategySet,
         allreduce_seconds,
         auto_groups,
         auto_strategies,
@@ -319,7 +319,7 @@ def test_grouping_bound_is_below_every_grouping():
     piped = tuple(s for s in every.items if s.plan.pipelines[0].pp > 1)
     assert len(piped) >= 2
     rng = np.random.default_rng(0)
-    for strategies in (every, Strategies(items=piped, home=len(piped) - 1)):
+    for strategies in (every, StrategySet(items=piped, home=len(piped) - 1)):
         items = strategies.items
         pricer = GroupPricer(strategies, spec, cost)
         fixed = [allreduce_seconds(s.plan, spec, bandwidth=100e9) for s in items]

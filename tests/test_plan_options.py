@@ -9,7 +9,7 @@ import random
 import numpy as np
 import pytest
 
-from hetu_ext.plan.hotspa import GroupPricer, Strategies, auto_strategies, grouping_bound_s
+from hetu_ext.plan.hotspa import GroupPricer, StrategySet, auto_strategies, grouping_bound_s
 from hetu_ext.model import inventory
 from hetu_ext.model.spec import ModelSpec
 from hetu_ext.plan.core.cluster import Cluster
@@ -165,7 +165,7 @@ def test_grouping_bound_over_two_or_more_strategies_is_below_every_such_grouping
     strategies = auto_strategies(spec, 4, cost, max_pp=4)
     cap = max(s.max_len for s in strategies.items)
     lengths = np.minimum(rng.lognormal(6.5, 1.2, 60).astype(int) + 1, cap).tolist()
-    home = Strategies(items=strategies.items, home=strategies.home)
+    home = StrategySet(items=strategies.items, home=strategies.home)
     fixed = [0.01 * k for k in range(len(home.items))]
     bound2 = grouping_bound_s(lengths, home, spec, cost, fixed_s=fixed, min_strategies=2)
     pricer = GroupPricer(home, spec, cost)
@@ -301,7 +301,7 @@ def test_hotspa_auto_takes_another_strategy_alone_when_it_is_exactly_cheaper():
 
     items = (Strategy("dp2", uniform_plan(world_size=2, num_layers=4, num_microbatches=2), 64),
              Strategy("tp2", uniform_plan(world_size=2, tp=2, num_layers=4), 64))
-    strategies = Strategies(items=items, home=1)
+    strategies = StrategySet(items=items, home=1)
     lengths = [3, 9, 17, 18, 30, 50, 2, 12]
     priced = []
 

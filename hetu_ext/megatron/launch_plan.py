@@ -112,7 +112,7 @@ class LaunchCheck:
     runtime: str
     """``megatron`` or ``plan`` (select_runtime)."""
     strategies: object = None
-    """--hetu-hotspa / --hetu-strategies: the :class:`hetu_ext.plan.hotspa.Strategies` (``plan`` is then the home
+    """--hetu-hotspa / --hetu-strategies: the :class:`hetu_ext.plan.hotspa.StrategySet` (``plan`` is then the home
     strategy's)."""
     notices: tuple[str, ...] = ()
     """Lines the launcher prints and goes on (a setting that has no effect, as Megatron-LM warns and goes on)."""

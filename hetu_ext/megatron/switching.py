@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from hetu_ext.plan.hotspa import Group, GroupPricer, Strategies, auto_groups, fixed_groups, run_order, switch_seconds
+from hetu_ext.plan.hotspa import Group, GroupPricer, StrategySet, auto_groups, fixed_groups, run_order, switch_seconds
 from hetu_ext.plan.hydraulis import select_candidate
 from hetu_ext.runtime.reshard import Piece, reshard
 
@@ -63,7 +63,7 @@ class SwitchedSteps:
     """Step ``g`` -> its length groups, each packed for its strategy's pipelines (deterministic on every rank);
     the next step is planned in the background, as packing does."""
 
-    def __init__(self, per_strategy: list[PackedSteps], strategies: Strategies, *, mode: str, spec, cost,
+    def __init__(self, per_strategy: list[PackedSteps], strategies: StrategySet, *, mode: str, spec, cost,
                  switch_s: list[float]) -> None:
         if mode not in MODES:
             raise ValueError(f"SwitchedSteps: mode must be one of {MODES}, got {mode!r}")
@@ -156,7 +156,7 @@ class SwitchReport:
 class Switching:
     """HotSPa's placements on this rank: the home (the trainer's placement) and the cached compute ones."""
 
-    strategies: Strategies
+    strategies: StrategySet
     home: Placement
     build: object
     """strategy index -> its compute Placement (collective: every rank calls it at the same point)."""
@@ -228,7 +228,7 @@ class Switching:
         return results, switches
 
 
-def predicted_switch_s(strategies: Strategies, spec, *, weight_bytes: int, bandwidth: float) -> list[float]:
+def predicted_switch_s(strategies: StrategySet, spec, *, weight_bytes: int, bandwidth: float) -> list[float]:
     """Per strategy, the predicted seconds of switching to it from home and back (0 for the home)."""
     home = strategies.items[strategies.home].plan
     return [0.0 if k == strategies.home else

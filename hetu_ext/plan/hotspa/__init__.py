@@ -4,7 +4,7 @@ A step's global batch is split by length into groups; each group trains under it
 same ranks), one group after another, and one strategy, the *home*, holds the optimizer (HotSPa, SOSP'24). This
 module decides the groups; hetu_ext.megatron.switching runs them.
 
-Strategies come from a YAML file (``--hetu-hotspa FILE``)::
+StrategySet come from a YAML file (``--hetu-hotspa FILE``)::
 
     home: long            # the strategy holding the optimizer (default: the one taking the longest sequences)
     home_first: true      # run the home's group first (default) or last
@@ -27,7 +27,8 @@ them too); the longest group, if short of sequences, borrows the longest sequenc
 
 from __future__ import annotations
 
-from hetu_ext.plan.hotspa.strategies import Strategy, Strategies, strategies_from_dict, load_strategies, auto_strategies
+from hetu_ext.plan.core.strategies import Strategy, StrategySet, strategies_from_dict, load_strategies
+from hetu_ext.plan.hotspa.strategies import auto_strategies
 from hetu_ext.plan.hotspa.grouping import Group, check_capacity, fixed_groups, run_order, auto_groups
 from hetu_ext.plan.hotspa.bound import PAIR_ANCHOR_LEVELS, grouping_bound_s
 from hetu_ext.plan.hotspa.switch_cost import switch_elements, switch_seconds, allreduce_seconds, group_seconds
@@ -35,7 +36,7 @@ from hetu_ext.plan.hotspa.pricer import RELAXED_NODES, RELAXED_TIME_LIMIT_S, Gro
 from hetu_ext.plan.core.replicas import replica_specs  # noqa: F401 (benchmarks/hotspa_pair_exact.py imports it here)
 
 __all__ = [
-    "Strategy", "Strategies", "strategies_from_dict", "load_strategies", "auto_strategies", "Group", "check_capacity",
+    "Strategy", "StrategySet", "strategies_from_dict", "load_strategies", "auto_strategies", "Group", "check_capacity",
     "fixed_groups", "run_order", "auto_groups", "PAIR_ANCHOR_LEVELS", "grouping_bound_s", "switch_elements",
     "switch_seconds", "allreduce_seconds", "group_seconds", "RELAXED_NODES", "RELAXED_TIME_LIMIT_S", "GroupPricer",
 ]

@@ -12,7 +12,7 @@ from hetu_ext.model.spec import ModelSpec
 from hetu_ext.plan.core.replicas import replica_specs
 from hetu_ext.plan.hotspa.relaxation import relaxation
 from hetu_ext.plan.hotspa.grouping import check_capacity
-from hetu_ext.plan.hotspa.strategies import Strategies
+from hetu_ext.plan.core.strategies import StrategySet
 
 
 PAIR_ANCHOR_LEVELS = 48
@@ -22,7 +22,7 @@ PAIR_ANCHOR_LEVELS = 48
 strategies, 48 still solve in seconds."""
 
 
-def grouping_bound_s(lengths: Sequence[int], strategies: Strategies, spec: ModelSpec, cost: CostTable, *,
+def grouping_bound_s(lengths: Sequence[int], strategies: StrategySet, spec: ModelSpec, cost: CostTable, *,
                      fixed_s: Sequence[float] | None = None, time_limit_s: float = 120.0,
                      min_strategies: int = 1, upper_s: float | None = None, bisections: int = 3,
                      by_pairs: bool = True) -> float:

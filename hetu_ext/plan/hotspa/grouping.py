@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hetu_ext.plan.hotspa.strategies import Strategies
+from hetu_ext.plan.core.strategies import StrategySet
 
 
 @dataclass(frozen=True)
@@ -21,7 +21,7 @@ class Group:
     """The packer's predicted time of this group under its strategy (slowest pipeline)."""
 
 
-def check_capacity(lengths: Sequence[int], strategies: Strategies) -> None:
+def check_capacity(lengths: Sequence[int], strategies: StrategySet) -> None:
     longest = max(lengths, default=0)
     if longest > strategies.capacity:
         raise ValueError(f"HotSPa: a sequence of {longest} tokens is longer than every strategy takes (the largest "
@@ -29,7 +29,7 @@ def check_capacity(lengths: Sequence[int], strategies: Strategies) -> None:
                          "split documents at that length")
 
 
-def fixed_groups(lengths: Sequence[int], strategies: Strategies) -> list[Group]:
+def fixed_groups(lengths: Sequence[int], strategies: StrategySet) -> list[Group]:
     """Each sequence to the smallest strategy that takes it (module docstring); groups in strategy order, empty
     ones dropped."""
     check_capacity(lengths, strategies)
@@ -58,14 +58,14 @@ def fixed_groups(lengths: Sequence[int], strategies: Strategies) -> list[Group]:
     return [Group(strategy=k, indices=tuple(m)) for k, m in enumerate(members) if m]
 
 
-def run_order(groups: list[Group], strategies: Strategies) -> list[Group]:
+def run_order(groups: list[Group], strategies: StrategySet) -> list[Group]:
     """Groups in running order: the home's first (or last, ``home_first: false``), the others shortest first."""
     home = [g for g in groups if g.strategy == strategies.home]
     others = sorted((g for g in groups if g.strategy != strategies.home), key=lambda g: g.strategy)
     return home + others if strategies.home_first else others + home
 
 
-def auto_groups(lengths: Sequence[int], strategies: Strategies, group_s: Callable[[int, list[int]], float],
+def auto_groups(lengths: Sequence[int], strategies: StrategySet, group_s: Callable[[int, list[int]], float],
                 switch_s: Sequence[float], *, points: int = 16,
                 exact: Callable[[int, list[int]], float] | None = None, alone_margin: float = 0.1,
                 relaxed: Callable[[list[int], float], list[Group] | None] | None = None,
@@ -140,7 +140,7 @@ class _Prices:
     """Memoised exact price of a group (its packer time plus its switch, none for the home), keyed by strategy
     and sorted indices; ``computed`` counts the prices not found in the memo."""
 
-    def __init__(self, s: np.ndarray, strategies: Strategies, exact, switch_s) -> None:
+    def __init__(self, s: np.ndarray, strategies: StrategySet, exact, switch_s) -> None:
         self.s, self.strategies, self.exact, self.switch_s = s, strategies, exact, switch_s
         self.memo: dict[tuple[int, tuple[int, ...]], float] = {}
         self.computed = 0
@@ -154,12 +154,12 @@ class _Prices:
         return self.memo[key]
 
 
-def _exact_total(groups: list[Group], s: np.ndarray, strategies: Strategies, exact, switch_s) -> float:
+def _exact_total(groups: list[Group], s: np.ndarray, strategies: StrategySet, exact, switch_s) -> float:
     return sum(exact(g.strategy, [int(s[i]) for i in g.indices])
                + (0.0 if g.strategy == strategies.home else switch_s[g.strategy]) for g in groups)
 
 
-def _move_exactly(groups: list[Group], s: np.ndarray, strategies: Strategies, exact, switch_s, slowest, *,
+def _move_exactly(groups: list[Group], s: np.ndarray, strategies: StrategySet, exact, switch_s, slowest, *,
                   budget: int) -> list[Group]:
     """Local search priced by ``exact``: a sequence on a group's slowest pipeline (``slowest``; the least
     balanced group first, its sequences shortest first) moves to another group whose strategy takes it when the
@@ -205,7 +205,7 @@ def _move_exactly(groups: list[Group], s: np.ndarray, strategies: Strategies, ex
     return groups
 
 
-def _top_up(groups: list[Group], s: np.ndarray, strategies: Strategies, exact, switch_s, fill) -> list[Group]:
+def _top_up(groups: list[Group], s: np.ndarray, strategies: StrategySet, exact, switch_s, fill) -> list[Group]:
     """Rebuild around one group at a time, priced by ``exact``: the group keeps its *core* (the sequences no other
     group's strategy holds; or, as a second try, all of its own) under its strategy or any other that holds them,
     ``fill`` tops its pipelines up with the longest sequences of the other groups (and its own left out) that fit
@@ -254,11 +254,11 @@ def _top_up(groups: list[Group], s: np.ndarray, strategies: Strategies, exact, s
     return groups
 
 
-def _best_alone(groups: list[Group], s: np.ndarray, strategies: Strategies, group_s, exact, switch_s, *,
+def _best_alone(groups: list[Group], s: np.ndarray, strategies: StrategySet, group_s, exact, switch_s, *,
                 margin: float) -> list[Group]:
     """``groups`` or one strategy alone taking every sequence, whichever is exactly cheaper: the program's
     estimate can miss that a strategy other than the home trains the whole step faster even after its switch
-    (e.g. a step whose longest sequence a faster shape holds). Strategies are priced exactly only when their
+    (e.g. a step whose longest sequence a faster shape holds). StrategySet are priced exactly only when their
     estimate plus switch is within ``margin`` of the best exact total so far (ties: ``groups``)."""
     def switch(k: int) -> float:
         return 0.0 if k == strategies.home else switch_s[k]
@@ -278,7 +278,7 @@ def _best_alone(groups: list[Group], s: np.ndarray, strategies: Strategies, grou
     return chosen
 
 
-def _merge_exactly(groups: list[Group], s: np.ndarray, strategies: Strategies,
+def _merge_exactly(groups: list[Group], s: np.ndarray, strategies: StrategySet,
                    exact: Callable[[int, list[int]], float], switch_s: Sequence[float]) -> list[Group]:
     """Greedy merging priced by ``exact``: while moving one group's sequences into another group (whose strategy
     takes them) lowers the exact total, make the best such move. The dynamic program prices each group with an

@@ -14,7 +14,7 @@ from hetu_ext.model.spec import ModelSpec
 from hetu_ext.plan.core.replicas import replica_specs
 from hetu_ext.plan.hotspa.relaxation import relaxation
 from hetu_ext.plan.hotspa.grouping import Group
-from hetu_ext.plan.hotspa.strategies import Strategies
+from hetu_ext.plan.core.strategies import StrategySet
 
 
 RELAXED_NODES = 200
@@ -31,7 +31,7 @@ class GroupPricer:
     (hetu_ext.data.packing_bound; the packer lands within a few percent of it), cheap enough for the dynamic
     program's many candidate groups."""
 
-    def __init__(self, strategies: Strategies, spec: ModelSpec, cost: CostTable) -> None:
+    def __init__(self, strategies: StrategySet, spec: ModelSpec, cost: CostTable) -> None:
         self._strategies = strategies
         self._replicas = [replica_specs(s.plan, spec, cost, max_pack_tokens=s.max_len) for s in strategies.items]
         self._packed: dict[int, tuple[list[int], Assignment]] = {}  # per strategy, exact's last lengths and packing

@@ -1,6 +1,6 @@
 """Hydraulis, part 2: heterogeneous parallel strategies chosen per step (pure: numpy, no torch).
 
-Candidates are :class:`hetu_ext.plan.hotspa.Strategies` (each a plan over the same ranks and the longest sequence
+Candidates are :class:`hetu_ext.plan.core.strategies.StrategySet` (each a plan over the same ranks and the longest sequence
 it takes; the home holds the optimizer). Every step trains under one of them, switched to and from the home's
 layout by hetu_ext.megatron.switching (one length group per step).
 

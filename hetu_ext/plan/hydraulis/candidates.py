@@ -12,7 +12,7 @@ from hetu_ext.data.lengths import split_long
 from hetu_ext.model.spec import ModelSpec
 from hetu_ext.plan.core.plan import Plan, PlanError, uniform_plan, validate_plan
 from hetu_ext.plan.core.replicas import ReplicaShape
-from hetu_ext.plan.hotspa import Strategies, Strategy
+from hetu_ext.plan.core.strategies import Strategy, StrategySet
 from hetu_ext.plan.lobra import Deployment, deployment_plan
 from hetu_ext.plan.hydraulis.dynamic_program import group_cost, length_histogram, shape_pool, solve
 
@@ -40,10 +40,10 @@ def shapes_plan(counts: Sequence[tuple[ReplicaShape, int]], *, model: ModelSpec,
 def candidate_strategies(model: ModelSpec, world_size: int, cost: CostTable, lengths: Sequence[int], *,
                          max_len: int, gpus_per_node: int = 8, slowdowns: Mapping[int, float] | None = None,
                          limit: int = 8, batch_tokens: int | None = None, buckets: int = 32,
-                         sampled_batches: int = 0, seed: int = 0) -> Strategies:
+                         sampled_batches: int = 0, seed: int = 0) -> StrategySet:
     """Hydraulis's candidate plans for ``lengths`` (a sample of the data's sequence lengths, e.g. a length
     file's; split at ``max_len``) on ``world_size`` GPUs: module docstring, steps 1-4. Each Strategy's
-    ``max_len`` is its largest replica's capacity; the home (``Strategies.home``) is the homogeneous plan that
+    ``max_len`` is its largest replica's capacity; the home (``StrategySet.home``) is the homogeneous plan that
     holds ``max_len`` at the lowest predicted time on the histogram. At most ``limit`` strategies (home
     included). ``batch_tokens``: tokens per global batch (the histogram's scale; default: ``lengths`` is one
     batch). ``slowdowns`` (rank -> factor): every shape is priced at the largest factor (conservative; the
@@ -115,7 +115,7 @@ def candidate_strategies(model: ModelSpec, world_size: int, cost: CostTable, len
                 continue
         items.append(Strategy(name=name, plan=plan, max_len=cap))
     items.sort(key=lambda s: (s.max_len, s.name))
-    return Strategies(items=tuple(items), home=[s.name for s in items].index(home_name))
+    return StrategySet(items=tuple(items), home=[s.name for s in items].index(home_name))
 
 
 def _neighbours(chosen: list[dict[int, int]], pool: Sequence[ReplicaShape], steps: Sequence[int] = (1, -1, 2, 3)

@@ -10,7 +10,7 @@ from hetu_ext.data.lengths import split_long
 from hetu_ext.model.spec import ModelSpec
 from hetu_ext.plan.core.options import PLAIN, Options
 from hetu_ext.plan.core.replicas import replica_specs
-from hetu_ext.plan.hotspa import Strategies
+from hetu_ext.plan.core.strategies import StrategySet
 from hetu_ext.plan.hydraulis.candidates import candidate_strategies, sample_batches
 from hetu_ext.plan.hydraulis.dynamic_program import MAX_PP
 from hetu_ext.plan.hydraulis.flops import flops_cost_table, sync_seconds
@@ -18,7 +18,7 @@ from hetu_ext.plan.hydraulis.selection import Selector
 from hetu_ext.plan.hydraulis.strategies_file import replicas_of
 
 
-def candidates_report(args) -> tuple[Strategies, str, ModelSpec]:
+def candidates_report(args) -> tuple[StrategySet, str, ModelSpec]:
     """Candidates for ``args`` (the flags of :func:`hetu_ext.plan.cli.hydraulis_arguments`) and a report (tables)
     to print; ValueError (one line) on bad input."""
     from hetu_ext.data.cost import load_cost_table
@@ -67,7 +67,7 @@ def candidates_report(args) -> tuple[Strategies, str, ModelSpec]:
 
 
 def _plan_once(args, model: ModelSpec, measured: CostTable | None, opts: Options, pieces: np.ndarray,
-               tokens: int) -> tuple[Strategies, list[str], float, Options]:
+               tokens: int) -> tuple[StrategySet, list[str], float, Options]:
     """run()'s candidates and report under one set of options; the mean predicted step of the sampled batches
     (inf when no homogeneous strategy to compare with; the dynamic choice's own mean otherwise)."""
     import time

@@ -12,10 +12,11 @@ from hetu_ext.data.packing import Assignment, assign
 from hetu_ext.data.packing_bound import lower_bound_s, may_fit_within
 from hetu_ext.model.spec import ModelSpec
 from hetu_ext.plan.core.replicas import replica_specs
-from hetu_ext.plan.hotspa import Strategies, check_capacity
+from hetu_ext.plan.core.strategies import StrategySet
+from hetu_ext.plan.hotspa import check_capacity
 
 
-def select_candidate(lengths: Sequence[int], strategies: Strategies, *, estimate: Callable[[int, list[int]], float],
+def select_candidate(lengths: Sequence[int], strategies: StrategySet, *, estimate: Callable[[int, list[int]], float],
                      exact: Callable[[int, list[int]], float], switch_s: Sequence[float],
                      may_win: Callable[[int, list[int], float], bool] | None = None,
                      ratios: Sequence[float] | None = None) -> tuple[int, float]:
@@ -59,7 +60,7 @@ class Selector:
     exact price, and each candidate's switch from the home and back (hetu_ext.plan.hotspa.switch_seconds:
     weights in at ``weight_bytes``, fp32 gradients out, ``bandwidth`` bytes/s per GPU; 0 for the home)."""
 
-    def __init__(self, strategies: Strategies, model: ModelSpec, cost: CostTable, *, bandwidth: float,
+    def __init__(self, strategies: StrategySet, model: ModelSpec, cost: CostTable, *, bandwidth: float,
                  weight_bytes: int = 2, slowdowns: Mapping[int, float] | None = None) -> None:
         from hetu_ext.plan.hotspa import switch_seconds
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from hetu_ext.plan.core.plan import Plan
-from hetu_ext.plan.hotspa import Strategies, Strategy
+from hetu_ext.plan.core.strategies import Strategy, StrategySet
 
 
 def replicas_of(strategy: Strategy) -> list[tuple[int, int, int]]:
@@ -17,7 +17,7 @@ def replicas_of(strategy: Strategy) -> list[tuple[int, int, int]]:
     return [(tp, pp, n) for (tp, pp), n in sorted(counts.items(), key=lambda x: (-x[0][0], -x[0][1]))]
 
 
-def strategies_yaml(strategies: Strategies, plan_file: Callable[[int], str]) -> tuple[str, dict[str, Plan]]:
+def strategies_yaml(strategies: StrategySet, plan_file: Callable[[int], str]) -> tuple[str, dict[str, Plan]]:
     """The candidates in the HotSPa strategies-file format (hetu_ext.plan.hotspa) and the plan files it names:
     the home, when it is Megatron's grid, as ``tp``/``pp``/``dp``, the others as ``plan: FILE``
     (``plan_file(k)``; the caller writes the returned plans there)."""
