@@ -151,7 +151,7 @@ def test_zero_checkpoint_resumes_on_other_rank_counts(saved, world, sample_prefi
 def test_bf16_resumes_on_3(stage, sample_prefix, tmp_path):
     """--bf16 (bf16 module weights, fp32 master partitions and moments; under ZeRO-0 DeepSpeed's
     FP16_UnfusedOptimizer, an fp32 copy of every parameter whole on every rank, saved in rank 0's model states):
-    4 -> 3 ranks. Right after the load the
+    4 -> 3 ranks (and, ZeRO-0, the 3 ranks' hetu checkpoint onto 1). Right after the load the
     fp32 masters and moments equal the saved ones bit for bit (and under ZeRO-0/2 the bf16 weights too, derived
     from the masters as DeepSpeed's step derives them: a load that kept the freshly initialised weights fails here).
     ZeRO-2: steps 3-4 match the uninterrupted 4-rank bf16 run within test_ckpt_resume's BF16_LOSS_RTOL (measured
@@ -162,12 +162,18 @@ def test_bf16_resumes_on_3(stage, sample_prefix, tmp_path):
 
     directory = tmp_path / "ckpt"
     at_save = _run(4, ds_argv(sample_prefix, 2, ("--bf16",)), stage, None, str(directory))
-    result = _run(3, ds_argv(sample_prefix, 4, ("--bf16",)), stage, str(directory), None)
+    hetu = str(tmp_path / "hetu") if stage == 0 else None  # ZeRO-0: each parameter written by one rank
+    result = _run(3, ds_argv(sample_prefix, 4, ("--bf16",)), stage, str(directory), None, None, hetu)
     assert stage == 3 or {v.dtype for k, v in at_save["final"].items() if k[0] == "param"} == {torch.bfloat16}
     assert result["after_load"].keys() == at_save["final"].keys()
     for key, value in at_save["final"].items():
         assert torch.equal(result["after_load"][key], value), key
     assert result["after_load_step"] == 2.0 and result["losses"][:2] == at_save["losses"]
+    if hetu:  # the 3 ranks' hetu checkpoint (bf16 weights and fp32 copies) loads on 1 bit for bit
+        handed = _run(1, ds_argv(sample_prefix, 4, ("--bf16",)), stage, hetu, None)
+        assert handed["loaded"].source == "hetu" and handed["loaded"].iteration == 4
+        for key, value in result["final"].items():
+            assert torch.equal(handed["after_load"][key], value), key
     if stage == 2:
         reference = _run(4, ds_argv(sample_prefix, 4, ("--bf16",)), stage, None, None)
         loss = max(abs(a - b) / abs(b) for a, b in zip(result["losses"][2:], reference["losses"][2:]))
