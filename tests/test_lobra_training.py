@@ -421,6 +421,22 @@ def test_joint_tenants_under_the_straggler_monitor_replanned_online_equal_each_a
     assert result["base_same"]
 
 
+
+def test_joint_tenants_migrated_when_their_adam_steps_differ_equal_each_alone(references, joint_files, tmp_path):
+    """A migration after step 2, when the token-budget tenant (absent in step 2) has made one Adam step and the
+    others two: each tenant keeps its own step through the move (the plug-in carries them), and every adapter
+    still equals its tenant trained alone. (The straggler monitor's online re-plan lands here when detection comes
+    a step late on a busy machine; it raised "parameters are at different optimizer steps [1.0, 2.0]".)"""
+    tenants, plan = joint_files
+    moved = tmp_path / "moved.yaml"
+    moved.write_text(MOVED)
+    result = run_ranks(lobra_body, 3, _argv(tenants, "--hetu-plan", plan, "--hetu-migrate", f"step=2:plan={moved}"),
+                       "tenant", False, timeout=300)[0]
+    assert any(line.startswith("migrated to a new plan after step 2") for line in result["lines"])
+    _assert_each_alone(result, references, "migration after step 2")
+    assert result["base_same"]
+
+
 MOVED = """
 pipelines:
   - num_microbatches: 1

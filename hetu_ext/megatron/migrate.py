@@ -93,14 +93,17 @@ def _pieces(placement: Placement, *, create_state_at_step: int | None = None) ->
     return pieces
 
 
-def _carried(old: Placement) -> tuple[list[dict] | None, int | None]:
+def _carried(old: Placement, *, plugin_steps: bool = False) -> tuple[list[dict] | None, int | None]:
     """What every rank of the new plan needs from the old one's used ranks (collective over every rank; the same
     on all of them): the loss scaler's state (--fp16) and the updates the optimizer made (Adam's step; 0 for an
-    optimizer with state but no step count, SGD's momentum; None when it holds no state yet)."""
+    optimizer with state but no step count, SGD's momentum; None when it holds no state yet). ``plugin_steps``: a
+    plug-in moves its parameters' Adam steps itself (LoRA: each tenant its own, which differ after a tenant's
+    absence), so they may differ here; the most updates any parameter made is taken (the plug-in's pieces then set
+    each of its parameters' own)."""
     mine = (None, None)
     if old.active:
         held = any(opt.state for opt in optimizers(old.optimizer))
-        step = optimizer_step(old)
+        step = _latest_step(old) if plugin_steps else optimizer_step(old)
         mine = (scaler_state(old.optimizer), None if step is None and not held else int(step or 0))
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
@@ -109,13 +112,20 @@ def _carried(old: Placement) -> tuple[list[dict] | None, int | None]:
     return scaler, max(steps) if steps else None
 
 
+def _latest_step(placement) -> float | None:
+    """The largest Adam step of any parameter of this rank's optimizer (None before the first step)."""
+    steps = [float(st["step"]) for opt in optimizers(placement.optimizer) for st in opt.state.values()
+             if "step" in st]
+    return max(steps) if steps else None
+
+
 def migrate(old: Placement, build_new, iteration: int, *, plugin_pieces=None) -> tuple[Placement, MigrationReport]:
     """Build the new placement (``build_new()``, collective) and move the old one's state into it.
     ``plugin_pieces(placement, destination)``: a plug-in's own state outside the model's sharded state dict
     (LoRA's adapters and their Adam state) as pieces, moved in the same exchange. ``iteration``: the steps run
     so far (the updates made can be fewer: --fp16's skipped steps)."""
     start = time.perf_counter()
-    scaler, updates = _carried(old)
+    scaler, updates = _carried(old, plugin_steps=plugin_pieces is not None)
     sources = _pieces(old) + (plugin_pieces(old, False) if plugin_pieces else [])
     new = build_new()
     destinations = _pieces(new, create_state_at_step=updates if iteration > 0 else None)
