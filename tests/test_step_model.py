@@ -269,3 +269,17 @@ def test_gpu_calibration_script_parses_and_refuses_a_machine_without_cuda():
                           env={**__import__("os").environ, "PYTHON": sys.executable, "OUT": "/nonexistent/x"})
     assert proc.returncode == 2, proc.stderr
     assert "no CUDA device" in proc.stderr and proc.stderr.strip().count("\n") == 0
+
+
+def test_flash_attention_keeps_no_scores_in_the_predicted_memory():
+    """--use-flash-attn: the predicted memory per GPU drops by the inventory's 5 a s score bytes per token for every
+    layer and microbatch the stage holds in flight (and the step time does not move by the memory model)."""
+    spec = ModelSpec(num_layers=8, hidden_size=2048, num_attention_heads=16, seq_length=4096, vocab_size=32000)
+    par = dict(tp=2, pp=2, dp=2, micro_batch_size=1, global_batch_size=16)
+    plain = sm.predict(spec, sm.Parallel(**par), A100)
+    flash = sm.predict(spec, sm.Parallel(**par, flash_attention=True), A100)
+    per_token = (inv.activation_bytes_per_token(spec, tp=2, seq_length=4096)
+                 - inv.activation_bytes_per_token(spec, tp=2, seq_length=4096, attention_scores=False))
+    assert per_token > 0
+    in_flight = 2  # 1F1B: the first of 2 stages holds 2 microbatches (the largest stage)
+    assert plain.memory_bytes - flash.memory_bytes == pytest.approx(4096 * per_token * 4 * in_flight, rel=1e-9)

@@ -105,7 +105,7 @@ def layer_forward_flops(spec: ModelSpec, micro_batch: int) -> float:
 
 def stage_cost(spec: ModelSpec, cost: CostModel, *, num_layers: int, tp: int, slowdown: float, micro_batch: int,
                first: bool, last: bool, in_flight: int, optimizer_holders: int = 1, recompute: str = "none",
-               sequence_parallel: bool = False) -> StageCost:
+               sequence_parallel: bool = False, attention_scores: bool = True) -> StageCost:
     """Time and memory of one stage of ``num_layers`` layers at TP ``tp`` whose slowest rank is ``slowdown``.
     ``optimizer_holders``: the ranks holding each of its elements (one per pipeline of a Malleus template), over
     which the optimizer state is divided when ``cost.optimizer_sharded``.
@@ -115,7 +115,9 @@ def stage_cost(spec: ModelSpec, cost: CostModel, *, num_layers: int, tp: int, sl
     (plus, once per stage, one layer's whole activations while that layer's backward runs); ``selective``
     recomputes the attention core (its FLOPs) and does not keep the ``5 a s`` scores.
     ``sequence_parallel`` (``--sequence-parallel``): each all-reduce becomes a reduce-scatter and an all-gather of
-    the same total bytes (time unchanged); the activations TP did not split are divided by ``tp``."""
+    the same total bytes (time unchanged); the activations TP did not split are divided by ``tp``.
+    ``attention_scores``: the attention keeps its ``5 a s`` scores for the backward (Megatron's local attention);
+    False for attention that never materialises them (FlashAttention, SDPA: ``--use-flash-attn``)."""
     inventory.check_recompute(recompute)
     h, s, v = spec.hidden_size, spec.seq_length, spec.padded_vocab_size
     layer_flops = num_layers * layer_forward_flops(spec, micro_batch)
@@ -140,9 +142,9 @@ def stage_cost(spec: ModelSpec, cost: CostModel, *, num_layers: int, tp: int, sl
     shards = optimizer_holders if cost.optimizer_sharded else 1
     static = params * (cost.dtype_bytes + cost.grad_bytes + cost.optimizer_state_bytes / shards)
     per_token = inventory.activation_bytes_per_token(spec, tp=tp, seq_length=s, sequence_parallel=sequence_parallel,
-                                                     recompute=recompute)
+                                                     recompute=recompute, attention_scores=attention_scores)
     activations = micro_batch * s * per_token * cost.dtype_bytes / 2 * num_layers * in_flight
     if recompute == "full" and num_layers:  # one layer's whole activations while its backward runs
         activations += micro_batch * s * cost.dtype_bytes / 2 * inventory.activation_bytes_per_token(
-            spec, tp=tp, seq_length=s, sequence_parallel=sequence_parallel)
+            spec, tp=tp, seq_length=s, sequence_parallel=sequence_parallel, attention_scores=attention_scores)
     return StageCost(forward_s=compute + comm, backward_s=2 * compute + comm + redo, memory_bytes=static + activations)

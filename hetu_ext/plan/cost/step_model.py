@@ -265,7 +265,8 @@ def predict(spec: ModelSpec, par: Parallel, device: Device) -> Prediction:
     for j in range(p):
         sc = stage_cost(spec, cost, num_layers=per_stage, tp=par.tp, slowdown=1.0, micro_batch=par.micro_batch_size,
                         first=j == 0, last=j == p - 1, in_flight=_in_flight(par, j), optimizer_holders=par.dp,
-                        recompute=par.recompute, sequence_parallel=par.sequence_parallel)
+                        recompute=par.recompute, sequence_parallel=par.sequence_parallel,
+                        attention_scores=not par.flash_attention)
         logits = 0.0
         if j == p - 1:  # fp32 logits and their gradient, over the rank's share of the vocabulary
             logits = 2 * 4.0 * par.micro_batch_size * spec.seq_length * spec.padded_vocab_size / par.tp
