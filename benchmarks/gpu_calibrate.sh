@@ -50,8 +50,11 @@ if compgen -G ".whl/*.whl" >/dev/null; then
         .whl/*.whl
     export PYTHONPATH="/tmp/hetu_site:${PYTHONPATH:-}"
 fi
-export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
-if ! "$PYTHON" -c 'import megatron.core' >/dev/null 2>&1; then
+# hetu_ext from this working tree, with patches/ as hetu_ext.patches (what setup.py's package_dir does: a plain
+# PYTHONPATH=$PWD leaves hetu_ext.patches unimportable, and hetu_ext.megatron imports it); benchmarks/ from the tree
+rm -rf /tmp/hetu_src && mkdir -p /tmp/hetu_src && cp -r hetu_ext /tmp/hetu_src/ && cp -r patches /tmp/hetu_src/hetu_ext/
+export PYTHONPATH="/tmp/hetu_src:$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
+if ! "$PYTHON" -c 'import megatron.core, hetu_ext.megatron' >/dev/null 2>&1; then
     echo "gpu_calibrate.sh: megatron-core is not importable by $PYTHON; carry its wheel in .whl/ (see the" \
          "header of this script)" >&2
     exit 2

@@ -112,7 +112,8 @@ TEST_KINDS: list[tuple[str, str, tuple[str, ...]]] = [
     ("test_lora_pretrained", r"test_(base_is_the_pretrained|resume_on_the_same_base)", ("gold",)),
     ("test_ckpt_deepspeed", r"test_(deepspeed_path_trains_like_megatron|zero2_world2|zero1_and_zero3|zero2_bf16)",
      ("gold",)),
-    ("test_deepspeed_weighting", r"test_(zero1_weighted|emulated_straggler_moves)", ("gold",)),
+    ("test_deepspeed_weighting", r"test_(zero1_weighted|zero0_weighted|zero0_bf16_weighted|emulated_straggler_moves)",
+     ("gold",)),
     ("test_ckpt_hardening", r"test_distributed_optimizer_save_and_resume", ("gold",)),
     ("test_ckpt_hardening", r"test_schedule_error_is_one_line_and_exit_2_from_the_launcher", ("e2e",)),
     ("test_ckpt_hardening", r"test_inspect_notices_a_truncated_shard", ("faults",)),
@@ -124,7 +125,7 @@ TEST_KINDS: list[tuple[str, str, tuple[str, ...]]] = [
     ("test_fisedit_toy", r"test_launcher_runs", ("e2e",)),
     ("test_pretrain_cli", r"test_(rank_errors_under_torchrun|without_torchrun_one_rank_trains|"
                           r"launcher_reports_a_crashed_rank|torchrun_tp2_pp2_trains)", ("e2e",)),
-    ("test_deepspeed_cli", r"test_resume_and_hetu_save_through_the_launcher", ("e2e",)),
+    ("test_deepspeed_cli", r"test_(resume_and_hetu_save_through_the_launcher|exit_interval_and_ckpt_step)", ("e2e",)),
     ("test_quiet", r"test_deepspeed_run_prints", ("e2e",)),
     ("test_tools_hardening", r"test_elastic_stops_on_a_configuration_error", ("e2e",)),
     ("test_recipe_flags", r"test_llama_recipe_hands_off", ("e2e", "gold")),
