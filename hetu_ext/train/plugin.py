@@ -12,13 +12,14 @@ When each hook runs:
   the plan runtime; the uniform runtime's grid is built by the trainer unless :attr:`~TrainerPlugin.runtime` is
   ``plan``); HotSPa's compute placements too (``with_optimizer=False``);
 * build_trainer, once the trainer exists: :meth:`~TrainerPlugin.attach` (its step kind, switching, base weights);
-* a migration: :meth:`~TrainerPlugin.migration_pieces` (its state outside the model's, moved with the rest), then
+* a migration: :attr:`~TrainerPlugin.migration_pieces` (its state outside the model's, moved with the rest), then
   :meth:`~TrainerPlugin.placement_changed`;
 * every save and load: :meth:`~TrainerPlugin.parts` (what the checkpoint holds: hetu_ext.checkpoint.parts).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from hetu_ext.checkpoint.parts import Checkpointable
@@ -48,6 +49,10 @@ class TrainerPlugin:
     """What the log lines call a checkpoint of this run."""
     converter: object | None = None
     """The model converter every stage model is built with (model.build_gpt_stage; LoRA's adapters)."""
+    migration_pieces: Callable[[Placement, bool], list[Piece]] | None = None
+    """``(placement, destination) -> pieces``: the plug-in's state outside the model's sharded state dict, as
+    pieces a migration moves (migrate.py): the source's (``destination=False``, collective over the world) or the
+    destination's to fill; None: it has none (a method of the plug-in where it has: LoRA's adapters)."""
 
     def configure(self, config: RunConfig) -> RunConfig:
         """The run's settings with what the plug-in implies (pure, before anything is checked)."""
@@ -67,11 +72,6 @@ class TrainerPlugin:
 
     def attach(self, trainer: Trainer) -> None:
         """The plug-in's part of the built trainer (before any checkpoint is loaded)."""
-
-    def migration_pieces(self, placement: Placement, destination: bool) -> list[Piece]:
-        """The plug-in's state outside the model's sharded state dict, as pieces a migration moves (migrate.py):
-        the source's (``destination=False``, collective over the world) or the destination's to fill."""
-        return []
 
     def placement_changed(self, trainer: Trainer) -> None:
         """After a migration built the new placement and moved the state (collective)."""
