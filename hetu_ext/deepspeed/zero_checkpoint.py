@@ -410,12 +410,13 @@ class ZeroCheckpoints:
         """:func:`cli_lines`."""
         return cli_lines(command, path, output, kind, to)
 
-    def load_into(self, trainer, path: str):
+    def load_into(self, target, path: str):
         """``--load`` of hetu_ext's trainer (hetu_ext.megatron.checkpointing.TrainerCheckpoints): the checkpoint
-        resharded into the trainer's plan; its run state for ``checkpointing.restore``."""
+        resharded into ``target``'s plan (a hetu_ext.megatron.checkpoint_target.CheckpointTarget: its placement and
+        rank); its run state, which the trainer's parts restore."""
         from .resume import load_deepspeed
 
-        return load_deepspeed(trainer, path)
+        return load_deepspeed(target, path)
 
 
 ZERO_CHECKPOINTS = ZeroCheckpoints()
