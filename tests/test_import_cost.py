@@ -12,10 +12,20 @@ def test_import_is_cheap():
     assert out.strip() == "[]"
 
 
+def test_the_launch_decision_imports_no_framework():
+    """hetu_ext.megatron.launch_plan (the launchers check a run before any rank starts) imports neither torch nor
+    megatron: importing the adapter package only arranges how megatron.core will be imported."""
+    code = ("import sys, hetu_ext.megatron.launch_plan; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'megatron', 'torch', 'deepspeed'}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
 def test_megatron_core_imports_without_the_compiler_and_leaves_torch_compile_alone():
     """hetu_ext.megatron imports Megatron-core with torch.compile deferred (patches/megatron_import.py): its
     jit_fuser functions exist, but TorchDynamo's frame converter and Inductor are not imported until one runs."""
     code = ("import sys, torch; real = torch.compile; import hetu_ext.megatron, megatron.core.models.gpt; "
+            "assert type(sys.modules['megatron.core'].__loader__).__name__ == '_DeferringLoader'; "
             "from megatron.core.fusions.fused_bias_swiglu import bias_swiglu; "
             "print(torch.compile is real, getattr(bias_swiglu, '__hetu_deferred_compile__', False), "
             "'torch._dynamo.convert_frame' in sys.modules, 'torch._inductor.compile_fx' in sys.modules)")

@@ -11,7 +11,8 @@ import_without_triton`) and then runs it, its ``__main__`` block skipped, exactl
 import os
 import runpy
 
-import hetu_ext.megatron  # noqa: F401 (imports megatron.core as the parent did, before the triton stand-in)
+import hetu_ext.megatron  # noqa: F401 (megatron.core below is imported as the parent imported it)
+import megatron.core  # noqa: F401 (before the stand-in, as in the parent)
 
 from hetu_ext.megatron_lm.run import SCRIPT_ENV
 from hetu_ext.patches.megatron_lm import import_without_triton
