@@ -14,26 +14,23 @@ nothing is imported at all (Megatron-LM's ``_warmup_jit_function`` calls the fus
 Only the import of Megatron-core is wrapped; ``torch.compile`` is the original again when it returns. Megatron's
 ``jit_fuser``, bound during that import, keeps deferring. :func:`defer_compile_at_megatron_import` (what
 ``hetu_ext.megatron`` does when imported; cheap: it imports neither torch nor Megatron) puts a finder on
-``sys.meta_path`` that wraps the first import of ``megatron.core``, wherever it happens; :func:`import_megatron_core`
-imports it so at once.
+``sys.meta_path`` that wraps the first import of ``megatron.core``, wherever it happens.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
-import os
-import sys
 import importlib.abc
 import importlib.machinery
+import os
+import sys
 import threading
 from typing import Any, Callable, Iterator
 
 
 def _deferring(compile_fn: Callable[..., Any]) -> Callable[..., Any]:
     """A stand-in for ``compile_fn`` (``torch.compile``) that defers the call for plain functions."""
-
     import torch
 
     def compile(model: Any = None, **kwargs: Any) -> Any:
@@ -70,14 +67,6 @@ def deferred_compile() -> Iterator[None]:
         yield
     finally:
         torch.compile = real
-
-
-def import_megatron_core() -> Any:
-    """``import megatron.core`` with :func:`deferred_compile` in effect, the first time in this process."""
-    if "megatron.core" in sys.modules:
-        return sys.modules["megatron.core"]
-    with deferred_compile():
-        return importlib.import_module("megatron.core")
 
 
 class _DeferringLoader(importlib.abc.Loader):
