@@ -28,37 +28,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-runs/gpu_calibrate}"
 
-if [[ -z "${PYTHON:-}" ]]; then
-    for candidate in .venv/bin/python python3; do
-        if command -v "$candidate" >/dev/null 2>&1 && "$candidate" -c 'import torch' >/dev/null 2>&1; then
-            PYTHON="$candidate"
-            break
-        fi
-    done
-fi
-if [[ -z "${PYTHON:-}" ]]; then
-    echo "gpu_calibrate.sh: no python that imports torch (tried .venv/bin/python, python3); set PYTHON=..." >&2
-    exit 2
-fi
-if ! "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1; then
-    echo "gpu_calibrate.sh: no CUDA device (torch.cuda.is_available() is False for $PYTHON); run it on an" \
-         "H100/H200 machine (docs/cost_model.md)" >&2
-    exit 2
-fi
-if compgen -G ".whl/*.whl" >/dev/null; then
-    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/hetu_site \
-        .whl/*.whl
-    export PYTHONPATH="/tmp/hetu_site:${PYTHONPATH:-}"
-fi
-# hetu_ext from this working tree, with patches/ as hetu_ext.patches (what setup.py's package_dir does: a plain
-# PYTHONPATH=$PWD leaves hetu_ext.patches unimportable, and hetu_ext.megatron imports it); benchmarks/ from the tree
-rm -rf /tmp/hetu_src && mkdir -p /tmp/hetu_src && cp -r hetu_ext /tmp/hetu_src/ && cp -r patches /tmp/hetu_src/hetu_ext/
-export PYTHONPATH="/tmp/hetu_src:$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
-if ! "$PYTHON" -c 'import megatron.core, hetu_ext.megatron' >/dev/null 2>&1; then
-    echo "gpu_calibrate.sh: megatron-core is not importable by $PYTHON; carry its wheel in .whl/ (see the" \
-         "header of this script)" >&2
-    exit 2
-fi
+SCRIPT=gpu_calibrate.sh DOCS=docs/cost_model.md
+source benchmarks/gpu_env.sh  # PYTHON, the CUDA check, .whl/ wheels, hetu_ext from this tree
 
 mkdir -p "$OUT"
 GPU="$("$PYTHON" -c 'import torch; print(torch.cuda.get_device_name())')"

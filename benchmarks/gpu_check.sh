@@ -37,37 +37,9 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-runs/gpu_check}"
 BUDGET_S="${BUDGET_S:-450}"
 
-if [[ -z "${PYTHON:-}" ]]; then
-    for candidate in .venv/bin/python python3; do
-        if command -v "$candidate" >/dev/null 2>&1 && "$candidate" -c 'import torch' >/dev/null 2>&1; then
-            PYTHON="$candidate"
-            break
-        fi
-    done
-fi
-if [[ -z "${PYTHON:-}" ]]; then
-    echo "gpu_check.sh: no python that imports torch (tried .venv/bin/python, python3); set PYTHON=..." >&2
-    exit 2
-fi
-if ! "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1; then
-    echo "gpu_check.sh: no CUDA device (torch.cuda.is_available() is False for $PYTHON); run it on an" \
-         "H100/H200 machine (docs/training.md)" >&2
-    exit 2
-fi
-if compgen -G ".whl/*.whl" >/dev/null; then
-    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/hetu_site \
-        .whl/*.whl
-    export PYTHONPATH="/tmp/hetu_site:${PYTHONPATH:-}"
-fi
-# hetu_ext from this working tree, with patches/ as hetu_ext.patches (what setup.py's package_dir does: a plain
-# PYTHONPATH=$PWD leaves hetu_ext.patches unimportable); benchmarks/ from the working tree
-rm -rf /tmp/hetu_src && mkdir -p /tmp/hetu_src && cp -r hetu_ext /tmp/hetu_src/ && cp -r patches /tmp/hetu_src/hetu_ext/
-export PYTHONPATH="/tmp/hetu_src:$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
-if ! "$PYTHON" -c 'import megatron.core, hetu_ext.patches.megatron_cpu' >/dev/null 2>&1; then
-    echo "gpu_check.sh: megatron-core or hetu_ext.patches is not importable by $PYTHON; carry megatron-core's" \
-         "wheel in .whl/ (see the header of this script)" >&2
-    exit 2
-fi
+SCRIPT=gpu_check.sh DOCS=docs/training.md
+source benchmarks/gpu_env.sh  # PYTHON, the CUDA check, .whl/ wheels, hetu_ext from this tree
+export PYTHONWARNINGS=ignore
 
 mkdir -p "$OUT"
 RUNS="$OUT/runs"  # the per-step JSON files (joined into $OUT/results.json at the end)
