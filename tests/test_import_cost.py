@@ -21,6 +21,12 @@ def test_the_launch_decision_imports_no_framework():
     assert out.strip() == "[]"
 
 
+def _printed(code: str) -> list[str]:
+    """What ``code`` prints in a fresh interpreter (warnings off), as words."""
+    return subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True,
+                          check=True).stdout.split()
+
+
 def test_megatron_core_imports_without_the_compiler_and_leaves_torch_compile_alone():
     """hetu_ext.megatron imports Megatron-core with torch.compile deferred (patches/megatron_import.py): its
     jit_fuser functions exist, but TorchDynamo's frame converter and Inductor are not imported until one runs."""
@@ -29,9 +35,7 @@ def test_megatron_core_imports_without_the_compiler_and_leaves_torch_compile_alo
             "from megatron.core.fusions.fused_bias_swiglu import bias_swiglu; "
             "print(torch.compile is real, getattr(bias_swiglu, '__hetu_deferred_compile__', False), "
             "'torch._dynamo.convert_frame' in sys.modules, 'torch._inductor.compile_fx' in sys.modules)")
-    out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True,
-                         check=True).stdout
-    assert out.split() == ["True", "True", "False", "False"]
+    assert _printed(code) == ["True", "True", "False", "False"]
 
 
 def test_a_deferred_compile_makes_the_same_call_once_at_first_use(monkeypatch):
@@ -80,6 +84,4 @@ def test_megatron_lms_jit_warmup_on_cpu_imports_no_compiler():
             "x = torch.rand(4, 2, 6); b = torch.rand(6); y = bias_swiglu(x, b); "
             "a, g = torch.chunk(x + b, 2, -1); "
             "print(torch.equal(y, torch.nn.functional.silu(a) * g), 'torch._inductor.compile_fx' in sys.modules)")
-    out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True,
-                         check=True).stdout
-    assert out.split() == ["True", "False"]
+    assert _printed(code) == ["True", "False"]
