@@ -20,7 +20,7 @@ import torch.distributed as dist
 from hetu_ext.runtime.reshard import Piece, reshard
 
 from .placement import Placement
-from .state import optimizer_step, optimizers, restore_scaler_state, scaler_state
+from .state import optimizer_step, optimizer_steps, optimizers, restore_scaler_state, scaler_state
 from .weights import local_shards
 
 _MOMENTS = {"adam": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
@@ -103,20 +103,13 @@ def _carried(old: Placement, *, plugin_steps: bool = False) -> tuple[list[dict] 
     mine = (None, None)
     if old.active:
         held = any(opt.state for opt in optimizers(old.optimizer))
-        step = _latest_step(old) if plugin_steps else optimizer_step(old)
+        step = max(optimizer_steps(old), default=None) if plugin_steps else optimizer_step(old)
         mine = (scaler_state(old.optimizer), None if step is None and not held else int(step or 0))
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     scaler = next((s for s, _ in everyone if s is not None), None)
     steps = [n for _, n in everyone if n is not None]
     return scaler, max(steps) if steps else None
-
-
-def _latest_step(placement) -> float | None:
-    """The largest Adam step of any parameter of this rank's optimizer (None before the first step)."""
-    steps = [float(st["step"]) for opt in optimizers(placement.optimizer) for st in opt.state.values()
-             if "step" in st]
-    return max(steps) if steps else None
 
 
 def migrate(old: Placement, build_new, iteration: int, *, plugin_pieces=None) -> tuple[Placement, MigrationReport]:

@@ -211,10 +211,14 @@ def create_optimizer_state(placement, moments: set[str], step: float | None, *,
     return created
 
 
+def optimizer_steps(placement) -> set[float]:
+    """The Adam step counts of this rank's parameters (empty before the first step / without Adam)."""
+    return {float(st["step"]) for opt in optimizers(placement.optimizer) for st in opt.state.values() if "step" in st}
+
+
 def optimizer_step(placement) -> float | None:
     """Adam's step count (the same for every parameter), or None before the first step / without Adam."""
-    steps = {float(st["step"]) for opt in optimizers(placement.optimizer) for st in opt.state.values()
-             if "step" in st}
+    steps = optimizer_steps(placement)
     if len(steps) > 1:
         raise AssertionError(f"parameters are at different optimizer steps {sorted(steps)}")
     return steps.pop() if steps else None
