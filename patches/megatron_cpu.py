@@ -55,6 +55,17 @@ class _NullStream:
     def synchronize(self) -> None:
         return None
 
+    def record_event(self, event: Any = None) -> "_NullStream":
+        """An event on it (MoE's alltoall dispatcher records one after its device-to-host copies): waiting on it,
+        or synchronising it, does nothing."""
+        return self
+
+    def wait(self, *_: Any) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
     def __enter__(self) -> "_NullStream":
         return self
 
@@ -240,6 +251,11 @@ _TORCH_SCOPED_MODULES = {
     f"{_MC}.utils": "the global memory buffer and local l2 norm use the CUDA device",
     f"{_MC}.dist_checkpointing.strategies.filesystem_async": "torch.cuda.synchronize() before writing shards",
     f"{_MC}.dist_checkpointing.strategies.state_dict_saver": "save verification flags made on the CUDA device",
+    f"{_MC}.transformer.moe.router": "MoE: the router moves its weights to torch.cuda.current_device() at each "
+                                     "forward; its token counters are made there",
+    f"{_MC}.transformer.moe.token_dispatcher": "MoE: the alltoall dispatcher creates a CUDA stream for its "
+                                               "device-to-host copies",
+    f"{_MC}.transformer.moe.moe_utils": "MoE: the aux-loss tracker is made with device='cuda'",
 }
 
 
@@ -254,6 +270,20 @@ def _results_queue_by_fork(original: Callable[[], Any]) -> Callable[[], Any]:
             module._results_queue = multiprocessing.get_context("fork").Manager().Queue()
         return module._results_queue
     return get_write_results_queue
+
+
+def _router_gating_linear(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """The MoE router's logits in ``router_dtype`` (fp32 or fp64 when asked, else the input's) as a plain linear
+    layer: Megatron-core 0.16.1's RouterGatingLinearFunction reads ``te_general_gemm``, a name its module defines
+    only when Transformer Engine imports (NameError without it). Autograd's gradients of the cast inputs are the
+    ones its hand-written backward computes (in router_dtype, cast back to the input's and the weight's dtypes)."""
+
+    def router_gating_linear(inp: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                             router_dtype: torch.dtype) -> torch.Tensor:
+        return torch.nn.functional.linear(inp.to(router_dtype), weight.to(router_dtype),
+                                          None if bias is None else bias.to(router_dtype))
+
+    return router_gating_linear
 
 
 def megatron_cpu_patches() -> PatchSet:
@@ -287,6 +317,9 @@ def megatron_cpu_patches() -> PatchSet:
         Patch(name="fork_results_queue:filesystem_async",
               target=f"{_MC}.dist_checkpointing.strategies.filesystem_async:_get_write_results_queue",
               make=_results_queue_by_fork, reason="torch_dist saves start a Manager by spawn (re-imports the job)"),
+        Patch(name="no_te:router_gating_linear", target=f"{_MC}.transformer.moe.router:router_gating_linear",
+              make=_router_gating_linear, reason="MoE without Transformer Engine: the router's linear function reads "
+                                                 "te_general_gemm, undefined (NameError)"),
         Patch(name="tensor_cuda_identity:DynamicGradScaler.load_state_dict",
               target=f"{_MC}.optimizer.grad_scaler:DynamicGradScaler.load_state_dict",
               make=_with_tensor_cuda_identity, reason="--fp16 resume: moves the saved loss scale with .cuda()"),

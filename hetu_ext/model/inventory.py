@@ -17,12 +17,24 @@ Splits (how TP degree ``t`` cuts a tensor; the rank's box is contiguous in each 
 * ``gated_rows``: a gated MLP's ``linear_fc1`` with a leading gate axis ``(2, F, ...)`` (gate, up): axis 1 is
   split (``hetu_ext.checkpoint.gated``).
 
+Mixture of experts (``ModelSpec.num_experts``): an MoE layer's MLP is a router (``(E, h)``, every rank holds it)
+and E experts, each an MLP of ``moe_ffn_hidden_size``; optional shared experts are a plain MLP beside them. An
+expert tensor (:attr:`Param.experts` > 0) has a **global expert axis** after the layer's: its key and layer name E
+tensors, indexed ``(layer, expert)``, as Megatron-core's sharded state dict numbers them. So a piece of it is
+(expert range, rows, columns), and every parallelism is a layout of the same global tensors: expert parallelism
+(EP) gives each EP rank a contiguous range of ``E / EP`` experts, expert tensor parallelism (ETP) splits each
+expert's tensor by its ``split`` as TP splits a dense one (:func:`expert_box`), PP picks layers, DP and expert DP
+replicate. Grouped GEMM (one ``(h, E_local F)`` weight per expert set) and per-expert weights store the same
+global tensors (Megatron's grouped weights map to them transposed), so the inventory does not depend on it.
+
 FLOPs count a multiply-add as 2. Attention counts the whole ``s x s`` square (what Megatron's local attention
 and the cost models compute); backward is twice the forward.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from dataclasses import dataclass
 
 from .spec import ModelSpec
@@ -39,16 +51,30 @@ class Param:
 
     key: str
     shape: tuple[int, ...]
+    """One tensor's shape (per layer, per expert)."""
     split: str
     init: str
     place: str
+    experts: int = 0
+    """> 0: an expert tensor, one per expert along a global expert axis of this length (after the layer axis);
+    EP splits that axis, expert TP splits ``split``."""
+    layers: str = "all"
+    """For ``place == "layer"``: ``all`` (every layer: one stacked tensor, the global layer number its index), or a
+    layer's number: a model whose layers differ (MoE and dense ones, ``moe_layer_freq``) keeps each layer's tensors
+    apart, under keys with the layer's number (``decoder.layers.3.mlp.router.weight``), as Megatron-core does."""
 
     @property
     def numel(self) -> int:
+        """Elements of one tensor (one layer, one expert)."""
         n = 1
         for d in self.shape:
             n *= d
         return n
+
+    @property
+    def index_axes(self) -> int:
+        """Prepended axes of its key: the layer's (layer tensors), and the expert's (expert tensors)."""
+        return (self.place == "layer" and self.layers == "all") + (self.experts > 0)
 
     @property
     def split_axis(self) -> int | None:
@@ -62,45 +88,122 @@ def _norm(key: str, h: int, spec: ModelSpec, place: str = "layer") -> list[Param
     return out
 
 
+def _mlp(prefix: str, f: int, spec: ModelSpec, *, layers: str, experts: int = 0) -> list[Param]:
+    """An MLP of width ``f`` (a dense layer's, each expert's, the shared experts')."""
+    h, bias = spec.hidden_size, spec.add_bias_linear
+    fc1 = ((2, f), "gated_rows") if spec.swiglu else ((f,), "rows")
+    out = [Param(f"{prefix}linear_fc1.weight", (*fc1[0], h), fc1[1], "normal", "layer", experts, layers)]
+    if bias:
+        out.append(Param(f"{prefix}linear_fc1.bias", fc1[0], fc1[1], "zeros", "layer", experts, layers))
+    out.append(Param(f"{prefix}linear_fc2.weight", (h, f), "columns", "normal_output", "layer", experts, layers))
+    if bias:
+        out.append(Param(f"{prefix}linear_fc2.bias", (h,), "replicated", "zeros", "layer", experts, layers))
+    return out
+
+
+def _moe(prefix: str, spec: ModelSpec, *, layers: str) -> list[Param]:
+    """An MoE layer's MLP: the router (weight, bias with linear biases, the aux-loss-free expert bias buffer), the
+    experts (Megatron-core's sharded keys, ``experts.experts.``: SequentialMLP and the grouped MLPs alike), the shared experts and their gate."""
+    h, e = spec.hidden_size, spec.num_experts
+    out = [Param(f"{prefix}router.weight", (e, h), "replicated", "normal", "layer", 0, layers)]
+    if spec.add_bias_linear:
+        out.append(Param(f"{prefix}router.bias", (e,), "replicated", "normal", "layer", 0, layers))
+    if spec.moe_router_enable_expert_bias:
+        out.append(Param(f"{prefix}router.expert_bias", (e,), "replicated", "zeros", "layer", 0, layers))
+    out += _mlp(f"{prefix}experts.experts.", spec.moe_ffn_hidden_size, spec, layers=layers, experts=e)
+    if spec.moe_shared_expert_intermediate_size is not None:
+        out += _mlp(f"{prefix}shared_experts.", spec.moe_shared_expert_intermediate_size, spec, layers=layers)
+        if spec.moe_shared_expert_gate:
+            out.append(Param(f"{prefix}shared_experts.gate_weight", (1, h), "replicated", "normal", "layer", 0,
+                             layers))
+    return out
+
+
+def _layer(prefix: str, spec: ModelSpec, *, moe: bool, layers: str) -> list[Param]:
+    """One transformer layer's tensors (its attention, its norms, its dense MLP or MoE) under ``prefix``."""
+    h, bias = spec.hidden_size, spec.add_bias_linear
+    heads, groups, d = spec.num_attention_heads, spec.num_query_groups, spec.kv_channels
+    qkv_rows = (heads + 2 * groups) * d
+
+    def param(key: str, shape: tuple[int, ...], split: str, init: str) -> Param:
+        return Param(f"{prefix}{key}", shape, split, init, "layer", 0, layers)
+
+    out = [dataclasses.replace(p, layers=layers) for p in _norm(f"{prefix}self_attention.linear_qkv.layer_norm_",
+                                                                h, spec)]
+    out.append(param("self_attention.linear_qkv.weight", (qkv_rows, h), "grouped_rows", "normal"))
+    if bias or spec.add_qkv_bias:
+        out.append(param("self_attention.linear_qkv.bias", (qkv_rows,), "grouped_rows", "zeros"))
+    if spec.qk_layernorm:
+        out += [dataclasses.replace(p, layers=layers) for p in _norm(f"{prefix}self_attention.q_layernorm.", d, spec)
+                + _norm(f"{prefix}self_attention.k_layernorm.", d, spec)]
+    out.append(param("self_attention.linear_proj.weight", (h, heads * d), "columns", "normal_output"))
+    if bias:
+        out.append(param("self_attention.linear_proj.bias", (h,), "replicated", "zeros"))
+    out += [dataclasses.replace(p, layers=layers) for p in _norm(f"{prefix}mlp.linear_fc1.layer_norm_", h, spec)]
+    if moe:
+        return out + _moe(f"{prefix}mlp.", spec, layers=layers)
+    return out + _mlp(f"{prefix}mlp.", spec.ffn_hidden_size, spec, layers=layers)
+
+
 def parameters(spec: ModelSpec) -> list[Param]:
     """Every parameter of the whole model (tied output layer: no separate entry), Megatron-core's keys."""
-    h, f, v = spec.hidden_size, spec.ffn_hidden_size, spec.padded_vocab_size
-    heads, groups, d = spec.num_attention_heads, spec.num_query_groups, spec.kv_channels
-    bias = spec.add_bias_linear
-    qkv_rows = (heads + 2 * groups) * d
+    h, v = spec.hidden_size, spec.padded_vocab_size
     out = [Param("embedding.word_embeddings.weight", (v, h), "vocab_rows", "normal", "embedding")]
     if spec.position_embedding_type == "learned_absolute":
         out.append(Param("embedding.position_embeddings.weight", (spec.max_position_embeddings, h), "replicated",
                          "normal", "embedding"))
-    layer = "decoder.layers."
-    out += _norm(f"{layer}self_attention.linear_qkv.layer_norm_", h, spec)
-    out.append(Param(f"{layer}self_attention.linear_qkv.weight", (qkv_rows, h), "grouped_rows", "normal", "layer"))
-    if bias or spec.add_qkv_bias:
-        out.append(Param(f"{layer}self_attention.linear_qkv.bias", (qkv_rows,), "grouped_rows", "zeros", "layer"))
-    if spec.qk_layernorm:
-        out += _norm(f"{layer}self_attention.q_layernorm.", d, spec) + _norm(f"{layer}self_attention.k_layernorm.",
-                                                                             d, spec)
-    out.append(Param(f"{layer}self_attention.linear_proj.weight", (h, heads * d), "columns", "normal_output",
-                     "layer"))
-    if bias:
-        out.append(Param(f"{layer}self_attention.linear_proj.bias", (h,), "replicated", "zeros", "layer"))
-    out += _norm(f"{layer}mlp.linear_fc1.layer_norm_", h, spec)
-    fc1 = ((2, f), "gated_rows") if spec.swiglu else ((f,), "rows")
-    out.append(Param(f"{layer}mlp.linear_fc1.weight", (*fc1[0], h), fc1[1], "normal", "layer"))
-    if bias:
-        out.append(Param(f"{layer}mlp.linear_fc1.bias", fc1[0], fc1[1], "zeros", "layer"))
-    out.append(Param(f"{layer}mlp.linear_fc2.weight", (h, f), "columns", "normal_output", "layer"))
-    if bias:
-        out.append(Param(f"{layer}mlp.linear_fc2.bias", (h,), "replicated", "zeros", "layer"))
+    moe = spec.moe_layers
+    if len(set(moe)) == 1:  # every layer alike: one stacked tensor per key, the layer its index
+        out += _layer("decoder.layers.", spec, moe=moe[0], layers="all")
+    else:  # Megatron-core keeps layers of different kinds apart: the layer's number in the key
+        for i, is_moe in enumerate(moe):
+            out += _layer(f"decoder.layers.{i}.", spec, moe=is_moe, layers=str(i))
     out += _norm("decoder.final_layernorm.", h, spec, place="final")
     if spec.untie_embeddings_and_output_weights:
         out.append(Param("output_layer.weight", (v, h), "vocab_rows", "normal", "output"))
     return out
 
 
+def copies(spec: ModelSpec, p: Param) -> int:
+    """How many tensors of ``p`` the whole model holds (one per layer that holds it, times its experts)."""
+    layers = spec.num_layers if p.layers == "all" else 1
+    return (layers if p.place == "layer" else 1) * max(p.experts, 1)
+
+
 def param_count(spec: ModelSpec) -> int:
-    """Elements of the whole model (each layer's tensors once per layer)."""
-    return sum(p.numel * (spec.num_layers if p.place == "layer" else 1) for p in parameters(spec))
+    """Elements of the whole model (each layer's tensors once per layer, expert tensors once per expert)."""
+    return sum(p.numel * copies(spec, p) for p in parameters(spec))
+
+
+def active_param_count(spec: ModelSpec) -> int:
+    """Elements a token passes through: every tensor but the experts', of which ``moe_router_topk`` (the rest of
+    an MoE model's parameters are idle for that token)."""
+    return sum(p.numel * copies(spec, p) // max(p.experts, 1) * (spec.moe_router_topk if p.experts else 1)
+               for p in parameters(spec))
+
+
+def expert_box(p: Param, *, ep: int, ep_rank: int, etp: int = 1, etp_rank: int = 0
+               ) -> tuple[tuple[int, int], tuple[tuple[int, int], ...]]:
+    """What EP rank ``ep_rank`` of ``ep`` and expert-TP rank ``etp_rank`` of ``etp`` hold of the expert tensor
+    ``p``: (its expert range, its box of each expert's tensor). EP splits the expert axis in ``ep`` contiguous
+    ranges; ETP cuts ``p.split`` as TP cuts a dense tensor (rows, columns; gated rows: both halves' rows).
+    ValueError unless ``p`` is an expert tensor and both degrees divide what they split."""
+    if p.experts <= 0:
+        raise ValueError(f"{p.key}: not an expert tensor (it has no expert axis)")
+    if p.experts % ep:
+        raise ValueError(f"expert parallelism {ep} must divide the {p.experts} experts; use an EP degree that "
+                         "divides --num-experts")
+    per = p.experts // ep
+    box = [(0, n) for n in p.shape]
+    axis = p.split_axis
+    if axis is not None and etp > 1:
+        if p.shape[axis] % etp:
+            raise ValueError(f"{p.key}: expert tensor parallelism {etp} must divide its axis {axis} "
+                             f"({p.shape[axis]}); use an --expert-tensor-parallel-size that divides "
+                             "--moe-ffn-hidden-size")
+        part = p.shape[axis] // etp
+        box[axis] = (etp_rank * part, (etp_rank + 1) * part)
+    return (ep_rank * per, (ep_rank + 1) * per), tuple(box)
 
 
 def layer_params(spec: ModelSpec, *, tp: int = 1) -> float:
@@ -110,10 +213,21 @@ def layer_params(spec: ModelSpec, *, tp: int = 1) -> float:
 
 
 def layer_params_by_split(spec: ModelSpec) -> tuple[int, int]:
-    """(elements TP splits, elements every TP rank holds whole) of one layer."""
+    """(elements TP splits, elements every TP rank holds whole) of one layer (a dense model's: an MoE model's
+    layers differ, and EP splits its experts)."""
+    dense_only(spec, "the per-layer parameter count")
     layer = [p for p in parameters(spec) if p.place == "layer"]
     replicated = sum(p.numel for p in layer if p.split == "replicated")
     return sum(p.numel for p in layer) - replicated, replicated
+
+
+def dense_only(spec: ModelSpec, what: str) -> None:
+    """ValueError (one line) for an MoE model where ``what`` is defined for dense models only (the planners'
+    per-layer figures: every layer alike, split by TP only)."""
+    if spec.is_moe:
+        raise ValueError(f"{what} of an MoE model (--num-experts {spec.num_experts}): hetu_ext's planners and trainer "
+                         "build dense models only; plan MoE runs with `hetu-plan predict` or train them on "
+                         "Megatron-LM's grid (python -m hetu_ext.megatron_lm)")
 
 
 def final_norm_params(spec: ModelSpec) -> int:
@@ -125,15 +239,33 @@ def embedding_params(spec: ModelSpec) -> int:
     return sum(p.numel for p in parameters(spec) if p.place == "embedding")
 
 
-_EVERY_OPTION = ModelSpec(num_layers=1, hidden_size=8, num_attention_heads=2, untie_embeddings_and_output_weights=True,
-                          swiglu=True, qk_layernorm=True)
+_EVERY_OPTION = (
+    ModelSpec(num_layers=1, hidden_size=8, num_attention_heads=2, untie_embeddings_and_output_weights=True,
+              swiglu=True, qk_layernorm=True),
+    ModelSpec(num_layers=1, hidden_size=8, num_attention_heads=2, swiglu=True, num_experts=2,
+              moe_router_enable_expert_bias=True),
+    ModelSpec(num_layers=1, hidden_size=8, num_attention_heads=2, add_bias_linear=False, num_experts=2,
+              moe_shared_expert_intermediate_size=8, moe_shared_expert_gate=True),
+)
 """Settings under which every key the inventory knows appears (LayerNorm and biases, qk norms, learned positions,
-untied output, gated MLP): the key -> rule tables below are read from it."""
+untied output, gated MLP; an MoE layer with router biases and biased experts; gated shared experts, which have no
+biases): the key -> rule tables below are read from them."""
+_LAYER_NUMBER = re.compile(r"^decoder\.layers\.\d+\.")
+
+
+def _every_param() -> list[Param]:
+    return [p for spec in _EVERY_OPTION for p in parameters(spec)]
+
+
+def _rule_key(key: str) -> str:
+    """A key without a layer's number (a model whose layers differ names each layer's tensors with it)."""
+    return _LAYER_NUMBER.sub("decoder.layers.", key)
 
 
 def init_rule(key: str) -> str:
     """How the parameter ``key`` is initialised (:data:`INITS`); ValueError for a key the inventory does not list."""
-    rules = {p.key: p.init for p in parameters(_EVERY_OPTION)}
+    rules = {p.key: p.init for p in _every_param()}
+    key = _rule_key(key)
     if key not in rules:
         raise ValueError(f"{key}: not a parameter of the model inventory; add it to hetu_ext.model.inventory")
     return rules[key]
@@ -141,12 +273,13 @@ def init_rule(key: str) -> str:
 
 def keys_split_as(split: str) -> tuple[str, ...]:
     """Every key the inventory knows that TP splits as ``split`` (e.g. the vocabulary's rows, gated rows)."""
-    return tuple(p.key for p in parameters(_EVERY_OPTION) if p.split == split)
+    return tuple(dict.fromkeys(p.key for p in _every_param() if p.split == split))
 
 
 def split_of(key: str) -> str:
     """How TP splits the parameter ``key`` (:data:`SPLITS`)."""
-    splits = {p.key: p.split for p in parameters(_EVERY_OPTION)}
+    splits = {p.key: p.split for p in _every_param()}
+    key = _rule_key(key)
     if key not in splits:
         raise ValueError(f"{key}: not a parameter of the model inventory; add it to hetu_ext.model.inventory")
     return splits[key]
@@ -155,12 +288,24 @@ def split_of(key: str) -> str:
 # ---------------------------------------------------------------------------------------------------- FLOPs
 
 
-def layer_matmul_flops_per_token(spec: ModelSpec) -> float:
-    """Forward FLOPs per token of one layer's linear layers (QKV, projection, fc1, fc2)."""
-    h, f = spec.hidden_size, spec.ffn_hidden_size
+def _mlp_flops_per_token(spec: ModelSpec, f: int) -> float:
+    return 2.0 * spec.hidden_size * ((2 * f if spec.swiglu else f) + f)
+
+
+def layer_matmul_flops_per_token(spec: ModelSpec, *, moe: bool = False) -> float:
+    """Forward FLOPs per token of one layer's linear layers (QKV, projection, fc1, fc2). ``moe``: an MoE layer's,
+    whose MLP is the router (``2 h E``), the ``moe_router_topk`` experts the token is routed to (the active
+    experts) and the shared experts (and their gate)."""
+    h = spec.hidden_size
     heads, groups, d = spec.num_attention_heads, spec.num_query_groups, spec.kv_channels
-    fc1_rows = 2 * f if spec.swiglu else f
-    return 2.0 * h * ((heads + 2 * groups) * d + heads * d + fc1_rows + f)
+    attention = 2.0 * h * ((heads + 2 * groups) * d + heads * d)
+    if not moe:
+        return attention + _mlp_flops_per_token(spec, spec.ffn_hidden_size)
+    mlp = 2.0 * h * spec.num_experts + spec.moe_router_topk * _mlp_flops_per_token(spec, spec.moe_ffn_hidden_size)
+    if spec.moe_shared_expert_intermediate_size is not None:
+        mlp += _mlp_flops_per_token(spec, spec.moe_shared_expert_intermediate_size)
+        mlp += 2.0 * h if spec.moe_shared_expert_gate else 0.0
+    return attention + mlp
 
 
 def layer_gemms(spec: ModelSpec) -> list[tuple[str, int, int, int]]:
@@ -170,6 +315,7 @@ def layer_gemms(spec: ModelSpec) -> list[tuple[str, int, int, int]]:
     h, f = spec.hidden_size, spec.ffn_hidden_size
     heads, groups, d = spec.num_attention_heads, spec.num_query_groups, spec.kv_channels
     fc1_rows = 2 * f if spec.swiglu else f
+    dense_only(spec, "the per-layer GEMMs")
     return [("linear_qkv", (heads + 2 * groups) * d, h, 1), ("linear_proj", h, heads * d, 2),
             ("linear_fc1", fc1_rows, h, 1), ("linear_fc2", h, f, 2)]
 
@@ -180,10 +326,12 @@ def attention_flops_per_square_token(spec: ModelSpec, *, causal: bool = False) -
     return (2.0 if causal else 4.0) * spec.num_attention_heads * spec.kv_channels
 
 
-def layer_forward_flops(spec: ModelSpec, *, tokens: float, sum_sq: float, causal: bool = False) -> float:
+def layer_forward_flops(spec: ModelSpec, *, tokens: float, sum_sq: float, causal: bool = False,
+                        moe: bool = False) -> float:
     """Forward FLOPs of one layer for a microbatch of ``tokens`` tokens whose documents' squared lengths sum to
-    ``sum_sq`` (each document attends to itself; a plain microbatch of b sequences of s: ``b s`` and ``b s^2``)."""
-    return (tokens * layer_matmul_flops_per_token(spec)
+    ``sum_sq`` (each document attends to itself; a plain microbatch of b sequences of s: ``b s`` and ``b s^2``);
+    ``moe``: an MoE layer (its active experts)."""
+    return (tokens * layer_matmul_flops_per_token(spec, moe=moe)
             + sum_sq * attention_flops_per_square_token(spec, causal=causal))
 
 
@@ -196,7 +344,8 @@ def training_flops_per_token(spec: ModelSpec, *, seq_length: float, causal: bool
     """Forward + backward FLOPs per token of the whole model on sequences of ``seq_length`` tokens (3 x the
     forward; the embedding lookup counts nothing). ``causal=True`` is the convention of MFU figures (the model's
     necessary work: half the attention square)."""
-    forward = spec.num_layers * layer_forward_flops(spec, tokens=1.0, sum_sq=seq_length, causal=causal)
+    forward = sum(layer_forward_flops(spec, tokens=1.0, sum_sq=seq_length, causal=causal, moe=moe)
+                  for moe in spec.moe_layers)
     return 3.0 * (forward + output_flops_per_token(spec))
 
 

@@ -53,6 +53,24 @@ class ModelSpec:
     over an original context of 8,192 tokens)."""
     rope_scaling_factor: float = 8.0
     """``--rope-scaling-factor``."""
+    num_experts: int | None = None
+    """``--num-experts``: experts of each MoE layer's MLP (None: a dense model)."""
+    moe_router_topk: int = 2
+    """``--moe-router-topk``: experts each token is routed to."""
+    moe_ffn_hidden_size: int | None = None
+    """``--moe-ffn-hidden-size``: each expert's MLP width; defaults to ffn_hidden_size, as in Megatron-LM."""
+    moe_layer_freq: int | tuple[int, ...] = 1
+    """``--moe-layer-freq``: every N-th layer is an MoE layer (layer i when ``i % N == 0``), or a pattern of 1s (MoE)
+    and 0s (dense), one per layer."""
+    moe_shared_expert_intermediate_size: int | None = None
+    """``--moe-shared-expert-intermediate-size``: the shared experts' MLP width, all of them together (None: none)."""
+    moe_shared_expert_gate: bool = False
+    """``--moe-shared-expert-gate``: a sigmoid gate ``(1, h)`` on the shared experts' output (Qwen2-MoE)."""
+    moe_router_enable_expert_bias: bool = False
+    """``--moe-router-enable-expert-bias``: the router's per-expert bias buffer (aux-loss-free balancing)."""
+    moe_grouped_gemm: bool = False
+    """``--moe-grouped-gemm``: one weight per expert set instead of one per expert. Storage only: both are the same
+    global expert tensors (the inventory's keys and shapes do not change)."""
 
     def __post_init__(self) -> None:
         if self.ffn_hidden_size is None:
@@ -81,9 +99,50 @@ class ModelSpec:
             raise ValueError(f"model: num_attention_heads must divide hidden_size, got hidden_size="
                              f"{self.hidden_size}, num_attention_heads={self.num_attention_heads}; choose a head "
                              "count that divides the hidden size")
+        self._check_moe()
         if self.seq_length > self.max_position_embeddings:
             raise ValueError(f"model: seq_length ({self.seq_length}) exceeds max_position_embeddings "
                              f"({self.max_position_embeddings}); raise --max-position-embeddings")
+
+    def _check_moe(self) -> None:
+        if self.num_experts is None:
+            return
+        if self.moe_ffn_hidden_size is None:
+            object.__setattr__(self, "moe_ffn_hidden_size", self.ffn_hidden_size)
+        for name in ("num_experts", "moe_router_topk", "moe_ffn_hidden_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"model: {name} must be a positive integer, got {value!r}; "
+                                 f"set --{name.replace('_', '-')} to a value >= 1")
+        if self.moe_router_topk > self.num_experts:
+            raise ValueError(f"model: moe_router_topk ({self.moe_router_topk}) exceeds num_experts "
+                             f"({self.num_experts}); route each token to at most --num-experts experts")
+        if self.moe_shared_expert_intermediate_size is not None and self.add_bias_linear:
+            raise ValueError("model: shared experts (--moe-shared-expert-intermediate-size) have no biases in "
+                             "Megatron-core; add --disable-bias-linear")
+        freq = self.moe_layer_freq
+        if isinstance(freq, list):
+            object.__setattr__(self, "moe_layer_freq", freq := tuple(freq))
+        if isinstance(freq, tuple):
+            if len(freq) != self.num_layers or set(freq) - {0, 1}:
+                raise ValueError(f"model: moe_layer_freq {list(freq)} must hold one 0 (dense) or 1 (MoE) per layer "
+                                 f"({self.num_layers}); give --moe-layer-freq as a pattern of {self.num_layers}")
+        elif not isinstance(freq, int) or isinstance(freq, bool) or freq < 1:
+            raise ValueError(f"model: moe_layer_freq must be a positive integer or a 0/1 pattern, got {freq!r}")
+
+    @property
+    def moe_layers(self) -> tuple[bool, ...]:
+        """Per layer (global number), whether it is an MoE layer (Megatron-core's ``moe_layer_freq`` rule)."""
+        if self.num_experts is None:
+            return (False,) * self.num_layers
+        freq = self.moe_layer_freq
+        if isinstance(freq, tuple):
+            return tuple(bool(x) for x in freq)
+        return tuple(i % freq == 0 for i in range(self.num_layers))
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts is not None
 
     make_vocab_size_divisible_by: int = 128
     """Pad the vocabulary to a multiple of this (Megatron-LM's flag of the same name)."""
