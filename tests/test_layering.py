@@ -34,14 +34,16 @@ HOST_IMPORTERS: dict[str, tuple[str, ...]] = {
     "diffusers": ("diffusion",),
     "transformers": ("diffusion", "megatron"),
     "peft": (),
-    "transformer_engine": (),
+    "transformer_engine": ("megatron",),
     "apex": (),
 }
 """Host framework -> the top-level packages of hetu_ext whose files may import it (docs/architecture.md, "Host
 frameworks"). Megatron-core beyond its adapter: the loop (train/: its LR scheduler, layer classes, RNG tracker),
 LoRA (lora/: adapters on its parallel linear layers), DeepSpeed's path (deepspeed/: the Megatron-core model it
 trains, the layer spec that names ZeRO files' parameters), Megatron-LM's loop (megatron_lm/) and the layer timer
-(cli/calibrate.py). peft is never imported: the PEFT export writes its files (lora/peft.py)."""
+(cli/calibrate.py). Transformer Engine: megatron/layer_spec.py tries its import before building Megatron-core's TE
+spec (--transformer-impl transformer_engine). peft is never imported: the PEFT export writes its files
+(lora/peft.py)."""
 RULES = {
     "model": HOSTS + ("torch", "hetu_ext.plan", "hetu_ext.data", "hetu_ext.megatron", "hetu_ext.deepspeed",
                       "hetu_ext.runtime", "hetu_ext.checkpoint", "hetu_ext.diffusion", "hetu_ext.lora"),

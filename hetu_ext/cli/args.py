@@ -268,7 +268,7 @@ def _validate_optimizer(args: argparse.Namespace) -> None:
 
 
 def _validate_model(args: argparse.Namespace) -> None:
-    """Rotary positions, query groups and recomputation."""
+    """Rotary positions, query groups, recomputation, the layer spec and the loss chunk."""
     if args.position_embedding_type != "rope" and (args.rotary_base != 10000 or args.rotary_percent != 1.0
                                                    or args.use_rope_scaling):
         raise ValueError(f"--rotary-base {args.rotary_base} / --rotary-percent {args.rotary_percent} / "
@@ -291,6 +291,13 @@ def _validate_model(args: argparse.Namespace) -> None:
     if args.recompute_modules and args.recompute_granularity != "selective":
         raise ValueError("--recompute-modules names what selective recomputation recomputes; add "
                          "--recompute-granularity selective or drop it")
+    if args.hetu_loss_chunk_tokens < 0:
+        raise ValueError(f"--hetu-loss-chunk-tokens must be >= 0 (0: the whole microbatch), got "
+                         f"{args.hetu_loss_chunk_tokens}")
+    from hetu_ext.megatron.layer_spec import check_transformer_impl
+
+    # --transformer-impl transformer_engine where Transformer Engine cannot run: one line, before any rank
+    check_transformer_impl(args.transformer_impl, args.hetu_attention, lora=args.hetu_lora_tenants is not None)
 
 
 def _validate_data_source(args: argparse.Namespace) -> None:

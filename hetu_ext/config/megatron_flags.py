@@ -5,7 +5,7 @@ of three kinds for hetu_ext's trainer (``launch/pretrain_gpt.py`` and the hand-o
 
 * ``implemented``: the trainer computes what Megatron-LM computes. Most are settings of :mod:`.schema` (the
   trainer's parser takes them); the few listed in :data:`MEGATRON_FLAGS` as implemented but absent from the schema
-  select exactly what the trainer always does (``--transformer-impl local``, ``--calculate-per-token-loss``) and
+  select exactly what the trainer always does (``--calculate-per-token-loss``, ``--use-mcore-models``) and
   are taken silently;
 * ``accepted``: the flag only picks a kernel, a fusion, a profiler or a memory/performance knob; the numbers do not
   depend on it. It is taken off the command line and ONE notice on rank 0 lists each such flag and what runs
@@ -52,10 +52,6 @@ _MOE = "MoE is not built in hetu_ext's trainer (dense GPT models only); train Mo
 
 MEGATRON_FLAGS: dict[str, FlagRule] = {
     # --- the trainer does this always (taken silently)
-    "--transformer-impl": FlagRule(
-        "implemented", "Megatron-core's local layer spec (torch modules)", values=("local",),
-        otherwise=("accepted", "Megatron-core's local layer spec (torch modules): same layers, no Transformer "
-                               "Engine kernels")),
     "--calculate-per-token-loss": FlagRule("implemented", "always on: the loss is a sum over tokens normalised "
                                                           "once by the global batch's token count"),
     "--no-gradient-accumulation-fusion": FlagRule("implemented", "always off (no fused wgrad accumulation kernel)"),

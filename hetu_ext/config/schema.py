@@ -89,6 +89,15 @@ class ModelConfig:
                                   "megatron (the local spec's DotProductAttention)")
     compile: bool = setting(False, flag="--hetu-compile",
                             help="torch.compile each transformer layer (fuses norms, SwiGLU, RoPE); CUDA only")
+    transformer_impl: str = setting("local", choices=("local", "transformer_engine"),
+                                    help="the layer spec: local (Megatron-core's torch modules) or transformer_engine "
+                                         "(Megatron-core's Transformer Engine spec: fused norm+GEMM, fused "
+                                         "attention; needs transformer_engine and a CUDA device)")
+    loss_chunk_tokens: int = setting(0, flag="--hetu-loss-chunk-tokens",
+                                     help="compute the output layer and cross entropy over chunks of this many "
+                                          "tokens (per rank's sequence slice), each recomputed in backward, so the "
+                                          "[tokens, vocab / TP] fp32 logits are never held whole; 0: whole "
+                                          "microbatch (Megatron's)")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -44,6 +44,13 @@ class TrainingNumerics:
     compile_layers: bool = False
     """``--hetu-compile``: ``torch.compile`` each transformer layer (norms, SwiGLU, RoPE and the residuals fused by
     inductor); on CUDA only (:func:`compile_layers`)."""
+    transformer_impl: str = "local"
+    """``--transformer-impl``: Megatron-core's local layer spec or its Transformer Engine spec
+    (:mod:`hetu_ext.megatron.layer_spec`)."""
+    loss_chunk_tokens: int = 0
+    """``--hetu-loss-chunk-tokens``: the output layer and cross entropy over chunks of this many tokens of the
+    rank's sequence, each recomputed in backward (:mod:`hetu_ext.megatron.chunked_loss`); 0: the whole
+    microbatch at once (Megatron's)."""
     grad_reduce_in_fp32: bool = True
     """Megatron-LM's default under ``--bf16``: DDP's gradient buffers (accumulation and data-parallel reduction)
     in fp32; ``--grad-reduce-in-bf16`` sets it False (buffers in the bf16 parameters' dtype). Under ``--fp16``
@@ -62,7 +69,8 @@ class TrainingNumerics:
                    recompute_granularity=model.recompute_granularity, recompute_method=model.recompute_method,
                    recompute_num_layers=model.recompute_num_layers,
                    recompute_modules=tuple(model.recompute_modules) if model.recompute_modules else None,
-                   attention=model.attention, compile_layers=model.compile)
+                   attention=model.attention, compile_layers=model.compile,
+                   transformer_impl=model.transformer_impl, loss_chunk_tokens=model.loss_chunk_tokens)
 
     def __post_init__(self) -> None:
         assert not (self.bf16 and self.fp16), "--bf16 and --fp16 are exclusive (TrainingConfig checks it)"
@@ -105,7 +113,7 @@ def transformer_config(spec: ModelSpec, numerics: TrainingNumerics, *, tp: int, 
         # the fused vocab-parallel cross entropy takes its TP group from pg_collection (the unfused one reads
         # parallel_state's); "native" is its pure-torch implementation, which runs on CPU too
         cross_entropy_loss_fusion=True, cross_entropy_fusion_impl="native",
-        variable_seq_lengths=numerics.variable_seq_lengths,
+        variable_seq_lengths=numerics.variable_seq_lengths, transformer_impl=numerics.transformer_impl,
         recompute_granularity=numerics.recompute_granularity, recompute_method=numerics.recompute_method,
         recompute_num_layers=numerics.recompute_num_layers,
         **({"recompute_modules": list(numerics.recompute_modules)} if numerics.recompute_modules else {}),
@@ -116,6 +124,8 @@ def transformer_config(spec: ModelSpec, numerics: TrainingNumerics, *, tp: int, 
     # hetu_ext's own choices travel with the config to build_gpt_stage (callers pass the config, not numerics)
     config.hetu_attention = numerics.attention
     config.hetu_compile = numerics.compile_layers
+    config.hetu_loss_chunk_tokens = numerics.loss_chunk_tokens
+    config.hetu_transformer_impl = numerics.transformer_impl  # Megatron's own field defaults to transformer_engine
     return config
 
 
@@ -127,27 +137,33 @@ def build_gpt_stage(spec: ModelSpec, config, *, pre_process: bool, post_process:
     transforms the transformer-layer spec before the model is built (Megatron's ModuleSpec seam), then
     ``converter.convert(model, layer_offset=...)`` adjusts the built model (``layer_offset``: the global number of
     its first layer)."""
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from .chunked_loss import gpt_model_class
+    from .layer_spec import choose_layer_spec, layer_spec_of, mark_te_norms
 
-    from .attention import core_attention
-
-    layer_spec = get_gpt_layer_local_spec(normalization=spec.normalization, qk_layernorm=spec.qk_layernorm)
-    # the core attention (--hetu-attention: SDPA by default; both take THD packs): Megatron's ModuleSpec seam
-    layer_spec.submodules.self_attention.submodules.core_attention = core_attention(
-        getattr(config, "hetu_attention", "sdpa"))
+    # --transformer-impl and --hetu-attention (layer_spec.py: what each hetu_ext mechanism does under each spec)
+    choice = choose_layer_spec(getattr(config, "hetu_transformer_impl", "local"),
+                               getattr(config, "hetu_attention", "sdpa"), sequence_parallel=config.sequence_parallel,
+                               zero_centered_gamma=config.layernorm_zero_centered_gamma, lora=converter is not None)
+    layer_spec = layer_spec_of(choice, qk_layernorm=spec.qk_layernorm, normalization=spec.normalization)
     if converter is not None:
         layer_spec = converter.layer_spec(layer_spec)
-    if config.sequence_parallel or config.layernorm_zero_centered_gamma:
+    if choice.local_norms:
         layer_spec = _local_norm_block(layer_spec, config)
     kwargs = {} if pg_collection is None else {"pg_collection": pg_collection}
-    model = GPTModel(
+    # --hetu-loss-chunk-tokens: GPTModel whose loss runs over token chunks (chunked_loss.py)
+    loss_chunk_tokens = getattr(config, "hetu_loss_chunk_tokens", 0)
+    model = gpt_model_class(loss_chunk_tokens)(
         config=config, transformer_layer_spec=layer_spec, vocab_size=spec.padded_vocab_size,
         max_sequence_length=spec.max_position_embeddings, pre_process=pre_process, post_process=post_process,
         share_embeddings_and_output_weights=not spec.untie_embeddings_and_output_weights,
         position_embedding_type=spec.position_embedding_type, rotary_percent=spec.rotary_percent,
         rotary_base=spec.rotary_base, rope_scaling=spec.rope_scaling,
         rope_scaling_factor=spec.rope_scaling_factor, **kwargs)
+    if loss_chunk_tokens:
+        model.loss_chunk_tokens = loss_chunk_tokens
+    if choice.mark_te_norms:
+        mark_te_norms(model, sequence_parallel=config.sequence_parallel,
+                      zero_centered_gamma=config.layernorm_zero_centered_gamma)
     if converter is not None:
         converter.convert(model, layer_offset=layer_offset)
     if getattr(config, "hetu_compile", False):

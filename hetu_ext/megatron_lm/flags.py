@@ -26,9 +26,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hetu_ext.config import SECTIONS, FlagParser
+from hetu_ext.config.megatron_flags import flag_value
 from hetu_ext.config.parse import add_section_flags
 
-from .rehearsal import cpu_rewrite
+from .moe import ckpt_problem as moe_ckpt_problem
+from .rehearsal import cpu_rewrite, handoff_rewrite
 
 PROG = "hetu_ext.megatron_lm"
 HETU_PREFIX = "--hetu-"
@@ -50,7 +52,6 @@ MOE_FLAGS = ("--num-experts", "--moe-layer-freq", "--expert-model-parallel-size"
 """Megatron-LM's MoE flags (named in the refusal of a hand-off, whose trainer builds dense GPT models only)."""
 
 HETU_CKPT_UNCOVERED = {
-    **{f: "MoE experts" for f in MOE_FLAGS},
     "--multi-latent-attention": "multi-latent attention's projections",
     "--mtp-num-layers": "multi-token prediction layers",
     "--heterogeneous-layers-config-path": "heterogeneous layer blocks",
@@ -64,7 +65,8 @@ HETU_CKPT_UNCOVERED = {
 """Model options whose state the hetu format has no rule for (refused before launch with --hetu-ckpt-format hetu).
 Covered, and tested with real saves (tests/test_megatron_lm_llama.py): --swiglu, --quick-geglu, --normalization
 RMSNorm, --group-query-attention, --qk-layernorm, --untie-embeddings-and-output-weights, --disable-bias-linear,
---add-qkv-bias, --position-embedding-type rope."""
+--add-qkv-bias, --position-embedding-type rope; MoE: the flags of :data:`.moe.CKPT_RULES`
+(tests/test_megatron_lm_moe.py), any other MoE flag is refused."""
 
 
 @dataclass
@@ -212,6 +214,11 @@ def parse_invocation(argv: list[str]) -> Invocation:
             raise ValueError(f"{moe[0]} (MoE) cannot go with {why}: hetu_ext's trainer, which runs plans "
                              "Megatron-LM's grid cannot hold, builds dense GPT models only; drop "
                              f"{why} to train MoE on Megatron-LM's grid")
+        if flag_value(megatron_argv, "--transformer-impl") not in (None, "local") and \
+                rehearse_on_cpu(ns.hetu_cpu_patches):  # the recipe's TE spec rehearsed on the local one
+            rewrite = handoff_rewrite(megatron_argv)
+            inv.cpu, inv.megatron_argv = True, rewrite.argv
+            inv.notes.append(rewrite.notice())
         return inv
     inv.cpu = rehearse_on_cpu(ns.hetu_cpu_patches)
     if inv.cpu:
@@ -281,14 +288,22 @@ def _check_native(inv: Invocation) -> None:
             raise ValueError(f"--hetu-ckpt-format hetu has no rule for {HETU_CKPT_UNCOVERED[uncovered[0]]} "
                              f"({uncovered[0]}); use Megatron-LM's own checkpoints (--hetu-ckpt-format auto) or drop "
                              f"{uncovered[0]}")
+        problem = moe_ckpt_problem(m.present, cpu=inv.cpu)
+        if problem:
+            raise ValueError(problem)
         kept = [f for f in ("--no-load-optim", "--no-load-rng", "--finetune") if f in m.present]
-        if kept:
+        if kept and _holds_hetu_checkpoint(m.load):  # a recipe's first run (--load is its empty --save) loads none
             raise ValueError(f"{kept[0]} with --hetu-ckpt-format hetu: a hetu --load resumes the saved run (optimizer "
                              "state resharded, RNG states under the saving grid); drop "
                              f"{kept[0]}, or load Megatron-LM's own checkpoints with --hetu-ckpt-format auto")
         # Megatron-LM's recipes give --save DIR --load DIR: the first run finds no DIR yet and starts from scratch
         if m.load is not None and not Path(m.load).is_dir() and m.load != m.save:
             raise ValueError(f"--load {m.load}: no such directory; give the --save directory of an earlier run")
+
+
+def _holds_hetu_checkpoint(directory: str | None) -> bool:
+    """Whether ``--load`` names a directory with a hetu checkpoint in it (its iter_*/manifest.json)."""
+    return directory is not None and Path(directory).is_dir() and any(Path(directory).glob("iter_*/manifest.json"))
 
 
 def _check_packing(inv: Invocation) -> None:

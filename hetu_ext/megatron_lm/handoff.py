@@ -15,6 +15,8 @@ is, checked here before any process group:
 
 from __future__ import annotations
 
+import os
+
 from hetu_ext.config import build_parser, report_error
 from hetu_ext.config.megatron_flags import take_megatron_flags
 
@@ -46,6 +48,9 @@ def run_handoff(inv: Invocation) -> int:
     except ValueError as exc:
         report_error(PROG, str(exc))
         return 2
+    if int(os.environ.get("RANK", "0")) == 0:
+        for note in inv.notes:  # the CPU rehearsal's --transformer-impl local
+            print(f"{PROG}: {note}", flush=True)
     from hetu_ext.cli.train import main as hetu_main
 
     return hetu_main(argv)

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 from hetu_ext.config.megatron_flags import flag_value
 
+from .moe import CPU_DROPPED as MOE_CPU_DROPPED
+
 CPU_SWITCHES: dict[str, str] = {
     "--transformer-impl": "local",
     "--no-gradient-accumulation-fusion": "",
@@ -50,6 +52,7 @@ CPU_DROPPED: dict[str, tuple[int, str]] = {
     "--profile-step-end": (1, "no CUDA profiler on CPU"),
     "--profile-ranks": (-1, "no CUDA profiler on CPU"),
     "--tp-comm-overlap": (0, "TP communication overlap is Transformer Engine's (userbuffers)"),
+    **MOE_CPU_DROPPED,
 }
 """Flag -> (values it takes: 0 a switch, 1 one, -1 until the next flag; what runs instead)."""
 
@@ -121,3 +124,22 @@ def cpu_rewrite(argv: list[str], *, uses_pytorch_profiler: bool | None = None) -
         out += [flag, want] if want else [flag]
         added.append(f"{flag} {want}".strip())
     return Rewrite(argv=out, added=added, dropped=dropped)
+
+
+def handoff_rewrite(argv: list[str]) -> Rewrite:
+    """The CPU rewrite of a command line handed to hetu_ext's trainer (``--hetu-plan``, ...): only
+    ``--transformer-impl transformer_engine`` becomes ``local``, as in :func:`cpu_rewrite` (the trainer refuses
+    Transformer Engine where it cannot run; the other CUDA-only flags it takes itself, in its one notice)."""
+    given = flag_value(argv, "--transformer-impl")
+    if given in (None, "local"):
+        return Rewrite(argv=list(argv), added=[], dropped=[])
+    out, i = [], 0
+    while i < len(argv):
+        flag, eq, _ = argv[i].partition("=")
+        if flag == "--transformer-impl":
+            out += ["--transformer-impl", "local"]
+            i += 1 if eq else 2
+            continue
+        out.append(argv[i])
+        i += 1
+    return Rewrite(argv=out, added=[], dropped=[(f"--transformer-impl {given}", "--transformer-impl local (CPU)")])
