@@ -283,3 +283,95 @@ def test_flash_attention_keeps_no_scores_in_the_predicted_memory():
     assert per_token > 0
     in_flight = 2  # 1F1B: the first of 2 stages holds 2 microbatches (the largest stage)
     assert plain.memory_bytes - flash.memory_bytes == pytest.approx(4096 * per_token * 4 * in_flight, rel=1e-9)
+
+
+LLAMA3_TABLE = ROOT / "benchmarks" / "published" / "llama3_2024.csv"
+
+
+def test_llama3_table_4_within_15_percent_with_narayanans_parameter_set():
+    """Issue 48, acceptance 2: the three Llama 3 405B rows (Dubey et al. 2024, Table 4: H100, TP 8 x PP 16, 126
+    layers with the first and last stage one layer short, CP 16 at 131K) predicted within 15% by the same
+    constants and device curves that keep Narayanan's Table 1 within 15% (the test above: nothing per row). The
+    published figures are model FLOPs (TFLOP/s = MFU x 989), so the row's tflops_count is ``model``: counted with
+    Megatron's whole square instead, the 131K row comes out ~47% high, which this test would catch."""
+    from hetu_ext.plan.cost.predict import counted_tflops, row_count
+
+    h100 = load_device("h100-sxm")
+    rows = cli.read_table(LLAMA3_TABLE)
+    assert len(rows) == 3
+    for i, row in enumerate(rows, start=2):
+        spec, par, device, published = cli.row_run(row, f"line {i}")
+        assert (device, par.tp, par.pp, spec.num_layers) == ("h100-sxm", 8, 16, 126)
+        assert sm.stage_layers(spec, par) == [7] + [8] * 14 + [7]
+        assert par.gpus in (8192, 16384) and par.global_batch_size * spec.seq_length == 2**24  # 16M tokens
+        r = sm.predict(spec, par, h100)
+        assert abs(counted_tflops(r, h100, row_count(row, "")) / published - 1) <= 0.15, (i, published)
+        if par.cp > 1:
+            assert r.parts["cp_comm"] > 0 and abs(r.tflops_per_gpu / published - 1) > 0.3
+
+
+def test_uneven_first_and_last_stages_follow_megatrons_rules():
+    """--decoder-first/last-pipeline-num-layers: 126 layers over PP 16 (refused as uneven without them) split
+    7, 8 x 14, 7; the even split given explicitly predicts exactly the plain run; a split the middle stages cannot
+    share evenly (or more layers than the model has) is one line naming both flags' values."""
+    spec = ModelSpec(num_layers=126, hidden_size=1024, num_attention_heads=16, seq_length=1024, vocab_size=32000)
+    base = dict(tp=1, pp=16, dp=1, micro_batch_size=1, global_batch_size=32)
+    with pytest.raises(ValueError, match="--num-layers 126 must be divisible.*--decoder-first-pipeline-num-layers"):
+        sm.check(spec, sm.Parallel(**base))
+    uneven = sm.Parallel(**base, first_stage_layers=7, last_stage_layers=7)
+    assert sm.stage_layers(spec, uneven) == [7] + [8] * 14 + [7]
+    assert sm.stage_layers(spec, sm.Parallel(**base, first_stage_layers=6)) == [6] + [8] * 15
+    for first, last in ((8, None), (7, 9), (120, 7), (None, 0)):
+        with pytest.raises(ValueError, match="first|last"):
+            sm.check(spec, sm.Parallel(**base, first_stage_layers=first, last_stage_layers=last))
+    even = ModelSpec(**{**spec.__dict__, "num_layers": 128})
+    plain = sm.predict(even, sm.Parallel(**base), A100)
+    assert sm.predict(even, sm.Parallel(**base, first_stage_layers=8, last_stage_layers=8), A100) == plain
+    lighter = sm.predict(spec, uneven, A100)  # the output layer no longer sits on a full stage: the slowest is lighter
+    assert lighter.parts["compute"] < plain.parts["compute"] and lighter.step_s < plain.step_s
+
+
+def test_tp_comm_overlap_hides_collectives_behind_gemms_and_needs_sp():
+    """--tp-comm-overlap: each SP all-gather / reduce-scatter hides behind the GEMM beside it, so the exposed TP
+    time falls (to zero where every GEMM is longer), never below zero, and the compute is unchanged; Megatron-LM
+    refuses it without --sequence-parallel, and so does the model."""
+    spec = ModelSpec(num_layers=8, hidden_size=4096, num_attention_heads=32, seq_length=4096, vocab_size=32000)
+    base = dict(tp=8, pp=1, dp=1, micro_batch_size=1, global_batch_size=8, sequence_parallel=True)
+    plain = sm.predict(spec, sm.Parallel(**base), A100)
+    hidden = sm.predict(spec, sm.Parallel(**base, tp_comm_overlap=True), A100)
+    assert 0 <= hidden.parts["tp_comm"] < plain.parts["tp_comm"]
+    assert hidden.parts["compute"] == pytest.approx(plain.parts["compute"])
+    slow_link = sm.predict(spec, sm.Parallel(**base, tp_comm_overlap=True), load_device("h100-sxm"))
+    assert slow_link.step_s > 0
+    with pytest.raises(ValueError, match="--tp-comm-overlap needs --sequence-parallel"):
+        sm.check(spec, sm.Parallel(**{**base, "sequence_parallel": False}, tp_comm_overlap=True))
+
+
+def test_context_parallelism_splits_work_and_memory_and_prices_the_kv_exchange():
+    """CP c: each rank computes 1/c of the layer's FLOPs (attention balanced over two chunks per rank), keeps 1/c
+    of the activations, and pays the K/V exchange: exposed all-gathers >= a ring overlapped with attention, and
+    dearer across nodes (TP 8 x CP 2 leaves the node). The step's FLOPs do not depend on CP; a sequence that does
+    not split into 2 c chunks is refused."""
+    spec = ModelSpec(num_layers=8, hidden_size=4096, num_attention_heads=32, num_query_groups=8, ffn_hidden_size=14336,
+                     swiglu=True, seq_length=32768, vocab_size=32000)
+    base = dict(tp=4, pp=1, micro_batch_size=1, global_batch_size=8, sequence_parallel=True, flash_attention=True)
+    one, two = sm.Parallel(**base, dp=2), sm.Parallel(**base, dp=1, cp=2, cp_comm_type="all_gather")
+    assert sm.step_flops(spec, one) == sm.step_flops(spec, two)
+    l1, l2 = sm.layer_pass(spec, A100, one), sm.layer_pass(spec, A100, two)
+    assert 0.45 < l2.compute_f / l1.compute_f < 0.6  # half the work, at a slightly lower GEMM efficiency
+    assert l1.cp_f == 0 < l2.cp_f
+    ring = sm.layer_pass(spec, A100, sm.Parallel(**base, dp=1, cp=2, cp_comm_type="p2p"))
+    gather = sm.layer_pass(spec, A100, sm.Parallel(**base, dp=1, cp=2, cp_comm_type="all_gather"))
+    assert ring.cp_f <= gather.cp_f and ring.cp_b <= gather.cp_b  # here the ring hides behind the attention
+    short = ModelSpec(**{**spec.__dict__, "seq_length": 4096})  # little attention to hide the ring behind
+    assert sm.layer_pass(short, A100, sm.Parallel(**{**base, "tp": 8}, dp=1, cp=4)).cp_f > 0
+    across = sm.layer_pass(spec, A100, sm.Parallel(**{**base, "tp": 8}, dp=1, cp=2, cp_comm_type="all_gather"))
+    assert across.cp_f > gather.cp_f
+    p1, p2 = sm.predict(spec, one, A100), sm.predict(spec, two, A100)
+    assert p2.memory_bytes < p1.memory_bytes and p2.parts["cp_comm"] > 0 == p1.parts["cp_comm"]
+    cost = CostModel()
+    st1 = stage_cost(spec, cost, tp=4, **{**STAGE, "micro_batch": 1})
+    st2 = stage_cost(spec, cost, tp=4, cp=2, **{**STAGE, "micro_batch": 1})
+    assert st2.forward_s < st1.forward_s and st2.memory_bytes < st1.memory_bytes
+    with pytest.raises(ValueError, match="divisible by 2 x --context-parallel-size"):
+        sm.check(ModelSpec(**{**spec.__dict__, "seq_length": 32766}), two)

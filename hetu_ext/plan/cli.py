@@ -180,7 +180,16 @@ def predict_arguments(parser: argparse.ArgumentParser) -> None:
     r = parser.add_argument_group("layout and training")
     schema_flags(r, "tensor_model_parallel_size", "pipeline_model_parallel_size")
     r.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
-    r.add_argument("--gpus", type=int, default=None, help="GPUs in all (default: TP x PP, one replica)")
+    r.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
+                   help="layers of the first stage (default: the even split)")
+    r.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
+                   help="layers of the last stage (default: the even split)")
+    r.add_argument("--context-parallel-size", type=int, default=1, help="ranks that split each sequence")
+    r.add_argument("--cp-comm-type", default="p2p", choices=("p2p", "all_gather"),
+                   help="K/V exchange of context parallelism: ring (p2p) or all-gather")
+    r.add_argument("--tp-comm-overlap", action="store_true",
+                   help="overlap the TP collectives with GEMMs (needs --sequence-parallel)")
+    r.add_argument("--gpus", type=int, default=None, help="GPUs in all (default: TP x CP x PP, one replica)")
     schema_flags(r, "micro_batch_size", "global_batch_size", "recompute_granularity", "recompute_method",
                  "sequence_parallel", "use_distributed_optimizer",
                  micro_batch_size={"default": 1},

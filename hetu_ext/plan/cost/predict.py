@@ -6,7 +6,14 @@ Model and layout flags carry Megatron-LM's names. The table's columns (one run p
     source, model, num_layers, hidden_size, num_attention_heads, num_query_groups, ffn_hidden_size, swiglu,
     vocab_size, seq_length, tp, pp, dp, micro_batch_size, global_batch_size, recompute (none|selective|full),
     sequence_parallel, distributed_optimizer, device, tflops_per_gpu
-    [, num_layers_per_virtual_pipeline_stage, overlap_grad_reduce, use_flash_attn]   (optional; empty = off)
+    [, num_layers_per_virtual_pipeline_stage, overlap_grad_reduce, use_flash_attn, cp, cp_comm_type,
+       first_stage_layers, last_stage_layers, tp_comm_overlap, normalization, position_embedding_type,
+       disable_bias_linear, untie_embeddings_and_output_weights, tflops_count]
+                                                                      (optional; empty = off / the default)
+
+``cp`` is the context-parallel size (the GPUs are ``tp cp pp dp``), ``cp_comm_type`` Megatron-LM's
+``--cp-comm-type`` (p2p or all_gather), ``first_stage_layers`` / ``last_stage_layers`` its
+``--decoder-first-pipeline-num-layers`` / ``--decoder-last-pipeline-num-layers``.
 
 The table mode prints each row's error (``predicted / published - 1``) and ends with one JSON line
 ``{"rows": [{"model", "published", "predicted", "error"}]}``. Bad input: one ``error:`` line, exit code 2.
@@ -28,7 +35,13 @@ from hetu_ext.plan.cost.devices import Device, load_device
 COLUMNS = ("source", "model", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
            "ffn_hidden_size", "swiglu", "vocab_size", "seq_length", "tp", "pp", "dp", "micro_batch_size",
            "global_batch_size", "recompute", "sequence_parallel", "distributed_optimizer", "device", "tflops_per_gpu")
-OPTIONAL = ("num_layers_per_virtual_pipeline_stage", "overlap_grad_reduce", "use_flash_attn")
+OPTIONAL = ("num_layers_per_virtual_pipeline_stage", "overlap_grad_reduce", "use_flash_attn", "cp", "cp_comm_type",
+            "first_stage_layers", "last_stage_layers", "tp_comm_overlap", "normalization", "position_embedding_type",
+            "disable_bias_linear", "untie_embeddings_and_output_weights", "tflops_count")
+TFLOPS_COUNTS = ("megatron", "model")
+"""How a table's ``tflops_per_gpu`` counts FLOPs: ``megatron`` (the default; Megatron-LM's papers: recomputation
+counted, the whole attention square) or ``model`` (model FLOPs, the MFU convention: no recomputation, the causal
+half of the square: the published TFLOP/s is MFU x peak)."""
 DEFAULT_DEVICE = "a100-80gb-sxm"
 
 
@@ -70,15 +83,17 @@ def _from_flags(args: argparse.Namespace) -> tuple[ModelSpec, step_model.Paralle
                      untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
                      seq_length=args.seq_length, max_position_embeddings=max(args.seq_length, 1),
                      vocab_size=args.vocab_size, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    for flag, value in (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp)):
+    tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
+    for flag, value in (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp),
+                        ("--context-parallel-size", cp)):
         if value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
-    gpus = args.gpus if args.gpus is not None else tp * pp
-    if tp < 1 or pp < 1 or gpus < 1 or gpus % (tp * pp):
+    gpus = args.gpus if args.gpus is not None else tp * pp * cp
+    if gpus < 1 or gpus % (tp * pp * cp):
         raise ValueError(f"--gpus {gpus} must be a positive multiple of --tensor-model-parallel-size x "
-                         f"--pipeline-model-parallel-size = {tp} x {pp}; change --gpus or the parallel sizes")
-    dp = gpus // (tp * pp)
+                         f"--pipeline-model-parallel-size x --context-parallel-size = {tp} x {pp} x {cp}; change "
+                         "--gpus or the parallel sizes")
+    dp = gpus // (tp * pp * cp)
     if args.recompute_method is not None and args.recompute_granularity != "full":
         raise ValueError(f"--recompute-method {args.recompute_method} applies to --recompute-granularity full "
                          "only (Megatron-LM's rule); add --recompute-granularity full or drop it")
@@ -86,22 +101,32 @@ def _from_flags(args: argparse.Namespace) -> tuple[ModelSpec, step_model.Paralle
         raise ValueError("--recompute-method block (only some layers recomputed) is not modelled; price "
                          "--recompute-method uniform (every layer) instead")
     gbs = args.global_batch_size if args.global_batch_size is not None else args.micro_batch_size * dp
-    virtual = _virtual(spec.num_layers, pp, args.num_layers_per_virtual_pipeline_stage)
-    par = step_model.Parallel(tp=tp, pp=pp, dp=dp, micro_batch_size=args.micro_batch_size, global_batch_size=gbs,
-                              recompute=args.recompute_granularity or "none", sequence_parallel=args.sequence_parallel,
+    first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
+    virtual = _virtual(spec.num_layers, pp, args.num_layers_per_virtual_pipeline_stage, first, last)
+    par = step_model.Parallel(tp=tp, pp=pp, dp=dp, cp=cp, micro_batch_size=args.micro_batch_size,
+                              global_batch_size=gbs, recompute=args.recompute_granularity or "none",
+                              sequence_parallel=args.sequence_parallel,
                               distributed_optimizer=args.use_distributed_optimizer, virtual_stages=virtual,
-                              overlap_grad_reduce=args.overlap_grad_reduce, flash_attention=args.use_flash_attn)
+                              overlap_grad_reduce=args.overlap_grad_reduce, flash_attention=args.use_flash_attn,
+                              cp_comm_type=args.cp_comm_type, first_stage_layers=first, last_stage_layers=last,
+                              tp_comm_overlap=args.tp_comm_overlap)
     return spec, par
 
 
-def _virtual(num_layers: int, pp: int, per_virtual: int | None) -> int:
-    """Model chunks per stage from --num-layers-per-virtual-pipeline-stage (None: 1, no interleaving)."""
+def _virtual(num_layers: int, pp: int, per_virtual: int | None, first: int | None = None,
+             last: int | None = None) -> int:
+    """Model chunks per stage from --num-layers-per-virtual-pipeline-stage (None: 1, no interleaving): the layers
+    of a stage (a middle stage's, when the first or last stage is uneven) over it."""
     if per_virtual is None:
         return 1
-    if per_virtual < 1 or pp < 2 or num_layers % (pp * per_virtual):
-        raise ValueError(f"--num-layers-per-virtual-pipeline-stage {per_virtual} must divide the layers per stage "
-                         f"({num_layers} / {pp}) with --pipeline-model-parallel-size > 1; change it or drop it")
-    return num_layers // (pp * per_virtual)
+    given = [x for x in (first, last) if x is not None]
+    middle = pp - len(given)
+    per_stage = (num_layers - sum(given)) / middle if middle > 0 else 0
+    if per_virtual < 1 or pp < 2 or per_stage != int(per_stage) or int(per_stage) % per_virtual or not per_stage:
+        raise ValueError(f"--num-layers-per-virtual-pipeline-stage {per_virtual} must divide the layers per "
+                         f"{'middle ' if given else ''}stage ({num_layers - sum(given)} / {middle}) with "
+                         "--pipeline-model-parallel-size > 1; change it or drop it")
+    return int(per_stage) // per_virtual
 
 
 def format_prediction(spec: ModelSpec, par: step_model.Parallel, device: Device, r: step_model.Prediction) -> str:
@@ -114,10 +139,12 @@ def format_prediction(spec: ModelSpec, par: step_model.Parallel, device: Device,
         f"model     {spec.num_layers} layers, hidden {spec.hidden_size}, {spec.num_attention_heads} heads "
         f"({spec.num_query_groups} query groups), ffn {spec.ffn_hidden_size}{' swiglu' if spec.swiglu else ''}, "
         f"seq {spec.seq_length}, vocab {spec.padded_vocab_size}: {params:.2f} B parameters",
-        f"layout    TP {par.tp} x PP {par.pp} x DP {par.dp} = {par.gpus} GPUs; {par.microbatches} microbatches of "
+        f"layout    TP {par.tp} x CP {par.cp} x PP {par.pp} x DP {par.dp} = {par.gpus} GPUs (stage layers "
+        f"{_stages_text(step_model.stage_layers(spec, par))}); {par.microbatches} microbatches of "
         f"{par.micro_batch_size} per replica; recompute {par.recompute}; sequence parallel "
-        f"{'on' if par.sequence_parallel else 'off'}; distributed optimizer "
-        f"{'on' if par.distributed_optimizer else 'off'}; virtual stages {par.virtual_stages}",
+        f"{'on' if par.sequence_parallel else 'off'}; TP overlap {'on' if par.tp_comm_overlap else 'off'}; "
+        f"distributed optimizer {'on' if par.distributed_optimizer else 'off'}; virtual stages "
+        f"{par.virtual_stages}",
         f"device    {device.name} (peak {device.peak_flops / 1e12:.0f} TFLOP/s, {device.memory_gib:g} GiB)",
         f"step time          {r.step_s:.4g} s",
         f"TFLOP/s per GPU    {r.tflops_per_gpu:.1f} (recomputation counted, as Megatron-LM's papers count)",
@@ -125,6 +152,14 @@ def format_prediction(spec: ModelSpec, par: step_model.Parallel, device: Device,
         f"memory per GPU     {r.memory_bytes / 2**30:.1f} GiB of {device.memory_gib:g} ({fits})",
         f"time               {parts}",
     ])
+
+
+def _stages_text(layers: list[int]) -> str:
+    """``7, 8 x 14, 7`` for a pipeline's layer counts."""
+    if len(layers) <= 2 or len(set(layers[1:-1])) > 1:
+        return ", ".join(map(str, layers))
+    middle = f"{layers[1]} x {len(layers) - 2}" if len(layers) > 3 else str(layers[1])
+    return f"{layers[0]}, {middle}, {layers[-1]}"
 
 
 def _flag(row: dict, key: str, where: str) -> bool:
@@ -148,20 +183,29 @@ def row_run(row: dict, where: str) -> tuple[ModelSpec, step_model.Parallel, str,
     """A table row as (model, layout, device name, published TFLOP/s per GPU); ValueError naming row and column."""
     try:
         heads = _int(row, "num_attention_heads", where)
+        seq = _int(row, "seq_length", where)
         spec = ModelSpec(num_layers=_int(row, "num_layers", where), hidden_size=_int(row, "hidden_size", where),
                          num_attention_heads=heads, num_query_groups=_int(row, "num_query_groups", where, heads),
                          ffn_hidden_size=_int(row, "ffn_hidden_size", where, 0) or None,
                          swiglu=_flag(row, "swiglu", where), vocab_size=_int(row, "vocab_size", where),
-                         seq_length=_int(row, "seq_length", where))
+                         seq_length=seq, max_position_embeddings=seq,
+                         normalization=(row.get("normalization") or "").strip() or "LayerNorm",
+                         position_embedding_type=(row.get("position_embedding_type") or "").strip()
+                         or "learned_absolute", add_bias_linear=not _flag(row, "disable_bias_linear", where),
+                         untie_embeddings_and_output_weights=_flag(row, "untie_embeddings_and_output_weights", where))
         pp = _int(row, "pp", where)
         per_virtual = _int(row, "num_layers_per_virtual_pipeline_stage", where, 0) or None
+        first = _int(row, "first_stage_layers", where, 0) or None
+        last = _int(row, "last_stage_layers", where, 0) or None
         par = step_model.Parallel(
+            cp=_int(row, "cp", where, 1), cp_comm_type=(row.get("cp_comm_type") or "").strip() or "p2p",
+            first_stage_layers=first, last_stage_layers=last, tp_comm_overlap=_flag(row, "tp_comm_overlap", where),
             tp=_int(row, "tp", where), pp=pp, dp=_int(row, "dp", where),
             micro_batch_size=_int(row, "micro_batch_size", where),
             global_batch_size=_int(row, "global_batch_size", where), recompute=(row.get("recompute") or "").strip(),
             sequence_parallel=_flag(row, "sequence_parallel", where),
             distributed_optimizer=_flag(row, "distributed_optimizer", where),
-            virtual_stages=_virtual(spec.num_layers, pp, per_virtual),
+            virtual_stages=_virtual(spec.num_layers, pp, per_virtual, first, last),
             overlap_grad_reduce=_flag(row, "overlap_grad_reduce", where),
             flash_attention=_flag(row, "use_flash_attn", where))
         step_model.check(spec, par)
@@ -169,6 +213,19 @@ def row_run(row: dict, where: str) -> tuple[ModelSpec, step_model.Parallel, str,
     except ValueError as exc:
         raise ValueError(f"{where}: {exc}" if not str(exc).startswith(where) else str(exc)) from None
     return spec, par, (row.get("device") or DEFAULT_DEVICE).strip(), published
+
+
+def row_count(row: dict, where: str) -> str:
+    """The row's ``tflops_count`` (:data:`TFLOPS_COUNTS`; empty: megatron); ValueError naming row and value."""
+    count = (row.get("tflops_count") or "").strip() or "megatron"
+    if count not in TFLOPS_COUNTS:
+        raise ValueError(f"{where}: tflops_count must be one of {', '.join(TFLOPS_COUNTS)}, got {count!r}")
+    return count
+
+
+def counted_tflops(r: step_model.Prediction, device: Device, count: str) -> float:
+    """The prediction's TFLOP/s per GPU counted as the published figure counts them (:data:`TFLOPS_COUNTS`)."""
+    return r.tflops_per_gpu if count == "megatron" else r.mfu * device.peak_flops / 1e12
 
 
 def read_table(path: str | Path) -> list[dict]:
@@ -200,20 +257,24 @@ def _table(args: argparse.Namespace) -> int:
         spec, par, name, published = row_run(row, where)
         name = args.device or name
         device = devices.setdefault(name, load_device(name))
-        results.append((row.get("model") or f"line {i}", spec, par, device, published,
-                        step_model.predict(spec, par, device)))
-    head = (f"{'model':<12} {'TP':>3} {'PP':>3} {'DP':>4} {'mbs':>4} {'gbs':>5} {'recomp':>7} {'published':>9} "
-            f"{'predicted':>9} {'error':>7} {'memory GiB':>10}")
-    print(f"TFLOP/s per GPU (recomputation counted), predicted by hetu_ext.plan.cost.step_model against {args.table}")
+        r = step_model.predict(spec, par, device)
+        results.append((row.get("model") or f"line {i}", spec, par, device, published, r,
+                        counted_tflops(r, device, row_count(row, where))))
+    w = max(12, *(len(res[0]) for res in results))
+    head = (f"{'model':<{w}} {'TP':>3} {'CP':>3} {'PP':>3} {'DP':>4} {'mbs':>4} {'gbs':>5} {'recomp':>7} "
+            f"{'published':>9} {'predicted':>9} {'error':>7} {'memory GiB':>10}")
+    print(f"TFLOP/s per GPU (counted as each row's source counts them: Megatron-LM's count, or model FLOPs where "
+          f"tflops_count is model), predicted by hetu_ext.plan.cost.step_model against {args.table}")
     print(head)
     out = []
-    for model, spec, par, device, published, r in results:
-        error = r.tflops_per_gpu / published - 1
+    for model, spec, par, device, published, r, predicted in results:
+        error = predicted / published - 1
         fits = "" if r.memory_bytes <= device.memory_bytes else " > device"
-        print(f"{model:<12} {par.tp:>3} {par.pp:>3} {par.dp:>4} {par.micro_batch_size:>4} {par.global_batch_size:>5} "
-              f"{par.recompute:>7} {published:>9.1f} {r.tflops_per_gpu:>9.1f} {error:>+7.1%} "
+        print(f"{model:<{w}} {par.tp:>3} {par.cp:>3} {par.pp:>3} {par.dp:>4} {par.micro_batch_size:>4} "
+              f"{par.global_batch_size:>5} "
+              f"{par.recompute:>7} {published:>9.1f} {predicted:>9.1f} {error:>+7.1%} "
               f"{r.memory_bytes / 2**30:>10.1f}{fits}")
-        out.append({"model": model, "published": published, "predicted": round(r.tflops_per_gpu, 2),
+        out.append({"model": model, "published": published, "predicted": round(predicted, 2),
                     "error": round(error, 4)})
     worst = max(abs(o["error"]) for o in out)
     print(f"rows {len(out)}, largest |error| {worst:.1%}")

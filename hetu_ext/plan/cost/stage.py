@@ -105,7 +105,8 @@ def layer_forward_flops(spec: ModelSpec, micro_batch: int) -> float:
 
 def stage_cost(spec: ModelSpec, cost: CostModel, *, num_layers: int, tp: int, slowdown: float, micro_batch: int,
                first: bool, last: bool, in_flight: int, optimizer_holders: int = 1, recompute: str = "none",
-               sequence_parallel: bool = False, attention_scores: bool = True) -> StageCost:
+               sequence_parallel: bool = False, attention_scores: bool = True, cp: int = 1,
+               cp_spans_nodes: bool = False) -> StageCost:
     """Time and memory of one stage of ``num_layers`` layers at TP ``tp`` whose slowest rank is ``slowdown``.
     ``optimizer_holders``: the ranks holding each of its elements (one per pipeline of a Malleus template), over
     which the optimizer state is divided when ``cost.optimizer_sharded``.
@@ -117,7 +118,12 @@ def stage_cost(spec: ModelSpec, cost: CostModel, *, num_layers: int, tp: int, sl
     ``sequence_parallel`` (``--sequence-parallel``): each all-reduce becomes a reduce-scatter and an all-gather of
     the same total bytes (time unchanged); the activations TP did not split are divided by ``tp``.
     ``attention_scores``: the attention keeps its ``5 a s`` scores for the backward (Megatron's local attention);
-    False for attention that never materialises them (FlashAttention, SDPA: ``--use-flash-attn``)."""
+    False for attention that never materialises them (FlashAttention, SDPA: ``--use-flash-attn``).
+    ``cp`` (``--context-parallel-size``): each rank of the stage's TP x CP ranks holds ``b s / cp`` tokens (two
+    load-balanced chunks per sequence) and does ``1 / cp`` of every FLOP, attention included; each layer gathers
+    the sequence's K/V heads over the CP group in the forward and reduce-scatters their gradients in the
+    backward (``(cp-1)/cp x 2 b s g d / tp`` bf16 values each way, exposed), across nodes when
+    ``cp_spans_nodes``."""
     inventory.check_recompute(recompute)
     h, s, v = spec.hidden_size, spec.seq_length, spec.padded_vocab_size
     layer_flops = num_layers * layer_forward_flops(spec, micro_batch)
@@ -129,22 +135,27 @@ def stage_cost(spec: ModelSpec, cost: CostModel, *, num_layers: int, tp: int, sl
         flops += micro_batch * s * inventory.output_flops_per_token(spec)
         extra_params += v * h if spec.untie_embeddings_and_output_weights or not first else 0
     efficiency = cost.tp_efficiency.get(tp, 0.8)
-    compute = flops / (cost.flops_per_s * tp * efficiency) * slowdown
+    compute = flops / (cost.flops_per_s * tp * efficiency * cp) * slowdown
     comm = 0.0
     if tp > 1 and tp not in cost.tp_measured:
-        comm = num_layers * 2 * micro_batch * s * h * cost.dtype_bytes * 2 * (tp - 1) / tp / cost.intra_node_bytes_per_s
+        comm = num_layers * 2 * micro_batch * s / cp * h * cost.dtype_bytes * 2 * (tp - 1) / tp / \
+            cost.intra_node_bytes_per_s
+    if cp > 1:
+        kv = 2 * micro_batch * s * spec.num_query_groups * spec.kv_channels / tp * cost.dtype_bytes
+        link = cost.inter_node_bytes_per_s if cp_spans_nodes else cost.intra_node_bytes_per_s
+        comm += num_layers * (cp - 1) / cp * kv / link
     redo_flops = num_layers * inventory.layer_recompute_flops(spec, tokens=micro_batch * s,
                                                               sum_sq=micro_batch * s * s, recompute=recompute)
-    redo = redo_flops / (cost.flops_per_s * tp * efficiency) * slowdown
+    redo = redo_flops / (cost.flops_per_s * tp * efficiency * cp) * slowdown
     if recompute == "full":
-        redo += comm  # the recomputed forward's all-reduces
+        redo += comm  # the recomputed forward's all-reduces (and K/V gathers)
     params = num_layers * inventory.layer_params(spec, tp=tp) + extra_params / tp
     shards = optimizer_holders if cost.optimizer_sharded else 1
     static = params * (cost.dtype_bytes + cost.grad_bytes + cost.optimizer_state_bytes / shards)
     per_token = inventory.activation_bytes_per_token(spec, tp=tp, seq_length=s, sequence_parallel=sequence_parallel,
                                                      recompute=recompute, attention_scores=attention_scores)
-    activations = micro_batch * s * per_token * cost.dtype_bytes / 2 * num_layers * in_flight
+    activations = micro_batch * s / cp * per_token * cost.dtype_bytes / 2 * num_layers * in_flight
     if recompute == "full" and num_layers:  # one layer's whole activations while its backward runs
-        activations += micro_batch * s * cost.dtype_bytes / 2 * inventory.activation_bytes_per_token(
+        activations += micro_batch * s / cp * cost.dtype_bytes / 2 * inventory.activation_bytes_per_token(
             spec, tp=tp, seq_length=s, sequence_parallel=sequence_parallel, attention_scores=attention_scores)
     return StageCost(forward_s=compute + comm, backward_s=2 * compute + comm + redo, memory_bytes=static + activations)
