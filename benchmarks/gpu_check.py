@@ -3,7 +3,8 @@ and ``plan predict`` (issue 47). Each subcommand runs in its own process and wri
 
     python -m benchmarks.gpu_check probe --out FILE            SDPA's kernel per case; packed flex at 32K tokens
     python -m benchmarks.gpu_check train --out FILE [--attention sdpa|megatron] [--packed] [--hotspa]
-                                         [--migrate] [--compile] [--recompute selective|full] [--model 1b|tiny]
+                                         [--migrate] [--compile] [--loss-chunk-tokens N]
+                                         [--recompute selective|full] [--model 1b|tiny]
     python -m benchmarks.gpu_check summary DIR                 the table, the acceptance checks, one JSON line
 
 ``train`` runs hetu_ext's trainer in this process (one rank, pretrain_gpt.py's code path: ``build_run`` and
@@ -14,6 +15,10 @@ the device's dense bf16 peak), and ``torch.cuda.max_memory_allocated``. ``--pack
 of one GPU (short documents and long ones), its switches timed in the step records; ``--migrate``: a TP 1 -> 1
 migration to the same one-GPU plan after step 3 (the reshard engine's time). The 1B model is TinyLlama's shape
 (22 layers, hidden 2048, 32 heads in 4 query groups, SwiGLU 5632, vocab 32000: 1.10 B parameters).
+
+``summary`` also settles two defaults that need a GPU (:data:`DECISIONS`): ``--hetu-compile`` (run ``hetu_compile``
+beside ``hetu``: on by default on CUDA only if the compiled step is at least 5% faster) and
+``--hetu-loss-chunk-tokens`` (run ``hetu_loss_chunk`` beside ``hetu``: its peak memory and step time).
 
 ``--model tiny`` and a CPU run everything at toy sizes (tests/test_attention_gpu_check.py), so the script's
 Python is checked without a GPU.
@@ -45,6 +50,9 @@ LLAMA = ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", 
 WARMUP_STEPS = 2
 TARGETS = {"mfu": 0.35, "speedup_over_local": 2.0, "predict_rel_error": 0.15}
 """Issue 47's acceptance on the device: MFU, tokens/s over the local spec's, step time against plan predict."""
+DECISIONS = {"hetu_compile": 1.05}
+"""Defaults the device run decides: ``--hetu-compile`` goes on by default on CUDA when the compiled run's median
+step is at least this many times faster than the eager one (its compilation, in the first steps, paid once)."""
 
 
 def _free_port() -> int:
@@ -65,6 +73,8 @@ def train_argv(args: argparse.Namespace, workdir: Path, cuda: bool) -> list[str]
         argv.append("--bf16")
     if args.compile:
         argv.append("--hetu-compile")
+    if args.loss_chunk_tokens:
+        argv += ["--hetu-loss-chunk-tokens", str(args.loss_chunk_tokens)]
     if args.recompute == "selective":
         argv += ["--recompute-granularity", "selective"]
     elif args.recompute == "full":
@@ -119,6 +129,7 @@ def run_train(args: argparse.Namespace) -> dict:
     timed = steps[WARMUP_STEPS:] or steps
     result = {"attention": args.attention, "core_attention": core, "model": args.model, "seq_length": args.seq_length,
               "packed": args.packed or args.hotspa, "hotspa": args.hotspa, "compile": args.compile,
+              "loss_chunk_tokens": args.loss_chunk_tokens, "first_step_s": steps[0]["step_ms"] / 1e3,
               "recompute": args.recompute, "device": torch.cuda.get_device_name() if cuda else "cpu",
               "build_s": built_s, "steps": len(steps), "timed_steps": len(timed),
               "step_s": statistics.median(r["step_ms"] for r in timed) / 1e3,
@@ -245,6 +256,9 @@ def summary(directory: Path) -> dict:
                              "target": TARGETS["predict_rel_error"], "ok": error <= TARGETS["predict_rel_error"]}
     for name, check in checks.items():
         print(f"{name}: {json.dumps(check)}")
+    decisions = _decisions(runs)
+    for name, decision in decisions.items():
+        print(f"decision {name}: {json.dumps(decision)}")
     extra = {name: {k: r[k] for k in ("migration_s",) if k in r} for name, r in runs.items()}
     for name, r in runs.items():  # HotSPa: every switch's seconds (to a compute placement and back home)
         switches = [sw["seconds"] for p in r.get("packing") or [] if p and "hotspa" in p
@@ -258,7 +272,25 @@ def summary(directory: Path) -> dict:
                                                                       "peak_memory_gib", "core_attention",
                                                                       "activation_report")}
                                                for n, r in runs.items()},
-            "checks": checks, "extra": {k: v for k, v in extra.items() if v}}
+            "checks": checks, "decisions": decisions, "extra": {k: v for k, v in extra.items() if v}}
+
+
+def _decisions(runs: dict) -> dict:
+    """The defaults the device settles, each from a run beside ``hetu`` (the same run but for one flag)."""
+    hetu, out = runs.get("hetu"), {}
+    compiled, chunked = runs.get("hetu_compile"), runs.get("hetu_loss_chunk")
+    if hetu and compiled:
+        gain = hetu["step_s"] / compiled["step_s"]
+        out["hetu_compile"] = {"eager_step_s": hetu["step_s"], "compiled_step_s": compiled["step_s"], "gain": gain,
+                               "first_step_s": [hetu.get("first_step_s"), compiled.get("first_step_s")],
+                               "min_gain": DECISIONS["hetu_compile"],
+                               "default_on_cuda": "on" if gain >= DECISIONS["hetu_compile"] else "off"}
+    if hetu and chunked:
+        out["hetu_loss_chunk_tokens"] = {
+            "chunk": chunked.get("loss_chunk_tokens"), "step_s": [hetu["step_s"], chunked["step_s"]],
+            "peak_memory_gib": [hetu.get("peak_memory_gib"), chunked.get("peak_memory_gib")],
+            "time_cost": chunked["step_s"] / hetu["step_s"] - 1}
+    return out
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -276,6 +308,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         s.add_argument("--hotspa", action="store_true")
         s.add_argument("--migrate", action="store_true")
         s.add_argument("--compile", action="store_true")
+        s.add_argument("--loss-chunk-tokens", type=int, default=0, help="--hetu-loss-chunk-tokens")
         s.add_argument("--recompute", choices=("none", "selective", "full"), default="none")
         s.add_argument("--pack-tokens", type=int, default=32768)
     s = sub.add_parser("summary")

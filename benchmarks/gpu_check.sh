@@ -15,11 +15,14 @@
 #   4. predict (<= 20 s): hetu-plan predict of the same configuration (--use-flash-attn) on the device profile.
 #   5. thd32k (<= 150 s): packed THD training at 32K tokens a pack under HotSPa with two one-GPU strategies
 #      (documents <= 8K, <= 32K), full recomputation: step time, and each switch's seconds.
-#   6. hetu_compile (<= 100 s, optional): step 2 with --hetu-compile.
-#   7. layer_table (<= 60 s, optional): gpu_calibrate.sh's per-layer table (python -m hetu_ext.cli.calibrate) for
+#   6. hetu_compile (<= 100 s, optional): step 2 with --hetu-compile; the summary compares it with step 2 (compile
+#      on vs off) and says whether --hetu-compile should be on by default on CUDA (>= 5% faster steps).
+#   7. hetu_loss_chunk (<= 80 s, optional): step 2 with --hetu-loss-chunk-tokens 1024: peak memory and step time
+#      of the chunked loss beside step 2's.
+#   8. layer_table (<= 60 s, optional): gpu_calibrate.sh's per-layer table (python -m hetu_ext.cli.calibrate) for
 #      the 1B layer at 1024-4096 tokens.
-#   8. summary: the table, issue 47's checks (MFU >= 35%, >= 2x the local spec's tokens/s, within 15% of plan
-#      predict) and one JSON line, in $OUT/summary.log.
+#   9. summary: the table, issue 47's checks (MFU >= 35%, >= 2x the local spec's tokens/s, within 15% of plan
+#      predict), the two defaults' decisions and one JSON line, in $OUT/summary.log.
 #
 # Usage, from the repository root on the GPU machine:   bash benchmarks/gpu_check.sh
 # Output folder: $OUT if set (the device tool sets it), else runs/gpu_check. Python: $PYTHON if set, else the
@@ -92,6 +95,10 @@ if fits 150; then
 fi
 if fits 100; then
     step hetu_compile 100 "${CHECK[@]}" train --out "$RUNS/train_hetu_compile.json" --attention sdpa --compile || true
+fi
+if fits 80; then
+    step hetu_loss_chunk 80 "${CHECK[@]}" train --out "$RUNS/train_hetu_loss_chunk.json" --attention sdpa \
+        --loss-chunk-tokens 1024 || true
 fi
 if fits 60; then
     step layer_table 60 "$PYTHON" -m hetu_ext.cli.calibrate --out "$RUNS/layer_cost_tp1.yaml" \

@@ -36,12 +36,28 @@ def test_gpu_check_train_and_summary_at_toy_sizes(tmp_path):
     local = dict(result, core_attention="PackedDotProductAttention", tokens_per_s=result["tokens_per_s"] / 2.5)
     (tmp_path / "train_local.json").write_text(json.dumps(local))
     (tmp_path / "predict.json").write_text(f"== predict\n{json.dumps({'step_s': result['step_s'] * 1.1})}\n")
+    # compile on vs off, and the chunked loss, each beside the same run (their decisions in the summary)
+    assert result["first_step_s"] > 0 and result["loss_chunk_tokens"] == 0 and result["compile"] is False
+    (tmp_path / "train_hetu_compile.json").write_text(json.dumps(dict(result, step_s=result["step_s"] / 1.2)))
+    (tmp_path / "train_hetu_loss_chunk.json").write_text(json.dumps(dict(result, loss_chunk_tokens=1024)))
     proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "summary", str(tmp_path)], cwd=ROOT,
                           env=ENV, check=True, capture_output=True, text=True, timeout=120)
     final = json.loads(proc.stdout.strip().splitlines()[-1])
     speedup = final["checks"]["speedup_over_local"]
     assert speedup["ok"] and abs(speedup["got"] - 2.5) < 1e-9
     assert final["checks"]["predict"]["ok"] and final["extra"]["hetu"]["migration_s"] == result["migration_s"]
+    compiled = final["decisions"]["hetu_compile"]
+    assert compiled["default_on_cuda"] == "on" and abs(compiled["gain"] - 1.2) < 1e-9
+    assert final["decisions"]["hetu_loss_chunk_tokens"]["chunk"] == 1024
+
+
+def test_gpu_check_passes_the_decided_flags():
+    """The train step's flags for the two runs whose defaults the device decides."""
+    from benchmarks.gpu_check import parse_args, train_argv
+
+    args = parse_args(["train", "--out", "x.json", "--compile", "--loss-chunk-tokens", "1024"])
+    argv = train_argv(args, ROOT, cuda=True)
+    assert "--hetu-compile" in argv and argv[argv.index("--hetu-loss-chunk-tokens") + 1] == "1024"
 
 
 COMPILED_FLEX = """
