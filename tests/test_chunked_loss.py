@@ -108,3 +108,22 @@ def test_shifted_labels_are_a_control(ranks):
     got, want = ranks[0]["shifted"], ranks[0][(2, True, True)][CHUNK]
     assert _rel(got["loss"], want["loss"]) > 1e-3
     assert _rel(got["grads"]["output_layer.weight"], want["grads"]["output_layer.weight"]) > 1e-3
+
+
+def test_auto_chunks_only_microbatches_whose_logits_exceed_a_gib():
+    """``--hetu-loss-chunk-tokens auto``: Megatron's path (0) while a microbatch's fp32 logits on the rank fit
+    1 GiB (every CPU test; TinyLlama's vocabulary at 4K tokens), chunks of 1 GiB of logits above it (Llama 3's
+    vocabulary at 8K tokens: 2,048 tokens; under TP 2 with sequence parallelism 2,048 of each rank's 4,096, which
+    the output layer gathers to 4,096 over half the vocabulary); an explicit N at least the rank's tokens runs
+    whole."""
+    from hetu_ext.megatron.chunked_loss import parse_loss_chunk, resolve_chunk
+
+    assert resolve_chunk("auto", 512, 2, 1024) == 0
+    assert resolve_chunk("auto", 4096, 1, 32000) == 0
+    assert resolve_chunk("auto", 8192, 1, 131072) == 2048
+    assert resolve_chunk("auto", 4096, 1, 65536, gathered=2) == 2048
+    assert resolve_chunk(24, 32, 1, 8) == 24 and resolve_chunk(64, 32, 1, 8) == 0 and resolve_chunk(0, 32, 1, 8) == 0
+    assert parse_loss_chunk("auto") == "auto" and parse_loss_chunk("1024") == 1024
+    for bad in ("-1", "x", "1.5"):
+        with pytest.raises(ValueError, match="must be auto or a token count"):
+            parse_loss_chunk(bad)

@@ -90,7 +90,7 @@ LAUNCH = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "
 @pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is not None, reason="TE installed")
 @pytest.mark.parametrize("extra, needle", [
     (["--transformer-impl", "transformer_engine"], "--transformer-impl transformer_engine needs Transformer Engine"),
-    (["--hetu-loss-chunk-tokens", "-1"], "--hetu-loss-chunk-tokens must be >= 0"),
+    (["--hetu-loss-chunk-tokens", "-1"], "--hetu-loss-chunk-tokens must be auto or a token count >= 0"),
 ])
 def test_launcher_refuses_in_one_line_before_any_rank(capsys, extra, needle):
     """launch/pretrain_gpt.py's main: exit code 2 and one ``error:`` line, from the flag checks (no process group,

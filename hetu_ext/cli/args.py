@@ -291,9 +291,9 @@ def _validate_model(args: argparse.Namespace) -> None:
     if args.recompute_modules and args.recompute_granularity != "selective":
         raise ValueError("--recompute-modules names what selective recomputation recomputes; add "
                          "--recompute-granularity selective or drop it")
-    if args.hetu_loss_chunk_tokens < 0:
-        raise ValueError(f"--hetu-loss-chunk-tokens must be >= 0 (0: the whole microbatch), got "
-                         f"{args.hetu_loss_chunk_tokens}")
+    from hetu_ext.megatron.chunked_loss import parse_loss_chunk
+
+    parse_loss_chunk(args.hetu_loss_chunk_tokens)  # N >= 0 or auto (the stage builder reads the setting)
     from hetu_ext.megatron.layer_spec import check_transformer_impl
 
     # --transformer-impl transformer_engine where Transformer Engine cannot run: one line, before any rank

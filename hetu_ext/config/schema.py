@@ -93,11 +93,12 @@ class ModelConfig:
                                     help="the layer spec: local (Megatron-core's torch modules) or transformer_engine "
                                          "(Megatron-core's Transformer Engine spec: fused norm+GEMM, fused "
                                          "attention; needs transformer_engine and a CUDA device)")
-    loss_chunk_tokens: int = setting(0, flag="--hetu-loss-chunk-tokens",
-                                     help="compute the output layer and cross entropy over chunks of this many "
-                                          "tokens (per rank's sequence slice), each recomputed in backward, so the "
-                                          "[tokens, vocab / TP] fp32 logits are never held whole; 0: whole "
-                                          "microbatch (Megatron's)")
+    loss_chunk_tokens: str = setting("auto", flag="--hetu-loss-chunk-tokens", metavar="{N,auto}",
+                                     help="compute the output layer and cross entropy over chunks of N tokens of "
+                                          "the rank's sequence, each recomputed in backward, so the [tokens, "
+                                          "vocab / TP] fp32 logits are never held whole; 0: the whole microbatch "
+                                          "(Megatron's); auto: chunks of 1 GiB of fp32 logits, only in "
+                                          "microbatches whose logits exceed that")
 
 
 @dataclass(frozen=True, kw_only=True)

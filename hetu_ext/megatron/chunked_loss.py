@@ -16,6 +16,12 @@ each per chunk, on every TP rank in the same order. Under sequence parallelism r
 ``[r s/TP, (r+1) s/TP)``; chunk ``[a, e)`` of every rank's slice gathers to the positions
 ``r s/TP + [a, e)`` (:func:`chunk_positions`), whose labels it takes and whose losses it returns in place.
 
+``--hetu-loss-chunk-tokens auto`` (the default) chunks only where it pays: a microbatch whose fp32 logits
+(``tokens x b x vocab / TP x 4`` bytes on the rank) exceed :data:`AUTO_LOGITS_BYTES` (1 GiB) runs chunks of that
+size (:func:`resolve_chunk`); smaller ones (every CPU test, TinyLlama's 32K vocabulary at 4K tokens: 0.5 GiB) take
+Megatron's path unchanged. At Llama 3's vocabulary (128,256) and 8K tokens, TP 1, that is 4 GiB of logits and as
+much softmax in Megatron's path, one GiB of each in chunks of 2,048 tokens.
+
 The loss of each token and every gradient equal the unchunked path's up to fp32 summation order (the output
 weight's gradient is a sum over chunks; tests/test_chunked_loss.py: within 1e-6, TP 1 and TP 2 with and without
 sequence parallelism).
@@ -28,6 +34,37 @@ import functools
 import torch
 from megatron.core.models.gpt import GPTModel
 from torch.utils.checkpoint import checkpoint
+
+
+AUTO_LOGITS_BYTES = 2**30
+"""``auto``: the most fp32 logits bytes a microbatch computes at once on a rank (one chunk's)."""
+
+
+def parse_loss_chunk(setting: int | str) -> int | str:
+    """``--hetu-loss-chunk-tokens``: ``auto`` or a token count >= 0 (0: no chunking); ValueError (one line)."""
+    if setting == "auto":
+        return "auto"
+    try:
+        tokens = int(setting)
+    except (TypeError, ValueError):
+        tokens = -1
+    if tokens < 0:
+        raise ValueError(f"--hetu-loss-chunk-tokens must be auto or a token count >= 0 (0: the whole microbatch), "
+                         f"got {setting!r}")
+    return tokens
+
+
+def resolve_chunk(setting: int | str, tokens: int, batch: int, vocab_local: int, *, gathered: int = 1) -> int:
+    """Tokens per chunk of a microbatch of ``tokens`` (the rank's sequence) x ``batch`` over ``vocab_local``
+    vocabulary rows (``gathered``: TP under sequence parallelism, whose output layer gathers every rank's chunk);
+    0 when it runs whole (``setting`` 0 or at least ``tokens``, or ``auto`` and its fp32 logits fit
+    :data:`AUTO_LOGITS_BYTES`)."""
+    if setting != "auto":
+        return 0 if setting >= tokens else setting
+    per_token = batch * vocab_local * 4 * gathered
+    if tokens * per_token <= AUTO_LOGITS_BYTES:
+        return 0
+    return max(1, AUTO_LOGITS_BYTES // per_token)
 
 
 def chunk_positions(start: int, end: int, local_tokens: int, tp: int, *, sequence_parallel: bool) -> list[int]:
@@ -76,23 +113,25 @@ def chunked_language_model_loss(model: GPTModel, hidden: torch.Tensor, labels: t
 
 class ChunkedLossGPTModel(GPTModel):
     """Megatron-core's GPTModel whose training and evaluation loss (``labels`` given) runs over token chunks
-    (:func:`chunked_language_model_loss`); logits (no labels), multi-token prediction and inference take
-    GPTModel's own path."""
+    (:func:`chunked_language_model_loss`, the chunk of :func:`resolve_chunk`); a microbatch that runs whole,
+    logits (no labels), multi-token prediction and inference take GPTModel's own path."""
 
-    loss_chunk_tokens: int = 0
+    loss_chunk_tokens: int | str = "auto"
 
     def _postprocess(self, hidden_states, input_ids, position_ids, labels, *args, **kwargs):
-        chunked = (self.loss_chunk_tokens > 0 and labels is not None and self.post_process
-                   and not kwargs.get("mtp_in_postprocess") and self.config.mtp_num_layers is None
-                   and kwargs.get("inference_context") is None)
-        if not chunked:
+        chunk = 0
+        if (labels is not None and self.post_process and not kwargs.get("mtp_in_postprocess")
+                and self.config.mtp_num_layers is None and kwargs.get("inference_context") is None):
+            layer = self.output_layer
+            weight = layer.weight if layer.weight is not None else self.shared_embedding_or_output_weight()
+            chunk = resolve_chunk(self.loss_chunk_tokens, hidden_states.size(0), hidden_states.size(1),
+                                  weight.size(0), gathered=layer.tp_group.size() if layer.sequence_parallel else 1)
+        if not chunk:
             return super()._postprocess(hidden_states, input_ids, position_ids, labels, *args, **kwargs)
-        return chunked_language_model_loss(self, hidden_states, labels, self.loss_chunk_tokens)
+        return chunked_language_model_loss(self, hidden_states, labels, chunk)
 
 
-def gpt_model_class(loss_chunk_tokens: int) -> type:
-    """GPTModel itself (0: the whole microbatch at once), or :class:`ChunkedLossGPTModel` (the builder sets its
-    ``loss_chunk_tokens``)."""
-    if loss_chunk_tokens < 0:
-        raise ValueError(f"--hetu-loss-chunk-tokens must be >= 0 (0: no chunking), got {loss_chunk_tokens}")
-    return ChunkedLossGPTModel if loss_chunk_tokens else GPTModel
+def gpt_model_class(loss_chunk_tokens: int | str) -> type:
+    """GPTModel itself (0: the whole microbatch at once), or :class:`ChunkedLossGPTModel` (N or ``auto``; the
+    builder sets its ``loss_chunk_tokens``)."""
+    return ChunkedLossGPTModel if parse_loss_chunk(loss_chunk_tokens) else GPTModel

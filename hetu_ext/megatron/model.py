@@ -47,10 +47,10 @@ class TrainingNumerics:
     transformer_impl: str = "local"
     """``--transformer-impl``: Megatron-core's local layer spec or its Transformer Engine spec
     (:mod:`hetu_ext.megatron.layer_spec`)."""
-    loss_chunk_tokens: int = 0
+    loss_chunk_tokens: int | str = "auto"
     """``--hetu-loss-chunk-tokens``: the output layer and cross entropy over chunks of this many tokens of the
     rank's sequence, each recomputed in backward (:mod:`hetu_ext.megatron.chunked_loss`); 0: the whole
-    microbatch at once (Megatron's)."""
+    microbatch at once (Megatron's); ``auto``: chunks only where a microbatch's fp32 logits exceed 1 GiB."""
     grad_reduce_in_fp32: bool = True
     """Megatron-LM's default under ``--bf16``: DDP's gradient buffers (accumulation and data-parallel reduction)
     in fp32; ``--grad-reduce-in-bf16`` sets it False (buffers in the bf16 parameters' dtype). Under ``--fp16``
@@ -61,6 +61,8 @@ class TrainingNumerics:
     def of(cls, model, training, *, variable_seq_lengths: bool, sequence_parallel: bool = False
            ) -> "TrainingNumerics":
         """From the run's model and training settings (hetu_ext.config's ModelConfig and TrainingConfig)."""
+        from .chunked_loss import parse_loss_chunk
+
         return cls(bf16=training.bf16, fp16=training.fp16, hidden_dropout=model.hidden_dropout,
                    attention_dropout=model.attention_dropout,
                    init_method_std=model.init_method_std, variable_seq_lengths=variable_seq_lengths,
@@ -70,7 +72,8 @@ class TrainingNumerics:
                    recompute_num_layers=model.recompute_num_layers,
                    recompute_modules=tuple(model.recompute_modules) if model.recompute_modules else None,
                    attention=model.attention, compile_layers=model.compile,
-                   transformer_impl=model.transformer_impl, loss_chunk_tokens=model.loss_chunk_tokens)
+                   transformer_impl=model.transformer_impl,
+                   loss_chunk_tokens=parse_loss_chunk(model.loss_chunk_tokens))
 
     def __post_init__(self) -> None:
         assert not (self.bf16 and self.fp16), "--bf16 and --fp16 are exclusive (TrainingConfig checks it)"
@@ -151,7 +154,7 @@ def build_gpt_stage(spec: ModelSpec, config, *, pre_process: bool, post_process:
         layer_spec = _local_norm_block(layer_spec, config)
     kwargs = {} if pg_collection is None else {"pg_collection": pg_collection}
     # --hetu-loss-chunk-tokens: GPTModel whose loss runs over token chunks (chunked_loss.py)
-    loss_chunk_tokens = getattr(config, "hetu_loss_chunk_tokens", 0)
+    loss_chunk_tokens = getattr(config, "hetu_loss_chunk_tokens", "auto")
     model = gpt_model_class(loss_chunk_tokens)(
         config=config, transformer_layer_spec=layer_spec, vocab_size=spec.padded_vocab_size,
         max_sequence_length=spec.max_position_embeddings, pre_process=pre_process, post_process=post_process,
