@@ -201,6 +201,50 @@ def test_emulated_layer_time_sets_every_rank_pace():
     assert timer.take() == pytest.approx(3 * 2 * 0.01 * 3, rel=0.05)  # forward + 2x backward
 
 
+class _Gathering(torch.nn.Module):
+    """A layer that waits ``wait_s`` in a collective-like block before its compute, as ZeRO-3's parameter gather
+    does in a submodule's pre-hook, and again in its weight's gradient hook, as ZeRO-2/3's reduction does."""
+
+    def __init__(self, timer: LayerTimer, wait_s: float, exclude: bool = True) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+        wait = lambda *_: time.sleep(wait_s)  # noqa: E731
+        wait = timer.exclude(wait) if exclude else wait
+        self.linear.register_forward_pre_hook(lambda *_: wait())
+        self.linear.weight.register_hook(lambda grad: (wait(), grad)[1])
+
+    def forward(self, x):
+        return self.linear(x)
+
+
+def test_excluded_blocks_are_not_compute():
+    """Waits inside a layer's span wrapped by LayerTimer.exclude (ZeRO's gathers and reductions on the DeepSpeed
+    path) are left out of its forward and backward time, with and without emulation (no overrun: the layer's
+    compute stays under its emulated 10 ms); a nested excluded block counts once; outside a span nothing is
+    subtracted. Control: the same waits unwrapped are counted."""
+    timer = LayerTimer(nominal_s=0.01)
+    layers = [_Gathering(timer, 0.03) for _ in range(2)]
+    timer.attach(layers)
+    y = torch.randn(4, 8, requires_grad=True)
+    for layer in layers:
+        y = layer(y)
+    assert timer.seconds == pytest.approx(2 * 0.01, rel=0.05)
+    y.sum().backward()
+    assert timer.take() == pytest.approx(2 * 0.01 * 3, rel=0.05) and timer.take_overruns() == 0
+    plain = LayerTimer()
+    layer = _Gathering(plain, 0.03)
+    plain.attach([layer])
+    with plain.excluded(), plain.excluded():  # nested, and no span open: nothing to subtract from
+        time.sleep(0.01)
+    layer(torch.randn(4, 8))
+    assert 0 < plain.take() < 0.02
+    control = LayerTimer()
+    layer = _Gathering(control, 0.03, exclude=False)
+    control.attach([layer])
+    layer(torch.randn(4, 8))
+    assert control.take() >= 0.03
+
+
 class _Spin(torch.nn.Module):
     """A layer whose forward is a known amount of device time (a spin kernel) and nothing on the host."""
 

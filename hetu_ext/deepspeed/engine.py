@@ -349,6 +349,7 @@ def build(config: RunConfig, zero: ZeroConfig) -> DeepSpeedGPT:
         run.weighting = _weighting(config, zero, h, ds_config["gradient_accumulation_steps"],
                                    budgets=zero.stage >= 2 and not packed)
         run.weighting.attach(model.module.decoder.layers if hasattr(model, "module") else model.decoder.layers)
+        run.weighting.exclude_collectives(engine)
     return run
 
 

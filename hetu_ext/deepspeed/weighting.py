@@ -163,6 +163,30 @@ class MicrobatchWeighting:
         else:
             self.timer.attach(list(layers))
 
+    def exclude_collectives(self, engine) -> list[str]:
+        """Leave ZeRO's work inside the layers that is not the layers' compute out of the timed spans (a healthy
+        rank's wait in a collective there is the straggler's compute): ZeRO-3's parameter management around every
+        submodule (the ``DeepSpeedZeRoOffload`` functions its forward and backward hooks call: gathering the
+        parameters, waiting for them, releasing them, tracing the order for prefetching) and ZeRO-1/2/3's gradient
+        reductions (the optimizer's ``reduce_ready_partitions_and_remove_grads``, which every parameter's gradient
+        hook calls; ZeRO-1 only with ``overlap_comm``). Returns what it wrapped; ZeRO-0 communicates in
+        ``step()``."""
+        wrapped, optimizer, stage = [], engine.optimizer, engine.zero_optimization_stage()
+        targets = []
+        if stage >= 2 or (stage == 1 and hasattr(optimizer, "reduce_ready_partitions_and_remove_grads")):
+            targets.append((optimizer, "reduce_ready_partitions_and_remove_grads"))
+        if stage == 3:
+            targets += [(optimizer.parameter_offload, f"{when}_sub_module_{way}_function")
+                        for when in ("pre", "post") for way in ("forward", "backward")]
+        for owner, name in targets:
+            if not callable(getattr(owner, name, None)):
+                raise RuntimeError(f"ZeRO-{stage} straggler weighting: DeepSpeed's {type(owner).__name__} has no "
+                                   f"{name} (another DeepSpeed version?), so the layer timings would include "
+                                   "collective waits: use DeepSpeed 0.19.x or drop --hetu-straggler-interval")
+            setattr(owner, name, self.timer.exclude(getattr(owner, name)))
+            wrapped.append(f"{type(owner).__name__}.{name}")
+        return wrapped
+
     def before_step(self, step: int) -> None:
         """``step``: 1-based number of the step about to run."""
         from hetu_ext.runtime.straggler import factor_at

@@ -17,14 +17,23 @@ cluster for length- and TP-dependent work; the monitor then divides measured tim
 FLOPs), so varying packs make no false stragglers. A layer whose real time exceeds its emulated time is an
 *overrun* (the emulation no longer holds there): counted.
 
+A collective inside a layer (ZeRO-3 gathers a layer's parameters in its submodules' hooks, ZeRO-2/3 reduce
+gradients in the parameters' hooks) waits for the slowest rank, so a healthy rank's span would hold the straggler's
+compute. :meth:`LayerTimer.excluded` (and :meth:`LayerTimer.exclude`, a wrapper) leaves such a block out of the
+spans open around it, on the host clock; the host framework's adapter wraps its hooks' work that is not the
+layer's compute (hetu_ext/deepspeed/weighting.py). On CUDA a collective's wait is a stream wait the host does not
+see: the CUDA clock excludes nothing (not done: no GPU to check it on).
+
 :func:`exchange_timings` is the one collective: every rank's (compute seconds, FLOPs) samples since the last
 exchange, gathered on every rank; the timer and the emulation need no process group.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -84,13 +93,22 @@ def exchange_timings(rank: int, samples: list[tuple[float, float]], group=None) 
 
 
 class _CpuClock:
-    """Host wall-clock spans: on CPU the host runs the compute, so the time between two hooks is compute time."""
+    """Host wall-clock spans: on CPU the host runs the compute, so the time between two hooks is compute time, less
+    the excluded blocks (:meth:`hold`) within it."""
 
-    def start(self) -> float:
-        return time.perf_counter()
+    def __init__(self) -> None:
+        self.held = 0.0
+        """Seconds of excluded blocks so far (a span subtracts what accrued between its start and stop)."""
 
-    def stop(self, start: float, *, wait: bool) -> float | None:
-        return time.perf_counter() - start
+    def start(self) -> tuple[float, float]:
+        return time.perf_counter(), self.held
+
+    def stop(self, start: tuple[float, float], *, wait: bool) -> float | None:
+        return time.perf_counter() - start[0] - (self.held - start[1])
+
+    def hold(self, start: tuple[float, float]) -> None:
+        """The block begun at ``start`` (a :meth:`start`) is not compute: spans open across it leave it out."""
+        self.held += time.perf_counter() - start[0]
 
     def pause(self, seconds: float) -> None:
         if seconds > 0:
@@ -116,6 +134,9 @@ class _CudaClock:
         event = torch.cuda.Event(enable_timing=True)
         event.record()
         return event
+
+    def hold(self, start: torch.cuda.Event) -> None:
+        """Excludes nothing: a collective's wait is a stream wait on the device, not seen by the host."""
 
     def stop(self, start: torch.cuda.Event, *, wait: bool) -> float | None:
         end = self.start()
@@ -191,6 +212,8 @@ class LayerTimer:
     """Emulated seconds (before ``factor``) of the passes since the last :meth:`take_work` (cost emulation)."""
     overruns: int = 0
     """Layer passes whose real time exceeded their emulated time since the last :meth:`take_overruns`."""
+    _holding: bool = False
+    """Inside an :meth:`excluded` block (a nested one counts once)."""
     _starts: list = field(default_factory=list)
     _bwd_start: object = None
     _costs: dict = field(default_factory=dict)
@@ -217,6 +240,27 @@ class LayerTimer:
             handles.append(layer.register_forward_pre_hook(self._pre, with_kwargs=True))
             handles.append(layer.register_forward_hook(self._post, with_kwargs=True))
         return handles
+
+    @contextlib.contextmanager
+    def excluded(self) -> Iterator[None]:
+        """A block left out of the layer spans open around it: a collective's wait inside a layer (host clock)."""
+        if self._holding:
+            yield
+            return
+        self._holding, start = True, self._clock.start()
+        try:
+            yield
+        finally:
+            self._clock.hold(start)
+            self._holding = False
+
+    def exclude(self, fn: Callable) -> Callable:
+        """``fn`` run inside :meth:`excluded` (to wrap a host framework's collective)."""
+        @functools.wraps(fn)
+        def wrapped(*args, **kwargs):
+            with self.excluded():
+                return fn(*args, **kwargs)
+        return wrapped
 
     def take(self) -> float:
         seconds, self.seconds = self.seconds + self._clock.drain(), 0.0
