@@ -286,6 +286,18 @@ def _router_gating_linear(original: Callable[..., torch.Tensor]) -> Callable[...
     return router_gating_linear
 
 
+def _splits_as_numpy(original: Callable[..., Any]) -> Callable[..., Any]:
+    """The alltoall dispatcher's split sizes as numpy arrays on CPU too: Megatron-core converts them (device to
+    host) only when they are CUDA tensors, and ``all_to_all_single`` takes sequences of ints, not tensors."""
+
+    def maybe_move_tensor_to_cpu(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    return maybe_move_tensor_to_cpu
+
+
 def megatron_cpu_patches() -> PatchSet:
     """All patches Megatron-core 0.16.1 needs on CPU, in the order they are applied."""
     patches = [
@@ -320,6 +332,9 @@ def megatron_cpu_patches() -> PatchSet:
         Patch(name="no_te:router_gating_linear", target=f"{_MC}.transformer.moe.router:router_gating_linear",
               make=_router_gating_linear, reason="MoE without Transformer Engine: the router's linear function reads "
                                                  "te_general_gemm, undefined (NameError)"),
+        Patch(name="cpu_splits:maybe_move_tensor_to_cpu",
+              target=f"{_MC}.transformer.moe.token_dispatcher:maybe_move_tensor_to_cpu", make=_splits_as_numpy,
+              reason="MoE alltoall dispatch: split sizes stay tensors on CPU, which all_to_all_single refuses"),
         Patch(name="tensor_cuda_identity:DynamicGradScaler.load_state_dict",
               target=f"{_MC}.optimizer.grad_scaler:DynamicGradScaler.load_state_dict",
               make=_with_tensor_cuda_identity, reason="--fp16 resume: moves the saved loss scale with .cuda()"),

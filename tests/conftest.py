@@ -89,6 +89,7 @@ MODULE_KINDS: dict[str, tuple[str, ...]] = {
     "test_megatron_lm": ("e2e",),
     "test_megatron_lm_llama": ("e2e",),
     "test_megatron_lm_distopt": ("e2e", "gold"),
+    "test_megatron_lm_moe": ("e2e", "gold"),
     "test_fp16": ("e2e", "gold"),
     "test_trainer_fp16": ("gold",),
     "test_trainer_distopt": ("gold",),
@@ -102,6 +103,7 @@ TEST_KINDS: list[tuple[str, str, tuple[str, ...]]] = [
     ("test_packed_training", r"test_packed_training_matches_unpacked_reference", ("gold",)),
     ("test_hf_llama", r"test_(imported_model_gives_transformers_logits|imported_model_runs_under|"
                       r"exported_model_is_the_original|llama31_rope_scaling)", ("gold",)),
+    ("test_hf_moe", r"test_(imported_moe_model_gives|exported_moe_model_is)", ("gold",)),
     ("test_llama_training", r"test_llama_(plan_matches|packed_equals|migration_continues|hotspa_switching|"
                             r"lora_tenants|recomputation_is_bit_exact|hydraulis_candidates|sequence_parallel_with|"
                             r"activation_memory)", ("gold",)),

@@ -71,7 +71,7 @@ def _megatron_model(spec: ModelSpec):
         gated_linear_unit=spec.swiglu, activation_func=F.silu if spec.swiglu else F.gelu,
         normalization=spec.normalization, add_bias_linear=spec.add_bias_linear, add_qkv_bias=spec.add_qkv_bias,
         qk_layernorm=spec.qk_layernorm, use_cpu_initialization=True, pipeline_dtype=torch.float32,
-        hidden_dropout=0.0, attention_dropout=0.0, **_moe_config(spec))
+        hidden_dropout=0.0, attention_dropout=0.0, layernorm_epsilon=spec.norm_epsilon, **_moe_config(spec))
     layer_spec = get_gpt_layer_local_spec(normalization=spec.normalization, qk_layernorm=spec.qk_layernorm)
     if spec.is_moe:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
@@ -81,7 +81,7 @@ def _megatron_model(spec: ModelSpec):
     return GPTModel(config=config, transformer_layer_spec=layer_spec, vocab_size=spec.padded_vocab_size,
                     max_sequence_length=spec.max_position_embeddings,
                     share_embeddings_and_output_weights=not spec.untie_embeddings_and_output_weights,
-                    position_embedding_type=spec.position_embedding_type)
+                    position_embedding_type=spec.position_embedding_type, rotary_base=spec.rotary_base)
 
 
 def _moe_config(spec: ModelSpec) -> dict:
@@ -95,6 +95,7 @@ def _moe_config(spec: ModelSpec) -> dict:
                 moe_shared_expert_gate=spec.moe_shared_expert_gate,
                 moe_router_enable_expert_bias=spec.moe_router_enable_expert_bias,
                 moe_router_score_function="sigmoid" if spec.moe_router_enable_expert_bias else "softmax",
+                moe_router_pre_softmax=spec.moe_router_pre_softmax,
                 moe_token_dispatcher_type="alltoall", moe_router_load_balancing_type="aux_loss",
                 moe_aux_loss_coeff=1e-2)
 

@@ -38,7 +38,9 @@ SKIPPED = {"make test-fast": "make test-fast is a part of this suite",
            "make demo": "make demo (launch/demo.sh) runs in tests/test_demo.py, its metrics read back",
            "make test": "make test is this suite",
            "python -m venv": "the install commands are the Makefile's venv target, which make test runs first",
-           "# Megatron-LM's own Llama 3 8B example": "tests/test_megatron_lm_recipe.py runs it and reads its log"}
+           "# Megatron-LM's own Llama 3 8B example": "tests/test_megatron_lm_recipe.py runs it and reads its log",
+           "# Megatron-LM's own Mixtral 8x7B example": "tests/test_megatron_lm_moe.py runs it, resumes it under other "
+                                                      "layouts and reads its log"}
 """First words of a block -> why this file does not run it."""
 
 

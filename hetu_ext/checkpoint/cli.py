@@ -114,6 +114,27 @@ def _export_name(name: str, index: tuple[int, ...]) -> str:
     return key
 
 
+def _export_tensors(full: dict) -> dict:
+    """Full tensors by exported name: a layer's tensor under ``decoder.layers.L.KEY`` (a gated fc1 as Megatron's
+    ``[gate; up]``); an expert tensor (Megatron-core's ``experts.experts.`` keys, its last index the expert) as its
+    layer's one global expert tensor, the experts stacked along a leading axis ``(E, ...)``, every expert present."""
+    import torch
+
+    out, experts = {}, {}
+    for (name, index), t in full.items():
+        t = to_megatron(t) if is_gated(name, tuple(t.shape)) else t
+        if ".experts.experts." in name:
+            experts.setdefault(_export_name(name, index[:-1]), {})[index[-1]] = t
+        else:
+            out[_export_name(name, index)] = t
+    for name, by_expert in experts.items():
+        if sorted(by_expert) != list(range(len(by_expert))):
+            raise CheckpointError(f"{name}: the checkpoint holds experts {sorted(by_expert)}; a global expert "
+                                  "tensor needs every expert 0..E-1")
+        out[name] = torch.stack([by_expert[e] for e in range(len(by_expert))])
+    return out
+
+
 def run(args: argparse.Namespace, formats: Sequence[ForeignCheckpoints] = ()) -> tuple[list[str], str | None]:
     """The lines to print, and an error (one line) when the command found a bad checkpoint after printing.
     A directory one of ``formats`` recognises is read by that format (DeepSpeed ZeRO: no offline step either)."""
@@ -173,7 +194,7 @@ def run(args: argparse.Namespace, formats: Sequence[ForeignCheckpoints] = ()) ->
             except ValueError as exc:
                 raise CheckpointError(f"{args.path}: {exc}") from None
         params = _full_of(reader, "param")
-        count = write_hf(args.output, to_hf(params, spec_from_hf(config)), config)
+        count = write_hf(args.output, to_hf(params, spec_from_hf(config), config["architectures"][0]), config)
         return [f"wrote a {config['architectures'][0]} model ({count} tensors, iteration {iteration}) to "
                 f"{args.output}"], None
     kinds = sorted({t.name.split("/", 1)[0] for t in manifest.tensors})
@@ -181,9 +202,7 @@ def run(args: argparse.Namespace, formats: Sequence[ForeignCheckpoints] = ()) ->
         raise CheckpointError(f"--kind {args.kind}: the checkpoint holds {kinds}; pick one of them")
     from safetensors.torch import save_file
 
-    full = _full_of(reader, args.kind)
-    tensors = {_export_name(name, index): to_megatron(t) if is_gated(name, tuple(t.shape)) else t
-               for (name, index), t in full.items()}  # a gated fc1 as Megatron's [gate; up]
+    tensors = _export_tensors(_full_of(reader, args.kind))
     save_file(tensors, args.output, metadata={"iteration": str(iteration), "kind": args.kind})
     return [f"wrote {len(tensors)} tensors ({args.kind}, iteration {iteration}) to {args.output}"], None
 
@@ -204,7 +223,7 @@ def import_hf(hf_dir: str, output: str) -> list[str]:
 
     config = read_config(hf_dir)
     spec = spec_from_hf(config)
-    full = from_hf(read_state(hf_dir), spec)
+    full = from_hf(read_state(hf_dir), spec, config["architectures"][0])
     pieces = [Piece(name, index, tuple((0, d) for d in t.shape), t) for (name, index), t in full.items()]
     flags = {"num_layers": spec.num_layers, "hidden_size": spec.hidden_size,
              "num_attention_heads": spec.num_attention_heads, "ffn_hidden_size": spec.ffn_hidden_size,

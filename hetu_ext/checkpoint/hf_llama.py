@@ -1,4 +1,5 @@
-"""Hugging Face Llama-family checkpoints (Llama, Mistral, Qwen2) to and from hetu checkpoints, by the inventory.
+"""Hugging Face Llama-family checkpoints (Llama, Mistral, Qwen2; Mixtral and Qwen2-MoE, whose MoE layers are
+:mod:`.hf_moe`'s) to and from hetu checkpoints, by the inventory.
 
 A Hugging Face model directory (``config.json`` + ``model.safetensors`` or its shards) maps onto Megatron-core's
 GPT with the local layer spec, tensor by tensor (no transformers import: its files are read directly):
@@ -24,9 +25,10 @@ import torch
 
 from hetu_ext.model.spec import ModelSpec
 
+from .hf_moe import MOE_ARCHITECTURES, moe_from_hf, moe_settings, moe_to_hf
 from .manifest import CheckpointError
 
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", *MOE_ARCHITECTURES)
 LLAMA3_SCALING = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 """Llama 3.1's RoPE scaling as Megatron-core applies it (``--use-rope-scaling``: only the factor is a flag)."""
 
@@ -65,7 +67,9 @@ def read_config(directory: str | Path) -> dict:
 def spec_from_hf(config: dict, *, seq_length: int | None = None) -> ModelSpec:
     """The hetu_ext model settings of a Hugging Face Llama-family config."""
     h, heads = config["hidden_size"], config["num_attention_heads"]
-    qwen2 = config["architectures"][0] == "Qwen2ForCausalLM"
+    arch = config["architectures"][0]
+    qwen2 = arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
+    moe = moe_settings(config) if arch in MOE_ARCHITECTURES else {}
     theta = config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta", 10000.0)
     scaling = _rope_scaling(config)
     llama3 = (scaling.get("rope_type") or scaling.get("type")) == "llama3"
@@ -77,9 +81,10 @@ def spec_from_hf(config: dict, *, seq_length: int | None = None) -> ModelSpec:
                      normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
                      num_query_groups=config.get("num_key_value_heads", heads),
                      kv_channels=config.get("head_dim") or h // heads, add_bias_linear=False,
-                     add_qkv_bias=bool(config.get("attention_bias", qwen2)),
+                     add_qkv_bias=bool(config.get("attention_bias", config.get("qkv_bias", qwen2))),
                      norm_epsilon=float(config.get("rms_norm_eps", 1e-6)), rotary_base=int(theta),
-                     rope_scaling=llama3, rope_scaling_factor=float(scaling.get("factor", 8.0)) if llama3 else 8.0)
+                     rope_scaling=llama3, rope_scaling_factor=float(scaling.get("factor", 8.0)) if llama3 else 8.0,
+                     **moe)
 
 
 def read_state(directory: str | Path) -> dict[str, torch.Tensor]:
@@ -99,8 +104,10 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])]) if rows > t.shape[0] else t
 
 
-def from_hf(state: dict[str, torch.Tensor], spec: ModelSpec) -> dict[tuple[str, tuple[int, ...]], torch.Tensor]:
-    """Hugging Face tensors -> hetu ``param/KEY`` full tensors (per layer), fp32. Every HF tensor must be used."""
+def from_hf(state: dict[str, torch.Tensor], spec: ModelSpec, arch: str = "LlamaForCausalLM"
+            ) -> dict[tuple[str, tuple[int, ...]], torch.Tensor]:
+    """Hugging Face tensors -> hetu ``param/KEY`` full tensors (per layer; per layer and expert), fp32. Every HF
+    tensor must be used. ``arch``: the config's architecture (an MoE one maps its MoE layers by :mod:`.hf_moe`)."""
     groups, d, heads = spec.num_query_groups, spec.kv_channels, spec.num_attention_heads
     used: set[str] = set()
 
@@ -124,10 +131,13 @@ def from_hf(state: dict[str, torch.Tensor], spec: ModelSpec) -> dict[tuple[str, 
         layer = {"self_attention.linear_qkv.layer_norm_weight": take(f"{p}input_layernorm.weight"),
                  "self_attention.linear_qkv.weight": grouped(*attn),
                  "self_attention.linear_proj.weight": take(f"{p}self_attn.o_proj.weight"),
-                 "mlp.linear_fc1.layer_norm_weight": take(f"{p}post_attention_layernorm.weight"),
-                 "mlp.linear_fc1.weight": torch.stack([take(f"{p}mlp.gate_proj.weight"),
-                                                       take(f"{p}mlp.up_proj.weight")]),
-                 "mlp.linear_fc2.weight": take(f"{p}mlp.down_proj.weight")}
+                 "mlp.linear_fc1.layer_norm_weight": take(f"{p}post_attention_layernorm.weight")}
+        if spec.is_moe:
+            out.update(moe_from_hf(take, arch, p, i, spec.num_experts))
+        else:
+            layer.update({"mlp.linear_fc1.weight": torch.stack([take(f"{p}mlp.gate_proj.weight"),
+                                                                take(f"{p}mlp.up_proj.weight")]),
+                          "mlp.linear_fc2.weight": take(f"{p}mlp.down_proj.weight")})
         if spec.add_qkv_bias:
             layer["self_attention.linear_qkv.bias"] = grouped(*(take(f"{p}self_attn.{x}_proj.bias") for x in "qkv"))
         out.update({(f"param/{LAYER}{k}", (i,)): t for k, t in layer.items()})
@@ -160,7 +170,9 @@ def hf_config_of(spec: ModelSpec) -> dict:
         (f"--position-embedding-type {spec.position_embedding_type}", spec.position_embedding_type != "rope"),
         (f"--rotary-percent {spec.rotary_percent}", spec.rotary_percent != 1.0),
         ("linear biases (no --disable-bias-linear)", spec.add_bias_linear),
-        ("--qk-layernorm", spec.qk_layernorm)) if bad]
+        ("--qk-layernorm", spec.qk_layernorm),
+        (f"--num-experts {spec.num_experts} (an MoE model keeps its Hugging Face config only when imported with "
+         "import-hf)", spec.is_moe)) if bad]
     if unmapped:
         raise CheckpointError(f"the model has {unmapped[0]}, which {' / '.join(ARCHITECTURES)} cannot hold; "
                               "export it with --to safetensors instead")
@@ -177,7 +189,8 @@ def hf_config_of(spec: ModelSpec) -> dict:
             **({} if spec.add_qkv_bias else {"attention_bias": False, "mlp_bias": False})}
 
 
-def to_hf(full: dict[tuple[str, tuple[int, ...]], torch.Tensor], spec: ModelSpec) -> dict[str, torch.Tensor]:
+def to_hf(full: dict[tuple[str, tuple[int, ...]], torch.Tensor], spec: ModelSpec,
+          arch: str = "LlamaForCausalLM") -> dict[str, torch.Tensor]:
     """hetu ``param/KEY`` full tensors -> Hugging Face tensors (the inverse of :func:`from_hf`)."""
 
     def split(t):
@@ -195,14 +208,17 @@ def to_hf(full: dict[tuple[str, tuple[int, ...]], torch.Tensor], spec: ModelSpec
     for i in range(spec.num_layers):
         p, L = f"model.layers.{i}.", (i,)
         q, k, vv = split(get(f"{LAYER}self_attention.linear_qkv.weight", L))
-        fc1 = get(f"{LAYER}mlp.linear_fc1.weight", L)
         out.update({f"{p}input_layernorm.weight": get(f"{LAYER}self_attention.linear_qkv.layer_norm_weight", L),
                     f"{p}self_attn.q_proj.weight": q, f"{p}self_attn.k_proj.weight": k,
                     f"{p}self_attn.v_proj.weight": vv,
                     f"{p}self_attn.o_proj.weight": get(f"{LAYER}self_attention.linear_proj.weight", L),
-                    f"{p}post_attention_layernorm.weight": get(f"{LAYER}mlp.linear_fc1.layer_norm_weight", L),
-                    f"{p}mlp.gate_proj.weight": fc1[0], f"{p}mlp.up_proj.weight": fc1[1],
-                    f"{p}mlp.down_proj.weight": get(f"{LAYER}mlp.linear_fc2.weight", L)})
+                    f"{p}post_attention_layernorm.weight": get(f"{LAYER}mlp.linear_fc1.layer_norm_weight", L)})
+        if spec.is_moe:
+            out.update(moe_to_hf(get, arch, p, i, spec.num_experts))
+        else:
+            fc1 = get(f"{LAYER}mlp.linear_fc1.weight", L)
+            out.update({f"{p}mlp.gate_proj.weight": fc1[0], f"{p}mlp.up_proj.weight": fc1[1],
+                        f"{p}mlp.down_proj.weight": get(f"{LAYER}mlp.linear_fc2.weight", L)})
         if spec.add_qkv_bias:
             qb, kb, vb = split(get(f"{LAYER}self_attention.linear_qkv.bias", L))
             out.update({f"{p}self_attn.q_proj.bias": qb, f"{p}self_attn.k_proj.bias": kb,

@@ -118,9 +118,13 @@ def _placement(model: list, optimizer: Any) -> GridPlacement:
 
 
 def grid(args) -> dict:
-    """The running grid, as recorded and compared (RNG states are restored only under the same grid)."""
-    return {"world": args.world_size, "tp": args.tensor_model_parallel_size,
-            "pp": args.pipeline_model_parallel_size}
+    """The running grid, as recorded and compared (RNG states are restored only under the same grid); an MoE
+    model's includes its expert parallelism (EP and expert TP)."""
+    out = {"world": args.world_size, "tp": args.tensor_model_parallel_size,
+           "pp": args.pipeline_model_parallel_size}
+    if getattr(args, "num_experts", None):
+        out.update(ep=args.expert_model_parallel_size, etp=args.expert_tensor_parallel_size)
+    return out
 
 
 def _check_params(placement: GridPlacement, where: str, why: str) -> None:

@@ -30,6 +30,7 @@ from hetu_ext.config.megatron_flags import flag_value
 from hetu_ext.config.parse import add_section_flags
 
 from .moe import ckpt_problem as moe_ckpt_problem
+from .moe import weighting_problem as moe_weighting_problem
 from .rehearsal import cpu_rewrite, handoff_rewrite
 
 PROG = "hetu_ext.megatron_lm"
@@ -262,6 +263,9 @@ def _check_native(inv: Invocation) -> None:
             raise ValueError(f"--hetu-straggler-interval weights each data-parallel rank's microbatches, which "
                              f"needs Megatron-LM's sequential sampler; got --dataloader-type {m.dataloader_type} "
                              "(drop it or use single)")
+        problem = moe_weighting_problem(inv.megatron_argv)
+        if problem:
+            raise ValueError(problem)
         if m.rampup_batch_size:
             raise ValueError("--hetu-straggler-interval cannot go with --rampup-batch-size (the microbatch counts "
                              "per rank are fixed by the global batch); drop one")

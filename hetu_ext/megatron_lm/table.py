@@ -19,7 +19,9 @@ from __future__ import annotations
 from hetu_ext.config import build_parser
 from hetu_ext.config.megatron_flags import rule_of
 
-from .flags import HETU_CKPT_UNCOVERED, MOE_FLAGS
+from .flags import HETU_CKPT_UNCOVERED
+from .moe import CKPT_RULES as MOE_CKPT_RULES
+from .moe import is_moe_flag
 from .rehearsal import CPU_DROPPED, CPU_SWITCHES
 
 UNCLASSIFIED = "UNCLASSIFIED"
@@ -30,8 +32,10 @@ WITH_HETU_FEATURES: dict[str, str] = {
                                "no context parallelism)",
     "--rampup-batch-size": "refused with --hetu-straggler-interval (the weighting fixes each rank's microbatches)",
     "--dataloader-type": "cyclic/external refused with --hetu-straggler-interval (it needs the sequential sampler)",
-    "--no-load-optim": "refused with --hetu-ckpt-format hetu (its --load restores the optimizer state)",
-    "--no-load-rng": "refused with --hetu-ckpt-format hetu (its --load restores the RNG state under the saving grid)",
+    "--no-load-optim": "refused with --hetu-ckpt-format hetu when --load holds a hetu checkpoint (its --load restores "
+                       "the optimizer state); a first run, whose --load is its empty --save, takes it",
+    "--no-load-rng": "refused with --hetu-ckpt-format hetu when --load holds a hetu checkpoint (its --load restores the "
+                     "RNG state under the saving grid); a first run takes it",
     "--finetune": "refused with --hetu-ckpt-format hetu (its --load resumes the saved run)",
 }
 """Megatron-LM flags that a ``--hetu-*`` feature of Megatron-LM's loop refuses (:func:`.flags._check_native`)."""
@@ -47,8 +51,12 @@ def megatron_loop(flag: str) -> str:
         notes.append(f"CPU: set ({flag} {value})" if value else "CPU: added if absent")
     if flag in HETU_CKPT_UNCOVERED:
         notes.append(f"refused with --hetu-ckpt-format hetu ({HETU_CKPT_UNCOVERED[flag]})")
-    elif flag.startswith("--moe-") or flag in MOE_FLAGS:
-        notes.append("MoE: refused with --hetu-ckpt-format hetu")
+    elif is_moe_flag(flag):
+        notes.append(f"--hetu-ckpt-format hetu: {MOE_CKPT_RULES[flag]}" if flag in MOE_CKPT_RULES else
+                     "refused with --hetu-ckpt-format hetu (an MoE option it has no rule for)")
+    if flag == "--expert-model-parallel-size":
+        notes.append("values > 1 refused with --hetu-straggler-interval (the experts' all-to-all couples the ranks' "
+                     "layer times)")
     if flag in WITH_HETU_FEATURES:
         notes.append(WITH_HETU_FEATURES[flag])
     if flag in LOOP_NOTES:

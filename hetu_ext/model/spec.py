@@ -68,6 +68,9 @@ class ModelSpec:
     """``--moe-shared-expert-gate``: a sigmoid gate ``(1, h)`` on the shared experts' output (Qwen2-MoE)."""
     moe_router_enable_expert_bias: bool = False
     """``--moe-router-enable-expert-bias``: the router's per-expert bias buffer (aux-loss-free balancing)."""
+    moe_router_pre_softmax: bool = False
+    """``--moe-router-pre-softmax``: the top-k of a softmax over every expert, not renormalised (Qwen2-MoE's
+    ``norm_topk_prob: false``); default: a softmax over the top-k logits (Mixtral's). Routing only: no state."""
     moe_grouped_gemm: bool = False
     """``--moe-grouped-gemm``: one weight per expert set instead of one per expert. Storage only: both are the same
     global expert tensors (the inventory's keys and shapes do not change)."""
