@@ -148,7 +148,7 @@ FAST_MODULES = {
     "test_inventory", "test_layering", "test_layout", "test_lengths", "test_lobra_bound", "test_lora_cli",
     "test_hotspa_pair_exact", "test_hotspa_relaxation_program", "test_malleus_planner", "test_packing", "test_plan",
     "test_plan_options", "test_reshard", "test_sharded_optimizer_layout",
-    "test_step_model",
+    "test_step_model", "test_context_parallel_plans",
 }
 """Modules read and found to hold no gold, e2e or fault-injection test (all in ``make test-fast``). Every test
 module must be named here, in MODULE_KINDS or in TEST_KINDS (tests/test_readme.py checks it), so a new module

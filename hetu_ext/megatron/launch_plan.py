@@ -47,6 +47,10 @@ def check_runnable(plan: Plan) -> None:
             if stage.num_layers == 0:
                 raise PlanError(f"pipeline {i} stage {j}: holds no transformer layer; the plan runtime needs at "
                                 "least one layer per stage, so merge it into an adjacent stage")
+            if stage.cp > 1:
+                raise PlanError(f"pipeline {i} stage {j}: cp {stage.cp}: the plan runtime does not run context "
+                                "parallelism yet (the planners price it); use cp 1, or Megatron-LM's "
+                                "--context-parallel-size on a uniform layout")
 
 
 def parse_migrations(text: str) -> list[tuple[int, str]]:

@@ -12,6 +12,8 @@ default to the first / last stage)::
         stages:
           - {ranks: [3], layers: [0, 4]}
     unused_ranks: [4]
+
+A stage may add ``cp: C`` (context parallelism): its ranks are then C TP groups of ``len(ranks) / C`` ranks.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from hetu_ext.plan.core.plan import Pipeline, Plan, PlanError, Stage
 
 _PLAN_KEYS = {"pipelines", "unused_ranks"}
 _PIPELINE_KEYS = {"stages", "num_microbatches"}
-_STAGE_KEYS = {"ranks", "layers", "has_embedding", "has_output"}
+_STAGE_KEYS = {"ranks", "layers", "has_embedding", "has_output", "cp"}
 
 
 
@@ -61,7 +63,8 @@ def plan_from_dict(data: Any) -> Plan:
                 raise PlanError(f"{where}: layers must be [start, stop), got {layers!r}")
             stages.append(Stage(ranks=tuple(_int_list(s["ranks"], f"{where} ranks")), layer_start=layers[0],
                                 layer_stop=layers[1], has_embedding=bool(s.get("has_embedding", j == 0)),
-                                has_output=bool(s.get("has_output", j == len(stages_raw) - 1))))
+                                has_output=bool(s.get("has_output", j == len(stages_raw) - 1)),
+                                cp=s.get("cp", 1)))
         pipelines.append(Pipeline(stages=tuple(stages), num_microbatches=p.get("num_microbatches", 1)))
     unused = _int_list(data.get("unused_ranks", []) or [], "plan unused_ranks")
     return Plan(pipelines=tuple(pipelines), unused_ranks=tuple(unused))
@@ -72,7 +75,8 @@ def plan_to_dict(plan: Plan) -> dict:
         "pipelines": [
             {"num_microbatches": p.num_microbatches,
              "stages": [{"ranks": list(s.ranks), "layers": [s.layer_start, s.layer_stop],
-                         "has_embedding": s.has_embedding, "has_output": s.has_output} for s in p.stages]}
+                         "has_embedding": s.has_embedding, "has_output": s.has_output,
+                         **({"cp": s.cp} if s.cp > 1 else {})} for s in p.stages]}
             for p in plan.pipelines],
         "unused_ranks": list(plan.unused_ranks),
     }

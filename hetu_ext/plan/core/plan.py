@@ -26,7 +26,8 @@ class Stage:
     """One TP group holding layers ``[layer_start, layer_stop)`` of one pipeline."""
 
     ranks: tuple[int, ...]
-    """Global ranks of the TP group, in TP-rank order."""
+    """Global ranks of the stage, in TP-rank order (with CP: ``cp`` TP groups, CP rank ``k // tp`` and TP rank
+    ``k % tp`` at position k)."""
     layer_start: int
     """First layer held (0-based, inclusive)."""
     layer_stop: int
@@ -35,13 +36,16 @@ class Stage:
     """Holds the word and position embeddings (the first stage of its pipeline)."""
     has_output: bool = False
     """Holds the final norm, output layer and loss (the last stage of its pipeline)."""
+    cp: int = 1
+    """Context-parallel degree (``--context-parallel-size``; YAML ``cp:``): the stage's ranks are ``cp`` TP groups,
+    each holding two load-balanced chunks of every sequence."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ranks", tuple(self.ranks))
 
     @property
     def tp(self) -> int:
-        return len(self.ranks)
+        return len(self.ranks) // self.cp
 
     @property
     def num_layers(self) -> int:
@@ -144,6 +148,10 @@ def validate_plan(plan: Plan, model: ModelSpec | None = None, world_size: int | 
             here = f"{where} stage {j}"
             if not stage.ranks:
                 raise PlanError(f"{here}: a stage needs at least one rank, got ranks=[]; list its TP group's ranks")
+            if isinstance(stage.cp, bool) or not isinstance(stage.cp, int) or stage.cp < 1 \
+                    or len(stage.ranks) % stage.cp:
+                raise PlanError(f"{here}: cp {stage.cp!r} must be an integer >= 1 dividing its {len(stage.ranks)} "
+                                "ranks (cp TP groups of equal size); change cp or the ranks")
             for rank in stage.ranks:
                 if not isinstance(rank, int) or rank < 0:
                     raise PlanError(f"{here}: ranks must be integers >= 0, got {rank!r}")
@@ -188,6 +196,9 @@ def _validate_against_model(plan: Plan, model: ModelSpec, num_layers: int) -> No
                         f"{model.num_layers}; make the last stage stop at layer {model.num_layers}")
     for i, pipeline in enumerate(plan.pipelines):
         for j, stage in enumerate(pipeline.stages):
+            if stage.cp > 1 and model.seq_length % (2 * stage.cp):
+                raise PlanError(f"pipeline {i} stage {j}: --seq-length {model.seq_length} must be divisible by 2 x "
+                                f"cp = {2 * stage.cp} (two chunks per CP rank); change cp or --seq-length")
             for what, size in inventory.tp_problems(model, stage.tp)[:1]:
                 raise PlanError(f"pipeline {i} stage {j}: TP degree {stage.tp} must divide {what} ({size}); "
                                 f"use a TP degree among {_divisors(size)}")
@@ -198,35 +209,39 @@ def _divisors(n: int, limit: int = 16) -> list[int]:
 
 
 def uniform_plan(*, world_size: int, tp: int = 1, pp: int = 1, num_layers: int,
-                 num_microbatches: int = 1) -> Plan:
-    """Megatron-LM's TP x PP x DP grid as a Plan (rank order ``tp-dp-pp``, Megatron's default).
+                 num_microbatches: int = 1, cp: int = 1) -> Plan:
+    """Megatron-LM's TP x CP x PP x DP grid as a Plan (rank order ``tp-cp-dp-pp``, Megatron's default).
 
-    Rank ``r = t + tp * (d + dp * p)`` is TP rank t of stage p of pipeline d. Layers are split as Megatron splits
-    them: evenly, ``num_layers / pp`` per stage.
+    Rank ``r = t + tp * (c + cp * (d + dp * p))`` is TP rank t of CP rank c of stage p of pipeline d. Layers are
+    split as Megatron splits them: evenly, ``num_layers / pp`` per stage.
     """
-    for name, value in (("tensor-model-parallel-size", tp), ("pipeline-model-parallel-size", pp)):
+    for name, value in (("tensor-model-parallel-size", tp), ("pipeline-model-parallel-size", pp),
+                        ("context-parallel-size", cp)):
         if value < 1:
             raise PlanError(f"--{name} must be >= 1, got {value}")
-    if world_size % (tp * pp):
-        raise PlanError(f"world size {world_size} is not divisible by tensor x pipeline parallel size {tp}x{pp}="
-                        f"{tp * pp}; launch a multiple of {tp * pp} ranks or change the parallel sizes")
+    if world_size % (tp * cp * pp):
+        sizes = f"tensor x pipeline parallel size {tp}x{pp}" if cp == 1 else \
+            f"tensor x context x pipeline parallel size {tp}x{cp}x{pp}"
+        raise PlanError(f"world size {world_size} is not divisible by {sizes}={tp * cp * pp}; launch a multiple of "
+                        f"{tp * cp * pp} ranks or change the parallel sizes")
     if num_layers % pp:
         raise PlanError(f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size {pp}; "
                         "use a divisor of the layer count or give an explicit --hetu-plan")
-    dp = world_size // (tp * pp)
+    dp = world_size // (tp * cp * pp)
     per_stage = num_layers // pp
     pipelines = []
     for d in range(dp):
-        stages = [Stage(ranks=tuple(t + tp * (d + dp * p) for t in range(tp)), layer_start=p * per_stage,
-                        layer_stop=(p + 1) * per_stage, has_embedding=p == 0, has_output=p == pp - 1)
+        stages = [Stage(ranks=tuple(t + tp * (c + cp * (d + dp * p)) for c in range(cp) for t in range(tp)),
+                        layer_start=p * per_stage, layer_stop=(p + 1) * per_stage, has_embedding=p == 0,
+                        has_output=p == pp - 1, cp=cp)
                   for p in range(pp)]
         pipelines.append(Pipeline(stages=tuple(stages), num_microbatches=num_microbatches))
     return Plan(pipelines=tuple(pipelines))
 
 
 def uniform_shape(plan: Plan) -> tuple[int, int, int] | None:
-    """``(tp, pp, dp)`` if the plan is exactly Megatron's grid with rank order tp-dp-pp, else None."""
-    if not plan.is_uniform or plan.unused_ranks:
+    """``(tp, pp, dp)`` if the plan is exactly Megatron's grid with rank order tp-dp-pp (no CP), else None."""
+    if not plan.is_uniform or plan.unused_ranks or any(s.cp > 1 for p in plan.pipelines for s in p.stages):
         return None
     first = plan.pipelines[0]
     tps = {s.tp for s in first.stages}
@@ -266,6 +281,9 @@ def neighbours(plan: Plan, rank: int) -> Neighbours:
     where = plan.stage_of(rank)
     if where is None:
         raise PlanError(f"rank {rank} is unused in this plan; it has no pipeline neighbours")
+    if any(s.cp > 1 for s in plan.pipelines[where[0]].stages):
+        raise PlanError(f"rank {rank}: its pipeline has a stage with cp > 1, whose point-to-point peers are not "
+                        "defined yet (the plan runtime does not run context parallelism)")
     stages = plan.pipelines[where[0]].stages
     j = where[1]
     t = stages[j].ranks.index(rank)

@@ -39,7 +39,8 @@ def _holdings(plan: Plan, spec: ModelSpec) -> dict[int, list[tuple[tuple, float,
                     parts.append((("output",), True))
                 elif not stage.has_embedding:
                     parts.append((("word",), True))
-            for t, rank in enumerate(stage.ranks):
+            for k, rank in enumerate(stage.ranks):  # CP ranks hold their TP rank's shard (weights replicated)
+                t = k % stage.tp
                 out.setdefault(rank, []).extend((part, t / stage.tp, (t + 1) / stage.tp) if split else (part, 0.0, 1.0)
                                                 for part, split in parts)
     return out
@@ -75,13 +76,14 @@ def switch_seconds(home: Plan, target: Plan, spec: ModelSpec, *, weight_bytes: i
 
 def allreduce_seconds(plan: Plan, spec: ModelSpec, *, bandwidth: float, grad_bytes: int = 4) -> float:
     """Predicted seconds of a data-parallel gradient all-reduce under ``plan`` (ring: 2 (d-1)/d of each rank's
-    gradient bytes, ``d`` the pipelines), the slowest rank's."""
+    gradient bytes, ``d`` the pipelines times the stage's CP degree: CP ranks hold the same weights), the
+    slowest rank's."""
 
-    d = len(plan.pipelines)
-    if d == 1:
-        return 0.0
     worst = 0.0
     for stage in plan.pipelines[0].stages:
+        d = len(plan.pipelines) * stage.cp
+        if d == 1:
+            continue
         elements = inventory.layer_params(spec, tp=stage.tp) * stage.num_layers
         if stage.has_embedding:
             elements += spec.padded_vocab_size * spec.hidden_size / stage.tp

@@ -178,7 +178,7 @@ def switch_floors_s(home_tp: int, home_pp: int, pool: Sequence[ReplicaShape], mo
     L = model.num_layers
     floors = []
     for shape in pool:
-        if (shape.tp, shape.pp) == (home_tp, home_pp):
+        if (shape.tp, shape.pp) == (home_tp, home_pp):  # (a CP shape's rank holds what its TP rank holds)
             floors.append(0.0)
             continue
         shared = min(L / shape.pp, L / home_pp) * min(1 / shape.tp, 1 / home_tp)

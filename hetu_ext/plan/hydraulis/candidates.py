@@ -18,8 +18,8 @@ from hetu_ext.plan.hydraulis.dynamic_program import group_cost, length_histogram
 
 
 def shapes_name(counts: Sequence[tuple[ReplicaShape, int]]) -> str:
-    """``2xTP8PP1+4xTP2PP1``: replicas per shape, larger TP first."""
-    return "+".join(f"{n}xTP{s.tp}PP{s.pp}" for s, n in sorted(counts, key=lambda x: (-x[0].tp, -x[0].pp)) if n)
+    """``2xTP8PP1+4xTP2PP1`` (``TP2PP1CP4`` for a CP shape): replicas per shape, larger TP first."""
+    return "+".join(f"{n}x{s.name}" for s, n in sorted(counts, key=lambda x: (-x[0].tp, -x[0].pp, -x[0].cp)) if n)
 
 
 def shapes_plan(counts: Sequence[tuple[ReplicaShape, int]], *, model: ModelSpec, world_size: int,
@@ -40,7 +40,7 @@ def shapes_plan(counts: Sequence[tuple[ReplicaShape, int]], *, model: ModelSpec,
 def candidate_strategies(model: ModelSpec, world_size: int, cost: CostTable, lengths: Sequence[int], *,
                          max_len: int, gpus_per_node: int = 8, slowdowns: Mapping[int, float] | None = None,
                          limit: int = 8, batch_tokens: int | None = None, buckets: int = 32,
-                         sampled_batches: int = 0, seed: int = 0) -> StrategySet:
+                         sampled_batches: int = 0, seed: int = 0, cp_degrees: tuple[int, ...] = (1,)) -> StrategySet:
     """Hydraulis's candidate plans for ``lengths`` (a sample of the data's sequence lengths, e.g. a length
     file's; split at ``max_len``) on ``world_size`` GPUs: module docstring, steps 1-4. Each Strategy's
     ``max_len`` is its largest replica's capacity; the home (``StrategySet.home``) is the homogeneous plan that
@@ -50,7 +50,8 @@ def candidate_strategies(model: ModelSpec, world_size: int, cost: CostTable, len
     Selector prices each plan on its own ranks). ``sampled_batches`` (with ``batch_tokens``): also the program's
     plan for each of that many global batches drawn from ``lengths`` (seeded by ``seed``; plans fitted to one
     step's mix rather than the whole file's), after the others, within ``limit``. ValueError (one line) when
-    nothing fits."""
+    nothing fits. ``cp_degrees``: CP shapes in the pool (:func:`shape_pool`); the home is CP-free (it holds the
+    optimizer, on the plan runtime, which does not run CP yet)."""
     if world_size < 1 or max_len < 1 or limit < 1:
         raise ValueError(f"Hydraulis: world_size, max_len and limit must be >= 1, got {world_size}, {max_len}, "
                          f"{limit}")
@@ -58,14 +59,14 @@ def candidate_strategies(model: ModelSpec, world_size: int, cost: CostTable, len
         raise ValueError(f"Hydraulis: max_len {max_len} exceeds the model's seq_length {model.seq_length}; raise "
                          "--seq-length or lower the max length")
     pool = shape_pool(model, cost, world_size=world_size, max_len=max_len, gpus_per_node=gpus_per_node,
-                      slowdowns=slowdowns)
+                      slowdowns=slowdowns, cp_degrees=cp_degrees)
     if not pool:
         raise ValueError(f"Hydraulis: no TP x PP replica of at most {world_size} GPUs holds one token in "
                          f"{cost.device_memory_bytes} bytes per GPU; use more GPUs or GPUs with more memory")
     hist = length_histogram(lengths, max_len=max_len, edges=[s.capacity for s in pool], buckets=buckets,
                             batch_tokens=batch_tokens)
     longest = float(hist.longest[-1])
-    homes = [k for k, s in enumerate(pool) if s.capacity >= max_len and world_size % s.gpus == 0]
+    homes = [k for k, s in enumerate(pool) if s.capacity >= max_len and world_size % s.gpus == 0 and s.cp == 1]
     if not homes:
         raise ValueError(f"Hydraulis: no homogeneous TP x PP x DP over {world_size} GPUs holds max_len {max_len} "
                          f"tokens (the largest capacity is {max(s.capacity for s in pool)}); use more GPUs, GPUs "
@@ -105,7 +106,7 @@ def candidate_strategies(model: ModelSpec, world_size: int, cost: CostTable, len
         cap = max(s.capacity for s, _ in pairs)
         if counts is home_counts:
             s = pool[home_k]
-            plan = uniform_plan(world_size=world_size, tp=s.tp, pp=s.pp, num_layers=model.num_layers,
+            plan = uniform_plan(world_size=world_size, tp=s.tp, pp=s.pp, cp=s.cp, num_layers=model.num_layers,
                                 num_microbatches=world_size // s.gpus)
             home_name = name
         else:

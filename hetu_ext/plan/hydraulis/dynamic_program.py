@@ -27,9 +27,11 @@ def _coefficients(shape: ReplicaShape) -> tuple[float, float, float]:
 
 
 def shape_pool(model: ModelSpec, cost: CostTable, *, world_size: int, max_len: int, gpus_per_node: int = 8,
-               slowdowns: Mapping[int, float] | None = None, prune: bool = True) -> list[ReplicaShape]:
-    """Every replica shape TP x PP of at most ``world_size`` GPUs whose memory holds a token (module docstring,
-    step 1), its capacity at most ``max_len``; with ``prune``, shapes another one dominates are dropped.
+               slowdowns: Mapping[int, float] | None = None, prune: bool = True,
+               cp_degrees: tuple[int, ...] = (1,)) -> list[ReplicaShape]:
+    """Every replica shape TP x PP (or TP x CP, CP of ``cp_degrees`` without PP, the sequence split in 2 cp
+    chunks; default: no CP, which the plan runtime does not run yet) of at most ``world_size`` GPUs whose memory holds a token (module docstring, step 1), its capacity at
+    most ``max_len``; with ``prune``, shapes another one dominates are dropped.
     ``slowdowns``: a straggler's factor scales the time of every shape (the pool prices a replica as if it
     included the slowest rank named, so the candidates stay conservative)."""
     slow = max(dict(slowdowns or {}).values(), default=1.0)
@@ -37,16 +39,17 @@ def shape_pool(model: ModelSpec, cost: CostTable, *, world_size: int, max_len: i
     for tp in sorted(cost.per_tp):
         if tp > gpus_per_node or tp > world_size or inventory.tp_problems(model, tp):
             continue
-        for pp in range(1, min(MAX_PP, model.num_layers) + 1):
-            if model.num_layers % pp or tp * pp > world_size:
+        for pp, cp in [(pp, 1) for pp in range(1, min(MAX_PP, model.num_layers) + 1)] + [
+                (1, cp) for cp in cp_degrees if cp > 1 and model.seq_length % (2 * cp) == 0]:
+            if model.num_layers % pp or tp * cp * pp > world_size:
                 continue
-            plan = uniform_plan(world_size=tp * pp, tp=tp, pp=pp, num_layers=model.num_layers)
+            plan = uniform_plan(world_size=tp * cp * pp, tp=tp, pp=pp, cp=cp, num_layers=model.num_layers)
             try:
                 (replica,) = replica_specs(plan, model, cost, max_pack_tokens=max_len,
-                                           slowdowns=dict.fromkeys(range(tp * pp), slow))
+                                           slowdowns=dict.fromkeys(range(tp * cp * pp), slow))
             except ValueError:
                 continue  # not one token fits
-            out.append(ReplicaShape(tp=tp, pp=pp, capacity=replica.token_capacity, replica=replica))
+            out.append(ReplicaShape(tp=tp, pp=pp, capacity=replica.token_capacity, replica=replica, cp=cp))
     if not prune:
         return out
     keys = [(s.gpus, s.pp, -s.capacity, *_coefficients(s)) for s in out]

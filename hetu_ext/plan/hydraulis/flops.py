@@ -75,12 +75,12 @@ def sync_seconds(plan: Plan, spec: ModelSpec, *, bandwidth: float, grad_bytes: i
     gradient bytes over ``bandwidth`` bytes/s, ``d`` the pipelines), the slowest rank's; heterogeneous pipelines
     priced the same way (each rank's layers and embedding, divided by its TP degree). Equals
     hetu_ext.plan.hotspa.allreduce_seconds on a uniform plan."""
-    d = len(plan.pipelines)
-    if d == 1:
-        return 0.0
     worst = 0.0
     for pipeline in plan.pipelines:
         for stage in pipeline.stages:
+            d = len(plan.pipelines) * stage.cp  # CP ranks hold the same weights: reduced over DP x CP
+            if d == 1:
+                continue
             elements = inventory.layer_params(spec, tp=stage.tp) * stage.num_layers
             if stage.has_embedding:
                 elements += spec.padded_vocab_size * spec.hidden_size / stage.tp

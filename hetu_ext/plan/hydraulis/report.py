@@ -95,8 +95,9 @@ def _plan_once(args, model: ModelSpec, measured: CostTable | None, opts: Options
     for k, s in enumerate(strategies.items):
         caps = {}
         for p, spec in zip(s.plan.pipelines, replica_specs(s.plan, model, cost, max_pack_tokens=s.max_len)):
-            caps[(p.stages[0].tp, p.pp)] = spec.token_capacity
-        reps = ", ".join(f"{tp}x{pp} ({n}): {caps[(tp, pp)]}" for tp, pp, n in replicas_of(s))
+            caps[(p.stages[0].tp, p.pp, p.stages[0].cp)] = spec.token_capacity
+        reps = ", ".join(f"{tp}x{pp}{f' CP{cp}' if cp > 1 else ''} ({n}): {caps[(tp, pp, cp)]}"
+                         for tp, pp, n, cp in replicas_of(s))
         name = s.name + (" (home)" if k == strategies.home else "")
         lines.append(f"{name:<36} {len(s.plan.used_ranks):>4} {s.max_len:>7} {selector.switch_s[k]:>8.3f}  {reps}")
     batches = sample_batches(pieces, tokens=tokens, count=args.batches, seed=args.seed)

@@ -8,13 +8,15 @@ from hetu_ext.plan.core.plan import Plan
 from hetu_ext.plan.core.strategies import Strategy, StrategySet
 
 
-def replicas_of(strategy: Strategy) -> list[tuple[int, int, int]]:
-    """(TP, PP, count) of a strategy's pipelines, larger TP first (the first stage's TP stands for the pipeline)."""
-    counts: dict[tuple[int, int], int] = {}
+def replicas_of(strategy: Strategy) -> list[tuple[int, int, int, int]]:
+    """(TP, PP, count, CP) of a strategy's pipelines, larger TP first (the first stage's TP and CP stand for the
+    pipeline)."""
+    counts: dict[tuple[int, int, int], int] = {}
     for p in strategy.plan.pipelines:
-        key = (p.stages[0].tp, p.pp)
+        key = (p.stages[0].tp, p.pp, p.stages[0].cp)
         counts[key] = counts.get(key, 0) + 1
-    return [(tp, pp, n) for (tp, pp), n in sorted(counts.items(), key=lambda x: (-x[0][0], -x[0][1]))]
+    return [(tp, pp, n, cp) for (tp, pp, cp), n in sorted(counts.items(), key=lambda x: (-x[0][0], -x[0][1],
+                                                                                           -x[0][2]))]
 
 
 def strategies_yaml(strategies: StrategySet, plan_file: Callable[[int], str]) -> tuple[str, dict[str, Plan]]:

@@ -158,15 +158,17 @@ def deployment_plan(deployment: Deployment, *, num_layers: int, gpus_per_node: i
     """The deployment as a Plan: larger strategies first so that TP groups stay inside nodes; layers split evenly
     over each pipeline's stages; one microbatch (packed runs choose their count per step)."""
     pipelines, rank = [], 0
-    for strategy, n in sorted(deployment.counts, key=lambda item: -item[0].tp):
+    for strategy, n in sorted(deployment.counts, key=lambda item: (-item[0].tp, -item[0].cp)):
         per = num_layers // strategy.pp
+        width = strategy.tp * strategy.cp  # a stage: cp TP groups, side by side
         for _ in range(n):
             stages = []
             for p in range(strategy.pp):
-                if rank % gpus_per_node + strategy.tp > gpus_per_node:
+                if rank % gpus_per_node + min(width, gpus_per_node) > gpus_per_node:
                     rank += gpus_per_node - rank % gpus_per_node  # not across a node boundary (never with powers of 2)
-                stages.append(Stage(ranks=tuple(range(rank, rank + strategy.tp)), layer_start=p * per,
-                                    layer_stop=(p + 1) * per, has_embedding=p == 0, has_output=p == strategy.pp - 1))
-                rank += strategy.tp
+                stages.append(Stage(ranks=tuple(range(rank, rank + width)), layer_start=p * per,
+                                    layer_stop=(p + 1) * per, has_embedding=p == 0, has_output=p == strategy.pp - 1,
+                                    cp=strategy.cp))
+                rank += width
             pipelines.append(Pipeline(stages=tuple(stages), num_microbatches=1))
     return Plan(pipelines=tuple(pipelines))

@@ -11,7 +11,7 @@ from hetu_ext.data.packing import ReplicaSpec
 from hetu_ext.model import inventory
 from hetu_ext.model.spec import ModelSpec
 from hetu_ext.plan.core.options import PLAIN, Options
-from hetu_ext.plan.core.replicas import ReplicaShape
+from hetu_ext.plan.core.replicas import ReplicaShape, cp_cost
 from hetu_ext.plan.cost.stage import CostModel
 
 
@@ -45,8 +45,10 @@ def layer_cost(spec: ModelSpec, cost: CostModel, tp: int, options: Options = PLA
 
 def strategy_pool(spec: ModelSpec, cost: CostModel, *, gpu_memory_bytes: float, gpus_per_node: int,
                   max_gpus: int, prune: bool = True, table: CostTable | None = None,
-                  min_capacity: int = MIN_CAPACITY, options: Options = PLAIN) -> list[ReplicaShape]:
-    """Every feasible (tp, pp) (holds >= 1 token per microbatch), dominated ones pruned (module docstring).
+                  min_capacity: int = MIN_CAPACITY, options: Options = PLAIN,
+                  cp_degrees: tuple[int, ...] = (1,)) -> list[ReplicaShape]:
+    """Every feasible (tp, pp), and (tp, cp) without PP for CP of ``cp_degrees`` (:func:`cp_cost`; the sequence
+    split in 2 cp chunks; default: no CP), that holds >= 1 token per microbatch, dominated ones pruned (module docstring).
     ``options`` (FLOP model only): priced by :func:`layer_cost`; under full recomputation the one layer
     recomputing at a time holds its whole activations for a microbatch of up to ``spec.seq_length`` tokens, taken
     off the memory.
@@ -55,30 +57,35 @@ def strategy_pool(spec: ModelSpec, cost: CostModel, *, gpu_memory_bytes: float, 
     out = []
     if table is not None and table.device_memory_bytes is not None:
         gpu_memory_bytes = table.device_memory_bytes
-    for tp, pp in itertools.product(DEGREES, DEGREES):
-        if tp > gpus_per_node or tp * pp > max_gpus or spec.num_layers % pp or inventory.tp_problems(spec, tp):
+    shapes = [(tp, pp, 1) for tp, pp in itertools.product(DEGREES, DEGREES)] + [
+        (tp, 1, cp) for tp, cp in itertools.product(DEGREES, cp_degrees) if cp > 1 and spec.seq_length % (2 * cp) == 0]
+    for tp, pp, cp in shapes:
+        if tp > gpus_per_node or tp * cp * pp > max_gpus or spec.num_layers % pp or inventory.tp_problems(spec, tp):
             continue
         if table is not None and tp not in table.per_tp:
             continue
         layer = table.for_tp(tp) if table is not None else layer_cost(spec, cost, tp, options)
+        layer = cp_cost(layer, spec, tp=tp, cp=cp, link_bytes_per_s=cost.inter_node_bytes_per_s if tp * cp >
+                        gpus_per_node else cost.intra_node_bytes_per_s, dtype_bytes=cost.dtype_bytes)
         stage = layer.times_layers(spec.num_layers // pp)
         memory = gpu_memory_bytes
         if table is None and options.recompute == "full":
-            memory -= spec.seq_length * inventory.activation_bytes_per_token(
+            memory -= spec.seq_length / cp * inventory.activation_bytes_per_token(
                 spec, tp=tp, attention_scores=False, sequence_parallel=options.sequence_parallel and tp > 1
             ) * cost.dtype_bytes / 2
         capacity = int((memory - stage.memory_fixed_bytes) // (stage.memory_per_token_bytes * pp))
         if capacity < 1:
             continue
-        out.append(ReplicaShape(tp, pp, capacity, ReplicaSpec(stage_costs=(stage,) * pp, token_capacity=capacity)))
+        out.append(ReplicaShape(tp, pp, capacity, ReplicaSpec(stage_costs=(stage,) * pp, token_capacity=capacity),
+                                cp=cp))
     if not prune:
         return out
     # pipeline stages add GPUs and bubbles but barely any capacity (1F1B keeps pp microbatches in flight on the
     # first stage): per TP degree keep the fewest stages holding MIN_CAPACITY tokens; then drop a strategy when
     # another of no more GPUs holds as many tokens at no higher GPU-seconds per token
     kept = []
-    for tp in sorted({s.tp for s in out}):
-        mine = sorted((s for s in out if s.tp == tp), key=lambda s: s.pp)
+    for tp, cp in sorted({(s.tp, s.cp) for s in out}):
+        mine = sorted((s for s in out if (s.tp, s.cp) == (tp, cp)), key=lambda s: s.pp)
         kept.append(mine[0])  # the fewest stages that fit at all
         enough = [s for s in mine if s.capacity >= min_capacity]
         if enough and enough[0] is not mine[0]:

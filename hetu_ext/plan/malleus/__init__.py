@@ -146,18 +146,19 @@ def _groups(cluster: Cluster, tp: int, cutoff: float) -> tuple[list[tuple[tuple[
 
 
 def _evaluate(spec: ModelSpec, cost: CostModel, cluster: Cluster, pipelines_groups, tp: int, micro_batch: int,
-              num_microbatches: int, options: Options = PLAIN):
-    """Split layers and microbatches for pipelines given as lists of (ranks, slowdown) under ``options``
+              num_microbatches: int, options: Options = PLAIN, cp: int = 1):
+    """Split layers and microbatches for pipelines given as lists of (ranks, slowdown) (each group ``cp`` TP
+    groups of ``tp``: stage_cost's context parallelism) under ``options``
     (``cost.optimizer_sharded`` or ``options.distributed_optimizer`` shards the optimizer state); None if
     infeasible, else (step, splits, microbatches, capped): ``capped`` when a stage's memory bound its layer split."""
     stages_all, bottleneck, fill = [], [], []
     memo: dict = {}
-    holders = len(pipelines_groups)  # every element is held once per pipeline: the sharded optimizer's divisor
+    holders = len(pipelines_groups) * cp  # each element is held once per pipeline and CP rank: the sharded divisor
     sharded = cost.optimizer_sharded or options.distributed_optimizer
     if sharded != cost.optimizer_sharded:
         cost = dataclasses.replace(cost, optimizer_sharded=sharded)
     knobs = {"recompute": options.recompute, "sequence_parallel": options.sequence_parallel and tp > 1,
-             "optimizer_holders": holders}
+             "optimizer_holders": holders, "cp": cp}
 
     def terms(x: float, j: int, p: int) -> tuple[float, float, int]:
         """(seconds per layer, fixed seconds, layer capacity) of stage j of p at slowdown x (memoised)."""
@@ -200,6 +201,16 @@ def _evaluate(spec: ModelSpec, cost: CostModel, cluster: Cluster, pipelines_grou
     return step, stages_all, mbs, capped
 
 
+def _widths(cluster: Cluster, spec: ModelSpec, tp_degrees: tuple[int, ...], cp_degrees: tuple[int, ...]):
+    """(tp, cp) pairs whose stage (``tp cp`` GPUs) fits a node, TP splitting the model, CP the sequence."""
+    for tp in tp_degrees:
+        for cp in cp_degrees:
+            if tp * cp > cluster.gpus_per_node or inventory.tp_problems(spec, tp) or (
+                    cp > 1 and spec.seq_length % (2 * cp)):
+                continue
+            yield tp, cp
+
+
 def kept_in_place(plan: Plan, current: Plan) -> int:
     """(rank, layer) pairs that stay where they are, held with the same TP group: what a migration need not move."""
     kept = 0
@@ -216,8 +227,12 @@ def kept_in_place(plan: Plan, current: Plan) -> int:
 def plan_malleus(cluster: Cluster, spec: ModelSpec, *, micro_batch: int, num_microbatches: int,
                  cost: CostModel = CostModel(), tp_degrees: tuple[int, ...] = (1, 2, 4, 8),
                  stages_per_pipeline: tuple[int, ...] = (1, 2, 4, 8, 16), current: Plan | None = None,
-                 keep_tolerance: float = 0.02, options: Sequence[Options] | None = None) -> PlannedStep:
+                 keep_tolerance: float = 0.02, options: Sequence[Options] | None = None,
+                 cp_degrees: tuple[int, ...] = (1,)) -> PlannedStep:
     """The best plan over the templates; ValueError naming what would fit if no template fits in memory.
+
+    ``cp_degrees``: context-parallel degrees searched beside each TP degree (a stage is then ``cp`` TP groups of
+    one node, ``tp cp`` GPUs: stage_cost's CP; the sequence must split in 2 cp chunks). Default: no CP.
 
     ``options``: the option sets searched with each template (hetu_ext.plan.core.options.search_space: recomputation,
     sequence parallelism, distributed optimizer), lightest first; a heavier set is priced only when the lighter
@@ -232,14 +247,12 @@ def plan_malleus(cluster: Cluster, spec: ModelSpec, *, micro_batch: int, num_mic
     cutoffs = sorted({cluster.slowdown(r) for r in range(cluster.world_size)}, reverse=True)[:4]
     slack = 1 + keep_tolerance if current is not None else 1.0
     best_step = float("inf")
-    for tp in tp_degrees:
-        if tp > cluster.gpus_per_node or inventory.tp_problems(spec, tp):
-            continue
+    for tp, cp in _widths(cluster, spec, tp_degrees, cp_degrees):
         whole = stage_cost(spec, cost, num_layers=spec.num_layers, tp=tp, slowdown=1.0, micro_batch=micro_batch,
-                           first=True, last=True, in_flight=1)
+                           first=True, last=True, in_flight=1, cp=cp)
         model_s = whole.forward_s + whole.backward_s  # one microbatch through every stage, no recomputation
         for cutoff in cutoffs:
-            groups, unused = _groups(cluster, tp, cutoff)
+            groups, unused = _groups(cluster, tp * cp, cutoff)
             if not groups:
                 continue
             for pp in stages_per_pipeline:
@@ -258,13 +271,13 @@ def plan_malleus(cluster: Cluster, spec: ModelSpec, *, micro_batch: int, num_mic
                 if num_microbatches * model_s / sum(1 / x for pipe in pipes for _, x in pipe) > best_step * slack:
                     continue
                 for opts in searched:
-                    result = _evaluate(spec, cost, cluster, pipes, tp, micro_batch, num_microbatches, opts)
+                    result = _evaluate(spec, cost, cluster, pipes, tp, micro_batch, num_microbatches, opts, cp)
                     if result is None:
                         continue
                     step, splits, mbs, capped = result
                     best_step = min(best_step, step)
                     candidates.append((step, tp, cutoff, pp, pipes, splits, mbs,
-                                       unused + [r for g, _ in spare for r in g], opts))
+                                       unused + [r for g, _ in spare for r in g], opts, cp))
                     if not capped:
                         break
     if not candidates:
@@ -278,7 +291,7 @@ def plan_malleus(cluster: Cluster, spec: ModelSpec, *, micro_batch: int, num_mic
 
 
 def _build(cluster: Cluster, spec: ModelSpec, candidate, *, show_options: bool = False) -> PlannedStep:
-    step, tp, cutoff, pp, pipes, splits, mbs, unused, opts = candidate
+    step, tp, cutoff, pp, pipes, splits, mbs, unused, opts, cp = candidate
     unused = list(unused)
     pipelines = []
     for groups, split, m in zip(pipes, splits, mbs):
@@ -288,13 +301,14 @@ def _build(cluster: Cluster, spec: ModelSpec, candidate, *, show_options: bool =
         stages, start = [], 0
         for j, ((ranks, _), n) in enumerate(zip(groups, split)):
             stages.append(Stage(ranks=ranks, layer_start=start, layer_stop=start + n, has_embedding=j == 0,
-                                has_output=j == len(groups) - 1))
+                                has_output=j == len(groups) - 1, cp=cp))
             start += n
         pipelines.append(Pipeline(stages=tuple(stages), num_microbatches=m))
     plan = Plan(pipelines=tuple(pipelines), unused_ranks=tuple(sorted(unused)))
     plan.validate(spec, cluster.world_size)
     return PlannedStep(plan=plan, predicted_step_s=step, options=opts,
-                       template=f"tp={tp} cutoff={cutoff:g} stages/pipeline={pp}"
+                       template=f"tp={tp}" + (f" cp={cp}" if cp > 1 else "") + f" cutoff={cutoff:g} "
+                       f"stages/pipeline={pp}"
                        + (f" {opts.name}" if show_options else ""))
 
 
@@ -328,7 +342,8 @@ def plan_step_s(plan: Plan, cluster: Cluster, spec: ModelSpec, *, micro_batch: i
             c = stage_cost(spec, cost, num_layers=stage.num_layers, tp=stage.tp,
                            slowdown=max(cluster.slowdown(r) for r in stage.ranks), micro_batch=micro_batch,
                            first=stage.has_embedding, last=stage.has_output, in_flight=pipeline.pp - j,
-                           recompute=options.recompute, sequence_parallel=options.sequence_parallel and stage.tp > 1)
+                           recompute=options.recompute, sequence_parallel=options.sequence_parallel and stage.tp > 1,
+                           cp=stage.cp)
             fwd.append(c.forward_s)
             bwd.append(c.backward_s)
         run = one_f_one_b if exact else pipeline_time_closed_form
@@ -353,7 +368,8 @@ def work_bound_s(cluster: Cluster, spec: ModelSpec, *, micro_batch: int, num_mic
 
 
 def microbatch_bound_s(cluster: Cluster, spec: ModelSpec, *, micro_batch: int, num_microbatches: int,
-                       cost: CostModel = CostModel(), tp_degrees: tuple[int, ...] = (1, 2, 4, 8)) -> float:
+                       cost: CostModel = CostModel(), tp_degrees: tuple[int, ...] = (1, 2, 4, 8),
+                       cp_degrees: tuple[int, ...] = (1,)) -> float:
     """A lower bound on the predicted step time of every plan with one TP degree (every Malleus template, any
     option set), counting whole microbatches: tighter than :func:`work_bound_s` where the batch does not divide
     evenly over the GPUs.
@@ -368,21 +384,20 @@ def microbatch_bound_s(cluster: Cluster, spec: ModelSpec, *, micro_batch: int, n
     group, so the healthy groups (at most the sum over nodes of floor(healthy GPUs / t)) take at most
     ``N floor(y)``; each GPU slower than 1 adds at most ``(y - 1) / x + 1`` (its share of a pipeline's s, and
     that pipeline's one extra microbatch). The least T
-    where that reaches ``num_microbatches`` bounds every plan of TP t; the bound is the least over t."""
+    where that reaches ``num_microbatches`` bounds every plan of TP t; the bound is the least over t. A CP degree
+    c (``cp_degrees``) is the same argument for groups of ``t c`` GPUs with F at CP c."""
     best = float("inf")
     slow = [cluster.slowdown(r) for r in range(cluster.world_size) if cluster.slowdown(r) > 1.0]
-    for t in tp_degrees:
-        if t > cluster.gpus_per_node or inventory.tp_problems(spec, t):
-            continue
+    for t, c in _widths(cluster, spec, tp_degrees, cp_degrees):
         whole = stage_cost(spec, cost, num_layers=spec.num_layers, tp=t, slowdown=1.0, micro_batch=micro_batch,
-                           first=True, last=True, in_flight=1)
+                           first=True, last=True, in_flight=1, cp=c)
         f = whole.forward_s + whole.backward_s
-        groups = sum(sum(1 for r in node if cluster.slowdown(r) <= 1.0) // t for node in cluster.nodes)
+        groups = sum(sum(1 for r in node if cluster.slowdown(r) <= 1.0) // (t * c) for node in cluster.nodes)
         # a slowdown x scales a layer's compute, not its all-reduce: a stage is at least x' = (x C + K) / (C + K)
         # times its share of F (C, K: a layer's compute and all-reduce seconds at TP t; the embedding and output
         # have no all-reduce, so their x' is x, larger)
         one, two = (stage_cost(spec, cost, num_layers=1, tp=t, slowdown=x, micro_batch=micro_batch, first=False,
-                               last=False, in_flight=1) for x in (1.0, 2.0))
+                               last=False, in_flight=1, cp=c) for x in (1.0, 2.0))
         compute = (two.forward_s + two.backward_s) - (one.forward_s + one.backward_s)
         comm = (one.forward_s + one.backward_s) - compute
         effective = [(x * compute + comm) / (compute + comm) for x in slow]
