@@ -85,8 +85,8 @@ class Candidates:
 
 
 def candidates(spec: ModelSpec, gpus: int, cost: CostTable, batch_list: list[list[int]], *,
-               bandwidth: float) -> Candidates:
-    items = auto_strategies(spec, gpus, cost, max_pp=8).items
+               bandwidth: float, cp_degrees: tuple[int, ...] = (1,)) -> Candidates:
+    items = auto_strategies(spec, gpus, cost, max_pp=8, cp_degrees=cp_degrees).items
     longest = max(max(b) for b in batch_list)
     holding = [k for k, s in enumerate(items) if s.max_len >= longest]
     if not holding:
@@ -105,8 +105,8 @@ def candidates(spec: ModelSpec, gpus: int, cost: CostTable, batch_list: list[lis
 
 
 def predicted_row(spec: ModelSpec, gpus: int, cost: CostTable, batch_list: list[list[int]], *, bandwidth: float,
-                  bound_time_limit_s: float = 60.0) -> dict:
-    row = candidates(spec, gpus, cost, batch_list, bandwidth=bandwidth)
+                  bound_time_limit_s: float = 60.0, cp_degrees: tuple[int, ...] = (1,)) -> dict:
+    row = candidates(spec, gpus, cost, batch_list, bandwidth=bandwidth, cp_degrees=cp_degrees)
     home, static_s, switch, allreduce = row.home, row.static_s, row.switch, row.allreduce
     items, static_k = home.items, home.home  # every shape that fits: what --hetu-hotspa auto offers
     pricer = GroupPricer(home, spec, cost)
@@ -224,6 +224,10 @@ def main() -> None:
                         help="multiply the emulated cluster's times (x5: a layer pass well above the CPU's own)")
     parser.add_argument("--skip-emulated", action="store_true")
     parser.add_argument("--skip-predicted", action="store_true")
+    parser.add_argument("--cp-degrees", type=lambda s: tuple(int(x) for x in s.split(",")), default=(1,),
+                        help="context-parallel degrees in the space of HotSPa and of the static strategies alike "
+                        "(1,2,4,8 with CP; the rows of docs/cost_model.md before issue 48: 1); a Megatron hybrid-CP "
+                        "row (benchmarks/hybrid_cp.py) is printed with each row when CP is in the space")
     args = parser.parse_args()
 
     measured = load_cost_table(args.cost_model) if args.cost_model else None
@@ -250,7 +254,11 @@ def main() -> None:
                                                     cost=CostModel(intra_node_bytes_per_s=args.tp_bandwidth * 1e9))
                 try:
                     row = predicted_row(spec, gpus, cost, batch_list, bandwidth=args.bandwidth * 1e9,
-                                        bound_time_limit_s=args.bound_time_limit)
+                                        bound_time_limit_s=args.bound_time_limit, cp_degrees=args.cp_degrees)
+                    if args.cp_degrees != (1,):
+                        from benchmarks.hybrid_cp import best_hybrid
+
+                        row["hybrid"] = best_hybrid(spec, gpus, cost, batch_list, bandwidth=args.bandwidth * 1e9)
                 except SystemExit:
                     continue  # no strategy under these options holds the longest sequence
                 row["options"] = opts.name
@@ -260,10 +268,16 @@ def main() -> None:
             row.update(max_len=max_len, static=f"{static['static']} {static['options']}", static_s=static["static_s"],
                        bound_s=min(r["bound_s"] for r in per_option), per_option=per_option)
             row.update(ceiling_fields(row["static_s"], row["hotspa_s"], row["bound_s"]))
+            hybrid = [(r["hybrid"][1], f"{r['hybrid'][0]} {r['options']}") for r in per_option if r.get("hybrid")]
+            if hybrid:  # Megatron's hybrid CP beside the static best; HotSPa's gain over the stronger of the two
+                row.update(hybrid_s=min(hybrid)[0], hybrid=min(hybrid)[1],
+                           gain_over_stronger=min(row["static_s"], min(hybrid)[0]) / row["hotspa_s"])
             predicted.append(row)
             shares.print_row([gpus, max_len] + [row[k] for k in ("static", "static_s", "hotspa_s", "switch_s", "gain",
                                                                  "bound_s", "ceiling", "share_of_ceiling")],
-                             f"{row['options']}: {', '.join(row['hotspa_strategies'])}")
+                             f"{row['options']}: {', '.join(row['hotspa_strategies'])}" + (
+                                 f"; hybrid CP {row['hybrid']} {row['hybrid_s']:.3f} s, gain over the stronger "
+                                 f"{row['gain_over_stronger']:.3f}x" if "hybrid_s" in row else ""))
 
     emulated = []
     if not args.skip_emulated:

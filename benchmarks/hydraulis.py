@@ -101,24 +101,27 @@ def cost_for(spec: ModelSpec, args: argparse.Namespace, options: Options = PLAIN
 
 
 def megatron_best(spec: ModelSpec, gpus: int, cost: CostTable, batches: list[list[int]], *, max_len: int,
-                  bandwidth: float) -> dict:
-    """The best homogeneous TP x PP x DP holding ``max_len`` with Megatron-LM's packing (module docstring)."""
+                  bandwidth: float, cp_degrees: tuple[int, ...] = (1,)) -> dict:
+    """The best homogeneous TP x PP x DP (or TP x CP x DP, CP of ``cp_degrees``) holding ``max_len`` with
+    Megatron-LM's packing (module docstring)."""
     rows = []
-    for tp in sorted(cost.per_tp):
-        for pp in range(1, MAX_PP + 1):
-            if gpus % (tp * pp) or spec.num_layers % pp or tp > 8 or spec.num_attention_heads % tp:
-                continue
-            plan = uniform_plan(world_size=gpus, tp=tp, pp=pp, num_layers=spec.num_layers)
-            try:
-                replicas = replica_specs(plan, spec, cost, max_pack_tokens=max_len)
-            except ValueError:
-                continue
-            if replicas[0].token_capacity < max_len:
-                continue
-            sync = sync_seconds(plan, spec, bandwidth=bandwidth)
-            doc = [megatron_time_s(np.asarray(b), replicas, max_len, causal=False) + sync for b in batches]
-            causal = [megatron_time_s(np.asarray(b), replicas, max_len, causal=True) + sync for b in batches]
-            rows.append((float(np.mean(doc)), float(np.mean(causal)), f"tp{tp}pp{pp}dp{gpus // (tp * pp)}"))
+    shapes = [(tp, pp, 1) for tp in sorted(cost.per_tp) for pp in range(1, MAX_PP + 1)] + [
+        (tp, 1, cp) for tp in sorted(cost.per_tp) for cp in cp_degrees if cp > 1 and max_len % (2 * cp) == 0]
+    for tp, pp, cp in shapes:
+        if gpus % (tp * pp * cp) or spec.num_layers % pp or tp > 8 or spec.num_attention_heads % tp:
+            continue
+        plan = uniform_plan(world_size=gpus, tp=tp, pp=pp, cp=cp, num_layers=spec.num_layers)
+        try:
+            replicas = replica_specs(plan, spec, cost, max_pack_tokens=max_len)
+        except ValueError:
+            continue
+        if replicas[0].token_capacity < max_len:
+            continue
+        sync = sync_seconds(plan, spec, bandwidth=bandwidth)
+        doc = [megatron_time_s(np.asarray(b), replicas, max_len, causal=False) + sync for b in batches]
+        causal = [megatron_time_s(np.asarray(b), replicas, max_len, causal=True) + sync for b in batches]
+        rows.append((float(np.mean(doc)), float(np.mean(causal)),
+                     f"tp{tp}" + (f"cp{cp}" if cp > 1 else "") + f"pp{pp}dp{gpus // (tp * pp * cp)}"))
     if not rows:
         raise SystemExit(f"no homogeneous strategy over {gpus} GPUs holds {max_len} tokens")
     best = min(rows)
@@ -127,10 +130,11 @@ def megatron_best(spec: ModelSpec, gpus: int, cost: CostTable, batches: list[lis
 
 def predicted_row(name: str, spec: ModelSpec, gpus: int, cost: CostTable, pieces: np.ndarray,
                   batches: list[list[int]], *, max_len: int, bandwidth: float, limit: int = 8,
-                  sampled: int = 0) -> dict:
+                  sampled: int = 0, cp_degrees: tuple[int, ...] = (1,)) -> dict:
     start, cpu = time.perf_counter(), time.process_time()
     strategies = candidate_strategies(spec, gpus, cost, pieces, max_len=max_len, batch_tokens=TOKENS_PER_GPU * gpus,
-                                      limit=limit, sampled_batches=sampled, seed=10_000 + gpus)
+                                      limit=limit, sampled_batches=sampled, seed=10_000 + gpus,
+                                      cp_degrees=cp_degrees)
     candidates_s, candidates_cpu_s = time.perf_counter() - start, time.process_time() - cpu
     items = strategies.items
     selector = Selector(strategies, spec, cost, bandwidth=bandwidth)
@@ -163,7 +167,7 @@ def predicted_row(name: str, spec: ModelSpec, gpus: int, cost: CostTable, pieces
                 exact[j].append(known[-1] + sync_seconds(s.plan, spec, bandwidth=bandwidth))
         uppers.append(min(known, default=None))
     static = min((float(np.mean(v)), items[j].name) for j, v in exact.items() if len(v) == len(batches))
-    pool = shape_pool(spec, cost, world_size=gpus, max_len=max_len, prune=False)
+    pool = shape_pool(spec, cost, world_size=gpus, max_len=max_len, prune=False, cp_degrees=cp_degrees)
     # the candidates' home is fixed and its all-reduce is paid every step: on top of any one plan's compute
     # per batch: the home (its packer's certified bound; a plan of fewer home replicas is no faster), or any other
     # plan (one_plan_bound_s, its switch included: at least the largest floor of its shapes)
@@ -176,7 +180,7 @@ def predicted_row(name: str, spec: ModelSpec, gpus: int, cost: CostTable, pieces
                                                 whole_replicas=True))
                            for b, u in zip(batches, uppers)])) + home_sync
     row = {"model": name, "gpus": gpus, "max_len": max_len, "lengths": None,
-           **megatron_best(spec, gpus, cost, batches, max_len=max_len, bandwidth=bandwidth),
+           **megatron_best(spec, gpus, cost, batches, max_len=max_len, bandwidth=bandwidth, cp_degrees=cp_degrees),
            "static_hetero_s": static[0], "static_hetero": static[1], "dynamic_s": float(np.mean(dynamic)),
            "one_plan_bound_s": bound,
            "chosen": sorted(set(chosen)), "candidates": len(items), "home": items[strategies.home].name,
@@ -272,6 +276,10 @@ def main() -> None:
     parser.add_argument("--bandwidth", type=float, default=100.0, help="GB/s per GPU: switches and all-reduce")
     parser.add_argument("--tp-bandwidth", type=float, default=150.0, help="GB/s of the TP all-reduces (NVLink)")
     parser.add_argument("--cost-model", default=None, help="a measured cost table (YAML) instead of the FLOP model")
+    parser.add_argument("--cp-degrees", type=lambda s: tuple(int(x) for x in s.split(",")), default=(1,),
+                        help="context-parallel degrees in the candidates' pool and Megatron's homogeneous baseline "
+                        "alike (1,2,4,8 with CP; the saved rows before issue 48: 1); with CP a Megatron hybrid-CP "
+                        "row (benchmarks/hybrid_cp.py) is printed beside each")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--emulated", action="store_true", help="also the emulated CPU rows")
     parser.add_argument("--emulation-scale", type=float, default=10.0, help="emulated: the cost file's times x this")
@@ -317,7 +325,11 @@ def main() -> None:
                     try:
                         one = predicted_row(name, spec, gpus, cost, pieces, batches, max_len=max_len,
                                             bandwidth=args.bandwidth * 1e9, limit=args.limit,
-                                            sampled=args.sampled_batches)
+                                            sampled=args.sampled_batches, cp_degrees=args.cp_degrees)
+                        if args.cp_degrees != (1,):
+                            from benchmarks.hybrid_cp import best_hybrid
+
+                            one["hybrid"] = best_hybrid(spec, gpus, cost, batches, bandwidth=args.bandwidth * 1e9)
                     except (ValueError, SystemExit):
                         continue  # nothing under these options holds max_len
                     one["options"] = opts.name
@@ -330,13 +342,19 @@ def main() -> None:
                            one_plan_bound_s=min(r["one_plan_bound_s"] for r in per_option),
                            lengths=Path(args.lengths).name, per_option=per_option)
                 row.update(ceiling_fields(row["megatron_s"], row["dynamic_s"], row["one_plan_bound_s"]))
+                hybrid = [(r["hybrid"][1], f"{r['hybrid'][0]} {r['options']}") for r in per_option if r.get("hybrid")]
+                if hybrid:  # Megatron's hybrid CP beside its best static strategy; the gain over the stronger
+                    row.update(hybrid_s=min(hybrid)[0], hybrid=min(hybrid)[1],
+                               gain_over_stronger=min(row["megatron_s"], min(hybrid)[0]) / row["dynamic_s"])
                 predicted.append(row)
                 shares.print_row([name, gpus, max_len, row["megatron"], row["megatron_s"], row["megatron_causal_s"],
                                   row["static_hetero_s"], row["dynamic_s"], row["gain"],
                                   row["static_hetero_s"] / row["dynamic_s"], row["one_plan_bound_s"], row["ceiling"],
                                   row["share_of_ceiling"], row["candidates_s"], row["select_ms"],
                                   row["select_max_ms"], row["select_cpu_ms"]],
-                                 f"{row['options']}: {', '.join(row['chosen'])} ({row['home']})")
+                                 f"{row['options']}: {', '.join(row['chosen'])} ({row['home']})" + (
+                                     f"; hybrid CP {row['hybrid']} {row['hybrid_s']:.3f} s, gain over the "
+                                     f"stronger {row['gain_over_stronger']:.3f}x" if "hybrid_s" in row else ""))
     emulated = emulated_rows(args)
     print_result({"predicted": predicted, "emulated": emulated})
 

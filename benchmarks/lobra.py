@@ -51,7 +51,7 @@ USABLE_BYTES = 0.9 * 80e9
 
 
 def predicted(steps: int, cost_model: str | None = None, lengths: str | None = None,
-              search: bool = True) -> list[dict]:
+              search: bool = True, cp_degrees: tuple[int, ...] = (1,)) -> list[dict]:
     from hetu_ext.data.cost import load_cost_table
     from hetu_ext.data.lengths import read_lengths
     from hetu_ext.plan import ModelSpec
@@ -93,14 +93,14 @@ def predicted(steps: int, cost_model: str | None = None, lengths: str | None = N
         per = []
         for opts in options:
             pool = strategy_pool(spec, lobra_cost_model(), gpu_memory_bytes=USABLE_BYTES, gpus_per_node=8,
-                                 max_gpus=gpus, table=table, options=opts)
+                                 max_gpus=gpus, table=table, options=opts, cp_degrees=cp_degrees)
             strategy, homo = homogeneous_s(pool, batches, world_size=gpus, max_len=MAX_LEN)
             _, causal = homogeneous_s(pool, batches, world_size=gpus, max_len=MAX_LEN, packing="concat-causal")
             _, balanced = homogeneous_s(pool, batches, world_size=gpus, max_len=MAX_LEN, packing="hetu")
             seq = sequential_s(pool, batches, world_size=gpus, max_len=MAX_LEN)
             best = plan_deployment(pool, batches, world_size=gpus, max_len=MAX_LEN)
             full_pool = strategy_pool(spec, lobra_cost_model(), gpu_memory_bytes=USABLE_BYTES, gpus_per_node=8,
-                                      max_gpus=gpus, prune=False, table=table, options=opts)
+                                      max_gpus=gpus, prune=False, table=table, options=opts, cp_degrees=cp_degrees)
             per.append({"options": opts.name, "homogeneous_gpu_s": homo * gpus, "sequential_gpu_s": seq * gpus,
                         "lobra_gpu_s": best.step_s * gpus, "homogeneous_causal_gpu_s": causal * gpus,
                         "homogeneous_balanced_gpu_s": balanced * gpus, "deployment": best.describe(),
@@ -210,8 +210,11 @@ def main() -> None:
     parser.add_argument("--options", choices=("search", "plain"), default="search",
                         help="predicted part: search no/full recomputation with sequence parallelism for the "
                         "homogeneous replicas and LobRA alike; plain: neither")
+    parser.add_argument("--cp-degrees", type=lambda s: tuple(int(x) for x in s.split(",")), default=(1,),
+                        help="predicted part: context-parallel degrees in the pool of LobRA and of the homogeneous "
+                        "baseline alike (1,2,4,8 with CP; the saved rows before issue 48: 1)")
     args = parser.parse_args()
-    rows = predicted(args.steps, args.cost_model, args.lengths, args.options == "search") \
+    rows = predicted(args.steps, args.cost_model, args.lengths, args.options == "search", args.cp_degrees) \
         if args.part != "emulated" else []
     emulated_rows = emulated(args.emulated_steps) if args.part != "predicted" else []
     print_result({"predicted": rows, "emulated": emulated_rows})

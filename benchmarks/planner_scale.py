@@ -1,6 +1,7 @@
 """Malleus planner: planning time and predicted speed-up over Megatron's uniform plans, 64 to 4096 GPUs.
 
     python -m benchmarks.planner_scale [--seed 0] [--tp-efficiency configs/calibration/tp_efficiency_cpu.yaml]
+        [--cp-degrees 1,2,4,8] [--seq-length 4096]
 
 A GPT of 32 layers, hidden 4096, 32 heads, sequence 4096, micro batch 1, 4 microbatches per GPU of global batch;
 nodes of 8 GPUs with 80 GiB. Stragglers: 1% and 5% of the GPUs, slowdowns drawn from Malleus's experiments
@@ -17,7 +18,8 @@ Planning time is the median of 3 runs of the pure planner (no process group), wa
 process CPU time (``cpu_s``: single-threaded, what it costs on an idle core when the machine is shared). Targets:
 <= 0.1 s at 64 GPUs, <= 1 s at 1024 and 4096. The TP efficiencies are the cost model's assumed constants unless
 ``--tp-efficiency FILE`` gives measured ones (``python -m hetu_ext.data.calibrate``; degrees not in it keep the
-constants). Ends with one JSON line.
+constants). ``--cp-degrees``: context-parallel degrees searched by the planner, its bound and the best uniform
+layout alike (default 1: none); ``--seq-length`` the model's sequence. Ends with one JSON line.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ SLOWDOWNS = (1.5, 2.0, 3.0, 5.0, 12.5)
 
 def best_uniform(cluster: Cluster, spec: ModelSpec, *, micro_batch: int, num_microbatches: int,
                  cost: CostModel = CostModel(), tp_degrees: tuple[int, ...] = (1, 2, 4, 8),
-                 options: Sequence[Options] = (PLAIN,)) -> dict:
+                 options: Sequence[Options] = (PLAIN,), cp_degrees: tuple[int, ...] = (1,)) -> dict:
     """The fastest Megatron uniform layout (TP x PP x DP, rank order tp-dp-pp) on the cluster or on what is left
     of it after dropping every rank slower than a cutoff (each distinct slowdown tried, keep-all included).
 
@@ -54,37 +56,42 @@ def best_uniform(cluster: Cluster, spec: ModelSpec, *, micro_batch: int, num_mic
     layout loses to them). Ranks beyond the pp x dp groups stay spare (DP must divide the global batch: with 256
     microbatches, 63 healthy GPUs run a layout of 32). Returns ``{"step_s", "tp", "pp", "dp", "ranks", "dropped",
     "slowdowns"}``: ``ranks`` the original ranks in the layout's rank order, ``slowdowns`` by the layout's rank,
-    ``dropped`` the ranks it leaves out (too slow, or spare)."""
+    ``dropped`` the ranks it leaves out (too slow, or spare). ``cp_degrees``: each stage ``cp`` TP groups of one
+    node (rank order tp-cp-dp-pp)."""
     best = None
     cutoffs = sorted({cluster.slowdown(r) for r in range(cluster.world_size)}, reverse=True)
     for cutoff in cutoffs:
         kept_by_node = [sorted((r for r in node if cluster.slowdown(r) <= cutoff), key=cluster.slowdown)
                         for node in cluster.nodes]
-        for tp in tp_degrees:
-            if tp > cluster.gpus_per_node or spec.num_attention_heads % tp or spec.ffn_hidden_size % tp:
+        for tp, cp in ((t, c) for t in tp_degrees for c in cp_degrees):
+            w = tp * cp
+            if w > cluster.gpus_per_node or spec.num_attention_heads % tp or spec.ffn_hidden_size % tp or (
+                    cp > 1 and spec.seq_length % (2 * cp)):
                 continue
-            groups = [ranks[k:k + tp] for ranks in kept_by_node for k in range(0, len(ranks) - tp + 1, tp)]
+            groups = [ranks[k:k + w] for ranks in kept_by_node for k in range(0, len(ranks) - w + 1, w)]
             groups.sort(key=lambda g: (max(map(cluster.slowdown, g)), g))
             for pp in (p for p in range(1, spec.num_layers + 1) if spec.num_layers % p == 0):
                 for dp in (d for d in range(1, len(groups) // pp + 1) if num_microbatches % d == 0):
                     m = num_microbatches // dp
                     opts = next((o for o in options if _fits(spec, cost, cluster.gpu_memory_bytes, tp, pp, m,
-                                                             micro_batch, o, dp)), None)
+                                                             micro_batch, o, dp, cp)), None)
                     if opts is None:
                         continue
                     used = groups[:pp * dp]
                     slow = sorted((cluster.slowdown(r) for g in used for r in g if cluster.slowdown(r) > 1),
                                   reverse=True)
-                    order = [t + tp * (d + dp * p) for d in range(dp) for p in range(pp) for t in range(tp)]
+                    order = [t + tp * (c + cp * (d + dp * p)) for d in range(dp) for p in range(pp)
+                             for c in range(cp) for t in range(tp)]
                     layout_slow = dict(zip(order, slow))
-                    n = tp * pp * dp
+                    n = w * pp * dp
                     virtual = Cluster(world_size=n, gpus_per_node=cluster.gpus_per_node,
                                       gpu_memory_bytes=cluster.gpu_memory_bytes, slowdowns=layout_slow)
-                    plan = uniform_plan(world_size=n, tp=tp, pp=pp, num_layers=spec.num_layers, num_microbatches=m)
+                    plan = uniform_plan(world_size=n, tp=tp, pp=pp, cp=cp, num_layers=spec.num_layers,
+                                        num_microbatches=m)
                     step = plan_step_s(plan, virtual, spec, micro_batch=micro_batch, cost=cost, options=opts)
                     if best is None or step < best["step_s"]:
                         ranks = [r for g in used for r in g]
-                        best = {"step_s": step, "tp": tp, "pp": pp, "dp": dp, "ranks": ranks,
+                        best = {"step_s": step, "tp": tp, "pp": pp, "dp": dp, "cp": cp, "ranks": ranks,
                                 "dropped": sorted(set(range(cluster.world_size)) - set(ranks)),
                                 "slowdowns": layout_slow, "options": opts}
     if best is None:
@@ -93,14 +100,14 @@ def best_uniform(cluster: Cluster, spec: ModelSpec, *, micro_batch: int, num_mic
 
 
 def _fits(spec: ModelSpec, cost: CostModel, memory: int, tp: int, pp: int, m: int, micro_batch: int,
-          options: Options = PLAIN, dp: int = 1) -> bool:
+          options: Options = PLAIN, dp: int = 1, cp: int = 1) -> bool:
     per_stage = spec.num_layers // pp
     if options.distributed_optimizer:
         cost = dataclasses.replace(cost, optimizer_sharded=True)
     return all(stage_cost(spec, cost, num_layers=per_stage, tp=tp, slowdown=1.0, micro_batch=micro_batch,
-                          first=j == 0, last=j == pp - 1, in_flight=min(pp - j, m), optimizer_holders=dp,
-                          recompute=options.recompute,
-                          sequence_parallel=options.sequence_parallel and tp > 1).memory_bytes <= memory
+                          first=j == 0, last=j == pp - 1, in_flight=min(pp - j, m), optimizer_holders=dp * cp,
+                          recompute=options.recompute, sequence_parallel=options.sequence_parallel and tp > 1,
+                          cp=cp).memory_bytes <= memory
                for j in range(pp))
 
 
@@ -113,14 +120,17 @@ def main() -> None:
                         help="search: recomputation (none/selective/full), sequence parallelism and the "
                         "distributed optimizer with every template and uniform layout; plain: none of them")
     parser.add_argument("--gpus", type=lambda s: [int(x) for x in s.split(",")], default=[64, 256, 1024, 4096])
+    parser.add_argument("--cp-degrees", type=lambda s: tuple(int(x) for x in s.split(",")), default=(1,))
+    parser.add_argument("--seq-length", type=int, default=SPEC.seq_length)
     args = parser.parse_args()
+    spec = dataclasses.replace(SPEC, seq_length=args.seq_length, max_position_embeddings=args.seq_length)
     rng = random.Random(args.seed)
     cost = CostModel()
     if args.tp_efficiency:
         cost = with_measured_tp(cost, load_tp_efficiency(args.tp_efficiency))
     options = search_space(distributed_optimizer=(False, True)) if args.options == "search" else None
     source = f"measured {args.tp_efficiency}" if args.tp_efficiency else "assumed constants"
-    print(f"config: {SPEC}, micro batch 1, 4 microbatches per GPU, 8 GPUs x 80 GiB per node, seed {args.seed}; "
+    print(f"config: {spec}, CP degrees {args.cp_degrees}, micro batch 1, 4 microbatches per GPU, 8 GPUs x 80 GiB per node, seed {args.seed}; "
           f"TP efficiency {cost.tp_efficiency} ({source}); options: {args.options}")
     shares = Table.of(("gpus", ">6"), ("stragglers", ">10"), ("plan_s", ">8.3f"), ("cpu_s", ">6.3f"),
                       ("template", "<42"), ("tp8pp4_s", ">9.2f"), ("best_uniform", "<36"), ("best_s", ">7.2f"),
@@ -139,17 +149,19 @@ def main() -> None:
             times, cpu = [], []
             for _ in range(3):
                 start, start_cpu = time.perf_counter(), time.process_time()
-                planned = plan_malleus(cluster, SPEC, micro_batch=1, num_microbatches=microbatches, cost=cost,
-                                       options=options)
+                planned = plan_malleus(cluster, spec, micro_batch=1, num_microbatches=microbatches, cost=cost,
+                                       options=options, cp_degrees=args.cp_degrees)
                 times.append(time.perf_counter() - start)
                 cpu.append(time.process_time() - start_cpu)
-            uniform = predict_uniform(cluster, SPEC, tp=8, pp=4, micro_batch=1, num_microbatches=microbatches,
+            uniform = predict_uniform(cluster, spec, tp=8, pp=4, micro_batch=1, num_microbatches=microbatches,
                                       cost=cost)
-            best = best_uniform(cluster, SPEC, micro_batch=1, num_microbatches=microbatches, cost=cost,
-                                options=options or (PLAIN,))
-            bound = max(work_bound_s(cluster, SPEC, micro_batch=1, num_microbatches=microbatches, cost=cost),
-                        microbatch_bound_s(cluster, SPEC, micro_batch=1, num_microbatches=microbatches, cost=cost))
-            layout = (f"tp{best['tp']} pp{best['pp']} dp{best['dp']} {best['options'].name} "
+            best = best_uniform(cluster, spec, micro_batch=1, num_microbatches=microbatches, cost=cost,
+                                options=options or (PLAIN,), cp_degrees=args.cp_degrees)
+            bound = max(work_bound_s(cluster, spec, micro_batch=1, num_microbatches=microbatches, cost=cost),
+                        microbatch_bound_s(cluster, spec, micro_batch=1, num_microbatches=microbatches, cost=cost,
+                                           cp_degrees=args.cp_degrees))
+            cp_text = f" cp{best['cp']}" if best["cp"] > 1 else ""
+            layout = (f"tp{best['tp']}{cp_text} pp{best['pp']} dp{best['dp']} {best['options'].name} "
                       f"on {len(best['ranks'])}/{gpus}")
             speedup, best_speedup = uniform / planned.predicted_step_s, best["step_s"] / planned.predicted_step_s
             ceiling = ceiling_fields(best["step_s"], planned.predicted_step_s, bound)
@@ -163,10 +175,11 @@ def main() -> None:
                             "hetu_s": round(planned.predicted_step_s, 4), "options": planned.options.name,
                             "bound_s": round(bound, 4), "ceiling": round(best["step_s"] / bound, 4),
                             "share_of_ceiling": round(reached, 4),
-                            "best_uniform": {k: best[k] for k in ("tp", "pp", "dp")} | {
+                            "best_uniform": {k: best[k] for k in ("tp", "pp", "dp", "cp")} | {
                                 "options": best["options"].name,
                                 "gpus_used": len(best["ranks"]), "step_s": round(best["step_s"], 3)}})
-    print_result({"tp_efficiency": {str(k): v for k, v in cost.tp_efficiency.items()},
+    print_result({"cp_degrees": list(args.cp_degrees), "seq_length": args.seq_length,
+                  "tp_efficiency": {str(k): v for k, v in cost.tp_efficiency.items()},
                   "tp_efficiency_source": source, "options": args.options, "results": results})
 
 
