@@ -49,6 +49,30 @@ def _argv_steps(sample_prefix: str, extra: tuple[str, ...] = ()) -> list[str]:
     return gpt_argv(1, 1, sample_prefix, SCHEDULE + ("--train-iters", str(STEPS)) + extra)
 
 
+EMULATED = ("--hetu-straggler-interval", "1", "--hetu-straggler-window", "2", "--hetu-emulate-layer-ms", "10",
+            "--hetu-emulate-slowdown", "step=1:rank=1:x=3")
+"""Rank 1 emulated 3x slower from step 1 (every layer's forward 10 ms of emulated device time, backward 20 ms),
+timings exchanged after every step, a 2-step window."""
+
+TWO_RANK_CASES = {  # name: (ZeRO stage, --hetu-microbatches, straggler interval, per-rank normalisation, flags)
+    "zero1": (1, (3, 1), 0, False, ()), "zero1_control": (1, (3, 1), 0, True, ()), "zero0": (0, (3, 1), 0, False, ()),
+    "zero0_bf16": (0, (3, 1), 0, False, ("--bf16",)), "zero1_emulated": (1, None, 1, False, EMULATED)}
+"""The 2-rank runs of the tests below, one engine after the other in one launch."""
+
+
+def weighted_bodies(rank: int, world: int, argv: list[str]) -> dict[str, dict] | None:
+    """TWO_RANK_CASES in these processes; rank 0 reports each."""
+    out = {name: weighted_body(rank, world, argv + list(flags), microbatches, interval, control, stage)
+           for name, (stage, microbatches, interval, control, flags) in TWO_RANK_CASES.items()}
+    return out if rank == 0 else None
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(sample_prefix) -> dict[str, dict]:
+    """One 2-rank launch of the five ZeRO-0/1 runs (a launch's start-up costs more than a run's 4 steps)."""
+    return run_ranks(weighted_bodies, 2, _argv_steps(sample_prefix), timeout=300)[0]
+
+
 @pytest.fixture(scope="module")
 def reference(sample_prefix):
     return megatron_run(1, _argv_steps(sample_prefix))["final"]
@@ -62,31 +86,31 @@ def _diffs(result: dict, reference: dict) -> tuple[float, float]:
     return loss, max(float((result["tensors"][k] - v).abs().max()) for k, v in params.items())
 
 
-def test_zero1_weighted_3_to_1_equals_single_process(reference, sample_prefix):
+def test_zero1_weighted_3_to_1_equals_single_process(reference, two_rank_runs):
     """Given counts 3:1 (micro-batch 2, global batch 8): the same losses and weights as one process."""
-    result = run_ranks(weighted_body, 2, _argv_steps(sample_prefix), (3, 1), 0, timeout=180)[0]
+    result = two_rank_runs["zero1"]
     loss, weight = _diffs(result, reference)
     print(f"ZeRO-1 weighted 3:1 vs single process: loss rel diff {loss:.2e}, weight abs diff {weight:.2e}")
     assert result["history"] == [(1, (3, 1))]
     assert loss <= LOSS_RTOL and weight <= WEIGHT_ATOL
-    control = run_ranks(weighted_body, 2, _argv_steps(sample_prefix), (3, 1), 0, True, timeout=180)[0]
+    control = two_rank_runs["zero1_control"]
     _, control_weight = _diffs(control, reference)
     print(f"per-rank normalisation (control): weight abs diff {control_weight:.2e}")
     assert control_weight > 100 * WEIGHT_ATOL
 
 
-def test_zero0_weighted_3_to_1_equals_single_process(reference, sample_prefix):
+def test_zero0_weighted_3_to_1_equals_single_process(reference, two_rank_runs):
     """ZeRO-0 (DeepSpeed without ZeRO): the backwards accumulate locally and ``step()`` all-reduces once, so the
     3:1 split works as under ZeRO-1, within the same tolerances of one process (the clipping is DeepSpeed's fp32
     path here, grads x clip / (norm + 1e-6) as Megatron's)."""
-    result = run_ranks(weighted_body, 2, _argv_steps(sample_prefix), (3, 1), 0, False, 0, timeout=180)[0]
+    result = two_rank_runs["zero0"]
     loss, weight = _diffs(result, reference)
     print(f"ZeRO-0 weighted 3:1 vs single process: loss rel diff {loss:.2e}, weight abs diff {weight:.2e}")
     assert result["history"] == [(1, (3, 1))]
     assert loss <= LOSS_RTOL and weight <= WEIGHT_ATOL
 
 
-def test_zero0_bf16_weighted_3_to_1_follows_single_process(sample_prefix):
+def test_zero0_bf16_weighted_3_to_1_follows_single_process(two_rank_runs, sample_prefix):
     """ZeRO-0 with --bf16 (DeepSpeed's FP16_UnfusedOptimizer: an fp32 copy of every parameter, whole on every
     rank; its start-up step on zero gradients undone, engine_state.undo_initial_step): 3:1 over 2 ranks follows
     the single-process bf16 run within test_ckpt_resume's BF16_LOSS_RTOL on the losses. Without the undo, Adam's
@@ -95,20 +119,18 @@ def test_zero0_bf16_weighted_3_to_1_follows_single_process(sample_prefix):
 
     argv = _argv_steps(sample_prefix, ("--bf16",))
     reference = megatron_run(1, argv)["final"]
-    result = run_ranks(weighted_body, 2, argv, (3, 1), 0, False, 0, timeout=180)[0]
+    result = two_rank_runs["zero0_bf16"]
     loss = max(abs(a - b) / abs(b) for a, b in zip(result["losses"], reference["losses"]))
     print(f"ZeRO-0 bf16 weighted 3:1 vs single process bf16: loss rel diff {loss:.2e}")
     assert len(result["losses"]) == STEPS and loss <= BF16_LOSS_RTOL
 
 
-def test_emulated_straggler_moves_microbatches_and_stays_exact(reference, sample_prefix):
+def test_emulated_straggler_moves_microbatches_and_stays_exact(reference, two_rank_runs):
     """Rank 1 emulated 3x slower from step 1 (every layer's forward 10 ms of emulated device time, backward 20 ms,
     so the emulation, not the shared CPU, sets the pace: 3x vs 1x holds on a busy machine); the monitor, with a
     2-step window, finds it at step 2 and gives rank 1 one microbatch of 4 from step 3 on. The training equals
     the single-process run throughout (counts 2:2, then 3:1)."""
-    extra = ("--hetu-straggler-interval", "1", "--hetu-straggler-window", "2", "--hetu-emulate-layer-ms", "10",
-             "--hetu-emulate-slowdown", "step=1:rank=1:x=3")
-    result = run_ranks(weighted_body, 2, _argv_steps(sample_prefix, extra), None, 1, timeout=180)[0]
+    result = two_rank_runs["zero1_emulated"]
     print("\n".join(result["lines"]))
     assert result["history"] == [(1, (2, 2)), (3, (3, 1))]
     assert any("stragglers rank 1 x" in line and "[3, 1]" in line for line in result["lines"])
