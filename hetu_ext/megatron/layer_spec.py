@@ -9,7 +9,8 @@ Engine spec (``get_gpt_layer_with_transformer_engine_spec``): each norm fused in
 query/key norms and the final norm, and TE's fused attention (``TEDotProductAttention``: cuDNN / flash kernels,
 THD packs through ``cu_seqlens``).
 
-What each mechanism does under each spec (:func:`choose_layer_spec` decides, :func:`apply_choice` applies):
+What each mechanism does under each spec (:func:`choose_layer_spec` decides; :func:`layer_spec_of` and
+:func:`mark_te_norms` apply it in :func:`hetu_ext.megatron.model.build_gpt_stage`):
 
 ===================== ======================================== ==================================================
 mechanism             local spec                               Transformer Engine spec
@@ -23,15 +24,17 @@ norms (SP, 1p)        :class:`~.model.LocalNorm` replaces      TE's norms take `
                                                                initialisation stores gamma - 1 and Megatron's
                                                                grad finalisation sums SP norms over TP
 checkpoint keys       ``sharded_state_dict_keys_map`` maps     TE's own names: the same keys, so a checkpoint
-                      ``input_layernorm.`` to                  of either spec loads into the other
-                      ``self_attention.linear_qkv.layer_norm_``
+                      the standalone norms to TE's names       of either spec loads into the other
+                      (``input_layernorm.`` ->
+                      ``linear_qkv.layer_norm_``)
 LoRA adapters         the four linears replaced                refused (TE's fused norm+linear modules have no
                                                                LoRA layer here)
 ===================== ======================================== ==================================================
 
 Transformer Engine cannot be installed on the project's CPU machines (it builds against CUDA), so the TE branch
-of :func:`apply_choice` has not run; :func:`choose_layer_spec`, :func:`te_norm_parameter` and the refusals are
-tested pure (tests/test_layer_spec.py). Imports nothing at module level but the standard library.
+of :func:`layer_spec_of` and :func:`mark_te_norms` on a TE model have not run; :func:`choose_layer_spec`,
+:func:`te_norm_parameter` and the refusals are tested pure (tests/test_layer_spec.py). Imports nothing at module
+level but the standard library.
 """
 
 from __future__ import annotations
