@@ -72,6 +72,9 @@ def packed_body(rank: int, world: int, argv: list[str], stage: int = 1) -> dict 
     dist.all_gather_object(everyone, record)
     passes: list = [None] * world
     dist.all_gather_object(passes, run.rank_microbatches)
+    run.packed.close()  # the packer's look-ahead pool (the next run in these processes has its own)
+    if stage == 3:
+        run.engine.destroy()  # ZeRO-3's module hooks off the finished model
     return {"losses": losses, "tensors": tensors, "steps": everyone, "passes": passes} if rank == 0 else None
 
 
@@ -93,10 +96,34 @@ STRAGGLER = ("--hetu-straggler-interval", "1", "--hetu-straggler-window", "1", "
 busy machine); found after step 1, the packer gives it a smaller share from step 2 on."""
 
 
+def _case(stage: int, precision: str) -> tuple[tuple[str, ...], int]:
+    """(packed_argv's arguments, ZeRO stage) of test_packed_zero_2_and_3_with_a_straggler's run."""
+    extra = STRAGGLER[:5] + ("20",) + STRAGGLER[6:] + (("--bf16",) if precision == "bf16" else ())
+    return ("balanced", *extra), stage
+
+
+RUNS = {"balanced": (("balanced",), 1), "balanced-straggler": (("balanced", *STRAGGLER), 1),
+        "zero0-bf16": _case(0, "bf16"), "zero2-fp32": _case(2, "fp32"), "zero3-bf16": _case(3, "bf16"),
+        "concat-causal": (("concat-causal",), 1)}
+"""The 2-rank packed runs of the tests below: name -> (packed_argv's arguments, ZeRO stage)."""
+
+
+def packed_bodies(rank: int, world: int) -> dict[str, dict] | None:
+    """RUNS, one engine after the other in these processes; rank 0 reports each."""
+    out = {name: packed_body(rank, world, packed_argv(*argv), stage) for name, (argv, stage) in RUNS.items()}
+    return out if rank == 0 else None
+
+
+@pytest.fixture(scope="module")
+def packed_runs() -> dict[str, dict]:
+    """One 2-rank launch of the six packed runs (a launch's start-up costs more than a run's steps)."""
+    return run_ranks(packed_bodies, 2, timeout=360)[0]
+
+
 @pytest.mark.parametrize("case", ["balanced", "balanced-straggler"])
-def test_packed_deepspeed_equals_unpacked_reference(case, reference):
+def test_packed_deepspeed_equals_unpacked_reference(case, reference, packed_runs):
     extra = STRAGGLER if case.endswith("straggler") else ()
-    result = run_ranks(packed_body, 2, packed_argv("balanced", *extra), timeout=180)[0]
+    result = packed_runs[case]
     assert len(result["losses"]) == len(reference["losses"])
     loss, weight = _diffs(result, reference)
     steps = result["steps"]
@@ -109,7 +136,7 @@ def test_packed_deepspeed_equals_unpacked_reference(case, reference):
 
 
 @pytest.mark.parametrize("stage,precision", [(0, "bf16"), (2, "fp32"), (3, "bf16")])
-def test_packed_zero_2_and_3_with_a_straggler(stage, precision, reference):
+def test_packed_zero_2_and_3_with_a_straggler(stage, precision, reference, packed_runs):
     """ZeRO-2 and ZeRO-3 run the same microbatch count on every rank: the packer's smaller share for the slow
     rank is fewer packs, topped up with one-token microbatches of loss mask 0 (hetu_ext/deepspeed/packs.py), so no
     rank waits in a reduction or gather the others skip (ZeRO-0, bf16: the ranks' own pack counts, one all-reduce
@@ -117,8 +144,7 @@ def test_packed_zero_2_and_3_with_a_straggler(stage, precision, reference):
     test_ckpt_resume's BF16_LOSS_RTOL on the losses."""
     from test_ckpt_resume import BF16_LOSS_RTOL
 
-    extra = STRAGGLER[:5] + ("20",) + STRAGGLER[6:] + (("--bf16",) if precision == "bf16" else ())
-    result = run_ranks(packed_body, 2, packed_argv("balanced", *extra), stage, timeout=180)[0]
+    result = packed_runs[f"zero{stage}-{precision}"]
     loss, weight = _diffs(result, reference)
     steps = result["steps"]
     print(f"DeepSpeed ZeRO-{stage} {precision} x2 balanced-straggler vs one rank unpacked: loss rel diff {loss:.2e}, "
@@ -134,10 +160,10 @@ def test_packed_zero_2_and_3_with_a_straggler(stage, precision, reference):
         assert loss <= BF16_LOSS_RTOL
 
 
-def test_packs_that_let_documents_see_each_other_fail(reference):
+def test_packs_that_let_documents_see_each_other_fail(reference, packed_runs):
     """The control: concat-causal packs (documents attend to the ones before them in a pack) differ by more
     than 100x the tolerance."""
-    control = run_ranks(packed_body, 2, packed_argv("concat-causal"), timeout=180)[0]
+    control = packed_runs["concat-causal"]
     loss = max(abs(a - b) / abs(b) for a, b in zip(control["losses"], reference["losses"]))
     print(f"control (concat-causal): loss rel diff {loss:.2e}")
     assert loss > 100 * LOSS_RTOL
