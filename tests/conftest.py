@@ -141,7 +141,7 @@ TEST_KINDS: list[tuple[str, str, tuple[str, ...]]] = [
 ]
 FAST_MODULES = {
     "test_activations", "test_attention", "test_benchmarks_common", "test_calibrate_fit", "test_ckpt_cli", "test_ckpt_coverage",
-    "test_chunked_loss", "test_layer_spec",
+    "test_chunked_loss", "test_layer_spec", "test_moe_predict",
     "test_ckpt_elastic", "test_ckpt_formats", "test_code_size",
     "test_ckpt_save_cache", "test_config", "test_cpu_patches", "test_data", "test_elastic_agreement",
     "test_elastic_argv", "test_elastic_watchdog", "test_fisedit_progress", "test_hydraulis_plan", "test_import_cost",

@@ -164,6 +164,11 @@ def hydraulis_arguments(parser: argparse.ArgumentParser) -> None:
                         help="write the candidates here as a strategies YAML (heterogeneous plans beside it)")
 
 
+MOE_FLAGS = ("--num-experts", "--moe-router-topk", "--moe-ffn-hidden-size", "--moe-shared-expert-intermediate-size",
+             "--moe-shared-expert-gate", "--expert-model-parallel-size", "--expert-tensor-parallel-size")
+"""The MoE flags ``predict`` takes; the planners refuse them by name."""
+
+
 def predict_arguments(parser: argparse.ArgumentParser) -> None:
     """``predict``: a Megatron-LM run's model and layout (its own flags), or ``--table CSV``."""
     from hetu_ext.plan.cost.devices import shipped_devices
@@ -177,6 +182,15 @@ def predict_arguments(parser: argparse.ArgumentParser) -> None:
                  num_query_groups={"default": None, "help": "with --group-query-attention"},
                  seq_length={"default": 2048},
                  vocab_size={"default": 51200, "help": "the tokenizer's vocabulary, before padding"})
+    e = parser.add_argument_group("mixture of experts (Megatron-LM's flags; every layer an MoE layer)")
+    e.add_argument("--num-experts", type=int, default=None, help="experts per MoE layer (default: a dense model)")
+    e.add_argument("--moe-router-topk", type=int, default=2, help="experts each token is routed to")
+    e.add_argument("--moe-ffn-hidden-size", type=int, default=None,
+                   help="each expert's width (default --ffn-hidden-size)")
+    e.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None, help="the shared experts' width")
+    e.add_argument("--moe-shared-expert-gate", action="store_true", help="a sigmoid gate on the shared experts")
+    e.add_argument("--expert-model-parallel-size", type=int, default=1, help="EP: ranks that split the experts")
+    e.add_argument("--expert-tensor-parallel-size", type=int, default=None, help="expert TP (default: TP)")
     r = parser.add_argument_group("layout and training")
     schema_flags(r, "tensor_model_parallel_size", "pipeline_model_parallel_size")
     r.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
@@ -245,6 +259,13 @@ def calibration_main(argv: list[str] | None = None) -> int:
 def main(argv: list[str] | None = None) -> int:
     """``python -m hetu_ext.plan``: parse, run the planner, print (exit code 2 with one ``error:`` line)."""
     parser = build_parser()
+    given = sys.argv[1:] if argv is None else argv
+    moe = [t.split("=", 1)[0] for t in given if t.split("=", 1)[0] in MOE_FLAGS]
+    if moe and given and given[0] != "predict":
+        print(f"error: {moe[0]}: the planners (malleus, lobra, hydraulis, hotspa) plan dense models only (MoE in "
+              "heterogeneous plans is not built); price an MoE run with `python -m hetu_ext.plan predict`",
+              file=sys.stderr)
+        return 2
     args = parser.parse_args(argv)
     if args.command == "predict":  # step-time model (issue 35)
         from hetu_ext.plan.cost import predict

@@ -82,7 +82,8 @@ def _from_flags(args: argparse.Namespace) -> tuple[ModelSpec, step_model.Paralle
                      add_bias_linear=not args.disable_bias_linear,
                      untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
                      seq_length=args.seq_length, max_position_embeddings=max(args.seq_length, 1),
-                     vocab_size=args.vocab_size, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
+                     vocab_size=args.vocab_size, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+                     **_moe_settings(args))
     tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
     for flag, value in (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp),
                         ("--context-parallel-size", cp)):
@@ -109,8 +110,23 @@ def _from_flags(args: argparse.Namespace) -> tuple[ModelSpec, step_model.Paralle
                               distributed_optimizer=args.use_distributed_optimizer, virtual_stages=virtual,
                               overlap_grad_reduce=args.overlap_grad_reduce, flash_attention=args.use_flash_attn,
                               cp_comm_type=args.cp_comm_type, first_stage_layers=first, last_stage_layers=last,
-                              tp_comm_overlap=args.tp_comm_overlap)
+                              tp_comm_overlap=args.tp_comm_overlap, ep=args.expert_model_parallel_size,
+                              etp=args.expert_tensor_parallel_size)
     return spec, par
+
+
+def _moe_settings(args: argparse.Namespace) -> dict:
+    """The MoE flags as ModelSpec settings ({} for a dense model)."""
+    if args.num_experts is None:
+        given = [f for f in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size")
+                 if getattr(args, f) is not None]
+        if given:
+            raise ValueError(f"--{given[0].replace('_', '-')} needs --num-experts N")
+        return {}
+    return {"num_experts": args.num_experts, "moe_router_topk": args.moe_router_topk,
+            "moe_ffn_hidden_size": args.moe_ffn_hidden_size,
+            "moe_shared_expert_intermediate_size": args.moe_shared_expert_intermediate_size,
+            "moe_shared_expert_gate": args.moe_shared_expert_gate}
 
 
 def _virtual(num_layers: int, pp: int, per_virtual: int | None, first: int | None = None,

@@ -101,6 +101,10 @@ class Parallel:
     """--decoder-last-pipeline-num-layers (None: the even split)"""
     tp_comm_overlap: bool = False
     """--tp-comm-overlap: TP all-gathers / reduce-scatters overlapped with the GEMMs beside them"""
+    ep: int = 1
+    """--expert-model-parallel-size (an MoE model: :mod:`hetu_ext.plan.cost.moe_step`)"""
+    etp: int | None = None
+    """--expert-tensor-parallel-size (None: the TP degree)"""
 
     @property
     def gpus(self) -> int:
@@ -398,7 +402,15 @@ def stage_params(spec: ModelSpec, par: Parallel, layers: list[int]) -> float:
 
 
 def predict(spec: ModelSpec, par: Parallel, device: Device) -> Prediction:
-    """Step time, throughput and peak memory per GPU of ``spec`` trained under ``par`` on ``device``."""
+    """Step time, throughput and peak memory per GPU of ``spec`` trained under ``par`` on ``device`` (an MoE model:
+    :func:`hetu_ext.plan.cost.moe_step.predict`)."""
+    if spec.is_moe:
+        from hetu_ext.plan.cost import moe_step
+
+        return moe_step.predict(spec, par, device)
+    if par.ep != 1 or par.etp is not None:
+        raise ValueError("--expert-model-parallel-size / --expert-tensor-parallel-size need an MoE model; add "
+                         "--num-experts N or drop them")
     check(spec, par)
     p, m, v = par.pp, par.microbatches, par.virtual_stages
     layers = stage_layers(spec, par)
