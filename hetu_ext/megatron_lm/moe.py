@@ -57,17 +57,19 @@ CPU_DROPPED: dict[str, tuple[int, str]] = {
 
 
 def weighting_problem(argv: list[str]) -> str | None:
-    """``--hetu-straggler-interval`` times each layer of each rank; an MoE layer under expert parallelism > 1
-    exchanges tokens with an all-to-all over its EP group inside the layer, so every rank of the group waits for
-    the slowest and measures its time: no rank looks slow, and the weighting would silently do nothing (measured:
-    rank 1 emulated 6x slow under EP 4 was seen 1.12x). Refused in one line; EP 1 (experts replicated over DP)
-    weights as a dense model does."""
+    """``--hetu-straggler-interval`` gives each data-parallel rank its own microbatch count. Under expert
+    parallelism > 1 the EP group is made of data-parallel ranks, and every MoE layer exchanges tokens with an
+    all-to-all over it, once per microbatch: ranks with different counts would wait for a collective the others never
+    start. And within a layer every rank of the group waits for the slowest, so the per-layer timer sees no straggler
+    (measured before this rule: rank 1 emulated 6x slow under EP 4 was seen at 1.12x and nothing moved). Refused in
+    one line; under EP 1 (experts replicated over DP, no collective inside the layers) weighting runs as for a
+    dense model."""
     ep = _last_value(argv, "--expert-model-parallel-size")
     if ep is not None and ep != "1" and _last_value(argv, "--num-experts") is not None:
-        return (f"--hetu-straggler-interval cannot weight an MoE run under --expert-model-parallel-size {ep}: the "
-                "experts' all-to-all inside each MoE layer makes every rank of an EP group wait for its slowest, so "
-                "the per-layer timer sees no straggler; use --expert-model-parallel-size 1 or drop "
-                "--hetu-straggler-interval")
+        return (f"--hetu-straggler-interval cannot weight an MoE run under --expert-model-parallel-size {ep}: its "
+                "experts' all-to-all is a collective of the EP group's data-parallel ranks in every MoE layer and "
+                "microbatch, so they must run the same microbatches (and each waits for the slowest inside the "
+                "layer, hiding the straggler); use --expert-model-parallel-size 1 or drop --hetu-straggler-interval")
     return None
 
 

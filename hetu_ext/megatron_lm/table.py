@@ -55,8 +55,8 @@ def megatron_loop(flag: str) -> str:
         notes.append(f"--hetu-ckpt-format hetu: {MOE_CKPT_RULES[flag]}" if flag in MOE_CKPT_RULES else
                      "refused with --hetu-ckpt-format hetu (an MoE option it has no rule for)")
     if flag == "--expert-model-parallel-size":
-        notes.append("values > 1 refused with --hetu-straggler-interval (the experts' all-to-all couples the ranks' "
-                     "layer times)")
+        notes.append("values > 1 refused with --hetu-straggler-interval (the experts' all-to-all needs the same "
+                     "microbatches on every rank of the EP group)")
     if flag in WITH_HETU_FEATURES:
         notes.append(WITH_HETU_FEATURES[flag])
     if flag in LOOP_NOTES:
