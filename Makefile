@@ -30,17 +30,20 @@ $(STAMP): setup.py Makefile
 demo: venv
 	OMP_NUM_THREADS=1 bash launch/demo.sh $(NPROC) $(DEMO_DIR)
 
-# Two passes: the fast tier on two pytest workers (one process per test, whole modules per worker, so module
-# fixtures are built once), then the gold, e2e and fault tests one at a time: their ranks need both cores, and two
-# of them side by side would miss their deadlines.
+# Two passes: every test but the `serial` ones on two pytest-xdist workers (whole modules per worker, so module
+# fixtures are built once, test_readme's blocks by page; the longest modules first), then the `serial` ones one at a time: they judge wall-clock
+# time (the demo, the elastic launcher), which a second test on the same cores would push past its deadlines
+# (tests/conftest.py, SERIAL_MODULES). Bytecode goes to .venv/pycache, so that modules of read-only folders (a
+# Megatron-LM checkout) and runs with PYTHONDONTWRITEBYTECODE set are compiled once, not in every process.
+TEST_ENV := OMP_NUM_THREADS=1 PYTHONDONTWRITEBYTECODE= PYTHONPYCACHEPREFIX=$(CURDIR)/$(VENV)/pycache
 test: venv
-	OMP_NUM_THREADS=1 $(PY) -m pytest -n 2 --dist loadfile -m "not gold and not e2e and not faults"
-	OMP_NUM_THREADS=1 $(PY) -m pytest -m "gold or e2e or faults"
+	$(TEST_ENV) $(PY) -m pytest -n 2 --dist loadgroup -m "not serial"
+	$(TEST_ENV) $(PY) -m pytest -m serial
 
 # Every test not marked gold, e2e or faults (markers assigned in tests/conftest.py; docs/testing.md): pure tests,
 # small multi-process tests and the launchers' one-line errors, a few minutes on 2 cores.
 test-fast: venv
-	OMP_NUM_THREADS=1 $(PY) -m pytest -n 2 --dist loadfile -m "not gold and not e2e and not faults"
+	$(TEST_ENV) $(PY) -m pytest -n 2 --dist loadgroup -m "not gold and not e2e and not faults"
 
 clean:
 	rm -rf $(VENV) runs

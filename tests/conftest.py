@@ -155,6 +155,20 @@ module must be named here, in MODULE_KINDS or in TEST_KINDS (tests/test_readme.p
 states its kind."""
 KINDS = ("gold", "e2e", "faults")
 
+SERIAL_MODULES = {"test_demo", "test_elastic_rehearsal", "test_elastic_config_error", "test_deepspeed_elastic"}
+SERIAL_TESTS = [("test_readme", r"test_docs_block_runs\[(elastic-|plans-python_launch_elastic|"
+                                r"deepspeed-python_launch_elastic|readme-make_demo)")]
+"""Tests marked ``serial``: `make test` runs them one at a time after everything else, which runs on two
+pytest-xdist workers. They judge wall-clock time (the demo's detection and recovery, the elastic launcher's
+heartbeats, watchdog and restart rounds), which another test's ranks on the same two cores would push past their
+deadlines; every other test's verdict does not depend on how busy the machine is."""
+
+HEAVY_FIRST = ("test_readme", "test_megatron_lm_distopt", "test_megatron_lm_llama", "test_megatron_lm_recipe",
+               "test_deepspeed_resume", "test_megatron_lm", "test_ckpt_resume", "test_recipe_flags",
+               "test_evaluation", "test_rampup", "test_deepspeed_weighting", "test_lobra_training")
+"""Modules that take longest, handed to the two workers first (longest first: neither worker is left alone with
+a long module at the end). The rest keep their collection order."""
+
 
 def kinds_of(module: str, name: str) -> set[str]:
     """The kind markers of test ``name`` (parameters included or not) in ``module`` (file name without .py)."""
@@ -165,8 +179,27 @@ def kinds_of(module: str, name: str) -> set[str]:
     return kinds
 
 
+def xdist_group(module: str, item) -> str:
+    """The tests one pytest-xdist worker runs together (`--dist loadgroup`): a whole module, so its module fixtures
+    are built once; test_readme's blocks by page (a page's blocks share one folder, pages do not), so that its
+    hundred launches are spread over both workers."""
+    if module == "test_readme" and hasattr(item, "callspec") and "index" in item.callspec.params:
+        return f"{module}:{item.module.BLOCKS[item.callspec.params['index']][1].stem}"
+    return module
+
+
+def is_serial(module: str, name: str) -> bool:
+    return module in SERIAL_MODULES or any(mod == module and re.match(pattern, name)
+                                           for mod, pattern in SERIAL_TESTS)
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         module = Path(str(item.fspath)).stem
         for kind in sorted(kinds_of(module, item.name)):
             item.add_marker(getattr(pytest.mark, kind))
+        if is_serial(module, item.name):
+            item.add_marker(pytest.mark.serial)
+        item.add_marker(pytest.mark.xdist_group(xdist_group(module, item)))
+    rank = {module: i for i, module in enumerate(HEAVY_FIRST)}
+    items.sort(key=lambda item: rank.get(Path(str(item.fspath)).stem, len(rank)))  # stable: order kept within
