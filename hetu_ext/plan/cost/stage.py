@@ -25,6 +25,7 @@ and activations are the inventory's (:func:`hetu_ext.model.inventory.layer_recom
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -97,6 +98,13 @@ class StageCost:
     memory_bytes: float
 
 
+@functools.lru_cache(maxsize=256)
+def _params(spec: ModelSpec, tp: int) -> tuple[float, int]:
+    """(a layer's parameters per TP rank, the embedding's) of a (frozen, hashable) spec: the inventory walks every
+    parameter for each, and the planners price thousands of stages of a few shapes (Malleus at 4096 GPUs)."""
+    return inventory.layer_params(spec, tp=tp), inventory.embedding_params(spec)
+
+
 def layer_forward_flops(spec: ModelSpec, micro_batch: int) -> float:
     """Forward FLOPs of one layer for ``micro_batch`` sequences of ``spec.seq_length`` tokens (the inventory's)."""
     s = spec.seq_length
@@ -130,7 +138,7 @@ def stage_cost(spec: ModelSpec, cost: CostModel, *, num_layers: int, tp: int, sl
     flops = layer_flops
     extra_params = 0
     if first:
-        extra_params += inventory.embedding_params(spec)
+        extra_params += _params(spec, tp)[1]
     if last:
         flops += micro_batch * s * inventory.output_flops_per_token(spec)
         extra_params += v * h if spec.untie_embeddings_and_output_weights or not first else 0
@@ -149,7 +157,7 @@ def stage_cost(spec: ModelSpec, cost: CostModel, *, num_layers: int, tp: int, sl
     redo = redo_flops / (cost.flops_per_s * tp * efficiency * cp) * slowdown
     if recompute == "full":
         redo += comm  # the recomputed forward's all-reduces (and K/V gathers)
-    params = num_layers * inventory.layer_params(spec, tp=tp) + extra_params / tp
+    params = num_layers * _params(spec, tp)[0] + extra_params / tp
     shards = optimizer_holders if cost.optimizer_sharded else 1
     static = params * (cost.dtype_bytes + cost.grad_bytes + cost.optimizer_state_bytes / shards)
     per_token = inventory.activation_bytes_per_token(spec, tp=tp, seq_length=s, sequence_parallel=sequence_parallel,

@@ -211,6 +211,38 @@ def _widths(cluster: Cluster, spec: ModelSpec, tp_degrees: tuple[int, ...], cp_d
             yield tp, cp
 
 
+def _templates(cluster: Cluster, spec: ModelSpec, cost: CostModel, micro_batch: int, num_microbatches: int,
+               tp_degrees: tuple[int, ...], cp_degrees: tuple[int, ...], stages_per_pipeline: tuple[int, ...]):
+    """Every template (TP x CP width, straggler cut-off, stages per pipeline) as ``(floor, index, tp, cp, cutoff,
+    pp, pipelines of (ranks, slowdown) groups, idle ranks)``. ``floor``: no plan of the template beats its groups'
+    summed pace (each group runs one stage's microbatch at a time, at 1 / slowdown, and the microbatches' stages
+    add up to one microbatch through the model; options only add time), nor its busiest pipeline's 1F1B."""
+    cutoffs = sorted({cluster.slowdown(r) for r in range(cluster.world_size)}, reverse=True)[:4]
+    k = 0
+    for tp, cp in _widths(cluster, spec, tp_degrees, cp_degrees):
+        whole = stage_cost(spec, cost, num_layers=spec.num_layers, tp=tp, slowdown=1.0, micro_batch=micro_batch,
+                           first=True, last=True, in_flight=1, cp=cp)
+        model_s = whole.forward_s + whole.backward_s  # one microbatch through every stage, no recomputation
+        for cutoff in cutoffs:
+            groups, unused = _groups(cluster, tp * cp, cutoff)
+            for pp in stages_per_pipeline:
+                if not groups or pp > min(len(groups), spec.num_layers):
+                    continue
+                d = len(groups) // pp
+                spare = groups[d * pp:]
+                order = sorted(groups[:d * pp], key=lambda g: g[1])
+                pipes = [[] for _ in range(d)]  # groups dealt in snake order: each pipeline a similar mix of speeds
+                for n, g in enumerate(order):
+                    lap, i = divmod(n, d)
+                    pipes[i if lap % 2 == 0 else d - 1 - i].append(g)
+                # and whole microbatches: some pipeline runs q = ceil(M / d) of them, (q - 1) bottlenecks of at
+                # least model_s / pp (slowdowns >= 1) after a fill of at least model_s
+                floor = max(num_microbatches * model_s / sum(1 / x for pipe in pipes for _, x in pipe),
+                            model_s * (1 + (math.ceil(num_microbatches / d) - 1) / pp))
+                yield floor, k, tp, cp, cutoff, pp, pipes, unused + [r for g, _ in spare for r in g]
+                k += 1
+
+
 def kept_in_place(plan: Plan, current: Plan) -> int:
     """(rank, layer) pairs that stay where they are, held with the same TP group: what a migration need not move."""
     kept = 0
@@ -242,44 +274,27 @@ def plan_malleus(cluster: Cluster, spec: ModelSpec, *, micro_batch: int, num_mic
 
     With ``current`` (the running plan), among the plans predicted within ``keep_tolerance`` of the fastest, the
     one that keeps the most layers in place (:func:`kept_in_place`) wins: it migrates fewer bytes."""
-    candidates = []
     searched = tuple(options) if options is not None else (PLAIN,)
-    cutoffs = sorted({cluster.slowdown(r) for r in range(cluster.world_size)}, reverse=True)[:4]
     slack = 1 + keep_tolerance if current is not None else 1.0
     best_step = float("inf")
-    for tp, cp in _widths(cluster, spec, tp_degrees, cp_degrees):
-        whole = stage_cost(spec, cost, num_layers=spec.num_layers, tp=tp, slowdown=1.0, micro_batch=micro_batch,
-                           first=True, last=True, in_flight=1, cp=cp)
-        model_s = whole.forward_s + whole.backward_s  # one microbatch through every stage, no recomputation
-        for cutoff in cutoffs:
-            groups, unused = _groups(cluster, tp * cp, cutoff)
-            if not groups:
+    candidates = []  # (step, ..., template index): ties go to the earlier template, as enumerated
+    # best first: every template with its floor, cheapest floors evaluated first, so that the fastest plan is
+    # found early and the templates whose floor exceeds it (most of them, at thousands of GPUs) are never priced
+    for floor, k, tp, cp, cutoff, pp, pipes, idle in sorted(
+            _templates(cluster, spec, cost, micro_batch, num_microbatches, tp_degrees, cp_degrees,
+                       stages_per_pipeline), key=lambda t: (t[0], t[1])):
+        if floor > best_step * slack:
+            break
+        for opts in searched:
+            result = _evaluate(spec, cost, cluster, pipes, tp, micro_batch, num_microbatches, opts, cp)
+            if result is None:
                 continue
-            for pp in stages_per_pipeline:
-                if pp > min(len(groups), spec.num_layers):
-                    continue
-                d = len(groups) // pp
-                spare = groups[d * pp:]
-                order = sorted(groups[:d * pp], key=lambda g: g[1])
-                # deal groups out in snake order so each pipeline gets a similar mix of speeds
-                pipes = [[] for _ in range(d)]
-                for k, g in enumerate(order):
-                    lap, i = divmod(k, d)
-                    pipes[i if lap % 2 == 0 else d - 1 - i].append(g)
-                # no template beats its groups' summed pace: each TP group runs one stage's microbatch at a time,
-                # at 1 / slowdown, and the microbatches' stages add up to model_s (options only add time)
-                if num_microbatches * model_s / sum(1 / x for pipe in pipes for _, x in pipe) > best_step * slack:
-                    continue
-                for opts in searched:
-                    result = _evaluate(spec, cost, cluster, pipes, tp, micro_batch, num_microbatches, opts, cp)
-                    if result is None:
-                        continue
-                    step, splits, mbs, capped = result
-                    best_step = min(best_step, step)
-                    candidates.append((step, tp, cutoff, pp, pipes, splits, mbs,
-                                       unused + [r for g, _ in spare for r in g], opts, cp))
-                    if not capped:
-                        break
+            step, splits, mbs, capped = result
+            best_step = min(best_step, step)
+            candidates.append((step, tp, cutoff, pp, pipes, splits, mbs, idle, opts, cp, k))
+            if not capped:
+                break
+    candidates.sort(key=lambda c: c[-1])
     if not candidates:
         raise ValueError(_no_fit_message(cluster, spec, cost, micro_batch))
     fastest = min(c[0] for c in candidates)
@@ -291,7 +306,7 @@ def plan_malleus(cluster: Cluster, spec: ModelSpec, *, micro_batch: int, num_mic
 
 
 def _build(cluster: Cluster, spec: ModelSpec, candidate, *, show_options: bool = False) -> PlannedStep:
-    step, tp, cutoff, pp, pipes, splits, mbs, unused, opts, cp = candidate
+    step, tp, cutoff, pp, pipes, splits, mbs, unused, opts, cp, _ = candidate
     unused = list(unused)
     pipelines = []
     for groups, split, m in zip(pipes, splits, mbs):
