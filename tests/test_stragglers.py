@@ -149,6 +149,29 @@ def test_emulated_slowdown_is_real_time_and_measured_in_forward_and_backward():
     assert total1 <= 1.05 * wall1 and total3 <= 1.05 * wall3 and wall3 >= 0.6 * total3
 
 
+def test_a_timed_layers_output_is_its_own_tensor_which_megatrons_pipeline_may_free():
+    """The timer marks a layer's output with a gradient hook, not a view: a pipeline stage's output must not be a
+    view (Megatron's schedule frees it, deallocate_output_tensor, and refuses views), and the backward pass is still
+    timed, edge after edge, on every layer."""
+    from megatron.core.pipeline_parallel.schedules import custom_backward, deallocate_output_tensor
+
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(64, 64) for _ in range(3)]
+    timer = LayerTimer(nominal_s=0.002)
+    timer.attach(layers)
+    y = torch.randn(8, 64, requires_grad=True)
+    for layer in layers:
+        y = layer(y)
+    assert y._base is None
+    forward = timer.seconds
+    loss_grad = torch.ones_like(y)
+    deallocate_output_tensor(y, deallocate_pipeline_outputs=True)  # raised "counter-productive to free a view"
+    custom_backward(y, loss_grad)
+    # forward 3 x 2 ms, then each layer's backward (twice the nominal time) counted once, between its two edges
+    assert forward >= 3 * 0.002 and timer.take() >= 3 * 0.002 * 3
+    assert timer.take_work() == pytest.approx(3 * 0.002 * 3)
+
+
 def _monitored(rank, world, argv):
     from hetu_ext.cli.args import parse_run_config
     from hetu_ext.train.trainer import build_trainer

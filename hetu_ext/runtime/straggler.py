@@ -308,11 +308,16 @@ class LayerTimer:
     def _post(self, module, args, kwargs, output):
         start, emulated = self._starts.pop()
         self._stop(start, emulated=None if emulated is None else emulated / 3)
-        if torch.is_grad_enabled():
-            if isinstance(output, tuple):
-                return (_Mark.apply(output[0], self, "out", emulated), *output[1:])
-            return _Mark.apply(output, self, "out", emulated)
+        hidden = output[0] if isinstance(output, tuple) else output
+        if torch.is_grad_enabled() and hidden.requires_grad:
+            # a hook, not a _Mark: the layer's output stays the layer's own tensor (a view of it, as a custom
+            # Function returns, is what Megatron's pipeline schedule refuses to free when it is a stage's output).
+            # Its gradient arrives after the next layer's input mark has run, so the backward edges keep their order
+            hidden.register_hook(functools.partial(self._output_gradient, emulated))
         return output
+
+    def _output_gradient(self, emulated: float | None, grad: torch.Tensor) -> None:
+        self._backward_edge("out", emulated)
 
     def _backward_edge(self, edge: str, emulated: float | None) -> None:
         if edge == "out":
