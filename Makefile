@@ -35,7 +35,9 @@ demo: venv
 # time (the demo, the elastic launcher), which a second test on the same cores would push past its deadlines
 # (tests/conftest.py, SERIAL_MODULES). Bytecode goes to .venv/pycache, so that modules of read-only folders (a
 # Megatron-LM checkout) and runs with PYTHONDONTWRITEBYTECODE set are compiled once, not in every process.
-TEST_ENV := OMP_NUM_THREADS=1 PYTHONDONTWRITEBYTECODE= PYTHONPYCACHEPREFIX=$(CURDIR)/$(VENV)/pycache
+# A test's own time limits catch hangs, not slowness: two tests side by side get twice as long.
+TEST_ENV := OMP_NUM_THREADS=1 PYTHONDONTWRITEBYTECODE= PYTHONPYCACHEPREFIX=$(CURDIR)/$(VENV)/pycache \
+	HETU_TEST_TIMEOUT_SCALE=2
 test: venv
 	$(TEST_ENV) $(PY) -m pytest -n 2 --dist loadgroup -m "not serial"
 	$(TEST_ENV) $(PY) -m pytest -m serial

@@ -102,7 +102,11 @@ def _kill_group(proc) -> None:
 
 def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0,
               preload: Sequence[str] = DEFAULT_PRELOAD) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the per-rank results."""
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the per-rank results.
+
+    ``timeout`` (seconds) only catches hangs; ``HETU_TEST_TIMEOUT_SCALE`` multiplies it where the machine is shared
+    by design (`make test` runs two tests side by side on two cores)."""
+    timeout *= float(os.environ.get("HETU_TEST_TIMEOUT_SCALE", "1"))
     ctx = _context(preload)
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="hetu_store_") as tmp:
