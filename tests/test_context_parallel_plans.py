@@ -81,6 +81,11 @@ def test_hotspa_hydraulis_and_lobra_spaces_gain_cp_shapes_that_hold_longer_seque
     assert cap["tp2cp2pp1dp4"] > cap["tp2pp1dp8"] and {s.name for s in plain.items} < set(cap)
     pool = {s.name: s for s in shape_pool(SPEC, cost, world_size=16, max_len=32768, cp_degrees=CP_DEGREES)}
     assert pool["TP2PP1CP2"].capacity > pool["TP2PP1"].capacity and pool["TP2PP1CP2"].gpus == 4
+    # a CP shape never prunes a CP-free one (the homes): the pruned pool without CP is inside the one with CP
+    for max_len in (16384, 32768):
+        plain_pool = {s.name for s in shape_pool(SPEC, cost, world_size=16, max_len=max_len)}
+        assert plain_pool <= {s.name for s in shape_pool(SPEC, cost, world_size=16, max_len=max_len,
+                                                          cp_degrees=CP_DEGREES)}
     (replica,) = replica_specs(uniform_plan(world_size=4, tp=2, cp=2, num_layers=32), SPEC, cost,
                                max_pack_tokens=32768)
     assert replica.stage_costs[0] == cp_cost(cost.for_tp(2), SPEC, tp=2, cp=2).times_layers(32)
