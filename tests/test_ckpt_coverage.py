@@ -204,14 +204,17 @@ def test_unknown_or_missing_state_refuses_the_save(tmp_path, kind, message):
 
 
 def test_uncovered_megatron_lm_option_refused_up_front(tmp_path):
-    """--hetu-ckpt-format hetu with an option whose state has no rule (MoE) exits 2 before any launch."""
+    """--hetu-ckpt-format hetu with an option whose state has no rule (an MoE option outside the inventory's
+    experts) exits 2 before any launch."""
     proc = subprocess.run([sys.executable, "-m", "hetu_ext.megatron_lm", __file__, "--num-experts", "4",
-                           "--hetu-ckpt-format", "hetu"], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+                           "--moe-latent-size", "4", "--hetu-ckpt-format", "hetu"], capture_output=True, text=True,
+                          timeout=60, cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr[-2000:]
     errors = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-    assert errors == ["hetu_ext.megatron_lm: error: --hetu-ckpt-format hetu has no rule for MoE experts "
-                      "(--num-experts); use Megatron-LM's own checkpoints (--hetu-ckpt-format auto) or drop "
-                      "--num-experts"], errors
+    assert errors == ["hetu_ext.megatron_lm: error: --hetu-ckpt-format hetu has no rule for the MoE option "
+                      "--moe-latent-size (its state, or its effect on the experts' tensors, is not in hetu_ext's "
+                      "inventory); use Megatron-LM's own checkpoints (--hetu-ckpt-format auto) or drop "
+                      "--moe-latent-size"], errors
 
 
 def test_checkpoint_parts_own_their_keys_and_keep_the_record():

@@ -211,8 +211,8 @@ def test_megatron_lm_patch_point_check_names_symbol_and_tag():
 @pytest.mark.parametrize("flags, needle", [
     (["--hetu-plan", "PLAN", "--num-experts", "4"], "--num-experts"),
     (["--hetu-plan", "PLAN", "--context-parallel-size", "2"], "--context-parallel-size"),
-    (["--hetu-ckpt-format", "hetu", "--no-load-optim"], "--no-load-optim"),
-    (["--hetu-ckpt-format", "hetu", "--no-load-rng"], "--no-load-rng"),
+    (["--hetu-ckpt-format", "hetu", "--load", "SAVED", "--no-load-optim"], "--no-load-optim"),
+    (["--hetu-ckpt-format", "hetu", "--load", "SAVED", "--no-load-rng"], "--no-load-rng"),
     (["--hetu-ckpt-format", "hetu", "--context-parallel-size", "2"], "--context-parallel-size 2"),
     (["--hetu-cpu-patches", "on", "--context-parallel-size", "2"], "Transformer Engine"),
     (["--hetu-emulate-slowdown", "step=2:rank=1:x=3"], "--hetu-straggler-interval"),
@@ -231,7 +231,10 @@ def test_megatron_lm_refuses_unsupported_combinations(tmp_path, capsys, flags, n
     plan.write_text(HETERO)
     script = tmp_path / "pretrain_gpt.py"  # nothing is imported or run before these checks
     script.write_text("raise SystemExit('must not run')\n")
-    argv = [str(script), *COMMON, *[str(plan) if f == "PLAN" else f for f in flags]]
+    saved = tmp_path / "saved"  # a hetu checkpoint to resume: --no-load-optim / --no-load-rng are refused with it
+    (saved / "iter_0000003").mkdir(parents=True)
+    (saved / "iter_0000003" / "manifest.json").write_text("{}")
+    argv = [str(script), *COMMON, *[{"PLAN": str(plan), "SAVED": str(saved)}.get(f, f) for f in flags]]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"{PROG}: error:") and needle in err[0], err
