@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -89,8 +90,7 @@ def test_a_yaml_of_every_setting_reproduces_the_cli_run_bit_for_bit(sample_prefi
     """Acceptance 3: --hetu-print-config writes every setting of a command line; training from that file alone
     gives the same losses and weights, bit for bit (TP 2, so layout settings travel too)."""
     argv = gpt_argv(2, 1, sample_prefix, ("--lr-decay-style", "linear", "--lr-warmup-iters", "1"))
-    printed = subprocess.run([str(ROOT / ".venv" / "bin" / "python") if (ROOT / ".venv").exists() else "python",
-                              str(ROOT / "launch" / "pretrain_gpt.py"), *argv, "--hetu-print-config"],
+    printed = subprocess.run([sys.executable, str(ROOT / "launch" / "pretrain_gpt.py"), *argv, "--hetu-print-config"],
                              capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert printed.returncode == 0, printed.stderr
     settings = yaml.safe_load(printed.stdout)
