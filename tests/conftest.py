@@ -163,7 +163,8 @@ pytest-xdist workers. They judge wall-clock time (the demo's detection and recov
 heartbeats, watchdog and restart rounds), which another test's ranks on the same two cores would push past their
 deadlines; every other test's verdict does not depend on how busy the machine is."""
 
-HEAVY_FIRST = ("test_readme", "test_megatron_lm_distopt", "test_megatron_lm_llama", "test_megatron_lm_recipe",
+HEAVY_FIRST = ("test_readme", "test_megatron_lm_distopt", "test_megatron_lm_moe", "test_megatron_lm_llama",
+               "test_megatron_lm_recipe",
                "test_deepspeed_resume", "test_megatron_lm", "test_ckpt_resume", "test_recipe_flags",
                "test_evaluation", "test_rampup", "test_deepspeed_weighting", "test_lobra_training")
 """Modules that take longest, handed to the two workers first (longest first: neither worker is left alone with
