@@ -100,3 +100,30 @@ def assert_one_error_line(proc: subprocess.CompletedProcess, needle: str) -> Non
     errors = [line for line in proc.stderr.splitlines() if "error:" in line]
     assert len(errors) == 1, proc.stderr
     assert needle in errors[0], errors[0]
+
+
+def run_script(script: str, cwd: Path, timeout: float = 900) -> str:
+    """``bash -c script`` in ``cwd`` as a docs block runs (this interpreter's python, torchrun and deepspeed first on
+    PATH, one thread per rank, temporary files under ``cwd``); asserts it succeeds and returns its output."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(cwd), "PYTHONWARNINGS": "ignore",
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-5000:]
+    return out
+
+
+def import_hf_model(model, tmp: Path, seq: int):
+    """Saves a transformers ``model`` under ``tmp/hf``, imports it with ``hetu_ext.checkpoint import-hf`` into
+    ``tmp/hetu``, and returns (tokens, logits): two sequences of ``seq`` seeded tokens and the model's own fp32
+    logits for them, the reference an imported model must reproduce."""
+    import torch
+
+    from hetu_ext.checkpoint.cli import main as cli
+
+    model.save_pretrained(str(tmp / "hf"))
+    assert cli(["import-hf", str(tmp / "hf"), str(tmp / "hetu")]) == 0
+    tokens = torch.randint(0, 1000, (2, seq), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits = model(tokens).logits.float()
+    return tokens, logits

@@ -16,6 +16,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import import_hf_model
+
 from hetu_ext.checkpoint.cli import main as cli
 
 ARCHS = ["mixtral", "qwen2_moe"]
@@ -47,11 +49,7 @@ def _hf_model(arch: str):
 def imported(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(request.param)
     model = _hf_model(request.param)
-    model.save_pretrained(str(tmp / "hf"))
-    assert cli(["import-hf", str(tmp / "hf"), str(tmp / "hetu")]) == 0
-    tokens = torch.randint(0, 1000, (2, SEQ), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        logits = model(tokens).logits.float()
+    tokens, logits = import_hf_model(model, tmp, SEQ)
     return tmp, tokens, logits
 
 

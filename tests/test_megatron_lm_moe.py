@@ -32,6 +32,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import run_script
 from test_megatron_lm import needs_checkout, step_losses
 from test_megatron_lm_distopt import BF16_LOSS_RTOL, assert_same_state, state_of, validation_losses
 
@@ -73,12 +74,7 @@ def run_block(cwd: Path, data: Path, *extra: str, resume: bool = False) -> str:
     if resume:
         script = script.replace(" --no-load-optim --no-load-rng", "")
     script += "".join(f" {flag}" for flag in extra) + "\n"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(cwd), "PYTHONWARNINGS": "ignore",
-           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=900, env=env, cwd=cwd)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-5000:]
-    return out
+    return run_script(script, cwd)
 
 
 def aux_losses(log: str) -> dict[int, float]:

@@ -21,7 +21,6 @@ And pure checks of the rewrite and of the zero-centred norms.
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -36,6 +35,7 @@ from hetu_ext.megatron_lm.rehearsal import CPU_SWITCHES, cpu_rewrite
 sys.path.insert(0, str(Path(__file__).parent))
 from megatron_lm_examples import LLAMA3_8B_FP8, LLAMA_CPU_SIZES, resized  # noqa: E402
 from megatron_lm_examples import EXAMPLES  # noqa: E402
+from helpers import run_script  # noqa: E402
 from test_megatron_lm import needs_checkout, step_losses  # noqa: E402
 
 from hetu_ext.megatron_lm.table import UNCLASSIFIED, flag_rows, markdown_table
@@ -67,12 +67,7 @@ def run_recipe(cwd: Path, *extra: str, nproc: int = 4) -> str:
     """The docs' block, run as written (with ``extra`` flags after the recipe's, on ``nproc`` ranks); its output."""
     script = recipe_block().replace("--nproc-per-node 4", f"--nproc-per-node {nproc}").rstrip()
     script += "".join(f" {flag}" for flag in extra) + "\n"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(cwd), "PYTHONWARNINGS": "ignore",
-           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=900, env=env, cwd=cwd)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-5000:]
-    return out
+    return run_script(script, cwd)
 
 
 def validation_losses(log: str) -> dict[int, float]:
