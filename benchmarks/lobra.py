@@ -18,6 +18,12 @@ steps vary. GPU-seconds per step = GPUs x mean step time over the same sampled s
 * ``sequential``: tenants one after another, each on all GPUs with the smallest strategy holding its own longest
   sequence, Megatron-style packs;
 * ``lobra``: the planner's deployment of heterogeneous replicas and the two-stage dispatch of every step;
+* ``hybrid CP`` (with ``--cp-degrees`` beyond 1): Megatron-core's ``--hybrid-context-parallel`` over all the
+  tenants' sequences of a step on every GPU (:func:`best_hybrid_lora`: its own BalancedCPScheduler forms the
+  groups, hetu_ext.plan.cost.hybrid_cp prices them with the frozen-base layer cost, K/V exchange on the
+  intra-node link within a node and the inter-node one beyond, as the pool's CP shapes; no gradient reduction,
+  as for the other rows: the adapters are negligible); every TP degree and N tuned; the row's gain over the
+  stronger of it and ``homogeneous`` is printed;
 * ``bound``: a certified lower bound on the GPU-seconds of ANY deployment and dispatch under the same cost model
   (hetu_ext.plan.lobra.work_bound_gpu_s: each whole sequence at the cheapest GPU-seconds of any strategy, no
   per-microbatch cost, bubble or imbalance); ``max sav.`` = 1 - bound / homogeneous, the largest saving this
@@ -106,6 +112,11 @@ def predicted(steps: int, cost_model: str | None = None, lengths: str | None = N
                         "homogeneous_balanced_gpu_s": balanced * gpus, "deployment": best.describe(),
                         "homogeneous_strategy": f"{gpus // strategy.gpus} x {strategy.name}",
                         "bound_gpu_s": work_bound_gpu_s(full_pool, batches, world_size=gpus)})
+            if cp_degrees != (1,):  # Megatron's hybrid CP beside the homogeneous replicas
+                hybrid = best_hybrid_lora(spec, lobra_cost_model(), opts, batches, gpus=gpus, full_pool=full_pool,
+                                          table=table)
+                if hybrid is not None:
+                    per[-1]["hybrid"] = (hybrid[0], hybrid[1] * gpus)
         homo = min(per, key=lambda r: r["homogeneous_gpu_s"])
         row = dict(min(per, key=lambda r: r["lobra_gpu_s"]))
         row.update(gpus=gpus, tenants=count, lengths=source.name, per_option=per,
@@ -118,12 +129,56 @@ def predicted(steps: int, cost_model: str | None = None, lengths: str | None = N
         row["saving_vs_homogeneous"] = 1 - row["lobra_gpu_s"] / row["homogeneous_gpu_s"]
         row["max_saving_vs_homogeneous"] = 1 - row["bound_gpu_s"] / row["homogeneous_gpu_s"]
         row.update(ceiling_fields(row["homogeneous_gpu_s"], row["lobra_gpu_s"], row["bound_gpu_s"]))
+        hybrid = [(r["hybrid"][1], f"{r['hybrid'][0]} {r['options']}") for r in per if r.get("hybrid")]
+        if hybrid:  # LobRA's gain over the stronger of the homogeneous replicas and Megatron's hybrid CP
+            row.update(hybrid_gpu_s=min(hybrid)[0], hybrid=min(hybrid)[1],
+                       gain_over_stronger=min(row["homogeneous_gpu_s"], min(hybrid)[0]) / row["lobra_gpu_s"])
         rows.append(row)
         shares.print_row([gpus, count] + [row[k] for k in (
             "homogeneous_gpu_s", "homogeneous_causal_gpu_s", "homogeneous_balanced_gpu_s", "sequential_gpu_s",
             "lobra_gpu_s", "saving_vs_homogeneous", "gain", "bound_gpu_s", "max_saving_vs_homogeneous", "ceiling",
-            "share_of_ceiling")], f"{row['options']}: {row['deployment']} ({row['homogeneous_strategy']})")
+            "share_of_ceiling")], f"{row['options']}: {row['deployment']} ({row['homogeneous_strategy']})" + (
+                f"; hybrid CP {row['hybrid']} {row['hybrid_gpu_s']:.1f} GPU-s, gain over the stronger "
+                f"{row['gain_over_stronger']:.3f}x" if "hybrid_gpu_s" in row else ""))
     return rows
+
+
+def best_hybrid_lora(spec, cost, options, batches: list[list[np.ndarray]], *, gpus: int, full_pool, table=None,
+                     gpus_per_node: int = 8) -> tuple[str, float] | None:
+    """(``tpT N=...``, mean step seconds) of Megatron's hybrid CP for the LoRA step at its best TP degree and
+    ``--max-seqlen-per-dp-cp-rank`` N (from the TP degree's capacity, the unpruned pool's TP x PP1 shape, down by
+    halves to 512); every tenant's sequences of a step in one batch; None when no TP degree holds the longest."""
+    from megatron.core.pipeline_parallel.hybrid_cp_schedule import BalancedCPScheduler
+
+    from benchmarks.hybrid_cp import _Group
+    from hetu_ext.plan.cost import hybrid_cp
+    from hetu_ext.plan.lobra import layer_cost
+
+    steps = [np.concatenate(step).tolist() for step in batches]
+    longest = max(max(step) for step in steps)
+    best = None
+    for shape in sorted((s for s in full_pool if s.pp == 1 and s.cp == 1), key=lambda s: s.tp):
+        tp, capacity = shape.tp, shape.capacity
+        if gpus % tp:
+            continue
+        ranks = gpus // tp
+        layer = table.for_tp(tp) if table is not None else layer_cost(spec, cost, tp, options)
+        links = hybrid_cp.node_links(tp=tp, gpus_per_node=gpus_per_node, intra_bytes_per_s=cost.intra_node_bytes_per_s,
+                                     inter_bytes_per_s=cost.inter_node_bytes_per_s)
+        n = capacity
+        while n >= 512:
+            if hybrid_cp.fits(longest, n, capacity, ranks):
+                times = []
+                for step in steps:
+                    scheduler = BalancedCPScheduler(max_seq_len_per_rank=n, dp_cp_group=_Group(ranks))
+                    groups, ids = scheduler.get_groups_and_subsamples(list(enumerate(step)), None)
+                    times.append(hybrid_cp.step_seconds(list(zip(groups, ids)), layer, spec, tp=tp,
+                                                        num_layers=spec.num_layers, link_for_cp=links))
+                t = float(np.mean(times))
+                if best is None or t < best[1]:
+                    best = (f"tp{tp} N={n}", t)
+            n //= 2
+    return best
 
 
 EMULATED_TABLE = {  # per layer, forward + backward; big enough that padding dominates real compute on 2 cores

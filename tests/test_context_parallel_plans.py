@@ -151,3 +151,26 @@ def test_hybrid_cp_prices_megatrons_own_schedule_with_its_power_of_two_rule():
     even = sum(2 * layer.document_s(s) for s in lengths) / 8
     assert step >= even
     assert hybrid_cp.fits(7900, n, capacity=1000, ranks=8) and not hybrid_cp.fits(9000, n, capacity=1000, ranks=8)
+
+
+def test_hybrid_cp_link_per_cp_size_follows_the_node_rule():
+    """hybrid_cp.node_links (LobRA's hybrid-CP row): a sub-sample whose tp x cp GPUs fit in a node is priced on the
+    intra-node link, a wider one on the inter-node link, each equal to the one-link pricing at that link; a
+    constant link_for_cp reproduces link_bytes_per_s."""
+    from hetu_ext.plan.cost import hybrid_cp
+
+    layer = LengthCost(a=1e-10, b=1e-6, c=1e-4)
+    spec = ModelSpec(num_layers=2, hidden_size=1024, num_attention_heads=16, seq_length=8192)
+    links = hybrid_cp.node_links(tp=2, gpus_per_node=8, intra_bytes_per_s=150e9, inter_bytes_per_s=12.5e9)
+    assert links(4) == 150e9 and links(8) == 12.5e9
+    narrow = ([[4000]] * 4, [[0]] * 4)  # CP 4 x TP 2: 8 GPUs, one node
+    wide = ([[8000]] * 8, [[0]] * 8)  # CP 8 x TP 2: 16 GPUs, two nodes
+
+    def priced(group, **link):
+        return hybrid_cp.group_seconds(*group, layer, spec, tp=2, num_layers=2, **link)
+
+    assert priced(narrow, link_for_cp=links) == priced(narrow, link_bytes_per_s=150e9)
+    assert priced(wide, link_for_cp=links) == priced(wide, link_bytes_per_s=12.5e9)
+    assert priced(wide, link_for_cp=links) > priced(wide, link_bytes_per_s=150e9)
+    assert hybrid_cp.step_seconds([narrow, wide], layer, spec, tp=2, num_layers=2, link_for_cp=lambda cp: 100e9) \
+        == hybrid_cp.step_seconds([narrow, wide], layer, spec, tp=2, num_layers=2)

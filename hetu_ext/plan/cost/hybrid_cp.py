@@ -14,7 +14,7 @@ sum (the gradient reduction is the caller's, as for the static strategies)."""
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from hetu_ext.data.cost import LengthCost
 from hetu_ext.model.spec import ModelSpec
@@ -40,28 +40,38 @@ def group_cp_sizes(sample_ids: Sequence[Sequence[int]]) -> dict[int, int]:
     return out
 
 
+def node_links(*, tp: int, gpus_per_node: int, intra_bytes_per_s: float,
+               inter_bytes_per_s: float) -> Callable[[int], float]:
+    """CP size -> the link its K/V exchange runs on, by LobRA's pool's rule (``hetu_ext.plan.lobra.pool``): a CP
+    group of ``tp x cp`` GPUs within a node uses the intra-node link, a wider one the inter-node link (Megatron's
+    scheduler puts a sub-sample on ``cp`` consecutive DP x CP ranks)."""
+    return lambda cp: intra_bytes_per_s if tp * cp <= gpus_per_node else inter_bytes_per_s
+
+
 def group_seconds(lengths: Sequence[Sequence[int]], sample_ids: Sequence[Sequence[int]], layer: LengthCost,
-                  model: ModelSpec, *, tp: int, num_layers: int,
-                  link_bytes_per_s: float = CP_LINK_BYTES_PER_S) -> float:
+                  model: ModelSpec, *, tp: int, num_layers: int, link_bytes_per_s: float = CP_LINK_BYTES_PER_S,
+                  link_for_cp: Callable[[int], float] | None = None) -> float:
     """Seconds of one group: per rank, the sum over its sub-samples (``lengths[r][k]`` tokens, sample
-    ``sample_ids[r][k]``) of one microbatch of that sequence on its CP size; the slowest rank's."""
+    ``sample_ids[r][k]``) of one microbatch of that sequence on its CP size; the slowest rank's.
+    ``link_for_cp``: the link per CP size (:func:`node_links`) instead of one ``link_bytes_per_s`` for all."""
     sizes = group_cp_sizes(sample_ids)
     worst = 0.0
     for lens, ids in zip(lengths, sample_ids):
         total = 0.0
         for s, i in zip(lens, ids):
-            cost = cp_cost(layer, model, tp=tp, cp=sizes[i], link_bytes_per_s=link_bytes_per_s)
+            link = link_for_cp(sizes[i]) if link_for_cp is not None else link_bytes_per_s
+            cost = cp_cost(layer, model, tp=tp, cp=sizes[i], link_bytes_per_s=link)
             total += cost.times_layers(num_layers).microbatch_s([s])
         worst = max(worst, total)
     return worst
 
 
 def step_seconds(groups: Sequence[tuple[Sequence[Sequence[int]], Sequence[Sequence[int]]]], layer: LengthCost,
-                 model: ModelSpec, *, tp: int, num_layers: int,
-                 link_bytes_per_s: float = CP_LINK_BYTES_PER_S) -> float:
+                 model: ModelSpec, *, tp: int, num_layers: int, link_bytes_per_s: float = CP_LINK_BYTES_PER_S,
+                 link_for_cp: Callable[[int], float] | None = None) -> float:
     """Seconds of a step's groups ``(lengths per rank, sample ids per rank)``, one after another."""
     return sum(group_seconds(lens, ids, layer, model, tp=tp, num_layers=num_layers,
-                             link_bytes_per_s=link_bytes_per_s) for lens, ids in groups)
+                             link_bytes_per_s=link_bytes_per_s, link_for_cp=link_for_cp) for lens, ids in groups)
 
 
 def fits(seq_len: int, max_seqlen_per_rank: int, capacity: int, ranks: int) -> bool:
