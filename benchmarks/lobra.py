@@ -57,7 +57,8 @@ USABLE_BYTES = 0.9 * 80e9
 
 
 def predicted(steps: int, cost_model: str | None = None, lengths: str | None = None,
-              search: bool = True, cp_degrees: tuple[int, ...] = (1,)) -> list[dict]:
+              search: bool = True, cp_degrees: tuple[int, ...] = (1,), gpus_only: tuple[int, ...] | None = None
+              ) -> list[dict]:
     from hetu_ext.data.cost import load_cost_table
     from hetu_ext.data.lengths import read_lengths
     from hetu_ext.plan import ModelSpec
@@ -93,6 +94,8 @@ def predicted(steps: int, cost_model: str | None = None, lengths: str | None = N
                       ("share", ">6.1%"), tail="deployment (homogeneous)", rule=True)
     shares.print_header()
     for gpus, count in SIZES:
+        if gpus_only is not None and gpus not in gpus_only:
+            continue
         tenants = [TenantLengths(f"t{k}", np.maximum((pool_lengths * SCALES[k]).astype(np.int64), 1), SAMPLES)
                    for k in range(count)]
         batches = sample_steps(tenants, steps=steps, seed=1, max_len=MAX_LEN)
@@ -268,8 +271,12 @@ def main() -> None:
     parser.add_argument("--cp-degrees", type=lambda s: tuple(int(x) for x in s.split(",")), default=(1,),
                         help="predicted part: context-parallel degrees in the pool of LobRA and of the homogeneous "
                         "baseline alike (1,2,4,8 with CP; the saved rows before issue 48: 1)")
+    parser.add_argument("--gpus", type=lambda s: tuple(int(x) for x in s.split(",")), default=None,
+                        help=f"predicted part: only these of the sizes {', '.join(str(g) for g, _ in SIZES)} "
+                        "(default: all)")
     args = parser.parse_args()
-    rows = predicted(args.steps, args.cost_model, args.lengths, args.options == "search", args.cp_degrees) \
+    rows = predicted(args.steps, args.cost_model, args.lengths, args.options == "search", args.cp_degrees,
+                     args.gpus) \
         if args.part != "emulated" else []
     emulated_rows = emulated(args.emulated_steps) if args.part != "predicted" else []
     print_result({"predicted": rows, "emulated": emulated_rows})
