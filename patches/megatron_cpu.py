@@ -246,6 +246,8 @@ _TORCH_SCOPED_MODULES = {
     f"{_MC}.transformer.module": "buffers on torch.cuda.current_device()",
     f"{_MC}.models.common.embeddings.rotary_pos_embedding": "RoPE moves inv_freq to torch.cuda.current_device() "
                                                              "in get_emb (--position-embedding-type rope)",
+    f"{_MC}.models.common.embeddings.rope_utils": "context parallelism: RoPE's per-CP-rank chunk index is made in "
+                                                   "pinned memory (pin_memory=True)",
     f"{_MC}.tensor_parallel.mappings": "sequence parallelism's gather and reduce-scatter allocate on "
                                        "torch.cuda.current_device() (--sequence-parallel)",
     f"{_MC}.utils": "the global memory buffer and local l2 norm use the CUDA device",
@@ -326,6 +328,9 @@ def megatron_cpu_patches() -> PatchSet:
               target=f"{_MC}.models.common.language_module.language_module:LanguageModule."
                      "setup_embeddings_and_output_layer",
               make=_with_tensor_cuda_identity, reason="moves the tied embedding with weight.data.cuda()"),
+        Patch(name="tensor_cuda_identity:get_pos_emb_on_this_cp_rank",
+              target=f"{_MC}.models.common.embeddings.rotary_pos_embedding:get_pos_emb_on_this_cp_rank",
+              make=_with_tensor_cuda_identity, reason="context parallelism: RoPE moves its chunk index with .cuda()"),
         Patch(name="fork_results_queue:filesystem_async",
               target=f"{_MC}.dist_checkpointing.strategies.filesystem_async:_get_write_results_queue",
               make=_results_queue_by_fork, reason="torch_dist saves start a Manager by spawn (re-imports the job)"),

@@ -223,7 +223,7 @@ def validate_args(args: argparse.Namespace) -> None:
     _positive(args, "nproc_per_node", "nnodes", "num_layers", "hidden_size", "num_attention_heads", "seq_length",
               "micro_batch_size",
               "global_batch_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
-              "log_interval", "save_interval", "exit_duration_in_mins")
+              "context_parallel_size", "log_interval", "save_interval", "exit_duration_in_mins")
     _validate_schedule(args)
     _validate_tokenizer(args)
     _validate_optimizer(args)

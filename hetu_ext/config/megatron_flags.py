@@ -10,13 +10,12 @@ of three kinds for hetu_ext's trainer (``launch/pretrain_gpt.py`` and the hand-o
 * ``accepted``: the flag only picks a kernel, a fusion, a profiler or a memory/performance knob; the numbers do not
   depend on it. It is taken off the command line and ONE notice on rank 0 lists each such flag and what runs
   instead (:func:`accepted_notice`), never silently;
-* ``refused``: it changes the numbers and is not built (MoE, context parallelism > 1, ...): one line naming the
-  flag and why, exit code 2.
+* ``refused``: it changes the numbers and is not built (MoE, ...): one line naming the flag and why, exit code 2.
 
 :data:`MEGATRON_FLAGS` is the one place of this classification (a docs table is generated from
-:func:`classification_rows`); a rule may depend on the flag's value (``--context-parallel-size 1`` is accepted,
-2 is refused) or on another flag (``--no-position-embedding`` needs rotary positions). A flag in neither the table
-nor the schema is refused by the parser, by name. Pure: no torch.
+:func:`classification_rows`); a rule may depend on the flag's value or on another flag (``--no-position-embedding``
+needs rotary positions). A flag in neither the table nor the schema is refused by the parser, by name. Pure: no
+torch.
 """
 
 from __future__ import annotations
@@ -68,10 +67,6 @@ MEGATRON_FLAGS: dict[str, FlagRule] = {
         "implemented", "rotary positions have no position table", requires=("--position-embedding-type", "rope"),
         otherwise=("refused", "Megatron-LM refuses --no-position-embedding without --position-embedding-type "
                               "rope; use --position-embedding-type none or rope")),
-    "--context-parallel-size": FlagRule(
-        "implemented", "no context parallelism", values=("1",),
-        otherwise=("refused", "context parallelism > 1 is not built in hetu_ext's trainer (each sequence is whole "
-                              "on a rank); give --context-parallel-size 1")),
     # --- kernels, fusions, memory and performance knobs: accepted with a notice
     "--attention-backend": FlagRule("accepted", "torch's dot-product attention (the local spec's core attention; "
                                                 "the backend picks among Transformer Engine's kernels)"),

@@ -107,6 +107,8 @@ class ParallelConfig:
 
     tensor_model_parallel_size: int = setting(1, help="TP degree of the uniform plan")
     pipeline_model_parallel_size: int = setting(1, help="pipeline stages of the uniform plan")
+    context_parallel_size: int = setting(1, help="CP degree of the uniform plan: each stage's TP groups split every "
+                                                 "sequence into 2 CP load-balanced chunks (plan runtime)")
     use_distributed_optimizer: bool = setting(False, help="ZeRO-1: optimizer state sharded over data parallelism")
     sequence_parallel: bool = setting(False, help="Megatron's sequence parallelism in every stage of TP > 1: norms, "
                                                   "dropout and the stage boundary keep 1/TP of the sequence")

@@ -301,9 +301,10 @@ def build(config: RunConfig, zero: ZeroConfig) -> DeepSpeedGPT:
 
     parallel = config.parallel
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
-    if config.training.optimizer != "adam" or tp != 1 or pp != 1:
-        raise ValueError("the DeepSpeed path trains Adam with TP 1 and PP 1 (ZeRO shards over data parallel "
-                         f"ranks); got --optimizer {config.training.optimizer} TP {tp} PP {pp}: drop those flags")
+    if config.training.optimizer != "adam" or tp != 1 or pp != 1 or parallel.context_parallel_size != 1:
+        raise ValueError("the DeepSpeed path trains Adam with TP 1, PP 1 and CP 1 (ZeRO shards over data parallel "
+                         f"ranks); got --optimizer {config.training.optimizer} TP {tp} PP {pp} CP "
+                         f"{parallel.context_parallel_size}: drop those flags")
     tokenizer = make_tokenizer(config.data.tokenizer_type, config.data.vocab_size, tokenizer_files(config.data))
     spec = model_spec(config.model, tokenizer.vocab_size)
     h = host.init_distributed(force_cpu=not torch.cuda.is_available(),

@@ -14,7 +14,9 @@ Megatron's ModuleSpec seam (``core_attention``):
   ``dropout_p`` under Megatron's RNG tracker as Megatron draws it (the model-parallel stream, except under sequence
   parallelism), query-key layer scaling as one net scale, recomputation and sequence parallelism unaffected (they
   act around the core attention). Where a feature needs Megatron's function, :func:`megatron_path_reason` names it
-  and the module runs Megatron's path (logged once per reason).
+  and the module runs Megatron's path (logged once per reason). Under context parallelism (a plan stage's
+  ``cp`` > 1) the rank's two chunks of every sequence or document attend over the keys and values all-gathered
+  from its CP group (:mod:`hetu_ext.megatron.context_parallel`).
 
 THD packs: on CUDA with dropout 0, FlexAttention compiled once per shape class with the block mask cached per pack
 layout (:mod:`hetu_ext.megatron.flex_packs`); otherwise SDPA per document (each document ``O(s_i)`` memory with the
@@ -30,6 +32,7 @@ tests/test_attention.py, 1e-6 on the gold tests' shapes), which is what keeps ev
 from __future__ import annotations
 
 import contextlib
+import copy
 import itertools
 import logging
 
@@ -40,6 +43,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.utils import is_layer_window_attention
 
 from . import flex_packs
+from .context_parallel import context_parallel_attention
 
 logger = logging.getLogger(__name__)
 
@@ -117,14 +121,26 @@ class ScoreFreeAttention(PackedDotProductAttention):
     packs); Megatron's path only where :func:`megatron_path_reason` names a feature."""
 
     def __init__(self, config, layer_number: int, attn_mask_type, *args, **kwargs) -> None:
+        cp = config.context_parallel_size
+        if cp > 1:  # Megatron's DotProductAttention refuses CP; this class computes it (context_parallel.py)
+            config = copy.copy(config)
+            config.context_parallel_size = 1
         super().__init__(config, layer_number, attn_mask_type, *args, **kwargs)
         self.megatron_reason = megatron_path_reason(config, layer_number, attn_mask_type)
+        self.cp_group = self.pg_collection.cp if cp > 1 else None
+        """The stage's CP group at this rank's TP rank (context parallelism), else None."""
+        if self.cp_group is not None and (self.megatron_reason is not None or attn_mask_type != AttnMaskType.causal):
+            raise ValueError(f"context parallelism (cp {cp}) runs causal SDPA attention only; this layer needs "
+                             f"{self.megatron_reason or f'attn_mask_type {attn_mask_type.name}'}: use cp 1")
         if self.megatron_reason is not None:
             _report_once(self.megatron_reason)
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
         thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
+        if self.cp_group is not None:
+            return self._context_parallel(query, key, value, attention_mask, attention_bias,
+                                          packed_seq_params.cu_seqlens_q if thd else None)
         if thd or self.megatron_reason is not None or attention_bias is not None:
             if attention_bias is not None and not thd:
                 _report_once("attention_bias")
@@ -143,6 +159,18 @@ class ScoreFreeAttention(PackedDotProductAttention):
                 enable_gqa=q.size(1) != k.size(1))
         s, b = query.size(0), query.size(1)
         return context.permute(2, 0, 1, 3).reshape(s, b, self.hidden_size_per_partition)  # (s, b, np*hn)
+
+
+    def _context_parallel(self, query, key, value, attention_mask, attention_bias, cu_seqlens):
+        """This CP rank's chunks attending over the CP group's keys and values (context_parallel.py)."""
+        if attention_mask is not None or attention_bias is not None:
+            raise ValueError("context parallelism takes no attention mask or bias (causal attention, packs by "
+                             "cu_seqlens); use cp 1")
+        dropout = self.attention_dropout.p if self.training else 0.0
+        with self._rng():
+            context = context_parallel_attention(query, key, value, self.cp_group, scale=self.net_scale,
+                                                 dropout=dropout, cu_seqlens=cu_seqlens)
+        return context.reshape(*context.shape[:-2], self.hidden_size_per_partition)  # (s, b, np*hn) / (t, np*hn)
 
 
 def core_attention(kind: str) -> type:

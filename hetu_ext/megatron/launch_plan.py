@@ -18,21 +18,23 @@ def plan_of(parallel: ParallelConfig, training: TrainingConfig, packing: Packing
             world_size: int) -> Plan:
     """The plan to run: ``--hetu-plan`` if given, else Megatron's uniform grid of the TP/PP/batch flags."""
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    cp = parallel.context_parallel_size
     mbs, gbs_flag = training.micro_batch_size, training.global_batch_size
     packed = packing.method != "off"  # microbatches are chosen per step by the packer
     if parallel.plan:
         plan = load_plan(parallel.plan)
     else:
-        if world_size % (tp * pp):
-            raise PlanError(f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
-                            f"--pipeline-model-parallel-size {pp}; launch a multiple of {tp * pp} ranks")
-        dp = world_size // (tp * pp)
+        if world_size % (tp * cp * pp):
+            cp_flag = f" x --context-parallel-size {cp}" if cp > 1 else ""
+            raise PlanError(f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp}{cp_flag} "
+                            f"x --pipeline-model-parallel-size {pp}; launch a multiple of {tp * cp * pp} ranks")
+        dp = world_size // (tp * cp * pp)
         gbs = mbs * dp if packed else gbs_flag or mbs * dp
         if gbs % (mbs * dp):
             raise PlanError(f"--global-batch-size {gbs} must be a multiple of --micro-batch-size "
                             f"{mbs} x data-parallel size {dp} = {mbs * dp}")
         plan = uniform_plan(world_size=world_size, tp=tp, pp=pp, num_layers=spec.num_layers,
-                            num_microbatches=gbs // (mbs * dp))
+                            num_microbatches=gbs // (mbs * dp), cp=cp)
     plan.validate(spec, world_size)
     if not packed and gbs_flag and global_batch_size(plan, mbs) != gbs_flag:
         raise PlanError(f"the plan runs {plan.num_microbatches} microbatches of {mbs} = "
@@ -42,15 +44,18 @@ def plan_of(parallel: ParallelConfig, training: TrainingConfig, packing: Packing
 
 
 def check_runnable(plan: Plan) -> None:
+    """What the plan runtime runs of a valid plan: every stage holds a transformer layer, and the stages of one
+    pipeline share one CP degree."""
     for i, pipeline in enumerate(plan.pipelines):
         for j, stage in enumerate(pipeline.stages):
             if stage.num_layers == 0:
                 raise PlanError(f"pipeline {i} stage {j}: holds no transformer layer; the plan runtime needs at "
                                 "least one layer per stage, so merge it into an adjacent stage")
-            if stage.cp > 1:
-                raise PlanError(f"pipeline {i} stage {j}: cp {stage.cp}: the plan runtime does not run context "
-                                "parallelism yet (the planners price it); use cp 1, or Megatron-LM's "
-                                "--context-parallel-size on a uniform layout")
+        cps = [stage.cp for stage in pipeline.stages]
+        if len(set(cps)) > 1:
+            raise PlanError(f"pipeline {i}: its stages have cp {cps}; the plan runtime runs one CP degree per "
+                            "pipeline (each CP rank passes its own chunks of every sequence from stage to stage), "
+                            "so give every stage of the pipeline the same cp (pipelines may differ)")
 
 
 def parse_migrations(text: str) -> list[tuple[int, str]]:
@@ -149,9 +154,37 @@ def check_launch(config: RunConfig, world_size: int) -> LaunchCheck:
     runtime = "plan" if strategies is not None else select_runtime(config, plan)
     if runtime == "plan":
         check_runnable(plan)
+    check_context_parallel(config, [plan] + [target for _, target in migrations], strategies)
     notices = check_sequence_parallel(config, spec, [plan] + [target for _, target in migrations])
     return LaunchCheck(spec=spec, plan=plan, migrations=migrations, runtime=runtime, strategies=strategies,
                        notices=notices)
+
+
+def check_context_parallel(config: RunConfig, plans: list[Plan], strategies=None) -> None:
+    """Context parallelism (a stage with cp > 1) runs on hetu_ext's trainer with the local spec's SDPA attention
+    (megatron/context_parallel.py); what it is not built with is refused here, in one line."""
+    if strategies is not None:
+        plans = plans + [s.plan for s in strategies.items]
+    cps = sorted({stage.cp for plan in plans for pipeline in plan.pipelines for stage in pipeline.stages})
+    if cps[-1] == 1:
+        return
+    model, parallel = config.model, config.parallel
+    refused = [
+        (strategies is not None, "--hetu-hotspa / --hetu-strategies (the switching layer moves whole sequences)",
+         "drop cp from the strategies"),
+        (bool(config.lora.tenants), "--hetu-lora-tenants (the adapters' reduction knows no CP ranks)",
+         "drop --hetu-lora-tenants"),
+        (parallel.sequence_parallel, "--sequence-parallel", "drop --sequence-parallel"),
+        (model.transformer_impl != "local", f"--transformer-impl {model.transformer_impl}",
+         "give --transformer-impl local"),
+        (model.attention != "sdpa", f"--hetu-attention {model.attention}", "give --hetu-attention sdpa"),
+        (config.straggler.interval > 0, "--hetu-straggler-interval (its FLOP counts assume whole sequences)",
+         "drop --hetu-straggler-interval"),
+    ]
+    for bad, what, fix in refused:
+        if bad:
+            raise ValueError(f"context parallelism (cp {cps[-1]} in the plan) is not built with {what}; {fix}, "
+                             "or use cp 1")
 
 
 def check_sequence_parallel(config: RunConfig, spec: ModelSpec, plans: list[Plan]) -> tuple[str, ...]:

@@ -88,8 +88,9 @@ class TrainingNumerics:
         return torch.bfloat16 if self.bf16 else torch.float16 if self.fp16 else torch.float32
 
 
-def transformer_config(spec: ModelSpec, numerics: TrainingNumerics, *, tp: int, pp: int, on_cpu: bool):
-    """The TransformerConfig of a stage: Megatron's fused CUDA kernels off on CPU, per-token loss always."""
+def transformer_config(spec: ModelSpec, numerics: TrainingNumerics, *, tp: int, pp: int, on_cpu: bool, cp: int = 1):
+    """The TransformerConfig of a stage: Megatron's fused CUDA kernels off on CPU, per-token loss always; ``cp``:
+    the stage's context-parallel degree (RoPE's sequence length counts every CP rank's chunks)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     no_fusion = dict(gradient_accumulation_fusion=False, bias_activation_fusion=False, masked_softmax_fusion=False,
@@ -102,6 +103,7 @@ def transformer_config(spec: ModelSpec, numerics: TrainingNumerics, *, tp: int, 
         add_bias_linear=spec.add_bias_linear, add_qkv_bias=spec.add_qkv_bias, qk_layernorm=spec.qk_layernorm,
         layernorm_zero_centered_gamma=numerics.zero_centered_gamma,
         tensor_model_parallel_size=tp, sequence_parallel=numerics.sequence_parallel and tp > 1,
+        context_parallel_size=cp,
         pipeline_model_parallel_size=pp, pipeline_dtype=numerics.dtype, params_dtype=numerics.dtype,
         bf16=numerics.bf16, fp16=numerics.fp16, hidden_dropout=numerics.hidden_dropout,
         attention_dropout=numerics.attention_dropout,

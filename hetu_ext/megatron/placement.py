@@ -22,6 +22,11 @@ class Placement:
     config: object = None
     is_last_stage: bool = False
     tp_rank: int = 0
+    """The rank's TP rank in its stage (under context parallelism: in its CP rank's TP group)."""
+    cp_rank: int = 0
+    cp_size: int = 1
+    """Context parallelism: the stage splits every sequence over ``cp_size`` TP groups; this rank's is ``cp_rank``
+    (its microbatches are cut to its chunks: megatron/context_parallel.py's ``cp_batches``)."""
     report_group: object = None
     """Group over which per-pipeline loss sums are added (None: the default world group)."""
     schedule_kwargs: dict = dataclasses.field(default_factory=dict)

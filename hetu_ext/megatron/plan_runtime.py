@@ -39,12 +39,14 @@ from .weights import init_weights, local_shards
 
 
 def _pg_collection(groups: PlanGroups, tp=None):
-    """The groups a stage model sees: its TP group (``tp``, default the stage's), itself for everything else."""
+    """The groups a stage model sees: its TP group (``tp``, default the stage's), its CP group (RoPE's chunks, the
+    core attention's key/value gather, the schedule's tensor shapes; itself without CP), itself for everything
+    else (the gradient reductions over DP x CP are runtime/grad_sync.py's)."""
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     one, tp = groups.single, tp or groups.tp
     return ProcessGroupCollection(
-        tp=tp, pp=one, mp=tp, cp=one, tp_cp=tp, tp_dp_cp=tp, dp=one, dp_cp=one, intra_dp_cp=one, ep=one,
+        tp=tp, pp=one, mp=tp, cp=groups.cp or one, tp_cp=tp, tp_dp_cp=tp, dp=one, dp_cp=one, intra_dp_cp=one, ep=one,
         expt_tp=tp, tp_ep=tp, tp_ep_pp=tp, expt_dp=one, intra_expt_dp=one, embd=None, pos_embd=None,
         inter_dist_opt=None, intra_dist_opt=None, hcp=None)
 
@@ -124,6 +126,7 @@ class _Stage:
     pgc: object
     stage: object
     tp_rank: int
+    cp_rank: int
     shard_kwargs: dict
     shards: list[ShardInfo]
     """This rank's pieces of the global tensors, gathered by every rank to derive the plan's layout."""
@@ -139,12 +142,13 @@ def _build_stage(training: TrainingConfig, spec: ModelSpec, plan: Plan, host, nu
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     stage = plan.pipelines[where[0]].stages[where[1]]
-    tp_rank = stage.ranks.index(host.rank)
+    cp_rank, tp_rank = stage.position(host.rank)
     tensor_parallel.model_parallel_cuda_manual_seed(training.seed, tp_rank=tp_rank, ep_rank=0, etp_rank=0,
                                                      force_reset_rng=True)
     pgc = _pg_collection(groups)
     stage_spec = dataclasses.replace(spec, num_layers=stage.num_layers)
-    config = transformer_config(stage_spec, numerics, tp=stage.tp, pp=1, on_cpu=host.device.type == "cpu")
+    config = transformer_config(stage_spec, numerics, tp=stage.tp, pp=1, on_cpu=host.device.type == "cpu",
+                                cp=stage.cp)
     model = build_gpt_stage(stage_spec, config, pre_process=stage.has_embedding,
                             post_process=stage.has_output, pg_collection=pgc, converter=converter,
                             layer_offset=stage.layer_start)
@@ -167,13 +171,13 @@ def _build_stage(training: TrainingConfig, spec: ModelSpec, plan: Plan, host, nu
     for s in local_shards(model, **shard_kwargs):
         box = tuple((sl.start, sl.stop) for sl in s.slices)
         shards.append(ShardInfo(rank=host.rank, stage=where, tp_index=tp_rank, key=s.key, index=s.index,
-                                box=box, offset=_buffer_offset(s.param, flat)))
+                                box=box, offset=_buffer_offset(s.param, flat), cp_index=cp_rank))
         if (s.key, s.index) in local:
             raise PlanError(f"{s.key}{list(s.index)} appears twice on rank {host.rank}")
         local[(s.key, s.index)] = LocalTensor(param=s.param, box=box,
                                                shape=tuple(s.data.shape) if s.gated else None)
-    return _Stage(model=model, config=config, pgc=pgc, stage=stage, tp_rank=tp_rank, shard_kwargs=shard_kwargs,
-                  shards=shards, local=local, flat=flat)
+    return _Stage(model=model, config=config, pgc=pgc, stage=stage, tp_rank=tp_rank, cp_rank=cp_rank,
+                  shard_kwargs=shard_kwargs, shards=shards, local=local, flat=flat)
 
 
 def _finalize_func(sync, groups: PlanGroups, partial: list[torch.Tensor], normaliser: dict, *, is_last: bool,
@@ -299,7 +303,8 @@ def _finish_placement(plan: Plan, host, numerics: TrainingNumerics, built: _Stag
     p2p = StageP2P(neighbours(plan, host.rank), config, dtype=numerics.dtype, device=host.device,
                    sequence_group=groups.tp if config.sequence_parallel else None)
     return Placement(active=True, pipeline_index=where[0], model=model, optimizer=optimizer, config=config,
-                     is_last_stage=stage.has_output, tp_rank=built.tp_rank, report_group=groups.used,
+                     is_last_stage=stage.has_output, tp_rank=built.tp_rank, cp_rank=built.cp_rank,
+                     cp_size=stage.cp, report_group=groups.used,
                      schedule_kwargs={"p2p_communicator": p2p, "pg_collection": built.pgc},
                      forward_backward=get_forward_backward_func(pp_size=plan.pipelines[where[0]].pp, vp_size=None),
                      grad_sync=sync, shard_kwargs=built.shard_kwargs, normaliser=normaliser)

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from hetu_ext.config import RunConfig, TrainingConfig
+from hetu_ext.megatron.context_parallel import cp_batches
 from hetu_ext.megatron.data import microbatch_iterator
 from hetu_ext.metrics import format_eval_lines, perplexity
 from hetu_ext.plan.core.batches import global_batch_size
@@ -133,7 +134,8 @@ class Evaluation:
         with _evaluating(placement.model, trainer.timer), torch.no_grad():
             for _ in range(self.eval_iters):
                 reports = placement.forward_backward(
-                    forward_step_func=forward_step, data_iterator=batches, model=[placement.model],
+                    forward_step_func=forward_step, data_iterator=cp_batches(batches, placement),
+                    model=[placement.model],
                     num_microbatches=trainer.plan.pipelines[placement.pipeline_index].num_microbatches,
                     seq_length=trainer.spec.seq_length, micro_batch_size=training.micro_batch_size,
                     forward_only=True, **placement.schedule_kwargs)

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hetu_ext.megatron.context_parallel import cp_batches
 from hetu_ext.megatron.data import microbatch_iterator
 from hetu_ext.megatron.packed_data import PackedSteps, build_packed_steps
 from hetu_ext.megatron.switching import SwitchedSteps, local_loss, predicted_switch_s
@@ -103,7 +104,8 @@ class StepKind:
         trainer.optimizer.zero_grad()
         placement = trainer.placement
         return placement.forward_backward(
-            forward_step_func=self.forward_step(trainer, work), data_iterator=work.microbatches,
+            forward_step_func=self.forward_step(trainer, work),
+            data_iterator=cp_batches(work.microbatches, placement),
             model=[placement.model], num_microbatches=work.num_microbatches, seq_length=trainer.spec.seq_length,
             micro_batch_size=work.micro_batch_size or trainer.config.training.micro_batch_size, forward_only=False,
             **placement.schedule_kwargs)

@@ -6,7 +6,9 @@ each pipeline (at any stage index and TP degree), the tied output layer of a pip
 stage, every TP rank for tensors TP does not split (layernorms, row-parallel biases).
 
 Each stage computes one gradient contribution for each element it holds (its TP ranks hold identical copies of
-replicated elements). The update needs the sum over the *stages* holding it, delivered to every holder. We cut
+replicated elements); under context parallelism each CP rank of a stage computes its own (the gradient of its
+chunks of every sequence), so a **contributor** is a (stage, CP rank). The update needs the sum over the
+contributors holding it, delivered to every holder. We cut
 each tensor into **cells**, maximal boxes with one set of holders, and reduce each cell in ``d`` **lanes**, d the
 largest number of TP copies any holding stage has: lane i takes copy ``i mod n_s`` of each stage s. For a uniform
 TP x DP grid the lanes are exactly Megatron's data-parallel groups (one per TP rank); a cell held by one stage
@@ -38,6 +40,14 @@ class ShardInfo:
     box: Box
     offset: int = -1
     """Where the rank keeps this gradient in its flat gradient buffer (element offset), -1 if unknown."""
+    cp_index: int = 0
+    """The rank's CP rank in its stage (context parallelism: each CP rank computes the gradient of its own chunks
+    of every sequence, so CP ranks are distinct contributors)."""
+
+    @property
+    def contributor(self) -> tuple[tuple[int, int], int]:
+        """Whose gradient this copy carries: (stage, CP rank); the TP copies of one contributor are identical."""
+        return self.stage, self.cp_index
 
 
 def in_place_lanes(layout: "ReductionLayout", shards: list[ShardInfo]) -> set[tuple[int, ...]]:
@@ -135,11 +145,11 @@ def reduction_layout(shards: list[ShardInfo]) -> ReductionLayout:
                 raise ValueError(f"{key}{list(index)}: elements {box} are held by no rank")
             cell = Cell(key, index, box)
             owners[cell] = min(h.rank for h in inside)
-            copies: dict[tuple[int, int], list[int]] = defaultdict(list)
-            for h in sorted(inside, key=lambda h: (h.stage, h.tp_index, h.rank)):
-                copies[h.stage].append(h.rank)
+            copies: dict[tuple[tuple[int, int], int], list[int]] = defaultdict(list)
+            for h in sorted(inside, key=lambda h: (h.contributor, h.tp_index, h.rank)):
+                copies[h.contributor].append(h.rank)
             if len(copies) < 2:
-                continue  # one stage holds it: its TP copies are already identical
+                continue  # one contributor holds it: its TP copies are already identical
             width = max(len(r) for r in copies.values())
             for i in range(width):
                 lane = tuple(sorted({ranks[i % len(ranks)] for ranks in copies.values()}))

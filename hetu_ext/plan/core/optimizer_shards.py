@@ -61,9 +61,10 @@ class HolderSet:
     cells: tuple[Cell, ...]
     """In canonical order; flattened row-major and concatenated they form the set's flat run."""
     contributors: tuple[frozenset[int], ...]
-    """Per cell, the ranks whose gradient is added: one per holding stage (its lowest TP copy)."""
+    """Per cell, the ranks whose gradient is added: one per holding contributor (a stage, or a CP rank of one;
+    its lowest TP copy)."""
     reduce: bool
-    """The holders span two or more stages, so gradients are reduce-scattered (else only gathered)."""
+    """The holders span two or more contributors, so gradients are reduce-scattered (else only gathered)."""
 
     @property
     def numel(self) -> int:
@@ -137,9 +138,9 @@ def optimizer_shards(shards: list[ShardInfo]) -> OptimizerShards:
             inside = [h for h in holders if contains(h.box, box)]
             if not inside:
                 raise ValueError(f"{key}{list(index)}: elements {box} are held by no rank")
-            first: dict[tuple[int, int], ShardInfo] = {}
+            first: dict[tuple[tuple[int, int], int], ShardInfo] = {}
             for h in sorted(inside, key=lambda h: (h.tp_index, h.rank)):
-                first.setdefault(h.stage, h)
+                first.setdefault(h.contributor, h)
             ranks = tuple(sorted({h.rank for h in inside}))
             cells[ranks].append((Cell(key, index, box), frozenset(h.rank for h in first.values()), len(first) > 1))
     sets = []

@@ -51,6 +51,18 @@ class Stage:
     def num_layers(self) -> int:
         return self.layer_stop - self.layer_start
 
+    def position(self, rank: int) -> tuple[int, int]:
+        """``(cp rank, tp rank)`` of a rank of this stage (position k: CP rank ``k // tp``, TP rank ``k % tp``)."""
+        return divmod(self.ranks.index(rank), self.tp)
+
+    def tp_group(self, cp_rank: int) -> tuple[int, ...]:
+        """The ranks of CP rank ``cp_rank``'s TP group, in TP-rank order."""
+        return self.ranks[cp_rank * self.tp:(cp_rank + 1) * self.tp]
+
+    def cp_group(self, tp_rank: int) -> tuple[int, ...]:
+        """The ranks that split every sequence with TP rank ``tp_rank`` (one per CP rank, in CP-rank order)."""
+        return self.ranks[tp_rank::self.tp]
+
     @property
     def layers(self) -> range:
         return range(self.layer_start, self.layer_stop)
@@ -276,23 +288,25 @@ def neighbours(plan: Plan, rank: int) -> Neighbours:
     A receiver with TP index t takes the tensor from the adjacent stage's rank ``t mod tp_sender``; every TP
     rank of a stage holds the same stage input and output (no sequence parallelism), so any copy serves. A
     sender therefore sends to each adjacent rank whose index maps to it (one, or several when the adjacent
-    stage has the larger TP degree).
+    stage has the larger TP degree). Under context parallelism (every stage of a pipeline has the same ``cp``)
+    this holds within each CP rank's TP groups: CP rank c's chunks pass between the stages' CP-rank-c groups.
     """
     where = plan.stage_of(rank)
     if where is None:
         raise PlanError(f"rank {rank} is unused in this plan; it has no pipeline neighbours")
-    if any(s.cp > 1 for s in plan.pipelines[where[0]].stages):
-        raise PlanError(f"rank {rank}: its pipeline has a stage with cp > 1, whose point-to-point peers are not "
-                        "defined yet (the plan runtime does not run context parallelism)")
     stages = plan.pipelines[where[0]].stages
     j = where[1]
-    t = stages[j].ranks.index(rank)
+    if len({s.cp for s in stages}) > 1:
+        raise PlanError(f"pipeline {where[0]}: its stages have cp {[s.cp for s in stages]}, but the stages of one "
+                        "pipeline must share one CP degree (each CP rank passes its own chunks of the sequence "
+                        "along); give every stage of the pipeline the same cp")
+    c, t = stages[j].position(rank)
 
     def source(adjacent: Stage) -> int:
-        return adjacent.ranks[t % adjacent.tp]
+        return adjacent.tp_group(c)[t % adjacent.tp]
 
     def targets(adjacent: Stage) -> tuple[int, ...]:
-        return tuple(r for u, r in enumerate(adjacent.ranks) if u % stages[j].tp == t)
+        return tuple(r for u, r in enumerate(adjacent.tp_group(c)) if u % stages[j].tp == t)
 
     prev = stages[j - 1] if j > 0 else None
     nxt = stages[j + 1] if j + 1 < len(stages) else None
