@@ -98,11 +98,11 @@ def test_llama_recipe_nothing_refused_and_one_notice():
         assert silent not in notice and silent not in argv, silent
     # a setting of the schema (local or transformer_engine, issue 47): passed on to the parser, in no notice
     assert "--transformer-impl" not in notice and argv[argv.index("--transformer-impl") + 1] == "local"
-    assert "--context-parallel-size" not in argv and "--context-parallel-size" not in notice
+    # --context-parallel-size is a setting of the schema too (issue 48: CP on the plan runtime)
+    assert "--context-parallel-size" not in notice and argv[argv.index("--context-parallel-size") + 1] == "1"
 
 
 @pytest.mark.parametrize("flags, needle", [
-    (["--context-parallel-size", "2"], "--context-parallel-size 2"),
     (["--num-experts", "8"], "MoE"),
     (["--moe-router-topk", "2"], "--moe-router-topk 2"),
     (["--no-position-embedding"], "--position-embedding-type rope"),
