@@ -102,6 +102,33 @@ def assert_one_error_line(proc: subprocess.CompletedProcess, needle: str) -> Non
     assert needle in errors[0], errors[0]
 
 
+_ZYGOTES: dict[str, object] = {}
+
+
+def megatron_lm(cwd: Path, script: Path, *flags: str, nproc: int = 2, timeout: float = 300, check: bool = True,
+                env: dict | None = None) -> subprocess.CompletedProcess:
+    """``torchrun --nproc-per-node nproc -m hetu_ext.megatron_lm script flags`` in ``cwd`` (one thread per rank,
+    temporary files under ``cwd``), as the ranks see it: each rank is forked from this session's zygote for
+    ``script`` (tests/zygote.py, which imported Megatron-LM's training package once) and runs the
+    entry point from its start, with torchrun's environment. A launch then costs its steps, not 10-15 CPU-s of
+    imports per rank. ``HETU_TEST_TORCHRUN=1`` runs torchrun itself (the same losses, bit for bit). ``check``:
+    assert that every rank exited 0. stdout and stderr hold every rank's, in rank order."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(cwd), "PYTHONWARNINGS": "ignore", **(env or {})}
+    timeout *= float(os.environ.get("HETU_TEST_TIMEOUT_SCALE", "1"))
+    if os.environ.get("HETU_TEST_TORCHRUN") == "1":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--rdzv-backend",
+               "c10d", "--rdzv-endpoint", "localhost:0", "-m", "hetu_ext.megatron_lm", str(script), *flags]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
+    else:
+        from zygote import Zygote
+
+        zygote = _ZYGOTES.setdefault(str(script), Zygote(script))
+        proc = zygote.run([str(script), *flags], nproc, cwd, env, timeout)
+    if check:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
 def run_script(script: str, cwd: Path, timeout: float = 900) -> str:
     """``bash -c script`` in ``cwd`` as a docs block runs (this interpreter's python, torchrun and deepspeed first on
     PATH, one thread per rank, temporary files under ``cwd``); asserts it succeeds and returns its output."""
@@ -111,6 +138,23 @@ def run_script(script: str, cwd: Path, timeout: float = 900) -> str:
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-5000:]
     return out
+
+
+def run_block_ranks(script: str, cwd: Path, timeout: float = 900) -> str:
+    """A docs block that ends in ``torchrun ... -m hetu_ext.megatron_lm SCRIPT FLAGS``, with its ranks forked from
+    the zygote (:func:`megatron_lm`): bash runs the whole block as written, ``torchrun`` a shell function that
+    records the words bash gave it (the block's variables and arrays expanded), and those ranks run with those
+    words. For a block's second and later runs in a module; its first run goes through :func:`run_script`, real
+    torchrun included. Returns the ranks' output."""
+    words_file = cwd / ".torchrun_words"
+    run_script(f'torchrun() {{ printf "%s\\0" "$@" > "{words_file}"; }}\n' + script, cwd)
+    words = words_file.read_text().split("\0")[:-1]
+    words_file.unlink()
+    at = words.index("-m")
+    assert words[at + 1] == "hetu_ext.megatron_lm", words
+    nproc = next(int(words[i + 1]) for i, w in enumerate(words[:at]) if w in ("--nproc-per-node", "--nproc_per_node"))
+    proc = megatron_lm(cwd, Path(words[at + 2]), *words[at + 3:], nproc=nproc, timeout=timeout)
+    return proc.stdout + proc.stderr
 
 
 def import_hf_model(model, tmp: Path, seq: int):

@@ -17,16 +17,13 @@ nothing: their logits are masked, hetu_ext.megatron.vocab).
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from test_megatron_lm import COMMON, SCRIPT, assert_close, needs_checkout, step_losses, torchrun
-from helpers import WEIGHT_ATOL
+from helpers import megatron_lm, WEIGHT_ATOL
 
 from hetu_ext.checkpoint import LocalStorage
 from hetu_ext.checkpoint.reader import ShardReader, read_manifest
@@ -150,11 +147,8 @@ def test_changed_vocabulary_refused_in_one_line(llama, tmp_path):
     tmp, _ = llama
     flags = LLAMA
     other = str(int(flags[flags.index("--vocab-size") + 1]) + 7)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path), "PYTHONWARNINGS": "ignore"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
-           "--rdzv-endpoint", "localhost:0", "-m", "hetu_ext.megatron_lm", str(SCRIPT),
-           *with_flags(flags, vocab_size=other), "--load", str(tmp / "ref"), "--hetu-ckpt-format", "hetu"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    proc = megatron_lm(tmp_path, SCRIPT, *with_flags(flags, vocab_size=other), "--load", str(tmp / "ref"),
+                       "--hetu-ckpt-format", "hetu", check=False)
     assert proc.returncode != 0
     errors = [ln for ln in (proc.stdout + proc.stderr).splitlines() if "hetu_ext.megatron_lm: error:" in ln]
     saved = int(flags[flags.index("--vocab-size") + 1]) + 1

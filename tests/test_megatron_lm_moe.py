@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import run_script
+from helpers import run_block_ranks, run_script
 from test_megatron_lm import needs_checkout, step_losses
 from test_megatron_lm_distopt import BF16_LOSS_RTOL, assert_same_state, state_of, validation_losses
 
@@ -64,9 +64,10 @@ def recipe_block() -> str:
     return next(b for b in blocks if b.startswith(BLOCK_START)).replace("../shared/", f"{ROOT.parent}/shared/")
 
 
-def run_block(cwd: Path, data: Path, *extra: str, resume: bool = False) -> str:
+def run_block(cwd: Path, data: Path, *extra: str, resume: bool = False, torchrun: bool = False) -> str:
     """docs/moe.md's block in ``cwd`` (its tokenizer model and dataset linked from ``data``) with ``extra`` flags
-    after the recipe's; ``resume``: without --no-load-optim --no-load-rng. Its output."""
+    after the recipe's; ``resume``: without --no-load-optim --no-load-rng; ``torchrun``: the block exactly as a user
+    runs it (the module's first run), else its ranks forked from the zygote (helpers.run_block_ranks). Its output."""
     for name in ("tokenizer.model", "data"):
         if not (cwd / name).exists():
             (cwd / name).symlink_to(data / name)
@@ -74,7 +75,7 @@ def run_block(cwd: Path, data: Path, *extra: str, resume: bool = False) -> str:
     if resume:
         script = script.replace(" --no-load-optim --no-load-rng", "")
     script += "".join(f" {flag}" for flag in extra) + "\n"
-    return run_script(script, cwd)
+    return run_script(script, cwd) if torchrun else run_block_ranks(script, cwd)
 
 
 def aux_losses(log: str) -> dict[int, float]:
@@ -113,7 +114,7 @@ def data(tmp_path_factory) -> Path:
 def saved(tmp_path_factory, data) -> Saved:
     tmp = tmp_path_factory.mktemp("moe")
     (tmp / CKPT).mkdir(parents=True)
-    return Saved(tmp, data, run_block(tmp, data))
+    return Saved(tmp, data, run_block(tmp, data, torchrun=True))
 
 
 def test_docs_block_is_the_mixtral_example_unchanged_but_for_sizes(tmp_path):

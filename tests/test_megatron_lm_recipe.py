@@ -35,7 +35,7 @@ from hetu_ext.megatron_lm.rehearsal import CPU_SWITCHES, cpu_rewrite
 sys.path.insert(0, str(Path(__file__).parent))
 from megatron_lm_examples import LLAMA3_8B_FP8, LLAMA_CPU_SIZES, resized  # noqa: E402
 from megatron_lm_examples import EXAMPLES  # noqa: E402
-from helpers import run_script  # noqa: E402
+from helpers import run_block_ranks, run_script  # noqa: E402
 from test_megatron_lm import needs_checkout, step_losses  # noqa: E402
 
 from hetu_ext.megatron_lm.table import UNCLASSIFIED, flag_rows, markdown_table
@@ -63,11 +63,13 @@ def block_argv(block: str, cwd: Path) -> list[str]:
     return proc.stdout.splitlines()
 
 
-def run_recipe(cwd: Path, *extra: str, nproc: int = 4) -> str:
-    """The docs' block, run as written (with ``extra`` flags after the recipe's, on ``nproc`` ranks); its output."""
+def run_recipe(cwd: Path, *extra: str, nproc: int = 4, torchrun: bool = False) -> str:
+    """The docs' block, run as written (with ``extra`` flags after the recipe's, on ``nproc`` ranks); its output.
+    ``torchrun``: exactly as a user runs it (the plain run), else its ranks forked from the zygote
+    (helpers.run_block_ranks: the same words, without each rank's imports)."""
     script = recipe_block().replace("--nproc-per-node 4", f"--nproc-per-node {nproc}").rstrip()
     script += "".join(f" {flag}" for flag in extra) + "\n"
-    return run_script(script, cwd)
+    return run_script(script, cwd) if torchrun else run_block_ranks(script, cwd)
 
 
 def validation_losses(log: str) -> dict[int, float]:
@@ -153,7 +155,7 @@ def test_every_flag_of_the_examples_is_classified_on_each_path():
 @pytest.fixture(scope="module")
 def plain_recipe(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("recipe")
-    return tmp, run_recipe(tmp)
+    return tmp, run_recipe(tmp, torchrun=True)
 
 
 @needs_checkout

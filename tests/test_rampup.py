@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from helpers import LOSS_RTOL, WEIGHT_ATOL, compare, gpt_argv
+from helpers import compare, gpt_argv, LOSS_RTOL, megatron_lm, WEIGHT_ATOL
 
 from hetu_ext.cli.runs import train
 from hetu_ext.plan import Pipeline, Plan, Stage
@@ -290,9 +290,6 @@ def test_hand_off_ramps_as_megatron_lms_own_loop(tmp_path):
     consumed samples, global batches and LRs (Megatron-LM logs the LR through a float32 all-reduce: rel 1e-6);
     the hand-off's losses equal one process's (launch/pretrain_gpt.py's parser; the log's 7 digits: rel 2e-6).
     The two loops' losses differ: Megatron-LM initialises weights per rank, hetu_ext per global tensor."""
-    import os
-    import subprocess
-    import sys
     from pathlib import Path
 
     script = Path(__file__).resolve().parents[2] / "shared" / "thirdparty" / "Megatron-LM-core_v0.16.1" / \
@@ -302,16 +299,9 @@ def test_hand_off_ramps_as_megatron_lms_own_loop(tmp_path):
     plan = tmp_path / "plan.yaml"
     plan.write_text("pipelines: [{num_microbatches: 6, stages: [{ranks: [0], layers: [0, 4]}]},"
                     " {num_microbatches: 2, stages: [{ranks: [1], layers: [0, 4]}]}]")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-
     def launch(*extra: str) -> str:
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                               "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", "-m", "hetu_ext.megatron_lm",
-                               str(script), *MEGATRON_LM, *extra], capture_output=True, text=True, timeout=600,
-                              env=env, cwd=tmp_path)
-        out = proc.stdout + proc.stderr
-        assert proc.returncode == 0, out[-3000:]
-        return out
+        proc = megatron_lm(tmp_path, script, *MEGATRON_LM, *extra, timeout=600)
+        return proc.stdout + proc.stderr
 
     handoff = launch("--hetu-plan", str(plan)).splitlines()
     megatron = _log_fields(launch().splitlines())

@@ -22,6 +22,7 @@ from hetu_ext.config.megatron_flags import (
     classification_rows,
     take_megatron_flags,
 )
+from helpers import megatron_lm
 
 LLAMA = ("--use-mcore-models --num-layers 4 --hidden-size 64 --ffn-hidden-size 96 --num-attention-heads 4 "
          "--group-query-attention --num-query-groups 2 --kv-channels 16 --seq-length 128 --max-position-embeddings 128 "
@@ -574,10 +575,7 @@ def test_llama_recipe_hands_off_to_a_heterogeneous_plan_and_equals_one_process(t
     3 microbatches) trains through its evaluations with the accepted flags' one notice, and its losses equal one
     process's run of the same flags through launch/pretrain_gpt.py's parser (bf16: relative 1e-4; dropping
     --decoupled-lr alone moves the last loss by 7e-3, measured 2026-12-07)."""
-    import os
     import re
-    import subprocess
-    import sys
     from pathlib import Path
 
     from hetu_ext.cli.runs import train
@@ -590,13 +588,8 @@ def test_llama_recipe_hands_off_to_a_heterogeneous_plan_and_equals_one_process(t
     plan = tmp_path / "plan.yaml"
     plan.write_text(HETERO_2)
     flags = _recipe(tmp_path)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend",
-                           "c10d", "--rdzv-endpoint", "localhost:0", "-m", "hetu_ext.megatron_lm", str(script), *flags,
-                           "--hetu-plan", str(plan)], capture_output=True, text=True, timeout=600, env=env,
-                          cwd=tmp_path)
+    proc = megatron_lm(tmp_path, script, *flags, "--hetu-plan", str(plan), timeout=600)
     out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-3000:]
     assert len([line for line in out.splitlines() if "accepted (what runs instead)" in line]) == 1, out[-3000:]
     losses = [float(x) for x in re.findall(r"iteration\s+\d+/\s*4 \|.*?lm loss: ([0-9.E+-]+) \|", out)]
     assert len(losses) == 4 and out.count("validation loss at iteration") >= 2, out[-3000:]

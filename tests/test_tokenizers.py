@@ -17,7 +17,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import LAUNCH, ROOT
+from helpers import LAUNCH, megatron_lm, ROOT
 
 CHECKOUT = ROOT.parent / "shared" / "thirdparty" / "Megatron-LM-core_v0.16.1"
 TOKENIZER_PY = CHECKOUT / "megatron" / "training" / "tokenizer" / "tokenizer.py"
@@ -260,16 +260,11 @@ def test_mixtral_tokenizer_flags_train_on_megatron_lms_loop(llama2_model, llama2
     script = CHECKOUT / "pretrain_gpt.py"
     if not script.is_file():
         pytest.skip(f"no Megatron-LM checkout at {CHECKOUT}")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "TMPDIR": str(tmp_path)}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--rdzv-backend",
-                           "c10d", "--rdzv-endpoint", "localhost:0", "-m", "hetu_ext.megatron_lm", str(script),
-                           *MODEL, "--train-iters", "2", "--eval-iters", "0", "--eval-interval", "1000",
-                           "--transformer-impl", "local", "--no-gradient-accumulation-fusion",
-                           "--no-persist-layer-norm", "--distributed-backend", "gloo", "--tokenizer-type",
-                           "Llama2Tokenizer", "--tokenizer-model", llama2_model, "--data-path", llama2_dataset,
-                           "--split", "90,8,2"], capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    proc = megatron_lm(tmp_path, script, *MODEL, "--train-iters", "2", "--eval-iters", "0", "--eval-interval", "1000",
+                       "--transformer-impl", "local", "--no-gradient-accumulation-fusion", "--no-persist-layer-norm",
+                       "--distributed-backend", "gloo", "--tokenizer-type", "Llama2Tokenizer", "--tokenizer-model",
+                       llama2_model, "--data-path", llama2_dataset, "--split", "90,8,2", nproc=1)
     out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-3000:]
     assert "padded vocab (size: 200) with 56 dummy tokens (new size: 256)" in out, out[-3000:]
     assert len(re.findall(r"iteration\s+\d+/\s*2 \|.*?lm loss: ([0-9.E+-]+) \|", out)) == 2, out[-3000:]
 
