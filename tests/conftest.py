@@ -66,6 +66,7 @@ def one_process():
 MODULE_KINDS: dict[str, tuple[str, ...]] = {
     "test_uniform_equivalence": ("gold",),
     "test_plan_runtime": ("gold",),
+    "test_context_parallel_training": ("gold",),
     "test_attention_gpu_check": ("e2e",),
     "test_migration": ("gold",),
     "test_packed_attention": ("gold",),

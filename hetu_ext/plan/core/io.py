@@ -99,11 +99,13 @@ def dump_plan(plan: Plan) -> str:
 
 
 def format_plan(plan: Plan) -> str:
-    """A table of pipelines and stages, then each rank's layers."""
-    rows = [("pipeline", "stage", "ranks", "tp", "layers", "embedding", "output", "microbatches")]
+    """A table of pipelines and stages, then each rank's layers (with a ``cp`` column when a stage has cp > 1)."""
+    with_cp = any(s.cp > 1 for p in plan.pipelines for s in p.stages)
+    rows = [("pipeline", "stage", "ranks", "tp", *(("cp",) if with_cp else ()), "layers", "embedding", "output",
+             "microbatches")]
     for i, p in enumerate(plan.pipelines):
         for j, s in enumerate(p.stages):
-            rows.append((str(i), str(j), ",".join(map(str, s.ranks)), str(s.tp),
+            rows.append((str(i), str(j), ",".join(map(str, s.ranks)), str(s.tp), *((str(s.cp),) if with_cp else ()),
                          f"{s.layer_start}-{s.layer_stop - 1}" if s.num_layers else "-",
                          "yes" if s.has_embedding else "", "yes" if s.has_output else "",
                          str(p.num_microbatches) if j == 0 else ""))
@@ -114,14 +116,16 @@ def format_plan(plan: Plan) -> str:
     lines.append(f"{len(plan.pipelines)} pipeline(s), {plan.num_microbatches} microbatches per global batch, "
                  f"{len(plan.used_ranks)} used rank(s), unused: {list(plan.unused_ranks) or 'none'}")
     lines.append("")
-    lines.append("rank  pipeline  stage  tp-rank  layers")
+    lines.append("rank  pipeline  stage  tp-rank  " + ("cp-rank  " if with_cp else "") + "layers")
     for rank in sorted(plan.used_ranks + plan.unused_ranks):
         where = plan.stage_of(rank)
         if where is None:
-            lines.append(f"{rank:<4}  {'-':<8}  {'-':<5}  {'-':<7}  unused")
+            lines.append(f"{rank:<4}  {'-':<8}  {'-':<5}  {'-':<7}  " + (f"{'-':<7}  " if with_cp else "") + "unused")
             continue
         stage = plan.pipelines[where[0]].stages[where[1]]
         layers = f"{stage.layer_start}-{stage.layer_stop - 1}" if stage.num_layers else "none"
         extra = "".join([" +embedding" if stage.has_embedding else "", " +output" if stage.has_output else ""])
-        lines.append(f"{rank:<4}  {where[0]:<8}  {where[1]:<5}  {stage.ranks.index(rank):<7}  {layers}{extra}")
+        cp_rank, tp_rank = stage.position(rank)
+        lines.append(f"{rank:<4}  {where[0]:<8}  {where[1]:<5}  {tp_rank:<7}  " + (f"{cp_rank:<7}  " if with_cp else "")
+                     + f"{layers}{extra}")
     return "\n".join(lines)
