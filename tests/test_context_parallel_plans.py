@@ -34,7 +34,7 @@ def test_a_cp_stage_is_cp_tp_groups_in_megatrons_order_and_round_trips_through_y
     """uniform_plan(cp=2): rank t + tp (c + cp (d + dp p)) (Megatron's tp-cp-dp-pp order); a stage's TP degree is
     its ranks over cp; the YAML form keeps ``cp`` (and writes nothing new for CP 1 plans); a cp that does not divide
     the ranks, or a sequence that does not split in 2 cp chunks, is refused naming the fix; the plan runtime's gate
-    refuses CP stages; uniform_shape (the runtime's Megatron grid) is None for a CP plan."""
+    takes CP stages but refuses a pipeline whose stages differ in cp; uniform_shape (the runtime's Megatron grid) is None for a CP plan."""
     plan = uniform_plan(world_size=16, tp=2, cp=2, pp=2, num_layers=4, num_microbatches=2)
     first = plan.pipelines[0].stages
     assert first[0].ranks == (0, 1, 2, 3) and first[1].ranks == (8, 9, 10, 11)
@@ -52,8 +52,11 @@ def test_a_cp_stage_is_cp_tp_groups_in_megatrons_order_and_round_trips_through_y
         validate_plan(plan, model)
     from hetu_ext.megatron.launch_plan import check_runnable
 
-    with pytest.raises(PlanError, match="does not run context parallelism"):
-        check_runnable(plan)
+    check_runnable(plan)  # the plan runtime runs CP (tests/test_context_parallel_training.py)
+    mixed = yaml.safe_load(text)
+    mixed["pipelines"][0]["stages"][1]["cp"] = 1
+    with pytest.raises(PlanError, match=r"its stages have cp \[2, 1\]"):
+        check_runnable(plan_from_dict(mixed))
 
 
 def test_cp_cost_is_the_step_models_all_gather_cp_and_multiplies_the_pack():
