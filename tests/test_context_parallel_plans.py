@@ -1,10 +1,10 @@
 """Context parallelism in plans and in the planners' strategy spaces (issue 48, part 2; pure: no process group).
 
 A stage's ``cp`` says its ranks are ``cp`` TP groups that split every sequence; plan files take ``cp:``; the plan
-runtime refuses such a stage in one line (it does not run CP yet). The planners price CP with the same terms as
-the step model (``cp_cost``: 1/cp of the work, the K/V all-gather and gradient reduce-scatter exposed), and put it
-in their spaces when asked (``cp_degrees``): HotSPa's ``auto``, Hydraulis's pool, LobRA's pool, Malleus's
-templates."""
+runtime runs it (tests/test_context_parallel_training.py), the switching layer of strategies does not yet. The
+planners price CP with the same terms as the step model (``cp_cost``: 1/cp of the work, the K/V all-gather and
+gradient reduce-scatter exposed), and put it in their spaces when asked (``cp_degrees``): HotSPa's ``auto``,
+Hydraulis's pool, LobRA's pool, Malleus's templates."""
 
 from __future__ import annotations
 
@@ -34,7 +34,8 @@ def test_a_cp_stage_is_cp_tp_groups_in_megatrons_order_and_round_trips_through_y
     """uniform_plan(cp=2): rank t + tp (c + cp (d + dp p)) (Megatron's tp-cp-dp-pp order); a stage's TP degree is
     its ranks over cp; the YAML form keeps ``cp`` (and writes nothing new for CP 1 plans); a cp that does not divide
     the ranks, or a sequence that does not split in 2 cp chunks, is refused naming the fix; the plan runtime's gate
-    takes CP stages but refuses a pipeline whose stages differ in cp; uniform_shape (the runtime's Megatron grid) is None for a CP plan."""
+    takes CP stages but refuses a pipeline whose stages differ in cp; uniform_shape (the runtime's Megatron grid)
+    is None for a CP plan."""
     plan = uniform_plan(world_size=16, tp=2, cp=2, pp=2, num_layers=4, num_microbatches=2)
     first = plan.pipelines[0].stages
     assert first[0].ranks == (0, 1, 2, 3) and first[1].ranks == (8, 9, 10, 11)
@@ -75,7 +76,7 @@ def test_cp_cost_is_the_step_models_all_gather_cp_and_multiplies_the_pack():
 
 
 def test_hotspa_hydraulis_and_lobra_spaces_gain_cp_shapes_that_hold_longer_sequences():
-    """With CP_DEGREES each planner's space holds CP shapes (none by default: the runtime does not run CP), a CP
+    """With CP_DEGREES each planner's space holds CP shapes (none by default: the switching layer does not run CP), a CP
     shape's pack holds more tokens than the same TP without CP, and a CP plan's replicas price what cp_cost says."""
     cost = CostTable(device_memory_bytes=80 * 2**30)
     plain, with_cp = auto_strategies(SPEC, 16, cost), auto_strategies(SPEC, 16, cost, cp_degrees=CP_DEGREES)

@@ -12,11 +12,11 @@ floating-point sums. Measured on 2026-12-07 (2-core CPU, gloo): GPT CP 2 beside 
 2.4e-7; Llama PP 2 x CP 2 4.0e-8 / 6.0e-7 (TP 2 x CP 2: 2.0e-8 / 6.6e-7); Llama packed CP 2 beside CP 1 1.6e-8 /
 9.9e-8; the migration CP 1 -> TP 2 x CP 2 -> CP 1 4.1e-8 / 5.4e-7.
 
-What each would catch: a chunk attending to the wrong keys (no gather, wrong order, a top-left causal mask) moves
-step-1 losses by 1e-4 and more (the negative control below runs without the gather: 2.1e-4); a gradient not summed over the CP
-ranks (they were one contributor of the layout) leaves the CP ranks' weights different, which gather_weights
-refuses, and the pure layout test below names the lane; positions restarting per chunk, or a document's padding
-counted in the loss, move losses by > 1e-3.
+What each would catch: a chunk attending to the wrong keys (no gather, wrong order, a top-left causal mask)
+moves the losses far beyond the tolerance (the negative control below runs without the gather: 2.1e-4 relative
+on the step-1 loss, 5.9e-3 on the weights); a gradient not summed over the CP ranks (were they one contributor of
+the layout) leaves the CP ranks' copies of a weight different, which gather_weights refuses, and the pure layout
+test below names the lanes that sum them.
 """
 
 from __future__ import annotations

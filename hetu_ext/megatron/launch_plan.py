@@ -54,9 +54,9 @@ def check_runnable(plan: Plan) -> None:
             groups = [list(stage.cp_group(t)) for t in range(stage.tp)] if stage.cp > 1 else []
             if any(group != sorted(group) for group in groups):
                 raise PlanError(f"pipeline {i} stage {j}: ranks {list(stage.ranks)} with cp {stage.cp}: the CP groups "
-                                f"{groups} (the ranks at positions t, t + {stage.tp}, ...) must list their ranks in increasing order "
-                                "(torch numbers a group's ranks so, and CP rank k holds chunks k and 2 cp - 1 - k); "
-                                "list the stage's TP groups in increasing rank order")
+                                f"{groups} (the ranks at positions t, t + {stage.tp}, ...) must list their ranks in "
+                                "increasing order (torch numbers a group's ranks so, and CP rank k holds chunks k and "
+                                "2 cp - 1 - k); list the stage's TP groups in increasing rank order")
         cps = [stage.cp for stage in pipeline.stages]
         if len(set(cps)) > 1:
             raise PlanError(f"pipeline {i}: its stages have cp {cps}; the plan runtime runs one CP degree per "

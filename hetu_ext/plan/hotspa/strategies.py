@@ -28,7 +28,7 @@ def auto_strategies(model: ModelSpec, world_size: int, cost: CostTable, max_pp: 
                     cp_degrees: tuple[int, ...] = (1,)) -> StrategySet:
     """Every uniform TP x CP x PP x DP over ``world_size`` (TP degrees of ``cost``, PP <= ``max_pp`` dividing the
     layers, CP of ``cp_degrees`` without PP: pass :data:`~hetu_ext.plan.core.replicas.CP_DEGREES` to price CP;
-    the default leaves it out, since the plan runtime does not run CP yet) whose memory holds a pack, ``max_len`` = its capacity (the cost
+    the default leaves it out, since the switching layer that runs strategies does not run CP yet) whose memory holds a pack, ``max_len`` = its capacity (the cost
     table's memory model, at most --seq-length); home: the one holding the longest sequences (ties: the fastest
     per token)."""
     items = []

@@ -51,7 +51,7 @@ def candidate_strategies(model: ModelSpec, world_size: int, cost: CostTable, len
     plan for each of that many global batches drawn from ``lengths`` (seeded by ``seed``; plans fitted to one
     step's mix rather than the whole file's), after the others, within ``limit``. ValueError (one line) when
     nothing fits. ``cp_degrees``: CP shapes in the pool (:func:`shape_pool`); the home is CP-free (it holds the
-    optimizer, on the plan runtime, which does not run CP yet)."""
+    optimizer, through the switching layer, which does not run CP yet)."""
     if world_size < 1 or max_len < 1 or limit < 1:
         raise ValueError(f"Hydraulis: world_size, max_len and limit must be >= 1, got {world_size}, {max_len}, "
                          f"{limit}")

@@ -53,7 +53,7 @@ def shape_pool(model: ModelSpec, cost: CostTable, *, world_size: int, max_len: i
     if not prune:
         return out
     keys = [(s.gpus, s.pp, -s.capacity, *_coefficients(s)) for s in out]
-    # a CP shape never prunes a CP-free one: those are the only homes (the plan runtime does not run CP)
+    # a CP shape never prunes a CP-free one: those are the only homes (the switching layer does not run CP)
     return [s for k, s in enumerate(out) if not any(
         j != k and all(x <= y for x, y in zip(keys[j], keys[k])) and (keys[j] != keys[k] or j < k)
         and (out[j].cp > 1) <= (s.cp > 1) for j in range(len(out)))]
