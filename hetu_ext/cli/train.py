@@ -5,7 +5,8 @@ Two ways in:
 
 * ``python launch/pretrain_gpt.py --nproc-per-node 4 <flags>`` (the README's): this process checks the flags, the
   files they name and the plan against the world size first, then starts torchrun's agent in-process with
-  ``--nproc-per-node`` ranks of this script. A bad flag never starts a rank; a rank that fails on bad input prints
+  ``--nproc-per-node`` ranks, forked from one forkserver that imported the trainer once (each rank of torchrun
+  is a fresh interpreter that imports it again). A bad flag never starts a rank; a rank that fails on bad input prints
   its one line and the launcher exits 2 quietly (torchrun itself would print a 40-line ChildFailedError
   traceback). One rank (no ``--nproc-per-node``) runs in this process.
 * ``torchrun --nproc-per-node 4 launch/pretrain_gpt.py <flags>``: as Megatron-LM users launch; each rank checks
@@ -117,28 +118,38 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+RANK_PRELOAD = ("torch", "torch._dynamo", "hetu_ext.megatron", "megatron.core", "hetu_ext.train.trainer",
+                "hetu_ext.cli.train")
+"""What the launcher's forkserver imports once for all its ranks (a fresh interpreter per rank paid them each:
+5-8 CPU-s per rank; ``torch._dynamo`` is what the optimizer's first step imports)."""
+
+
 def _launch(argv: list[str], config: RunConfig) -> int:
-    """torchrun's agent, in this process, running ``nproc_per_node`` ranks of this script with the same flags
-    (less the launcher's). Returns 2 when a rank exited 2 (it printed its one error line), else the job's code."""
+    """torchrun's agent, in this process, running ``nproc_per_node`` ranks of this entry point with the same flags
+    (less the launcher's), each forked from one forkserver that imported the trainer once (torchrun would start a
+    fresh interpreter per rank). Returns 2 when a rank exited 2 (it printed its one error line), else the job's
+    code."""
+    import multiprocessing
+
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
+    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.run import config_from_args, parse_args
 
     for name in ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher"):
         logging.getLogger(name).setLevel(logging.CRITICAL)  # its failure report repeats the rank's error
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # what torchrun sets (and warns about setting)
     rest, launch = _strip_launcher_flags(argv), config.launch
-    torchrun = ["--nproc-per-node", str(launch.nproc_per_node), "--nnodes", str(launch.nnodes)]
+    torchrun = ["--nproc-per-node", str(launch.nproc_per_node), "--nnodes", str(launch.nnodes),
+                "--start-method", "forkserver"]
     if launch.nnodes == 1:
         torchrun += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{launch.master_port or 0}"]
     else:
         torchrun += ["--node-rank", str(launch.node_rank), "--master-addr", launch.master_addr,
                      "--master-port", str(launch.master_port or 29500)]
-    if sys.argv[0].endswith(".py"):  # launch/pretrain_gpt.py
-        entry = [os.path.abspath(sys.argv[0])]
-    else:  # python -m hetu_ext.cli.train
-        entry = ["--no-python", sys.executable, "-m", "hetu_ext.cli.train"]
+    torch_config, _, _ = config_from_args(parse_args([*torchrun, PROG, *rest]))
+    multiprocessing.set_forkserver_preload(list(RANK_PRELOAD))  # the environment above is the ranks'
     try:
-        run(parse_args(torchrun + entry + rest))
+        elastic_launch(torch_config, _rank)(rest)
     except ChildFailedError as exc:
         codes = {failure.exitcode for failure in exc.failures.values()}
         if 2 in codes:
@@ -147,6 +158,13 @@ def _launch(argv: list[str], config: RunConfig) -> int:
         report_error(PROG, f"local rank {rank} exited with code {failure.exitcode}; its output is above")
         return 1
     return 0
+
+
+def _rank(argv: list[str]) -> None:
+    """One rank of :func:`_launch`: this entry point with the ranks' flags; its exit code is the process's."""
+    code = main(argv)
+    if code:
+        sys.exit(code)
 
 
 def _strip_launcher_flags(argv: list[str]) -> list[str]:
