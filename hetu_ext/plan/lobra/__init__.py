@@ -14,7 +14,8 @@ for each strategy (TP x PP), minimising the expected step time, as LobRA does:
    strategy is pruned when another one of no more GPUs holds as many tokens at no higher GPU-seconds per token.
 2. **Enumeration.** Every combination of pool strategies filling the GPUs (fewer idle GPUs than the smallest
    strategy) whose largest replica holds the longest sequence; each is scored by a capacity-aware lower bound
-   (:func:`capacity_bound_s`), and the best few (and every homogeneous one) are evaluated exactly.
+   (:func:`capacity_bound_s`), and the best few (and every homogeneous one) are evaluated exactly; the best few
+   are found by branch and bound (:mod:`hetu_ext.plan.lobra.search`), the same ones as scoring every filling.
 3. **Evaluation.** The existing two-stage assignment (hetu_ext.data.packing.assign, ``hetu``) of every sampled
    step's sequences over the deployment's replicas; the step time is the slowest replica's predicted time.
 

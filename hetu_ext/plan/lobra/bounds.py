@@ -4,6 +4,7 @@ GPU-seconds no deployment beats, and the capacity-aware bound that ranks enumera
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -88,8 +89,28 @@ def capacity_bound_s(lengths: np.ndarray, chosen: Sequence[tuple[ReplicaShape, i
     and even perfectly divided over those replicas' speeds their work takes at least this long; also the longest
     sequence alone on the best replica that holds it. (hetu_ext.data.packing_bound prices all work on every
     replica, which is loose when only a few replicas hold the long sequences.)"""
-    s = np.sort(lengths.astype(np.float64))
-    sq, tokens = np.cumsum((s * s)[::-1])[::-1], np.cumsum(s[::-1])[::-1]  # suffix sums from each position
+    return sorted_capacity_bound_s(SortedLengths.of(lengths), chosen)
+
+
+@dataclass(frozen=True)
+class SortedLengths:
+    """A step's lengths sorted, with the suffix sums of their squares and of their tokens from each position (what
+    :func:`sorted_capacity_bound_s` reads; computed once per step, not once per deployment)."""
+
+    s: np.ndarray
+    sq: np.ndarray
+    tokens: np.ndarray
+
+    @classmethod
+    def of(cls, lengths: np.ndarray) -> SortedLengths:
+        s = np.sort(lengths.astype(np.float64))
+        return cls(s, np.cumsum((s * s)[::-1])[::-1], np.cumsum(s[::-1])[::-1])
+
+
+def sorted_capacity_bound_s(step: SortedLengths, chosen: Sequence[tuple[ReplicaShape, int]]) -> float:
+    """:func:`capacity_bound_s` of a step's :class:`SortedLengths` (the same operations in the same order, so the
+    same float)."""
+    s, sq, tokens = step.s, step.sq, step.tokens
     stages = {id(st): st.replica.stage_costs[0] for st, _ in chosen}
     bound = min(stages[id(st)].a * s[-1] ** 2 + stages[id(st)].b * s[-1] + stages[id(st)].c
                 for st, _ in chosen if st.capacity >= s[-1]) if s.size else 0.0

@@ -10,7 +10,8 @@ import numpy as np
 from hetu_ext.data.packing import ReplicaSpec
 from hetu_ext.plan.core.plan import Pipeline, Plan, Stage
 from hetu_ext.plan.core.replicas import ReplicaShape
-from hetu_ext.plan.lobra.bounds import fillings, capacity_bound_s
+from hetu_ext.plan.lobra.bounds import SortedLengths
+from hetu_ext.plan.lobra.search import rank_fillings
 from hetu_ext.plan.lobra.step_time import joint_time_s
 
 
@@ -36,23 +37,18 @@ def plan_deployment(pool: list[ReplicaShape], batches: list[list[np.ndarray]], *
                     keep: int = 8, exchange_rounds: int = 16) -> Deployment:
     """The deployment minimising the mean step time of ``batches`` (module docstring, steps 2-3): every filling
     scored by :func:`capacity_bound_s` summed over the steps, the ``keep`` best (and every one-strategy filling)
-    evaluated with the two-stage assignment, and the best mix of every two strategies
+    evaluated with the two-stage assignment (found by branch and bound, the same fillings in the same order as
+    scoring every one: :func:`hetu_ext.plan.lobra.search.rank_fillings`), and the best mix of every two strategies
     (:func:`_two_strategy_mixes`); then the best is improved by trading one strategy's replicas for
     another's while that lowers the exact mean step time (:func:`_exchange`, at most ``exchange_rounds``
     trades)."""
     steps = [np.concatenate(step) for step in batches]
     longest = max(int(step.max()) for step in steps)
-    scored = []
-    for counts in fillings(pool, world_size):
-        chosen = tuple((s, n) for s, n in zip(pool, counts) if n)
-        if not chosen or max(s.capacity for s, _ in chosen) < longest:
-            continue
-        scored.append((sum(capacity_bound_s(step, chosen) for step in steps), chosen))
-    if not scored:
+    candidates = rank_fillings(pool, [SortedLengths.of(step) for step in steps], world_size=world_size,
+                               longest=longest, keep=keep).candidates
+    if not candidates:
         raise ValueError(f"no deployment of {world_size} GPUs holds the longest sequence ({longest} tokens); "
                          "use more GPUs, GPUs with more memory, or a shorter max length")
-    scored.sort(key=lambda item: item[0])
-    candidates = [chosen for _, chosen in scored[:keep]] + [c for _, c in scored[keep:] if len(c) == 1]
     best = None
     for chosen in candidates:
         replicas = [s.replica for s, n in chosen for _ in range(n)]
