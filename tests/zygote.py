@@ -15,7 +15,8 @@ torchrun; tests of what hetu_ext does on Megatron-LM's loop use this (helpers.py
 not part of the package: it imports Megatron-LM's entry point, which hetu_ext's own layers may not.
 
 Protocol (one JSON object per line): the client writes ``{"argv", "env", "cwd", "nproc", "logs"}``; the zygote
-answers ``{"pids": [...]}`` at once and ``{"codes": [...]}`` when every rank has exited.
+answers ``{"pids": [...]}`` at once and ``{"codes": [...], "first": code}`` when every rank has exited (the
+first rank to fail ends the launch, as under torchrun).
 """
 
 from __future__ import annotations
@@ -124,8 +125,29 @@ def serve(script: str) -> None:
                 _rank(request, rank, port)
             pids.append(pid)
         print(json.dumps({"pids": pids}), file=answer)
-        codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
-        print(json.dumps({"codes": codes}), file=answer)
+        print(json.dumps(_wait(pids)), file=answer)
+
+
+def _wait(pids: list[int]) -> dict:
+    """Every rank's exit code, and the first failure's: as torchrun does, the first rank to exit non-zero ends the
+    launch (the others, which would wait in a collective for the process group's timeout, are killed)."""
+    import signal
+
+    codes: dict[int, int] = {}
+    first = 0
+    while len(codes) < len(pids):
+        pid, status = os.wait()
+        if pid not in pids:
+            continue
+        codes[pid] = os.waitstatus_to_exitcode(status)
+        if codes[pid] != 0 and not first:
+            first = codes[pid]
+            for other in set(pids) - set(codes):
+                try:
+                    os.killpg(other, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+    return {"codes": [codes[pid] for pid in pids], "first": first}
 
 
 class Zygote:
@@ -148,8 +170,9 @@ class Zygote:
 
     def run(self, argv: list[str], nproc: int, cwd: Path, env: dict, timeout: float
             ) -> subprocess.CompletedProcess:
-        """Like ``subprocess.run`` of torchrun: every rank's output concatenated in rank order, the first non-zero
-        exit code (or 0). On ``timeout`` the ranks are killed and :class:`subprocess.TimeoutExpired` raised."""
+        """Like ``subprocess.run`` of torchrun: every rank's output concatenated in rank order, the exit code of the
+        first rank that failed (or 0). On ``timeout`` the ranks are killed and :class:`subprocess.TimeoutExpired`
+        raised."""
         import signal
 
         proc = self._start()
@@ -158,8 +181,8 @@ class Zygote:
         proc.stdin.write(json.dumps(request) + "\n")
         proc.stdin.flush()
         pids = json.loads(proc.stdout.readline())["pids"]
-        reply: list[str] = []
-        reader = threading.Thread(target=lambda: reply.append(proc.stdout.readline()), daemon=True)
+        lines: list[str] = []
+        reader = threading.Thread(target=lambda: lines.append(proc.stdout.readline()), daemon=True)
         reader.start()
         reader.join(timeout)
         timed_out = reader.is_alive()
@@ -170,14 +193,14 @@ class Zygote:
                 except (ProcessLookupError, PermissionError):
                     pass
             reader.join()
-        codes = json.loads(reply[0])["codes"]
+        reply = json.loads(lines[0])
         out, err = ("".join(Path(rank[i]).read_text(errors="replace") for rank in logs) for i in (0, 1))
         for path in (p for rank in logs for p in rank):
             Path(path).unlink(missing_ok=True)
         args = ["zygote", *request["argv"]]
         if timed_out:
             raise subprocess.TimeoutExpired(args, timeout, output=out, stderr=err)
-        return subprocess.CompletedProcess(args, next((c for c in codes if c != 0), 0), out, err)
+        return subprocess.CompletedProcess(args, reply["first"], out, err)
 
     def close(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
