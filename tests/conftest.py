@@ -146,7 +146,7 @@ FAST_MODULES = {
     "test_ckpt_elastic", "test_ckpt_formats", "test_code_size",
     "test_ckpt_save_cache", "test_config", "test_cpu_patches", "test_data", "test_elastic_agreement",
     "test_elastic_argv", "test_elastic_watchdog", "test_fisedit_progress", "test_hydraulis_plan", "test_import_cost",
-    "test_inventory", "test_layering", "test_layout", "test_lengths", "test_lobra_bound", "test_lora_cli",
+    "test_inventory", "test_layering", "test_layout", "test_lengths", "test_lobra_bound", "test_lobra_search", "test_lora_cli",
     "test_hotspa_pair_exact", "test_hotspa_relaxation_program", "test_malleus_planner", "test_packing", "test_plan",
     "test_plan_options", "test_reshard", "test_sharded_optimizer_layout",
     "test_step_model", "test_context_parallel_plans",
