@@ -8,9 +8,10 @@ document (padded to a multiple of 4), and the gradients of the weights (replicat
 CP. The gold runs below (K=3 Adam steps of the 4-layer gold model, 4 ranks at most) compare losses and gathered
 weights with the single-process references the other gold modules use (conftest's ``one_process``), at the
 uniform-equivalence tolerances (1e-6 relative on losses, 2e-6 absolute on weights): CP changes only the order of
-floating-point sums. Measured on 2026-12-07 (2-core CPU, gloo): GPT CP 2 beside a CP 1 PP 2 pipeline 5.2e-8 /
-2.4e-7; Llama PP 2 x CP 2 4.0e-8 / 6.0e-7 (TP 2 x CP 2: 2.0e-8 / 6.6e-7); Llama packed CP 2 beside CP 1 1.6e-8 /
-9.9e-8; the migration CP 1 -> TP 2 x CP 2 -> CP 1 4.1e-8 / 5.4e-7.
+floating-point sums. Measured on 2026-12-07 (2-core CPU, gloo): CP 2 beside a CP 1 PP 2 pipeline, GPT 5.2e-8 /
+2.4e-7 and Llama 5.0e-8 / 6.0e-7; Llama PP 2 x CP 2 4.0e-8 / 6.0e-7 (TP 2 x CP 2: 2.0e-8 / 6.6e-7); packed CP 2
+beside CP 1, GPT 2.0e-8 / 2.2e-7 and Llama 1.6e-8 / 9.9e-8; the migration CP 1 -> TP 2 x CP 2 -> CP 1 4.1e-8 /
+5.4e-7.
 
 What each would catch: a chunk attending to the wrong keys (no gather, wrong order, a top-left causal mask)
 moves the losses far beyond the tolerance (the negative control below runs without the gather: 2.1e-4 relative
@@ -71,10 +72,12 @@ def _plan_run(tmp_path, world: int, text: str, argv: list[str], body=train) -> d
     return next(r for r in run_ranks(body, world, [*argv, "--hetu-plan", str(plan)], timeout=300) if r is not None)
 
 
-def test_gpt_cp2_beside_a_cp1_pipeline_equals_one_process(sample_prefix, one_process, tmp_path):
-    result = _plan_run(tmp_path, 4, BESIDE_CP1, gpt_argv(1, 1, sample_prefix))
-    loss_diff, weight_diff = compare(result, one_process(gpt_argv(1, 1, sample_prefix)))
-    print(f"GPT cp 2 beside cp 1: loss rel diff {loss_diff:.2e}, weight abs diff {weight_diff:.2e}")
+@pytest.mark.parametrize("model", [(), LLAMA], ids=["gpt", "llama"])
+def test_cp2_beside_a_cp1_pipeline_equals_one_process(sample_prefix, one_process, tmp_path, model):
+    result = _plan_run(tmp_path, 4, BESIDE_CP1, gpt_argv(1, 1, sample_prefix, model))
+    loss_diff, weight_diff = compare(result, one_process(gpt_argv(1, 1, sample_prefix, model)))
+    print(f"{'Llama' if model else 'GPT'} cp 2 beside cp 1: loss rel diff {loss_diff:.2e}, weight abs diff "
+          f"{weight_diff:.2e}")
     assert loss_diff <= LOSS_RTOL and weight_diff <= WEIGHT_ATOL, (loss_diff, weight_diff)
 
 
@@ -87,12 +90,14 @@ def test_llama_pp2_cp2_with_the_sharded_optimizer_equals_one_process(sample_pref
     assert loss_diff <= LOSS_RTOL and weight_diff <= WEIGHT_ATOL, (loss_diff, weight_diff)
 
 
-def test_llama_packed_cp2_beside_cp1_equals_unpacked(one_process, tmp_path):
+@pytest.mark.parametrize("model", [(), LLAMA], ids=["gpt", "llama"])
+def test_packed_cp2_beside_cp1_equals_unpacked(one_process, tmp_path, model):
     """THD packs of log-normal documents (most not a multiple of 4: padded per document), split over 2 CP ranks
     beside a CP 1 pipeline, against one sequence per microbatch on one process."""
-    result = _plan_run(tmp_path, 3, PACKED_BESIDE_CP1, packed_argv("balanced", *LLAMA))
-    loss_diff, weight_diff = compare(result, one_process(packed_argv("unpacked", *LLAMA)))
-    print(f"Llama packed cp 2 beside cp 1: loss rel diff {loss_diff:.2e}, weight abs diff {weight_diff:.2e}")
+    result = _plan_run(tmp_path, 3, PACKED_BESIDE_CP1, packed_argv("balanced", *model))
+    loss_diff, weight_diff = compare(result, one_process(packed_argv("unpacked", *model)))
+    print(f"{'Llama' if model else 'GPT'} packed cp 2 beside cp 1: loss rel diff {loss_diff:.2e}, weight abs diff "
+          f"{weight_diff:.2e}")
     assert loss_diff <= LOSS_RTOL and weight_diff <= WEIGHT_ATOL, (loss_diff, weight_diff)
 
 
