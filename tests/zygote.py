@@ -31,9 +31,9 @@ import threading
 import traceback
 from pathlib import Path
 
-TORCHRUN_ENV = {"GROUP_RANK": "0", "ROLE_RANK": None, "ROLE_NAME": "default", "TORCHELASTIC_RESTART_COUNT": "0",
+TORCHRUN_ENV = {"GROUP_RANK": "0", "ROLE_NAME": "default", "TORCHELASTIC_RESTART_COUNT": "0",
                 "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_RUN_ID": "hetu-zygote", "MASTER_ADDR": "127.0.0.1"}
-"""What torchrun sets besides the ranks (``ROLE_RANK`` is the rank; ``MASTER_PORT`` a free port per launch)."""
+"""What torchrun sets besides the rank's own variables (set per rank, ``MASTER_PORT`` a free port per launch)."""
 
 
 def _preload(script: str) -> None:
@@ -72,7 +72,7 @@ def _rank(request: dict, rank: int, port: int) -> None:
         nproc = str(request["nproc"])
         os.environ.clear()
         os.environ.update(request["env"])
-        os.environ.update({k: v for k, v in TORCHRUN_ENV.items() if v is not None})
+        os.environ.update(TORCHRUN_ENV)
         os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "ROLE_RANK": str(rank),
                            "WORLD_SIZE": nproc, "LOCAL_WORLD_SIZE": nproc, "ROLE_WORLD_SIZE": nproc,
                            "MASTER_PORT": str(port)})
